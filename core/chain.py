@@ -1,0 +1,52 @@
+"""Verifying a chain of certified heads from genesis (DESIGN §4: anyone holding the manifest can).
+
+Checks, for each entry in window order: the certificate verifies against the revision's validator set
+and quorum, the head names the revision, windows advance by one, and each head's parent is the id of the
+previous head (genesis first, as the manifest defines it). Skipped heads must keep their parent's params
+and have an empty cohort.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .encoding import decode
+from .errors import DecodeError, VerificationError
+from .objects import Head, QuorumCertificate, Revision
+
+
+def decode_chain_entry(data: bytes) -> tuple[Head, QuorumCertificate]:
+    """Parse one ``{"head", "certificate"}`` record. DecodeError on anything else."""
+    obj = decode(data, max_bytes=1 << 24)
+    if not isinstance(obj, dict) or set(obj) != {"head", "certificate"}:
+        raise DecodeError("bad-record", "expected {head, certificate}")
+    return Head.from_cbor(obj["head"]), QuorumCertificate.from_cbor(obj["certificate"])
+
+
+def verify_chain(revision: Revision, entries: Sequence[tuple[Head, QuorumCertificate]]) -> list[str]:
+    """Verify `entries` (windows 1..n, in order) as a chain from genesis; returns what was checked.
+
+    Raises VerificationError at the first failure, naming the window.
+    """
+    checked = [f"manifest signed by {revision.authority} (revision {revision.id[2:].hex()[:16]})"]
+    previous = revision.genesis()
+    for head, cert in entries:
+        where = f"window {head.window}"
+        if head.window != previous.window + 1:
+            raise VerificationError("window-gap", f"{where} follows window {previous.window}")
+        if head.parent != previous.id:
+            raise VerificationError("bad-parent", where)
+        try:
+            cert.verify(revision, head)
+        except VerificationError as exc:
+            raise VerificationError(exc.reason, f"{where}: {exc.detail}") from exc
+        if head.skipped and (head.cohort or head.params_digest != previous.params_digest):
+            raise VerificationError("bad-skip", where)
+        if not head.skipped and not head.cohort:
+            raise VerificationError("empty-cohort", where)
+        signers = ", ".join(p.short() for p, _ in cert.votes)
+        checked.append(f"{where}: head {head.id[2:].hex()[:16]} parent ok, {len(cert.votes)}/"
+                       f"{revision.manifest.quorum} signatures ok ({signers}), cohort {len(head.cohort)}"
+                       + (" [skipped]" if head.skipped else ""))
+        previous = head
+    return checked

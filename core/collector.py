@@ -1,0 +1,131 @@
+"""Update collection for one window, shared by validators and reducers (spec/protocol.md §6).
+
+Per announcement: check it (signature, revision, window, base head, lease), fetch the delta with
+verify-on-arrival, then screen it on the real tensors (a ``screen`` compute task). Every rejection has a
+stable reason code. Each update moves through this table:
+
+    announced --fetched--> screening --screened-ok--> accepted
+                                     --screened-bad-> rejected
+    announced --fetch-failed-> rejected
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from .envelope import SignedEnvelope
+from .errors import DecodeError, VerificationError
+from .fsm import Table, step
+from .identity import PeerId
+from .leases import lease_weight, leases_of
+from .objects import PROTOCOL_VERSION, Head, UpdateAnnouncement
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+TABLE: Table = {
+    ("announced", "fetched"): "screening",
+    ("announced", "fetch-failed"): "rejected",
+    ("screening", "screened-ok"): "accepted",
+    ("screening", "screened-bad"): "rejected",
+    ("screening", "screen-failed"): "rejected",
+}
+
+
+@attrs.define
+class Entry:
+    envelope: SignedEnvelope
+    announcement: UpdateAnnouncement
+    state: str = "announced"
+    reason: str = ""
+
+
+class Collector:
+    """Collects the updates of window `head.window + 1`; `on_change` runs after every state change."""
+
+    def __init__(self, engine: Engine, head: Head, on_change: Any) -> None:
+        self.engine = engine
+        self.head = head
+        self.window = head.window + 1
+        self.leases = leases_of(head, engine.manifest)
+        self.entries: dict[PeerId, Entry] = {}
+        self.on_change = on_change
+        self.closed = False
+
+    def offer(self, sender: PeerId, envelope: SignedEnvelope) -> None:
+        """Take one signed update announcement from `sender` (who may relay someone else's)."""
+        e = self.engine
+        try:
+            ann = UpdateAnnouncement.from_cbor(envelope.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
+        except (DecodeError, VerificationError) as exc:
+            e.reject(sender, exc.reason, exc.detail)
+            return
+        author = envelope.signer
+        if ann.revision != e.revision.id:
+            e.reject(sender, "wrong-revision")
+        elif ann.window < self.window:
+            e.stats["stale_updates"] += 1  # a slow honest trainer; no penalty
+        elif ann.window > self.window:
+            e.stats["future_updates"] += 1  # we are behind; the head will reach us
+        elif self.closed:
+            e.rejected_by_reason["late"] += 1
+        elif ann.base != self.head.id:
+            e.reject(sender, "wrong-base")
+        elif author not in self.leases:
+            e.reject(sender, "no-lease")
+        elif ann.shards != self.leases[author]:
+            e.reject(sender, "bad-lease")
+        elif author in self.entries:
+            if self.entries[author].envelope.id != envelope.id:
+                e.reject(sender, "duplicate-update", str(author))
+        else:
+            entry = Entry(envelope=envelope, announcement=ann)
+            self.entries[author] = entry
+            window = self.window
+            e.fetch(ann.delta, [author, sender], lambda: self._fetched(window, author),
+                    lambda reason: self._fetch_failed(window, author, reason))
+
+    def _move(self, entry: Entry, event: str, reason: str = "") -> None:
+        entry.state = step("collector", TABLE, entry.state, event)
+        entry.reason = reason
+        if entry.state == "rejected":
+            self.engine.reject(entry.envelope.signer, reason)
+        self.on_change()
+
+    def _fetched(self, window: int, author: PeerId) -> None:
+        entry = self.entries.get(author)
+        if window != self.window or entry is None or entry.state != "announced":
+            return
+        entry.state = step("collector", TABLE, entry.state, "fetched")
+        ann = entry.announcement
+        self.engine.run_task("screen", {"delta": ann.delta, "delta_digest": ann.delta_digest},
+                             lambda r: self._screened(author, r), lambda why: self._screen_failed(author, why))
+
+    def _fetch_failed(self, window: int, author: PeerId, reason: str) -> None:
+        entry = self.entries.get(author)
+        if window == self.window and entry is not None and entry.state == "announced":
+            self._move(entry, "fetch-failed", f"fetch-{reason}")
+
+    def _screened(self, author: PeerId, result: dict[str, Any]) -> None:
+        entry = self.entries[author]
+        if result["ok"]:
+            self._move(entry, "screened-ok")
+        else:
+            self._move(entry, "screened-bad", f"screen-{result['reason']}")
+
+    def _screen_failed(self, author: PeerId, reason: str) -> None:
+        self._move(self.entries[author], "screen-failed", "screen-error")
+
+    def complete(self) -> bool:
+        """Every leased trainer has an update that is accepted or rejected."""
+        return all(a in self.entries and self.entries[a].state in ("accepted", "rejected") for a in self.leases)
+
+    def cohort(self) -> list[Entry]:
+        """Accepted updates in canonical order (by update id), the order every reducer must use."""
+        accepted = [x for x in self.entries.values() if x.state == "accepted"]
+        return sorted(accepted, key=lambda x: x.envelope.id)
+
+    def weights(self, cohort: list[Entry]) -> tuple[int, ...]:
+        return tuple(lease_weight(self.engine.manifest, x.announcement.shards) for x in cohort)

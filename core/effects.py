@@ -1,0 +1,94 @@
+"""Outputs of the engine (DESIGN §2), pulled with `Engine.next_effect()` after each `handle()`.
+
+The host executes each effect in order. Effects are frozen value objects; don't subclass them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from .identity import PeerId
+from .objects import ArtifactRef, Head, QuorumCertificate
+
+
+@attrs.frozen(kw_only=True)
+class Send:
+    """Send one wire message (`data`, already encoded) to a connected peer."""
+    peer: PeerId
+    data: bytes
+
+
+@attrs.frozen(kw_only=True)
+class HangUp:
+    """Close the connection to `peer`; `reason` is a stable code for logs."""
+    peer: PeerId
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class Persist:
+    """Write `record` under `key` durably (fsync), then feed back `Persisted(token)`.
+
+    Messages that depend on the record are held by the engine until then (durable before visible).
+    """
+    token: int
+    key: str
+    record: bytes
+
+
+@attrs.frozen(kw_only=True)
+class RunTask:
+    """Run heavy compute off the engine; feed back `TaskFinished` or `TaskFailed` with `task_id`.
+
+    kinds and args (artifact refs as `ArtifactRef`):
+    - ``train``: params, shards (tuple[int]), seed -> result delta (ArtifactRef), delta_digest, train_loss
+    - ``screen``: delta, delta_digest -> result ok (bool), reason (str), norm (float)
+    - ``reduce``: params, deltas (tuple[ArtifactRef]), weights (tuple[int]), rule, outer_optimizer,
+      outer_lr -> result params (ArtifactRef), params_digest
+    - ``evaluate``: params -> result loss, accuracy
+    """
+    task_id: str
+    kind: str
+    args: dict[str, Any]
+
+
+@attrs.frozen(kw_only=True)
+class ServeChunk:
+    """Read chunk `index` of the stored artifact `ref` and send it to `peer` as a `Chunk` message."""
+    peer: PeerId
+    ref: ArtifactRef
+    index: int
+
+
+@attrs.frozen(kw_only=True)
+class StoreChunk:
+    """Write a verified chunk of an artifact being fetched to temporary storage."""
+    ref: ArtifactRef
+    index: int
+    data: bytes
+
+
+@attrs.frozen(kw_only=True)
+class CommitArtifact:
+    """Every chunk of `ref` is stored: assemble, verify the whole digest, make it durable and visible,
+    then feed back `ArtifactStored`."""
+    ref: ArtifactRef
+
+
+@attrs.frozen(kw_only=True)
+class HeadPromoted:
+    """Notification: a new certified head is canonical at this node."""
+    head: Head
+    certificate: QuorumCertificate
+
+
+@attrs.frozen(kw_only=True)
+class Log:
+    """A structured log line: `event` is a stable name, `fields` plain values."""
+    event: str
+    fields: dict[str, Any]
+
+
+Effect = Send | HangUp | Persist | RunTask | ServeChunk | StoreChunk | CommitArtifact | HeadPromoted | Log

@@ -1,0 +1,469 @@
+"""The sans-IO protocol engine (DESIGN §2, spec/protocol.md).
+
+Call order, documented once: feed every input with `handle(event)`, then drain `next_effect()` until it
+returns None and execute each effect in order; re-arm one timer at `next_deadline()` and call
+`handle(TimerDue(now))` when it passes (a spurious call is a no-op). The first event must be `Start`.
+`now` is seconds on the host's monotonic clock and never decreases.
+
+The engine does no I/O, reads no clock and draws randomness only from the injected `random.Random`.
+Peer misbehaviour never raises out of `handle`: it becomes a rejection (counted by reason), a penalty,
+and past `penalty_limit` a `HangUp`. Caller misuse raises LocalProtocolError.
+
+Role behaviour lives in one module per state machine: `trainer`, `validator`, `reducer` (the latter two
+share `collector`). This module holds what they share: peers, timers, persist-then-send, artifact
+fetching with verify-on-arrival, compute tasks, and adoption of certified heads.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import attrs
+
+from . import effects as fx
+from . import events as ev
+from .encoding import decode, encode
+from .envelope import SignedEnvelope
+from .errors import DecodeError, LocalProtocolError, VerificationError
+from .identity import Identity, PeerId
+from .messages import (
+    ROLES,
+    CertifiedHead,
+    Chunk,
+    ChunkMissing,
+    ChunkRequest,
+    Hello,
+    Message,
+    Signed,
+    decode_message,
+    encode_message,
+)
+from .objects import ArtifactRef, Head, QuorumCertificate, Revision
+
+HEAD_RECORD = "head"
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    """Static configuration of one node. Times in seconds, sizes in bytes."""
+
+    roles: frozenset[str] = attrs.field(converter=frozenset)
+    revision: Revision
+    capacity: int = 1
+    max_message_bytes: int = 16 << 20
+    max_chunks_in_flight: int = 8
+    chunk_timeout_s: float = 5.0
+    fetch_attempts: int = 6
+    penalty_limit: int = 20
+    reducer_close_fraction: float = 0.75
+
+    def __attrs_post_init__(self) -> None:
+        if not self.roles or not self.roles <= set(ROLES):
+            raise LocalProtocolError(f"roles must be a non-empty subset of {ROLES}")
+        if self.capacity < 1:
+            raise LocalProtocolError("capacity must be positive")
+
+
+@attrs.define
+class PeerState:
+    roles: tuple[str, ...] = ()
+    greeted: bool = False
+    penalty: int = 0
+
+
+@attrs.define
+class _Fetch:
+    ref: ArtifactRef
+    providers: list[PeerId]
+    on_done: list[Callable[[], None]]
+    on_fail: list[Callable[[str], None]]
+    in_flight: dict[int, PeerId] = attrs.Factory(dict)
+    done: set[int] = attrs.Factory(set)
+    failures: int = 0
+    committing: bool = False
+
+
+@attrs.define
+class _Task:
+    on_done: Callable[[dict[str, Any]], None]
+    on_fail: Callable[[str], None]
+
+
+class Engine:
+    """One node's protocol state machine. See the module docstring for the call order."""
+
+    def __init__(self, config: EngineConfig, identity: Identity, rng: random.Random, *,
+                 stored: Iterable[ArtifactRef] = (), records: Mapping[str, bytes] | None = None) -> None:
+        from .reducer import ReducerRole
+        from .trainer import TrainerRole
+        from .validator import ValidatorRole
+
+        self.config = config
+        self.identity = identity
+        self.me = identity.peer_id
+        self.revision = config.revision
+        self.manifest = config.revision.manifest
+        self.rng = rng
+        self.now = float("-inf")
+        self.started = False
+        self.stats: Counter[str] = Counter()
+        self.rejected_by_reason: Counter[str] = Counter()
+        self.peers: dict[PeerId, PeerState] = {}
+        self._effects: deque[fx.Effect] = deque()
+        self._timers: list[tuple[float, int, tuple[Any, ...]]] = []
+        self._timer_deadline: dict[tuple[Any, ...], float] = {}
+        self._seq = 0
+        self._held: dict[int, Callable[[], None]] = {}
+        self._stored: dict[bytes, ArtifactRef] = {r.digest: r for r in stored}
+        self._fetches: dict[bytes, _Fetch] = {}
+        self._tasks: dict[str, _Task] = {}
+        records = dict(records or {})
+        self.records = records
+        self.head, self.certificate = self.revision.genesis(), QuorumCertificate(
+            head=self.revision.genesis().id, window=0, votes=())
+        if HEAD_RECORD in records:
+            head, cert = _decode_certified(records[HEAD_RECORD], self.config.max_message_bytes)
+            self.verify_certified(head, cert)
+            self.head, self.certificate = head, cert
+        self.roles: list[Any] = []
+        if "validator" in config.roles:
+            self.roles.append(ValidatorRole(self))
+        if "reducer" in config.roles:
+            self.roles.append(ReducerRole(self))
+        if "trainer" in config.roles:
+            self.roles.append(TrainerRole(self))
+
+    # --- public API ------------------------------------------------------------------------------
+
+    def handle(self, event: ev.Event) -> None:
+        """Consume one event. Raises LocalProtocolError on misuse (time going backwards, no Start)."""
+        if event.now < self.now:
+            raise LocalProtocolError(f"time went backwards: {event.now} < {self.now}")
+        self.now = event.now
+        if isinstance(event, ev.Start):
+            if self.started:
+                raise LocalProtocolError("Start twice")
+            self.started = True
+            self.log("start", roles=sorted(self.config.roles), head_window=self.head.window)
+            for role in self.roles:
+                role.on_head(self.head)
+            return
+        if not self.started:
+            raise LocalProtocolError(f"{type(event).__name__} before Start")
+        match event:
+            case ev.MessageReceived():
+                self._on_message(event.peer, event.data)
+            case ev.TimerDue():
+                self._fire_timers()
+            case ev.PeerConnected():
+                self.peers[event.peer] = PeerState()
+                self.send(event.peer, Hello(revision=self.revision.id, roles=tuple(sorted(self.config.roles)),
+                                            head_window=self.head.window))
+            case ev.PeerDisconnected():
+                self.peers.pop(event.peer, None)
+                for fetch in list(self._fetches.values()):
+                    if event.peer in fetch.providers:
+                        fetch.providers.remove(event.peer)
+                        self._requeue(fetch, event.peer)
+            case ev.TaskFinished():
+                task = self._tasks.pop(event.task_id, None)
+                if task is None:
+                    raise LocalProtocolError(f"unknown task {event.task_id}")
+                task.on_done(event.result)
+            case ev.TaskFailed():
+                task = self._tasks.pop(event.task_id, None)
+                if task is None:
+                    raise LocalProtocolError(f"unknown task {event.task_id}")
+                self.log("task-failed", task=event.task_id, reason=event.reason)
+                task.on_fail(event.reason)
+            case ev.ArtifactStored():
+                self._on_artifact_stored(event.ref)
+            case ev.Persisted():
+                then = self._held.pop(event.token, None)
+                if then is None:
+                    raise LocalProtocolError(f"unknown persist token {event.token}")
+                then()
+            case _:
+                raise LocalProtocolError(f"unknown event {event!r}")
+
+    def next_effect(self) -> fx.Effect | None:
+        """The next effect to execute, or None when there is nothing more to do for now."""
+        return self._effects.popleft() if self._effects else None
+
+    def next_deadline(self) -> float | None:
+        """Earliest pending timer (host clock seconds), or None."""
+        while self._timers and self._timer_deadline.get(self._timers[0][2]) != self._timers[0][0]:
+            heapq.heappop(self._timers)  # cancelled or re-armed
+        return self._timers[0][0] if self._timers else None
+
+    def is_stored(self, digest: bytes) -> bool:
+        return digest in self._stored
+
+    # --- services for the role state machines ----------------------------------------------------
+
+    def emit(self, effect: fx.Effect) -> None:
+        self._effects.append(effect)
+
+    def log(self, event: str, **fields: Any) -> None:
+        self.emit(fx.Log(event=event, fields=fields))
+
+    def send(self, peer: PeerId, message: Message) -> None:
+        self.emit(fx.Send(peer=peer, data=encode_message(message)))
+
+    def broadcast(self, message: Message, roles: Iterable[str] = ROLES) -> None:
+        """Send to every greeted peer holding any of `roles` (encoded once)."""
+        wanted = set(roles)
+        data = encode_message(message)
+        for peer, state in self.peers.items():
+            if state.greeted and wanted.intersection(state.roles):
+                self.emit(fx.Send(peer=peer, data=data))
+
+    def peers_with(self, role: str) -> list[PeerId]:
+        return sorted(p for p, s in self.peers.items() if s.greeted and role in s.roles)
+
+    def set_timer(self, key: tuple[Any, ...], deadline: float) -> None:
+        self._timer_deadline[key] = deadline
+        self._seq += 1
+        heapq.heappush(self._timers, (deadline, self._seq, key))
+
+    def cancel_timer(self, key: tuple[Any, ...]) -> None:
+        self._timer_deadline.pop(key, None)
+
+    def persist_then(self, key: str, record: bytes, then: Callable[[], None]) -> None:
+        """Durable before visible: emit Persist, run `then` (which may send) only after Persisted."""
+        self._seq += 1
+        self._held[self._seq] = then
+        self.records[key] = record
+        self.emit(fx.Persist(token=self._seq, key=key, record=record))
+
+    def run_task(self, kind: str, args: dict[str, Any], on_done: Callable[[dict[str, Any]], None],
+                 on_fail: Callable[[str], None]) -> str:
+        self._seq += 1
+        task_id = f"{kind}-{self._seq}"
+        self._tasks[task_id] = _Task(on_done=on_done, on_fail=on_fail)
+        self.emit(fx.RunTask(task_id=task_id, kind=kind, args=args))
+        return task_id
+
+    def note_stored(self, ref: ArtifactRef) -> None:
+        """Record an artifact the host stored on its own (a compute task's output)."""
+        self._stored[ref.digest] = ref
+
+    def fetch(self, ref: ArtifactRef, providers: Iterable[PeerId], on_done: Callable[[], None],
+              on_fail: Callable[[str], None]) -> None:
+        """Make `ref` stored locally, fetching verified chunks from `providers`; then call `on_done`."""
+        if ref.digest in self._stored:
+            on_done()
+            return
+        live = [p for p in dict.fromkeys(providers) if p in self.peers and p != self.me]
+        fetch = self._fetches.get(ref.digest)
+        if fetch is not None:
+            if fetch.ref != ref:
+                on_fail("ref-mismatch")
+                return
+            fetch.providers.extend(p for p in live if p not in fetch.providers)
+            fetch.on_done.append(on_done)
+            fetch.on_fail.append(on_fail)
+        else:
+            fetch = _Fetch(ref=ref, providers=live, on_done=[on_done], on_fail=[on_fail])
+            self._fetches[ref.digest] = fetch
+        self._pump(fetch)
+
+    def reject(self, peer: PeerId | None, reason: str, detail: str = "") -> None:
+        """Count a rejection by reason and charge the peer that caused it (never a third party)."""
+        self.rejected_by_reason[reason] += 1
+        self.log("reject", peer=str(peer) if peer else None, reason=reason, detail=detail)
+        if peer is not None and peer in self.peers:
+            state = self.peers[peer]
+            state.penalty += 1
+            if state.penalty == self.config.penalty_limit:
+                self.emit(fx.HangUp(peer=peer, reason="penalty-limit"))
+
+    def verify_certified(self, head: Head, cert: QuorumCertificate) -> None:
+        """Raise VerificationError unless `cert` makes `head` canonical under this revision.
+
+        Window 0 is the genesis head, certified by the manifest's own signature.
+        """
+        if head.window == 0:
+            if head != self.revision.genesis() or cert.head != head.id or cert.votes:
+                raise VerificationError("bad-genesis", "genesis head does not match the manifest")
+            return
+        cert.verify(self.revision, head)
+
+    def adopt(self, head: Head, cert: QuorumCertificate) -> None:
+        """Make a verified certified head canonical: persist it, then announce and start the next window."""
+        if head.window <= self.head.window:
+            return
+        record = encode({"head": head.to_cbor(), "certificate": cert.to_cbor()})
+
+        def promote() -> None:
+            if head.window <= self.head.window:
+                return
+            self.head, self.certificate = head, cert
+            self.emit(fx.HeadPromoted(head=head, certificate=cert))
+            self.log("head", window=head.window, id=head.id.hex(), skipped=head.skipped,
+                     cohort=len(head.cohort), metrics=dict(head.metrics))
+            self.broadcast(CertifiedHead(head=head, certificate=cert))
+            for role in self.roles:
+                role.on_head(head)
+
+        self.persist_then(HEAD_RECORD, record, promote)
+
+    # --- internals -------------------------------------------------------------------------------
+
+    def _on_message(self, peer: PeerId, data: bytes) -> None:
+        state = self.peers.get(peer)
+        if state is None:
+            raise LocalProtocolError(f"message from {peer} which is not connected")
+        try:
+            message = decode_message(data, max_bytes=self.config.max_message_bytes)
+        except DecodeError as exc:
+            self.reject(peer, f"decode-{exc.reason}", exc.detail)
+            return
+        if not state.greeted and not isinstance(message, Hello):
+            self.reject(peer, "no-hello")
+            return
+        try:
+            self._dispatch(peer, state, message)
+        except (DecodeError, VerificationError) as exc:
+            self.reject(peer, exc.reason, exc.detail)
+
+    def _dispatch(self, peer: PeerId, state: PeerState, message: Message) -> None:
+        match message:
+            case Hello():
+                if message.revision != self.revision.id:
+                    self.reject(peer, "wrong-revision")
+                    self.emit(fx.HangUp(peer=peer, reason="wrong-revision"))
+                    return
+                state.roles, state.greeted = message.roles, True
+                if message.head_window < self.head.window:
+                    self.send(peer, CertifiedHead(head=self.head, certificate=self.certificate))
+                for role in self.roles:
+                    role.on_peer_ready(peer, message.roles)
+            case CertifiedHead():
+                if message.head.window <= self.head.window:
+                    return
+                self.verify_certified(message.head, message.certificate)
+                self.adopt(message.head, message.certificate)
+                for role in self.roles:
+                    role.on_head_source(peer, message.head)
+            case Signed():
+                for role in self.roles:
+                    role.on_signed(peer, message.envelope)
+            case ChunkRequest():
+                ref = self._stored.get(message.artifact)
+                if ref is None or message.index >= ref.num_chunks:
+                    self.send(peer, ChunkMissing(artifact=message.artifact, index=message.index))
+                else:
+                    self.stats["chunks_served"] += 1
+                    self.emit(fx.ServeChunk(peer=peer, ref=ref, index=message.index))
+            case Chunk():
+                self._on_chunk(peer, message)
+            case ChunkMissing():
+                fetch = self._fetches.get(message.artifact)
+                if fetch is not None and fetch.in_flight.get(message.index) == peer:
+                    if peer in fetch.providers:
+                        fetch.providers.remove(peer)
+                    self._requeue(fetch, peer)
+
+    def _on_chunk(self, peer: PeerId, chunk: Chunk) -> None:
+        fetch = self._fetches.get(chunk.artifact)
+        if fetch is None or fetch.in_flight.get(chunk.index) != peer:
+            self.reject(peer, "unsolicited-chunk")
+            return
+        del fetch.in_flight[chunk.index]
+        if not fetch.ref.chunk_ok(chunk.index, chunk.data):
+            # The sender lied about content it offered: charge it, never ask it again for this artifact.
+            self.reject(peer, "bad-chunk", f"chunk {chunk.index}")
+            if peer in fetch.providers:
+                fetch.providers.remove(peer)
+            self._requeue(fetch, peer)
+            return
+        self.stats["chunks_fetched"] += 1
+        fetch.done.add(chunk.index)
+        self.emit(fx.StoreChunk(ref=fetch.ref, index=chunk.index, data=chunk.data))
+        self._pump(fetch)
+
+    def _pump(self, fetch: _Fetch) -> None:
+        ref = fetch.ref
+        if len(fetch.done) == ref.num_chunks:
+            if not fetch.committing:
+                fetch.committing = True
+                self.cancel_timer(("fetch", ref.digest))
+                self.emit(fx.CommitArtifact(ref=ref))
+            return
+        if not fetch.providers:
+            if not fetch.in_flight:
+                self._fail_fetch(fetch, "no-provider")
+            return
+        for index in range(ref.num_chunks):
+            if len(fetch.in_flight) >= self.config.max_chunks_in_flight:
+                break
+            if index in fetch.done or index in fetch.in_flight:
+                continue
+            provider = fetch.providers[(index + fetch.failures) % len(fetch.providers)]
+            fetch.in_flight[index] = provider
+            self.send(provider, ChunkRequest(artifact=ref.digest, index=index))
+        self.set_timer(("fetch", ref.digest), self.now + self.config.chunk_timeout_s)
+
+    def _requeue(self, fetch: _Fetch, peer: PeerId) -> None:
+        for index, p in list(fetch.in_flight.items()):
+            if p == peer:
+                del fetch.in_flight[index]
+        fetch.failures += 1
+        if fetch.failures > self.config.fetch_attempts * max(1, fetch.ref.num_chunks):
+            self._fail_fetch(fetch, "too-many-failures")
+        else:
+            self._pump(fetch)
+
+    def _fail_fetch(self, fetch: _Fetch, reason: str) -> None:
+        self._fetches.pop(fetch.ref.digest, None)
+        self.cancel_timer(("fetch", fetch.ref.digest))
+        for callback in fetch.on_fail:
+            callback(reason)
+
+    def _on_fetch_timeout(self, digest: bytes) -> None:
+        fetch = self._fetches.get(digest)
+        if fetch is None or fetch.committing:
+            return
+        for peer in set(fetch.in_flight.values()):
+            self._requeue(fetch, peer)
+            if digest not in self._fetches:
+                return
+        if not fetch.in_flight:
+            self._pump(fetch)
+
+    def _on_artifact_stored(self, ref: ArtifactRef) -> None:
+        self._stored[ref.digest] = ref
+        fetch = self._fetches.pop(ref.digest, None)
+        if fetch is not None:
+            self.cancel_timer(("fetch", ref.digest))
+            for callback in fetch.on_done:
+                callback()
+
+    def _fire_timers(self) -> None:
+        while True:
+            deadline = self.next_deadline()
+            if deadline is None or deadline > self.now:
+                return
+            _, _, key = heapq.heappop(self._timers)
+            del self._timer_deadline[key]
+            if key[0] == "fetch":
+                self._on_fetch_timeout(key[1])
+            else:
+                for role in self.roles:
+                    role.on_timer(key)
+
+
+def _decode_certified(data: bytes, max_bytes: int) -> tuple[Head, QuorumCertificate]:
+    obj = decode(data, max_bytes=max_bytes)
+    if not isinstance(obj, dict) or set(obj) != {"head", "certificate"}:
+        raise DecodeError("bad-record", "certified head")
+    return Head.from_cbor(obj["head"]), QuorumCertificate.from_cbor(obj["certificate"])
+
+
+def decode_signed(data: bytes) -> SignedEnvelope:
+    return SignedEnvelope.from_bytes(data)

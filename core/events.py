@@ -1,0 +1,79 @@
+"""Inputs to the engine (DESIGN §2). Every event carries `now`: seconds on the host's monotonic clock.
+
+Events are frozen, keyword-only value objects; don't subclass them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from .identity import PeerId
+from .objects import ArtifactRef
+
+
+@attrs.frozen(kw_only=True)
+class Start:
+    """Local command: begin taking part (send hellos, start the first window)."""
+    now: float
+
+
+@attrs.frozen(kw_only=True)
+class PeerConnected:
+    """An authenticated connection to `peer` is up (the transport verified its key)."""
+    now: float
+    peer: PeerId
+
+
+@attrs.frozen(kw_only=True)
+class PeerDisconnected:
+    now: float
+    peer: PeerId
+
+
+@attrs.frozen(kw_only=True)
+class MessageReceived:
+    """One whole wire message from an authenticated peer (untrusted bytes)."""
+    now: float
+    peer: PeerId
+    data: bytes
+
+
+@attrs.frozen(kw_only=True)
+class TimerDue:
+    """The host's clock passed `next_deadline()`; a spurious call does nothing."""
+    now: float
+
+
+@attrs.frozen(kw_only=True)
+class TaskFinished:
+    """A compute task asked for by a `RunTask` effect finished; `result` is the task kind's result map."""
+    now: float
+    task_id: str
+    result: dict[str, Any]
+
+
+@attrs.frozen(kw_only=True)
+class TaskFailed:
+    now: float
+    task_id: str
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class ArtifactStored:
+    """The host durably stored (and verified) the artifact named by `ref`."""
+    now: float
+    ref: ArtifactRef
+
+
+@attrs.frozen(kw_only=True)
+class Persisted:
+    """The host durably wrote the record of the `Persist` effect with this token."""
+    now: float
+    token: int
+
+
+Event = (Start | PeerConnected | PeerDisconnected | MessageReceived | TimerDue | TaskFinished | TaskFailed
+         | ArtifactStored | Persisted)

@@ -1,0 +1,142 @@
+"""Wire messages (spec/wire.md §4): one canonical CBOR array ``[kind, body]`` per transport message.
+
+Trust-moving payloads (updates, votes, proposals, joins) are SignedEnvelopes inside the body; everything
+else is authenticated only by the transport (Noise binds the connection to the peer's key).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from . import _fields as f
+from .encoding import decode, encode
+from .envelope import SignedEnvelope
+from .errors import DecodeError
+from .objects import Head, QuorumCertificate
+
+MAX_CONTROL_BYTES = 1 << 20
+
+
+@attrs.frozen(kw_only=True)
+class Hello:
+    """First message on every connection: which revision, which roles, how far the sender's chain is."""
+
+    KIND = "hello"
+    revision: bytes
+    roles: tuple[str, ...]
+    head_window: int
+
+    def body(self) -> Any:
+        return {"revision": self.revision, "roles": list(self.roles), "head_window": self.head_window}
+
+    @classmethod
+    def parse(cls, body: Any) -> Hello:
+        b = f.exact_keys(body, frozenset({"revision", "roles", "head_window"}), "hello")
+        roles = f.array(b, "roles", max_len=8)
+        if not all(isinstance(r, str) and r in ROLES for r in roles):
+            raise DecodeError("bad-field", "unknown role")
+        return cls(revision=f.cid(b, "revision"), roles=tuple(roles), head_window=f.uint(b, "head_window"))
+
+
+@attrs.frozen(kw_only=True)
+class CertifiedHead:
+    """A head and the quorum certificate that makes it canonical."""
+
+    KIND = "head"
+    head: Head
+    certificate: QuorumCertificate
+
+    def body(self) -> Any:
+        return {"head": self.head.to_cbor(), "certificate": self.certificate.to_cbor()}
+
+    @classmethod
+    def parse(cls, body: Any) -> CertifiedHead:
+        b = f.exact_keys(body, frozenset({"head", "certificate"}), "head message")
+        return cls(head=Head.from_cbor(b["head"]), certificate=QuorumCertificate.from_cbor(b["certificate"]))
+
+
+@attrs.frozen(kw_only=True)
+class Signed:
+    """Carries one SignedEnvelope (update, vote, proposal or join); the envelope kind says which."""
+
+    KIND = "signed"
+    envelope: SignedEnvelope
+
+    def body(self) -> Any:
+        return self.envelope.to_cbor()
+
+    @classmethod
+    def parse(cls, body: Any) -> Signed:
+        return cls(envelope=SignedEnvelope.from_cbor(body))
+
+
+@attrs.frozen(kw_only=True)
+class ChunkRequest:
+    KIND = "chunk-get"
+    artifact: bytes
+    index: int
+
+    def body(self) -> Any:
+        return {"artifact": self.artifact, "index": self.index}
+
+    @classmethod
+    def parse(cls, body: Any) -> ChunkRequest:
+        b = f.exact_keys(body, frozenset({"artifact", "index"}), "chunk-get")
+        return cls(artifact=f.cid(b, "artifact"), index=f.uint(b, "index", maximum=1 << 24))
+
+
+@attrs.frozen(kw_only=True)
+class Chunk:
+    KIND = "chunk"
+    artifact: bytes
+    index: int
+    data: bytes
+
+    def body(self) -> Any:
+        return {"artifact": self.artifact, "index": self.index, "data": self.data}
+
+    @classmethod
+    def parse(cls, body: Any) -> Chunk:
+        b = f.exact_keys(body, frozenset({"artifact", "index", "data"}), "chunk")
+        return cls(artifact=f.cid(b, "artifact"), index=f.uint(b, "index", maximum=1 << 24), data=f.raw(b, "data"))
+
+
+@attrs.frozen(kw_only=True)
+class ChunkMissing:
+    KIND = "chunk-missing"
+    artifact: bytes
+    index: int
+
+    def body(self) -> Any:
+        return {"artifact": self.artifact, "index": self.index}
+
+    @classmethod
+    def parse(cls, body: Any) -> ChunkMissing:
+        b = f.exact_keys(body, frozenset({"artifact", "index"}), "chunk-missing")
+        return cls(artifact=f.cid(b, "artifact"), index=f.uint(b, "index", maximum=1 << 24))
+
+
+Message = Hello | CertifiedHead | Signed | ChunkRequest | Chunk | ChunkMissing
+MESSAGE_TYPES: dict[str, Any] = {m.KIND: m for m in (Hello, CertifiedHead, Signed, ChunkRequest, Chunk, ChunkMissing)}
+ROLES = ("trainer", "reducer", "validator")
+
+
+def encode_message(message: Message) -> bytes:
+    return encode([message.KIND, message.body()])
+
+
+def decode_message(data: bytes | memoryview, *, max_bytes: int) -> Message:
+    """Parse one wire message. Raises DecodeError (only) for anything that is not a valid message."""
+    obj = decode(data, max_bytes=max_bytes)
+    if not (isinstance(obj, list) and len(obj) == 2 and isinstance(obj[0], str)):
+        raise DecodeError("bad-message", "expected [kind, body]")
+    kind, body = obj
+    cls = MESSAGE_TYPES.get(kind)
+    if cls is None:
+        raise DecodeError("unknown-message", kind[:32])
+    if kind != Chunk.KIND and len(data) > MAX_CONTROL_BYTES:
+        raise DecodeError("too-large", f"{kind} over {MAX_CONTROL_BYTES} bytes")
+    result: Message = cls.parse(body)
+    return result

@@ -1,0 +1,442 @@
+"""Protocol objects (DESIGN §3-4, spec/protocol.md §2).
+
+Each object has `to_cbor()` (a plain CBOR-ready value) and `from_cbor()` (strict: exact field sets,
+typed fields, bounded lengths; DecodeError on anything else). Objects that move trust are carried in
+`SignedEnvelope`s; their envelope kind is `KIND`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import attrs
+
+from . import _fields as f
+from .encoding import content_id, encode
+from .envelope import SignedEnvelope, signing_preimage
+from .errors import DecodeError, VerificationError
+from .identity import Identity, PeerId
+
+PROTOCOL_VERSION = 1
+MAX_CHUNK_BYTES = 1 << 20
+MAX_ARTIFACT_BYTES = 1 << 32
+MAX_TENSORS = 4096
+MAX_SHARDS = 65536
+MAX_PEERS = 4096
+MAX_COHORT = 4096
+
+
+# --- artifacts ---------------------------------------------------------------------------------------
+
+@attrs.frozen(kw_only=True)
+class ArtifactRef:
+    """Names an immutable byte string: its content id, size and per-chunk SHA-256 digests.
+
+    The bytes are split into `chunk_size`-byte chunks (the last may be shorter); each chunk fetched from
+    an untrusted peer is checked against `chunks[i]` on arrival, so a bad chunk is charged to its sender.
+    """
+
+    digest: bytes
+    size: int
+    chunk_size: int
+    chunks: tuple[bytes, ...]
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunks)
+
+    def chunk_length(self, index: int) -> int:
+        """Length in bytes of chunk `index`."""
+        if not 0 <= index < len(self.chunks):
+            raise IndexError(index)
+        return min(self.chunk_size, self.size - index * self.chunk_size)
+
+    def chunk_ok(self, index: int, data: bytes | memoryview) -> bool:
+        """True iff `data` is exactly chunk `index` (length and SHA-256)."""
+        if not 0 <= index < len(self.chunks) or len(data) != self.chunk_length(index):
+            return False
+        return hashlib.sha256(data).digest() == self.chunks[index]
+
+    def to_cbor(self) -> dict[str, Any]:
+        return {"digest": self.digest, "size": self.size, "chunk_size": self.chunk_size,
+                "chunks": list(self.chunks)}
+
+    @classmethod
+    def from_cbor(cls, obj: Any) -> ArtifactRef:
+        body = f.exact_keys(obj, frozenset({"digest", "size", "chunk_size", "chunks"}), "artifact")
+        size = f.uint(body, "size", maximum=MAX_ARTIFACT_BYTES)
+        chunk_size = f.uint(body, "chunk_size", maximum=MAX_CHUNK_BYTES)
+        if chunk_size == 0:
+            raise DecodeError("bad-field", "chunk_size must be positive")
+        expected = -(-size // chunk_size)
+        chunks = f.array(body, "chunks", max_len=expected)
+        if len(chunks) != expected or not all(isinstance(c, bytes) and len(c) == 32 for c in chunks):
+            raise DecodeError("bad-field", f"chunks must be {expected} SHA-256 digests")
+        return cls(digest=f.cid(body, "digest"), size=size, chunk_size=chunk_size, chunks=tuple(chunks))
+
+
+def make_artifact_ref(data: bytes | memoryview, chunk_size: int) -> ArtifactRef:
+    """Describe `data` as an artifact with `chunk_size`-byte chunks (hashes the bytes once per chunk)."""
+    view = memoryview(data)
+    chunks = tuple(hashlib.sha256(view[i:i + chunk_size]).digest() for i in range(0, len(view), chunk_size))
+    return ArtifactRef(digest=content_id(view), size=len(view), chunk_size=chunk_size, chunks=chunks)
+
+
+# --- manifest ----------------------------------------------------------------------------------------
+
+TensorSpec = tuple[str, str, tuple[int, ...]]
+RosterEntry = tuple[PeerId, int]
+
+
+def _roster_to_cbor(roster: Sequence[RosterEntry]) -> list[list[Any]]:
+    return [[p.to_bytes(), cap] for p, cap in roster]
+
+
+def _roster_from_cbor(body: dict[str, Any], key: str, max_capacity: int) -> tuple[RosterEntry, ...]:
+    entries = []
+    for item in f.array(body, key, max_len=MAX_PEERS):
+        if not (isinstance(item, list) and len(item) == 2):
+            raise DecodeError("bad-field", f"{key} entries are [peer, capacity]")
+        entry = f.exact_keys({"peer": item[0], "capacity": item[1]}, frozenset({"peer", "capacity"}), key)
+        entries.append((f.peer(entry, "peer"), f.uint(entry, "capacity", maximum=max_capacity)))
+    peers = [p for p, _ in entries]
+    if peers != sorted(set(peers)):
+        raise DecodeError("bad-field", f"{key} must be sorted by peer id without duplicates")
+    return tuple(entries)
+
+
+@attrs.frozen(kw_only=True)
+class Manifest:
+    """A revision of an experiment, signed by the experiment's authority key (DESIGN §4).
+
+    Its envelope's content id is the revision id that every other object names.
+    `shards[i]` is the number of samples in shard i (sample weights come from these, never from peers);
+    `window_s` is the collection time of a window in seconds; FedAvg = outer SGD with `outer_lr` 1.0.
+    """
+
+    KIND: ClassVar[str] = "manifest"
+
+    experiment: str
+    workload: str
+    workload_seed: int
+    schema: tuple[TensorSpec, ...]
+    shards: tuple[int, ...]
+    validators: tuple[PeerId, ...]
+    quorum: int
+    window_s: float
+    min_updates: int
+    max_capacity: int
+    aggregation: str
+    outer_optimizer: str
+    outer_lr: float
+    chunk_size: int
+    genesis_params: ArtifactRef
+    genesis_params_digest: bytes
+    roster: tuple[RosterEntry, ...]
+
+    def __attrs_post_init__(self) -> None:
+        n = len(self.validators)
+        if not 1 <= self.quorum <= n:
+            raise DecodeError("bad-field", f"quorum {self.quorum} outside 1..{n}")
+        if 2 * self.quorum <= n:
+            # Two quorums must intersect, or two heads could both be certified for one window.
+            raise DecodeError("bad-field", f"quorum {self.quorum} of {n} validators cannot be safe")
+        if self.window_s <= 0 or self.min_updates < 1 or self.max_capacity < 1:
+            raise DecodeError("bad-field", "window_s, min_updates and max_capacity must be positive")
+
+    def to_cbor(self) -> dict[str, Any]:
+        return {
+            "experiment": self.experiment, "workload": self.workload, "workload_seed": self.workload_seed,
+            "schema": [[n, d, list(s)] for n, d, s in self.schema], "shards": list(self.shards),
+            "validators": [v.to_bytes() for v in self.validators], "quorum": self.quorum,
+            "window_s": self.window_s, "min_updates": self.min_updates, "max_capacity": self.max_capacity,
+            "aggregation": self.aggregation, "outer_optimizer": self.outer_optimizer,
+            "outer_lr": self.outer_lr, "chunk_size": self.chunk_size,
+            "genesis_params": self.genesis_params.to_cbor(),
+            "genesis_params_digest": self.genesis_params_digest, "roster": _roster_to_cbor(self.roster),
+        }
+
+    @classmethod
+    def from_cbor(cls, obj: Any) -> Manifest:
+        body = f.exact_keys(obj, _MANIFEST_KEYS, "manifest")
+        schema = []
+        for item in f.array(body, "schema", max_len=MAX_TENSORS):
+            if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
+                    and isinstance(item[1], str) and isinstance(item[2], list)
+                    and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in item[2])):
+                raise DecodeError("bad-field", "schema entries are [name, dtype, [dims]]")
+            schema.append((item[0], item[1], tuple(item[2])))
+        shards = f.array(body, "shards", max_len=MAX_SHARDS)
+        if not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shards):
+            raise DecodeError("bad-field", "shard sizes must be positive integers")
+        validators = f.array(body, "validators", max_len=MAX_PEERS)
+        max_capacity = f.uint(body, "max_capacity", maximum=64)
+        return cls(
+            experiment=f.text(body, "experiment"), workload=f.text(body, "workload"),
+            workload_seed=f.uint(body, "workload_seed"), schema=tuple(schema), shards=tuple(shards),
+            validators=tuple(f.peer({"v": v}, "v") for v in validators), quorum=f.uint(body, "quorum"),
+            window_s=f.number(body, "window_s"), min_updates=f.uint(body, "min_updates"),
+            max_capacity=max_capacity, aggregation=f.text(body, "aggregation"),
+            outer_optimizer=f.text(body, "outer_optimizer"), outer_lr=f.number(body, "outer_lr"),
+            chunk_size=f.uint(body, "chunk_size", maximum=MAX_CHUNK_BYTES),
+            genesis_params=ArtifactRef.from_cbor(body["genesis_params"]),
+            genesis_params_digest=f.cid(body, "genesis_params_digest"),
+            roster=_roster_from_cbor(body, "roster", max_capacity),
+        )
+
+    def seal(self, authority: Identity) -> SignedEnvelope:
+        return SignedEnvelope.seal(authority, self.KIND, PROTOCOL_VERSION, self.to_cbor())
+
+
+_MANIFEST_KEYS = frozenset({
+    "experiment", "workload", "workload_seed", "schema", "shards", "validators", "quorum", "window_s",
+    "min_updates", "max_capacity", "aggregation", "outer_optimizer", "outer_lr", "chunk_size",
+    "genesis_params", "genesis_params_digest", "roster",
+})
+
+
+@attrs.frozen(kw_only=True)
+class Revision:
+    """A verified manifest together with its envelope, its id and the authority that signed it."""
+
+    envelope: SignedEnvelope
+    manifest: Manifest
+
+    @property
+    def id(self) -> bytes:
+        return self.envelope.id
+
+    @property
+    def authority(self) -> PeerId:
+        return self.envelope.signer
+
+    @classmethod
+    def verify(cls, envelope: SignedEnvelope, authority: PeerId | None = None) -> Revision:
+        """Check the manifest's signature (and signer, when the authority is known).
+
+        Raises VerificationError or DecodeError.
+        """
+        if authority is not None and envelope.signer != authority:
+            raise VerificationError("wrong-authority", str(envelope.signer))
+        return cls(envelope=envelope, manifest=Manifest.from_cbor(envelope.open(Manifest.KIND, PROTOCOL_VERSION)))
+
+    def genesis(self) -> Head:
+        m = self.manifest
+        return Head(revision=self.id, parent=None, window=0, skipped=False, params=m.genesis_params,
+                    params_digest=m.genesis_params_digest, cohort=(), roster=m.roster, quarantine=(),
+                    metrics={})
+
+
+# --- heads and certificates --------------------------------------------------------------------------
+
+@attrs.frozen(kw_only=True)
+class Head:
+    """A block of the chain: the model after window `window` (DESIGN §4).
+
+    `skipped` heads record a window that closed with too few updates: params unchanged, empty cohort.
+    `roster` names the trainers (peer, capacity) that hold leases in window `window + 1`.
+    `metrics` are validation numbers (e.g. ``test_loss``, ``test_accuracy``) computed by validators.
+    """
+
+    revision: bytes
+    parent: bytes | None
+    window: int
+    skipped: bool
+    params: ArtifactRef
+    params_digest: bytes
+    cohort: tuple[bytes, ...]
+    roster: tuple[RosterEntry, ...]
+    quarantine: tuple[PeerId, ...]
+    metrics: Mapping[str, float] = attrs.field(converter=lambda m: dict(sorted(m.items())))
+
+    def to_cbor(self) -> dict[str, Any]:
+        return {
+            "revision": self.revision, "parent": self.parent, "window": self.window, "skipped": self.skipped,
+            "params": self.params.to_cbor(), "params_digest": self.params_digest, "cohort": list(self.cohort),
+            "roster": _roster_to_cbor(self.roster), "quarantine": [p.to_bytes() for p in self.quarantine],
+            "metrics": dict(self.metrics),
+        }
+
+    @classmethod
+    def from_cbor(cls, obj: Any) -> Head:
+        body = f.exact_keys(obj, _HEAD_KEYS, "head")
+        cohort = f.array(body, "cohort", max_len=MAX_COHORT)
+        for i in range(len(cohort)):
+            f.cid({"c": cohort[i]}, "c")
+        metrics = body["metrics"]
+        if not isinstance(metrics, dict) or len(metrics) > 64 or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in metrics.values()):
+            raise DecodeError("bad-field", "metrics must map names to numbers")
+        return cls(
+            revision=f.cid(body, "revision"), parent=f.optional_cid(body, "parent"),
+            window=f.uint(body, "window"), skipped=f.boolean(body, "skipped"),
+            params=ArtifactRef.from_cbor(body["params"]), params_digest=f.cid(body, "params_digest"),
+            cohort=tuple(cohort), roster=_roster_from_cbor(body, "roster", 1 << 16),
+            quarantine=tuple(f.peer({"q": q}, "q") for q in f.array(body, "quarantine", max_len=MAX_PEERS)),
+            metrics={k: float(v) for k, v in metrics.items()},
+        )
+
+    def to_bytes(self) -> bytes:
+        return encode(self.to_cbor())
+
+    @property
+    def id(self) -> bytes:
+        """Content id of the head's canonical encoding."""
+        return content_id(self.to_bytes())
+
+
+_HEAD_KEYS = frozenset({"revision", "parent", "window", "skipped", "params", "params_digest", "cohort", "roster",
+                        "quarantine", "metrics"})
+
+VOTE_KIND = "vote"
+
+
+def vote_body(revision: bytes, window: int, head_id: bytes) -> dict[str, Any]:
+    return {"revision": revision, "window": window, "head": head_id}
+
+
+def sign_vote(identity: Identity, revision: bytes, window: int, head_id: bytes) -> SignedEnvelope:
+    """A validator's vote for `head_id` as the head of `window` (at most one per window, ever)."""
+    return SignedEnvelope.seal(identity, VOTE_KIND, PROTOCOL_VERSION, vote_body(revision, window, head_id))
+
+
+@attrs.frozen(kw_only=True)
+class QuorumCertificate:
+    """Signatures of a quorum of the revision's validators over one head id (DESIGN §4).
+
+    `votes` holds (validator, signature) pairs sorted by validator; each signature is a vote envelope's
+    signature over ``vote_body(revision, window, head)``.
+    """
+
+    head: bytes
+    window: int
+    votes: tuple[tuple[PeerId, bytes], ...]
+
+    def verify(self, revision: Revision, head: Head) -> None:
+        """Raise VerificationError unless this certifies `head` under `revision`'s validator set and quorum."""
+        m = revision.manifest
+        if head.revision != revision.id:
+            raise VerificationError("wrong-revision", "head names another revision")
+        if self.head != head.id or self.window != head.window:
+            raise VerificationError("wrong-head", "certificate is for another head")
+        signers = [p for p, _ in self.votes]
+        if signers != sorted(set(signers)):
+            raise VerificationError("bad-certificate", "signers must be sorted and distinct")
+        allowed = set(m.validators)
+        body = encode(vote_body(revision.id, self.window, self.head))
+        for signer, sig in self.votes:
+            if signer not in allowed:
+                raise VerificationError("not-a-validator", str(signer))
+            if not signer.verify(signing_preimage(VOTE_KIND, PROTOCOL_VERSION, signer, body), sig):
+                raise VerificationError("bad-signature", f"vote of {signer}")
+        if len(self.votes) < m.quorum:
+            raise VerificationError("no-quorum", f"{len(self.votes)} of {m.quorum} votes")
+
+    def to_cbor(self) -> dict[str, Any]:
+        return {"head": self.head, "window": self.window,
+                "votes": [[p.to_bytes(), s] for p, s in self.votes]}
+
+    @classmethod
+    def from_cbor(cls, obj: Any) -> QuorumCertificate:
+        body = f.exact_keys(obj, frozenset({"head", "window", "votes"}), "certificate")
+        votes = []
+        for item in f.array(body, "votes", max_len=MAX_PEERS):
+            if not (isinstance(item, list) and len(item) == 2):
+                raise DecodeError("bad-field", "votes are [validator, signature]")
+            v = {"p": item[0], "s": item[1]}
+            votes.append((f.peer(v, "p"), f.raw(v, "s", size=64)))
+        return cls(head=f.cid(body, "head"), window=f.uint(body, "window"), votes=tuple(votes))
+
+    @classmethod
+    def from_votes(cls, head: bytes, window: int, votes: Mapping[PeerId, bytes]) -> QuorumCertificate:
+        return cls(head=head, window=window, votes=tuple(sorted(votes.items())))
+
+
+# --- signed bodies of trainer, reducer and join messages ---------------------------------------------
+
+@attrs.frozen(kw_only=True)
+class UpdateAnnouncement:
+    """A trainer's signed claim: "for `window`, from `base`, on my leased `shards`, here is my delta".
+
+    `delta` is the safetensors artifact of the pseudo-gradient (base params minus trained params, DiLoCo
+    convention); `delta_digest` its canonical tensor digest. `train_loss` is informational only.
+    """
+
+    KIND: ClassVar[str] = "update"
+
+    revision: bytes
+    window: int
+    base: bytes
+    shards: tuple[int, ...]
+    delta: ArtifactRef
+    delta_digest: bytes
+    train_loss: float
+
+    def to_cbor(self) -> dict[str, Any]:
+        return {"revision": self.revision, "window": self.window, "base": self.base, "shards": list(self.shards),
+                "delta": self.delta.to_cbor(), "delta_digest": self.delta_digest, "train_loss": self.train_loss}
+
+    @classmethod
+    def from_cbor(cls, obj: Any) -> UpdateAnnouncement:
+        body = f.exact_keys(obj, frozenset({"revision", "window", "base", "shards", "delta", "delta_digest",
+                                            "train_loss"}), "update")
+        shards = f.array(body, "shards", max_len=MAX_SHARDS)
+        if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shards) or \
+                shards != sorted(set(shards)):
+            raise DecodeError("bad-field", "shards must be sorted distinct shard numbers")
+        return cls(revision=f.cid(body, "revision"), window=f.uint(body, "window"), base=f.cid(body, "base"),
+                   shards=tuple(shards), delta=ArtifactRef.from_cbor(body["delta"]),
+                   delta_digest=f.cid(body, "delta_digest"), train_loss=f.number(body, "train_loss"))
+
+
+@attrs.frozen(kw_only=True)
+class JoinRequest:
+    """A trainer asks to be put in the roster of the next head with a declared `capacity` (1..max)."""
+
+    KIND: ClassVar[str] = "join"
+
+    revision: bytes
+    capacity: int
+
+    def to_cbor(self) -> dict[str, Any]:
+        return {"revision": self.revision, "capacity": self.capacity}
+
+    @classmethod
+    def from_cbor(cls, obj: Any) -> JoinRequest:
+        body = f.exact_keys(obj, frozenset({"revision", "capacity"}), "join")
+        return cls(revision=f.cid(body, "revision"), capacity=f.uint(body, "capacity", maximum=1 << 16))
+
+
+@attrs.frozen(kw_only=True)
+class ReductionProposal:
+    """A reducer's proposed aggregate for a window: cohort (canonical order) and resulting params."""
+
+    KIND: ClassVar[str] = "proposal"
+
+    revision: bytes
+    window: int
+    base: bytes
+    cohort: tuple[bytes, ...]
+    params: ArtifactRef
+    params_digest: bytes
+
+    def to_cbor(self) -> dict[str, Any]:
+        return {"revision": self.revision, "window": self.window, "base": self.base, "cohort": list(self.cohort),
+                "params": self.params.to_cbor(), "params_digest": self.params_digest}
+
+    @classmethod
+    def from_cbor(cls, obj: Any) -> ReductionProposal:
+        body = f.exact_keys(obj, frozenset({"revision", "window", "base", "cohort", "params", "params_digest"}),
+                            "proposal")
+        cohort = f.array(body, "cohort", max_len=MAX_COHORT)
+        for c in cohort:
+            f.cid({"c": c}, "c")
+        return cls(revision=f.cid(body, "revision"), window=f.uint(body, "window"), base=f.cid(body, "base"),
+                   cohort=tuple(cohort), params=ArtifactRef.from_cbor(body["params"]),
+                   params_digest=f.cid(body, "params_digest"))
+
+
+def seal(identity: Identity, obj: UpdateAnnouncement | JoinRequest | ReductionProposal) -> SignedEnvelope:
+    return SignedEnvelope.seal(identity, obj.KIND, PROTOCOL_VERSION, obj.to_cbor())

@@ -1,0 +1,101 @@
+"""Reducer role: an optional accelerator that proposes a window's aggregate (spec/protocol.md §6).
+
+A reducer collects and screens like a validator, closes earlier (at `reducer_close_fraction` of the
+window), reduces the cohort in canonical order and sends a signed ReductionProposal to validators and
+serves the aggregate. It is never an authority: validators recompute and compare, and a wrong proposal
+is a rejection charged to the reducer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .collector import Collector
+from .envelope import SignedEnvelope
+from .fsm import Table, step
+from .identity import PeerId
+from .messages import Signed
+from .objects import Head, ReductionProposal, seal
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+TABLE: Table = {
+    ("collecting", "close"): "reducing",
+    ("collecting", "close-skip"): "idle",
+    ("reducing", "reduced"): "proposed",
+    ("reducing", "reduce-failed"): "idle",
+    ("collecting", "head"): "collecting",
+    ("reducing", "head"): "collecting",
+    ("proposed", "head"): "collecting",
+    ("idle", "head"): "collecting",
+}
+
+
+class ReducerRole:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.state = "idle"
+        self.collector: Collector | None = None
+
+    def _step(self, event: str) -> None:
+        self.state = step("reducer", TABLE, self.state, event)
+
+    def on_head(self, head: Head) -> None:
+        e = self.engine
+        self._step("head")
+        self.collector = Collector(e, head, self._maybe_close)
+        deadline = e.now + e.manifest.window_s * e.config.reducer_close_fraction
+        e.set_timer(("close", "reducer", self.collector.window), deadline)
+
+    def _maybe_close(self) -> None:
+        if self.collector is not None and self.state == "collecting" and self.collector.complete():
+            self._close()
+
+    def on_timer(self, key: tuple[Any, ...]) -> None:
+        c = self.collector
+        if key[:2] == ("close", "reducer") and c is not None and key[2] == c.window and self.state == "collecting":
+            self._close()
+
+    def _close(self) -> None:
+        e, c = self.engine, self.collector
+        assert c is not None
+        c.closed = True
+        e.cancel_timer(("close", "reducer", c.window))
+        cohort = c.cohort()
+        if len(cohort) < e.manifest.min_updates:
+            self._step("close-skip")
+            return
+        self._step("close")
+        window, ids = c.window, tuple(x.envelope.id for x in cohort)
+        args = {"params": c.head.params, "deltas": tuple(x.announcement.delta for x in cohort),
+                "weights": c.weights(cohort), "rule": e.manifest.aggregation,
+                "outer_optimizer": e.manifest.outer_optimizer, "outer_lr": e.manifest.outer_lr}
+
+        def reduced(result: dict[str, Any]) -> None:
+            e.note_stored(result["params"])
+            if c is not self.collector or self.state != "reducing":
+                return
+            self._step("reduced")
+            proposal = seal(e.identity, ReductionProposal(
+                revision=e.revision.id, window=window, base=c.head.id, cohort=ids, params=result["params"],
+                params_digest=result["params_digest"]))
+            e.stats["proposals_sent"] += 1
+            e.log("proposal", window=window, cohort=len(ids))
+            e.broadcast(Signed(envelope=proposal), roles=("validator",))
+
+        def failed(reason: str) -> None:
+            if c is self.collector and self.state == "reducing":
+                self._step("reduce-failed")
+
+        e.run_task("reduce", args, reduced, failed)
+
+    def on_signed(self, peer: PeerId, envelope: SignedEnvelope) -> None:
+        if envelope.kind == "update" and self.collector is not None:
+            self.collector.offer(peer, envelope)
+
+    def on_peer_ready(self, peer: PeerId, roles: tuple[str, ...]) -> None:
+        pass
+
+    def on_head_source(self, peer: PeerId, head: Head) -> None:
+        pass

@@ -1,0 +1,145 @@
+"""Trainer role: lease -> fetch params -> train -> persist claim -> announce (spec/protocol.md §5).
+
+One pass of this machine per window. A new certified head resets it to ``idle`` for the next window;
+results that arrive for an old window are dropped. The claim (the signed announcement) is persisted
+before it is sent, so a restarted trainer re-announces the same update instead of a different one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .envelope import SignedEnvelope
+from .fsm import Table, step
+from .identity import PeerId
+from .leases import leases_of
+from .messages import Signed
+from .objects import PROTOCOL_VERSION, ArtifactRef, Head, JoinRequest, UpdateAnnouncement, seal
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+TABLE: Table = {
+    ("idle", "lease"): "fetching",
+    ("idle", "no-lease"): "idle",
+    ("idle", "reclaim"): "announced",
+    ("fetching", "params-stored"): "training",
+    ("fetching", "fetch-failed"): "idle",
+    ("training", "trained"): "persisting",
+    ("training", "train-failed"): "idle",
+    ("persisting", "persisted"): "announced",
+}
+
+
+def claim_key(window: int) -> str:
+    return f"claim/{window}"
+
+
+class TrainerRole:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.state = "idle"
+        self.window = -1
+        self.head: Head | None = None
+        self.shards: tuple[int, ...] = ()
+        self.announcement: SignedEnvelope | None = None
+        self.head_sources: set[PeerId] = set()
+        self.joined_window = -1
+
+    def _step(self, event: str) -> None:
+        self.state = step("trainer", TABLE, self.state, event)
+
+    def on_head(self, head: Head) -> None:
+        e = self.engine
+        self.head, self.window, self.state, self.announcement = head, head.window + 1, "idle", None
+        self.shards = leases_of(head, e.manifest).get(e.me, ())
+        if e.me not in {p for p, _ in head.roster}:
+            self._join()
+        if not self.shards:
+            self._step("no-lease")
+            return
+        old = e.records.get(claim_key(self.window))
+        if old is not None:
+            envelope = SignedEnvelope.from_bytes(old)
+            ann = UpdateAnnouncement.from_cbor(envelope.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
+            if ann.base == head.id and e.is_stored(ann.delta.digest):
+                self._step("reclaim")
+                self.announcement = envelope
+                e.log("reannounce", window=self.window)
+                e.broadcast(Signed(envelope=envelope), roles=("validator", "reducer"))
+                return
+        self._step("lease")
+        e.log("lease", window=self.window, shards=list(self.shards))
+        providers = sorted(self.head_sources) + e.peers_with("validator") + e.peers_with("reducer")
+        window = self.window
+        e.fetch(head.params, providers, lambda: self._params_stored(window),
+                lambda reason: self._fetch_failed(window, reason))
+
+    def _join(self) -> None:
+        e = self.engine
+        if self.joined_window == self.window:
+            return
+        validators = e.peers_with("validator")
+        if validators:
+            self.joined_window = self.window
+            join = seal(e.identity, JoinRequest(revision=e.revision.id, capacity=e.config.capacity))
+            for v in validators:
+                e.send(v, Signed(envelope=join))
+
+    def _params_stored(self, window: int) -> None:
+        if window != self.window or self.state != "fetching" or self.head is None:
+            return
+        self._step("params-stored")
+        e = self.engine
+        args = {"params": self.head.params, "shards": self.shards, "seed": e.rng.getrandbits(32),
+                "window": window}
+        e.run_task("train", args, lambda r: self._trained(window, r), lambda why: self._train_failed(window, why))
+
+    def _fetch_failed(self, window: int, reason: str) -> None:
+        if window == self.window and self.state == "fetching":
+            self._step("fetch-failed")
+            self.engine.log("params-fetch-failed", window=window, reason=reason)
+
+    def _train_failed(self, window: int, reason: str) -> None:
+        if window == self.window and self.state == "training":
+            self._step("train-failed")
+
+    def _trained(self, window: int, result: dict[str, Any]) -> None:
+        e = self.engine
+        delta: ArtifactRef = result["delta"]
+        e.note_stored(delta)
+        if window != self.window or self.state != "training" or self.head is None:
+            e.log("stale-result", window=window)
+            return
+        self._step("trained")
+        ann = UpdateAnnouncement(revision=e.revision.id, window=window, base=self.head.id, shards=self.shards,
+                                 delta=delta, delta_digest=result["delta_digest"],
+                                 train_loss=float(result["train_loss"]))
+        envelope = seal(e.identity, ann)
+
+        def announce() -> None:
+            if window != self.window:
+                return
+            self._step("persisted")
+            self.announcement = envelope
+            e.stats["updates_announced"] += 1
+            e.log("announce", window=window, update=envelope.id.hex(), train_loss=ann.train_loss)
+            e.broadcast(Signed(envelope=envelope), roles=("validator", "reducer"))
+
+        e.persist_then(claim_key(window), envelope.to_bytes(), announce)
+
+    def on_peer_ready(self, peer: PeerId, roles: tuple[str, ...]) -> None:
+        e = self.engine
+        if self.head is not None and "validator" in roles and e.me not in {p for p, _ in self.head.roster}:
+            self._join()
+        if self.announcement is not None and ({"validator", "reducer"} & set(roles)):
+            e.send(peer, Signed(envelope=self.announcement))
+
+    def on_head_source(self, peer: PeerId, head: Head) -> None:
+        self.head_sources = {peer}
+
+    def on_signed(self, peer: PeerId, envelope: SignedEnvelope) -> None:
+        pass
+
+    def on_timer(self, key: tuple[Any, ...]) -> None:
+        pass
