@@ -68,9 +68,17 @@ class TrainerRole:
                 e.log("reannounce", window=self.window)
                 e.broadcast(Signed(envelope=envelope), roles=("validator", "reducer"))
                 return
-        self._step("lease")
         e.log("lease", window=self.window, shards=list(self.shards))
+        self._begin()
+
+    def _begin(self) -> None:
+        """Fetch the head's params (then train). Without any provider yet, wait for one to connect."""
+        e, head = self.engine, self.head
+        assert head is not None
         providers = sorted(self.head_sources) + e.peers_with("validator") + e.peers_with("reducer")
+        if not providers and not e.is_stored(head.params.digest):
+            return
+        self._step("lease")
         window = self.window
         e.fetch(head.params, providers, lambda: self._params_stored(window),
                 lambda reason: self._fetch_failed(window, reason))
@@ -132,8 +140,12 @@ class TrainerRole:
         e = self.engine
         if self.head is not None and "validator" in roles and e.me not in {p for p, _ in self.head.roster}:
             self._join()
-        if self.announcement is not None and ({"validator", "reducer"} & set(roles)):
+        if not {"validator", "reducer"} & set(roles):
+            return
+        if self.announcement is not None:
             e.send(peer, Signed(envelope=self.announcement))
+        elif self.state == "idle" and self.shards:
+            self._begin()  # a lease we could not start for lack of a provider
 
     def on_head_source(self, peer: PeerId, head: Head) -> None:
         self.head_sources = {peer}

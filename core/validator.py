@@ -63,6 +63,7 @@ class ValidatorRole:
         self.vote_of: dict[tuple[int, PeerId], bytes] = {}
         self.joins: dict[PeerId, int] = {}
         self.proposals: dict[int, dict[PeerId, ReductionProposal]] = {}
+        self.results: dict[int, tuple[tuple[bytes, ...], bytes]] = {}  # window -> own (cohort, digest)
 
     def _step(self, event: str) -> None:
         self.state = step("validator", TABLE, self.state, event)
@@ -77,6 +78,7 @@ class ValidatorRole:
         self.built = {k: v for k, v in self.built.items() if v.window >= window}
         self.votes = {w: v for w, v in self.votes.items() if w >= window}
         self.proposals = {w: v for w, v in self.proposals.items() if w >= window}
+        self.results = {w: v for w, v in self.results.items() if w >= window}
         e.set_timer(("close", "validator", window), e.now + e.manifest.window_s)
         e.log("window-open", window=window, leases=len(self.collector.leases))
         old = e.records.get(vote_key(window))
@@ -157,13 +159,21 @@ class ValidatorRole:
         e.run_task("evaluate", {"params": result["params"]}, evaluated, evaluate_failed)
 
     def _check_proposals(self, window: int, ids: tuple[bytes, ...], digest: bytes) -> None:
-        e = self.engine
+        self.results[window] = (ids, digest)
         for reducer, proposal in self.proposals.get(window, {}).items():
-            if proposal.cohort == ids and proposal.params_digest == digest:
-                e.stats["proposals_confirmed"] += 1
-                e.log("proposal-confirmed", window=window, reducer=str(reducer))
-            else:
-                e.reject(reducer, "proposal-mismatch", f"window {window}")
+            self._compare(reducer, proposal)
+
+    def _compare(self, reducer: PeerId, proposal: ReductionProposal) -> None:
+        """Once both our own result and a reducer's proposal for a window exist, judge the proposal."""
+        e = self.engine
+        own = self.results.get(proposal.window)
+        if own is None:
+            return
+        if (proposal.cohort, proposal.params_digest) == own:
+            e.stats["proposals_confirmed"] += 1
+            e.log("proposal-confirmed", window=proposal.window, reducer=str(reducer))
+        else:
+            e.reject(reducer, "proposal-mismatch", f"window {proposal.window}")
 
     def _next_roster(self, head: Head) -> tuple[tuple[PeerId, int], ...]:
         roster = dict(head.roster)
@@ -246,8 +256,10 @@ class ValidatorRole:
             proposal = ReductionProposal.from_cbor(envelope.open(ReductionProposal.KIND, PROTOCOL_VERSION))
             if proposal.revision != e.revision.id:
                 raise VerificationError("wrong-revision", "proposal")
-            if e.head.window < proposal.window <= e.head.window + VOTE_WINDOW_AHEAD:
-                self.proposals.setdefault(proposal.window, {}).setdefault(envelope.signer, proposal)
+            known = self.proposals.setdefault(proposal.window, {})
+            if e.head.window < proposal.window <= e.head.window + VOTE_WINDOW_AHEAD and envelope.signer not in known:
+                known[envelope.signer] = proposal
+                self._compare(envelope.signer, proposal)
         else:
             e.reject(peer, "unexpected-envelope", envelope.kind)
 

@@ -1,0 +1,34 @@
+"""Effect execution shared by every host of an engine (the trio runtime and the simulator).
+
+Only the storage-side effects live here; sending, timers and compute scheduling differ per host.
+"""
+
+from __future__ import annotations
+
+from peerloom.core import effects as fx
+from peerloom.core.messages import Chunk, encode_message
+
+from .storage import ArtifactStore
+
+
+def chunk_message(store: ArtifactStore, effect: fx.ServeChunk) -> bytes:
+    """The encoded `Chunk` message answering a ServeChunk effect."""
+    data = store.read_chunk(effect.ref, effect.index)
+    return encode_message(Chunk(artifact=effect.ref.digest, index=effect.index, data=data))
+
+
+def apply_storage_effect(store: ArtifactStore, effect: fx.Effect) -> bool:
+    """Execute Persist / StoreChunk / CommitArtifact against `store`; False for any other effect.
+
+    The caller feeds back `Persisted` / `ArtifactStored` (with its own clock) after this returns True.
+    """
+    match effect:
+        case fx.Persist():
+            store.put_record(effect.key, effect.record)
+        case fx.StoreChunk():
+            store.write_chunk(effect.ref, effect.index, effect.data)
+        case fx.CommitArtifact():
+            store.commit(effect.ref)
+        case _:
+            return False
+    return True
