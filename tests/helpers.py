@@ -8,10 +8,11 @@ def ident(n: int) -> Identity:
     return Identity(bytes([n]) * 32)
 
 
-def make_revision(*, validators=(ident(1),), quorum=1, trainers=(), shards=(10, 10, 10, 10), window_s=5.0,
+def make_revision(*, validators=None, quorum=1, trainers=(), shards=(10, 10, 10, 10), window_s=5.0,
                   min_updates=1, genesis=b"genesis params", schema=(("w", "float32", (2,)),),
                   authority=None, chunk_size=64 * 1024, params_digest=None) -> Revision:
     authority = authority or ident(200)
+    validators = validators or (ident(1),)
     ref = make_artifact_ref(genesis, chunk_size)
     manifest = Manifest(
         experiment="test", workload="digits-mlp", workload_seed=0, schema=tuple(schema), shards=tuple(shards),

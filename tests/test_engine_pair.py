@@ -4,6 +4,7 @@ Everything runs for real — training, screening, reduction, evaluation, signatu
 is virtual, driven by the simulator's event heap (no wall clock is read).
 """
 
+import random
 from pathlib import Path
 
 import pytest
@@ -145,7 +146,8 @@ def test_update_with_wrong_lease_is_rejected_and_charged(tmp_path, workload):
 def test_engine_refuses_misuse(tmp_path, workload):
     cluster = build(tmp_path, workload)
     node = cluster.nodes["validator"]
-    engine = Engine(EngineConfig(roles={"validator"}, revision=cluster.revision), node.identity, __import__("random").Random(0))
+    config = EngineConfig(roles={"validator"}, revision=cluster.revision)
+    engine = Engine(config, node.identity, random.Random(0))
     with pytest.raises(LocalProtocolError):
         engine.handle(ev.TimerDue(now=1.0))  # before Start
     engine.handle(ev.Start(now=5.0))

@@ -65,7 +65,7 @@ def test_certificate_verifies_and_needs_quorum_of_real_validators():
         certify(rev, head, vals[:2]).verify(rev, head)
     assert err.value.reason == "no-quorum"
     with pytest.raises(VerificationError) as err:
-        certify(rev, head, vals[:2] + [ident(77)]).verify(rev, head)
+        certify(rev, head, [*vals[:2], ident(77)]).verify(rev, head)
     assert err.value.reason == "not-a-validator"
     other = child(rev, rev.genesis(), metrics={"test_accuracy": 0.9})
     with pytest.raises(VerificationError):

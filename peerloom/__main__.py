@@ -1,0 +1,3 @@
+from peerloom.cli import main
+
+main()

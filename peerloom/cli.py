@@ -1,0 +1,48 @@
+"""The `peerloom` command: `demo`, `node`, `keygen`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="peerloom", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="train a real model across local OS processes over TCP+Noise")
+    demo.add_argument("--profile", choices=("smoke", "default"), default="default")
+    demo.add_argument("--out", type=Path, default=Path("peerloom-demo"), help="output directory")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--kill-trainer-at", type=int, default=None, metavar="WINDOW",
+                      help="SIGKILL one trainer when this window opens (it is not restarted)")
+
+    node = sub.add_parser("node", help="run one node from a TOML config until SIGTERM")
+    node.add_argument("--config", type=Path, required=True)
+
+    keygen = sub.add_parser("keygen", help="create an identity key file (mode 0600) and print its peer id")
+    keygen.add_argument("path", type=Path)
+
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from peerloom.demo import run_demo
+
+        sys.exit(run_demo(profile=args.profile, out=args.out, seed=args.seed,
+                          kill_trainer_at=args.kill_trainer_at))
+    elif args.command == "node":
+        from peerloom.node import ConfigError, run_node
+
+        try:
+            run_node(args.config)
+        except ConfigError as exc:
+            sys.exit(f"peerloom node: {exc}")
+    elif args.command == "keygen":
+        from peerloom.adapters.keys import generate_identity, save_identity
+
+        identity = generate_identity()
+        try:
+            save_identity(identity, args.path)
+        except FileExistsError:
+            sys.exit(f"peerloom keygen: {args.path} exists; refusing to overwrite a key")
+        print(identity.peer_id.to_text())

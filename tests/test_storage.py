@@ -1,0 +1,67 @@
+"""Artifact store: atomic writes, verify on read, chunked fetch assembly, records, keys."""
+
+import os
+import stat
+
+import pytest
+
+from peerloom.adapters.keys import load_identity, load_or_create_identity, save_identity
+from peerloom.adapters.storage import ArtifactStore
+from peerloom.core.errors import VerificationError
+from peerloom.core.identity import Identity
+from peerloom.core.objects import make_artifact_ref
+
+
+def test_put_get_and_reopen(tmp_path):
+    store = ArtifactStore(tmp_path, chunk_size=10)
+    ref = store.put(b"x" * 25)
+    assert ref.num_chunks == 3 and store.get(ref.digest) == b"x" * 25
+    assert store.read_chunk(ref, 2) == b"x" * 5
+    again = ArtifactStore(tmp_path, chunk_size=10)
+    assert again.refs() == [ref]
+
+
+def test_corruption_detected_on_read(tmp_path):
+    store = ArtifactStore(tmp_path)
+    ref = store.put(b"hello world")
+    path = tmp_path / "artifacts" / ref.digest[2:].hex()
+    path.write_bytes(b"hello worle")
+    with pytest.raises(VerificationError):
+        store.get(ref.digest)
+
+
+def test_chunks_assemble_out_of_order_and_bad_assembly_refused(tmp_path):
+    data = os.urandom(1000)
+    ref = make_artifact_ref(data, 300)
+    store = ArtifactStore(tmp_path, chunk_size=300)
+    for i in (3, 0, 2, 1):
+        store.write_chunk(ref, i, data[i * 300:(i + 1) * 300])
+    store.commit(ref)
+    assert store.get(ref.digest) == data
+    other = make_artifact_ref(b"a" * 600, 300)
+    store.write_chunk(other, 0, b"a" * 300)
+    store.write_chunk(other, 1, b"b" * 300)
+    with pytest.raises(VerificationError):
+        store.commit(other)
+    assert not store.has(other.digest)
+
+
+def test_records_round_trip_and_no_temp_files_left(tmp_path):
+    store = ArtifactStore(tmp_path)
+    store.put_record("vote/3", b"v3")
+    store.put_record("vote/3", b"v3 again")
+    store.put_record("head", b"h")
+    assert ArtifactStore(tmp_path).records() == {"vote/3": b"v3 again", "head": b"h"}
+    assert not [p for p in (tmp_path / "records").iterdir() if p.name.startswith(".")]
+
+
+def test_key_files_are_private_and_never_overwritten(tmp_path):
+    path = tmp_path / "node.key"
+    identity = load_or_create_identity(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert load_identity(path).peer_id == identity.peer_id
+    with pytest.raises(FileExistsError):
+        save_identity(Identity(b"\1" * 32), path)
+    path.write_text("zz")
+    with pytest.raises(ValueError):
+        load_identity(path)
