@@ -1,0 +1,136 @@
+"""Tensor dictionaries, their safetensors container and their canonical digest (DESIGN §3 "Tensor artifacts").
+
+A `TensorDict` maps tensor names (text) to numpy arrays. On the wire it travels as safetensors bytes
+(https://github.com/huggingface/safetensors: 8-byte little-endian header length, a JSON header, then the
+raw little-endian tensor bytes) — never pickle. A head commits to `tensor_digest`, which depends only on
+names, dtypes, shapes and values, not on the container or on dict order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+
+import numpy as np
+import safetensors.numpy
+
+from peerloom.core.encoding import SHA256_MULTIHASH_PREFIX, encode
+from peerloom.core.errors import DecodeError
+
+TensorDict = dict[str, np.ndarray]
+Schema = tuple[tuple[str, str, tuple[int, ...]], ...]
+
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+"""Largest safetensors JSON header `from_safetensors` accepts (checked before parsing)."""
+
+DEFAULT_MAX_TENSORS = 4096
+
+_LITTLE = sys.byteorder == "little"
+
+
+def _little_endian_c(array: np.ndarray) -> np.ndarray:
+    """`array` as a C-contiguous, little-endian array (a copy only when needed)."""
+    array = np.asarray(array)
+    dtype = array.dtype
+    if dtype.byteorder == ">" or (dtype.byteorder == "=" and not _LITTLE):
+        dtype = dtype.newbyteorder("<")
+    return np.asarray(array, dtype=dtype, order="C")  # unlike ascontiguousarray, keeps 0-d arrays 0-d
+
+
+def to_safetensors(tensors: TensorDict) -> bytes:
+    """Serialize `tensors` to safetensors bytes (no metadata).
+
+    Arrays are written C-contiguous and little-endian whatever their layout in memory. The library orders
+    tensors in the file by (dtype alignment, name), so the bytes do not depend on dict order. Raises
+    `ValueError`/`TypeError` for names that are not text or dtypes safetensors cannot carry.
+    """
+    flat: TensorDict = {}
+    for name, array in tensors.items():
+        if not isinstance(name, str):
+            raise TypeError(f"tensor names must be str, got {type(name).__name__}")
+        flat[name] = _little_endian_c(array)
+    return safetensors.numpy.save(flat)
+
+
+def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate header key {key!r}")
+        out[key] = value
+    return out
+
+
+def from_safetensors(data: bytes | bytearray | memoryview, *, max_tensors: int = DEFAULT_MAX_TENSORS) -> TensorDict:
+    """Parse safetensors bytes from an untrusted peer into a `TensorDict`.
+
+    Checked before the library parses anything: ``len(data) >= 8``; the little-endian u64 header length
+    is at most ``len(data) - 8`` and at most `MAX_HEADER_BYTES` (16 MiB); the header is UTF-8 JSON whose
+    top level is an object with no duplicate keys and at most `max_tensors` tensor entries. The library
+    then checks dtypes, shapes and that offsets tile the buffer exactly. The returned arrays are
+    read-only (backed by the parsed bytes), little-endian and C-contiguous; copy before writing.
+
+    Any failure raises `DecodeError("bad-safetensors", detail)`; nothing else escapes. Never unpickles.
+    """
+    try:
+        data = bytes(data)
+    except Exception as exc:
+        raise DecodeError("bad-safetensors", f"not bytes: {type(exc).__name__}") from exc
+    if len(data) < 8:
+        raise DecodeError("bad-safetensors", f"{len(data)} bytes is shorter than the 8-byte length prefix")
+    header_len = int.from_bytes(data[:8], "little")
+    if header_len > len(data) - 8:
+        raise DecodeError("bad-safetensors", f"header length {header_len} exceeds {len(data) - 8} bytes")
+    if header_len > MAX_HEADER_BYTES:
+        raise DecodeError("bad-safetensors", f"header length {header_len} > {MAX_HEADER_BYTES}")
+    try:
+        header = json.loads(data[8 : 8 + header_len].decode("utf-8"), object_pairs_hook=_reject_duplicates)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise DecodeError("bad-safetensors", f"header is not JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise DecodeError("bad-safetensors", "header is not a JSON object")
+    count = sum(1 for key in header if key != "__metadata__")
+    if count > max_tensors:
+        raise DecodeError("bad-safetensors", f"{count} tensors > {max_tensors}")
+    try:
+        tensors = safetensors.numpy.load(data)
+    except Exception as exc:  # the Rust parser raises SafetensorError; unknown dtypes raise KeyError
+        raise DecodeError("bad-safetensors", f"{type(exc).__name__}: {exc}") from exc
+    if len(tensors) != count:
+        raise DecodeError("bad-safetensors", f"parsed {len(tensors)} tensors, header names {count}")
+    return tensors
+
+
+def schema_of(tensors: TensorDict) -> Schema:
+    """``((name, dtype, shape), ...)`` sorted by name; dtype is numpy's name (``"float32"``, ``"int64"``)."""
+    return tuple(
+        (name, np.dtype(tensors[name].dtype).name, tuple(int(d) for d in np.shape(tensors[name])))
+        for name in sorted(tensors)
+    )
+
+
+def tensor_digest(tensors: TensorDict) -> bytes:
+    """Canonical, container-independent digest of a tensor dict: a 34-byte content id.
+
+    Definition (what a head commits to, DESIGN §3)::
+
+        schema  = [[name, dtype, [d0, d1, ...]] for name in sorted(names)]   # dtype e.g. "float32"
+        digest  = SHA-256( encode(schema) || raw(t[n0]) || raw(t[n1]) || ... )  # names in sorted order
+        content id = 0x12 0x20 || digest                                       # multihash sha2-256
+
+    ``encode`` is peerloom's canonical CBOR (RFC 8949 §4.2.1); names sort by Python string order (code
+    points); ``raw`` is the tensor's bytes in C (row-major) order, little-endian. The schema prefix
+    fixes every tensor's length, so the concatenation is unambiguous. The bytes are streamed into the
+    hash tensor by tensor, never concatenated.
+    """
+    names = sorted(tensors)
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"tensor names must be str, got {type(name).__name__}")
+    hasher = hashlib.sha256(encode([[n, dt, list(shape)] for n, dt, shape in schema_of(tensors)]))
+    for name in names:
+        array = _little_endian_c(tensors[name])
+        if array.size:
+            hasher.update(array.reshape(-1).view(np.uint8))
+    return SHA256_MULTIHASH_PREFIX + hasher.digest()
