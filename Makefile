@@ -17,7 +17,6 @@ demo: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q
-	$(BIN)/lint-imports
 	$(BIN)/ruff check .
 
 clean:
