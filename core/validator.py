@@ -64,6 +64,7 @@ class ValidatorRole:
         self.joins: dict[PeerId, int] = {}
         self.proposals: dict[int, dict[PeerId, ReductionProposal]] = {}
         self.results: dict[int, tuple[tuple[bytes, ...], bytes]] = {}  # window -> own (cohort, digest)
+        self.deadline_armed = False
 
     def _step(self, event: str) -> None:
         self.state = step("validator", TABLE, self.state, event)
@@ -74,18 +75,33 @@ class ValidatorRole:
         e = self.engine
         self._step("head")
         self.collector = Collector(e, head, self._maybe_close)
+        self.deadline_armed = False
         window = self.collector.window
         self.built = {k: v for k, v in self.built.items() if v.window >= window}
         self.votes = {w: v for w, v in self.votes.items() if w >= window}
         self.proposals = {w: v for w, v in self.proposals.items() if w >= window}
         self.results = {w: v for w, v in self.results.items() if w >= window}
-        e.set_timer(("close", "validator", window), e.now + e.manifest.window_s)
         e.log("window-open", window=window, leases=len(self.collector.leases))
+        self._arm_deadline()
         old = e.records.get(vote_key(window))
         if old is not None:  # restarted after voting: stand by that vote, never sign another
             self.state = "voting"
             e.log("resume-vote", window=window)
             self._count_vote(SignedEnvelope.from_bytes(old), from_self=True)
+
+    def _arm_deadline(self) -> None:
+        """Start the window's clock once a trainer holding a lease is reachable; until then it waits.
+
+        A window that no leaseholder can reach would only be skipped, so its deadline does not run.
+        """
+        e, c = self.engine, self.collector
+        if c is None or self.state != "collecting" or self.deadline_armed:
+            return
+        if not set(c.leases) & set(e.peers_with("trainer")):
+            e.log("window-waiting", window=c.window)
+            return
+        self.deadline_armed = True
+        e.set_timer(("close", "validator", c.window), e.now + e.manifest.window_s)
 
     def _maybe_close(self) -> None:
         c = self.collector
@@ -264,7 +280,8 @@ class ValidatorRole:
             e.reject(peer, "unexpected-envelope", envelope.kind)
 
     def on_peer_ready(self, peer: PeerId, roles: tuple[str, ...]) -> None:
-        pass
+        if "trainer" in roles:
+            self._arm_deadline()
 
     def on_head_source(self, peer: PeerId, head: Head) -> None:
         pass
