@@ -49,7 +49,7 @@ class NodeRuntime:
 
     def __init__(self, *, name: str, identity: Identity, revision: Revision, roles: set[str],
                  store: ArtifactStore, executor: ComputeExecutor, options: RuntimeOptions,
-                 events_path: Path | None = None, capacity: int = 1,
+                 events_path: Path | None = None, capacity: int = 1, stop_after_window: int | None = None,
                  on_head: Callable[[Head, QuorumCertificate], None] | None = None) -> None:
         self.name = name
         self.identity = identity
@@ -58,7 +58,7 @@ class NodeRuntime:
         self.options = options
         self.on_head = on_head
         config = EngineConfig(roles=frozenset(roles), revision=revision, capacity=capacity,
-                              max_message_bytes=options.max_message_bytes)
+                              max_message_bytes=options.max_message_bytes, stop_after_window=stop_after_window)
         self.engine = Engine(config, identity, random.Random(), stored=store.refs(), records=store.records())
         self._events_file = open(events_path, "a", buffering=1) if events_path else None
         self._send_events, self._receive_events = trio.open_memory_channel[ev.Event](math.inf)
@@ -124,6 +124,8 @@ class NodeRuntime:
                 case fx.HeadPromoted():
                     if self.on_head is not None:
                         self.on_head(effect.head, effect.certificate)
+                    sent, received = self.wire_bytes()
+                    self._emit_line("wire", {"window": effect.head.window, "sent": sent, "received": received})
                 case fx.Log():
                     self._emit_line(effect.event, effect.fields)
 

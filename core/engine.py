@@ -60,6 +60,7 @@ class EngineConfig:
     fetch_attempts: int = 6
     penalty_limit: int = 20
     reducer_close_fraction: float = 0.75
+    stop_after_window: int | None = None  # local policy: open no window after this one
 
     def __attrs_post_init__(self) -> None:
         if not self.roles or not self.roles <= set(ROLES):
@@ -149,8 +150,7 @@ class Engine:
                 raise LocalProtocolError("Start twice")
             self.started = True
             self.log("start", roles=sorted(self.config.roles), head_window=self.head.window)
-            for role in self.roles:
-                role.on_head(self.head)
+            self._open_next_window()
             return
         if not self.started:
             raise LocalProtocolError(f"{type(event).__name__} before Start")
@@ -307,12 +307,19 @@ class Engine:
             self.log("head", window=head.window, id=head.id.hex(), skipped=head.skipped,
                      cohort=len(head.cohort), metrics=dict(head.metrics))
             self.broadcast(CertifiedHead(head=head, certificate=cert))
-            for role in self.roles:
-                role.on_head(head)
+            self._open_next_window()
 
         self.persist_then(HEAD_RECORD, record, promote)
 
     # --- internals -------------------------------------------------------------------------------
+
+    def _open_next_window(self) -> None:
+        stop = self.config.stop_after_window
+        if stop is not None and self.head.window >= stop:
+            self.log("finished", window=self.head.window)
+            return
+        for role in self.roles:
+            role.on_head(self.head)
 
     def _on_message(self, peer: PeerId, data: bytes) -> None:
         state = self.peers.get(peer)

@@ -22,6 +22,7 @@ from typing import Any
 
 import attrs
 import tomli_w
+from rich.console import Console
 
 import peerloom
 from peerloom.adapters.keys import generate_identity, save_identity
@@ -63,8 +64,11 @@ class NodeProc:
     process: subprocess.Popen[bytes] | None = None
 
 
-def _say(text: str) -> None:
-    print(text, flush=True)
+_console = Console(highlight=False, soft_wrap=True)
+
+
+def _say(text: str, *, markup: bool = False) -> None:
+    _console.print(text, markup=markup)
 
 
 def _prepare_out(out: Path) -> None:
@@ -76,13 +80,14 @@ def _prepare_out(out: Path) -> None:
     (out / MARKER).touch()
 
 
-def _write_config(node: NodeProc, manifest_path: Path, authority: Identity, bootstrap: list[str]) -> Path:
+def _write_config(node: NodeProc, manifest_path: Path, authority: Identity, bootstrap: list[str],
+                  windows: int) -> Path:
     d = node.directory
     config = {
         "name": node.name, "roles": [node.role], "key": "key", "manifest": str(manifest_path),
         "authority": authority.peer_id.to_text(), "store": "store", "listen": "127.0.0.1:0",
         "bootstrap": bootstrap, "port_file": "port", "events": "events.jsonl", "stats": "stats.json",
-        "threads": 1,
+        "threads": 1, "stop_after_window": windows,
     }
     path = d / "node.toml"
     path.write_text(tomli_w.dumps(config))
@@ -197,19 +202,26 @@ def run_demo(*, profile: str = "default", out: Path = Path("peerloom-demo"), see
     killed: NodeProc | None = None
     try:
         validator, reducer = nodes[0], nodes[1]
-        _spawn(validator, _write_config(validator, manifest_path, authority, []))
+        _spawn(validator, _write_config(validator, manifest_path, authority, [], p.windows))
         v_port = _wait_port(validator, deadline)
-        _spawn(reducer, _write_config(reducer, manifest_path, authority, [f"127.0.0.1:{v_port}"]))
+        _spawn(reducer, _write_config(reducer, manifest_path, authority, [f"127.0.0.1:{v_port}"], p.windows))
         r_port = _wait_port(reducer, deadline)
         for t in trainers:
-            _spawn(t, _write_config(t, manifest_path, authority, [f"127.0.0.1:{v_port}", f"127.0.0.1:{r_port}"]))
+            bootstrap = [f"127.0.0.1:{v_port}", f"127.0.0.1:{r_port}"]
+            _spawn(t, _write_config(t, manifest_path, authority, bootstrap, p.windows))
         _say(f"started {len(nodes)} node processes on 127.0.0.1 (validator port {v_port}); "
              f"pids {', '.join(str(n.process.pid) for n in nodes if n.process)}")
         tail = EventTail(validator.directory / "events.jsonl")
+        wire_tails = {n.name: EventTail(n.directory / "events.jsonl") for n in nodes}
+        wire_sent: dict[str, int] = {}
         while time.monotonic() < deadline and (not heads or heads[-1]["window"] < p.windows):
             if validator.process is not None and validator.process.poll() is not None:
                 _say("validator exited unexpectedly; see its node.log")
                 break
+            for name, node_tail in wire_tails.items():
+                for line in node_tail.read():
+                    if line["event"] == "wire":
+                        wire_sent[name] = line["sent"]
             for line in tail.read():
                 if line["event"] == "reject":
                     rejected[line["reason"]] = rejected.get(line["reason"], 0) + 1
@@ -219,10 +231,11 @@ def run_demo(*, profile: str = "default", out: Path = Path("peerloom-demo"), see
                 elif line["event"] == "head":
                     heads.append(line)
                     m = line["metrics"]
-                    status = "SKIPPED (too few updates)" if line["skipped"] else (
-                        f"accuracy {m.get('test_accuracy', 0):.4f}  loss {m.get('test_loss', 0):.4f}")
+                    status = "[bold red]SKIPPED (too few updates)[/]" if line["skipped"] else (
+                        f"accuracy [bold green]{m.get('test_accuracy', 0):.4f}[/]  loss {m.get('test_loss', 0):.4f}")
                     _say(f"window {line['window']:>3}/{p.windows}  {status}  updates {line['cohort']}  "
-                         f"t={time.monotonic() - started:5.1f}s")
+                         f"wire {sum(wire_sent.values()) / 1e6:6.2f} MB  t={time.monotonic() - started:5.1f}s",
+                         markup=True)
                     if kill_trainer_at is not None and killed is None and line["window"] + 1 >= kill_trainer_at:
                         killed = trainers[0]
                         assert killed.process is not None
@@ -289,10 +302,12 @@ def _finish(out: Path, profile: str, seed: int, p: Profile, nodes: list[NodeProc
         _say(f"  {line}")
     ok = certified >= p.windows and verified
     gap = report["baseline"]["test_accuracy"] - report["final_head"]["test_accuracy"]
-    _say(f"{'OK' if ok else 'FAILED'}: {certified}/{p.windows} windows certified, {skipped} skipped; "
+    verdict = "[bold green]OK[/]" if ok else "[bold red]FAILED[/]"
+    _say(f"{verdict}: {certified}/{p.windows} windows certified, {skipped} skipped; "
          f"final accuracy {report['final_head']['test_accuracy']:.4f} vs centralized "
          f"{report['baseline']['test_accuracy']:.4f} ({gap * 100:+.2f} points behind); "
-         f"{report['bytes_on_wire'] / 1e6:.1f} MB on the wire; {report['wall_s']:.1f} s. Report: {out / 'report.json'}")
+         f"{report['bytes_on_wire'] / 1e6:.1f} MB on the wire; {report['wall_s']:.1f} s.", markup=True)
+    _say(f"report: {out / 'report.json'}  chain: {out / 'chain'}  plot: {out / 'plots' / 'accuracy.png'}")
     return 0 if ok else 1
 
 

@@ -15,6 +15,7 @@ Config keys (TOML)::
     events = "trainer-1/events.jsonl"  # optional: structured event log
     stats = "trainer-1/stats.json"     # optional: counters written at shutdown
     threads = 1                        # compute threads (torch)
+    stop_after_window = 20             # optional: open no window after this one
 
 Relative paths are relative to the config file's directory.
 """
@@ -95,7 +96,7 @@ def run_node(config_path: Path) -> None:
     atomic_write(Path(config["store"]) / "manifest.cbor", envelope.to_bytes())
     runtime = NodeRuntime(name=config["name"], identity=identity, revision=revision, roles=set(config["roles"]),
                           store=store, executor=executor, options=options, events_path=config.get("events"),
-                          capacity=int(config.get("capacity", 1)),
+                          capacity=int(config.get("capacity", 1)), stop_after_window=config.get("stop_after_window"),
                           on_head=lambda h, c: write_chain_entry(chain_dir, h, c))
 
     async def main() -> None:

@@ -26,19 +26,19 @@ def test_smoke_demo_with_a_killed_trainer(smoke_run):
     report = json.loads((out / "report.json").read_text())
     assert REPORT_KEYS <= set(report)
     assert report["profile"] == "smoke" and report["seed"] == 1 and report["transport"] == "tcp+noise"
-    assert report["windows"]["certified"] >= 3 and report["windows"]["skipped"] == 0
+    assert report["windows"] == {"certified": 3, "skipped": 0}  # stop_after_window holds the fleet at 3
     roles = sorted(n["role"] for n in report["nodes"])
     assert roles.count("trainer") >= 4 and "validator" in roles and "reducer" in roles
     assert len({n["pid"] for n in report["nodes"]}) == len(report["nodes"])  # separate OS processes
     assert [n["behaviour"] for n in report["nodes"]].count("killed") == 1
-    assert report["final_head"]["window"] >= 3
+    assert report["final_head"]["window"] == 3
     assert 0.5 < report["final_head"]["test_accuracy"] <= 1.0
     assert 0.9 < report["baseline"]["test_accuracy"] <= 1.0
     assert report["updates"]["accepted"] >= 3 * 2
     assert report["bytes_on_wire"] > 0 and report["verified"] is True
     assert "deadline reached" in proc.stdout  # the killed trainer's window closed on its deadline
     chain = sorted(p.name for p in (out / "chain").iterdir())
-    assert chain[:3] == ["000001.cbor", "000002.cbor", "000003.cbor"] and chain[-1] == "manifest.cbor"
+    assert chain == ["000001.cbor", "000002.cbor", "000003.cbor", "manifest.cbor"]
     assert (out / "plots" / "accuracy.png").stat().st_size > 1000
 
 
