@@ -18,7 +18,7 @@ def test_missing_keys_are_named(tmp_path):
 def test_bad_toml_is_reported(tmp_path):
     path = tmp_path / "node.toml"
     path.write_text("name = \n")
-    with pytest.raises(ConfigError, match="node.toml"):
+    with pytest.raises(ConfigError, match=r"node\.toml"):
         load_config(path)
 
 
