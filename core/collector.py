@@ -53,10 +53,17 @@ class Collector:
         self.entries: dict[PeerId, Entry] = {}
         self.on_change = on_change
         self.closed = False
+        self.offers: dict[PeerId, int] = {}
 
     def offer(self, sender: PeerId, envelope: SignedEnvelope) -> None:
         """Take one signed update announcement from `sender` (who may relay someone else's)."""
         e = self.engine
+        # Quota before any signature check: a sender may offer at most one update per lease plus slack.
+        offers = self.offers.get(sender, 0) + 1
+        self.offers[sender] = offers
+        if offers > len(self.leases) + e.config.announcement_slack:
+            e.reject(sender, "announce-quota")
+            return
         try:
             ann = UpdateAnnouncement.from_cbor(envelope.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
         except (DecodeError, VerificationError) as exc:

@@ -60,6 +60,9 @@ class EngineConfig:
     fetch_attempts: int = 6
     penalty_limit: int = 20
     reducer_close_fraction: float = 0.75
+    chunk_requests_per_s: float = 512.0  # per-peer serving quota (token bucket refill)
+    chunk_request_burst: int = 1024  # per-peer serving quota (bucket size)
+    announcement_slack: int = 4  # offers a sender may make per window beyond the number of leases
     stop_after_window: int | None = None  # local policy: open no window after this one
 
     def __attrs_post_init__(self) -> None:
@@ -71,9 +74,13 @@ class EngineConfig:
 
 @attrs.define
 class PeerState:
+    """What the engine knows of one connected peer. Quotas are per authenticated peer, never global."""
+
     roles: tuple[str, ...] = ()
     greeted: bool = False
     penalty: int = 0
+    chunk_tokens: float = 0.0
+    tokens_at: float = 0.0
 
 
 @attrs.define
@@ -160,7 +167,8 @@ class Engine:
             case ev.TimerDue():
                 self._fire_timers()
             case ev.PeerConnected():
-                self.peers[event.peer] = PeerState()
+                self.peers[event.peer] = PeerState(chunk_tokens=float(self.config.chunk_request_burst),
+                                                   tokens_at=self.now)
                 self.send(event.peer, Hello(revision=self.revision.id, roles=tuple(sorted(self.config.roles)),
                                             head_window=self.head.window))
             case ev.PeerDisconnected():
@@ -361,6 +369,9 @@ class Engine:
                 for role in self.roles:
                     role.on_signed(peer, message.envelope)
             case ChunkRequest():
+                if not self._take_chunk_token(state):
+                    self.reject(peer, "chunk-quota")
+                    return
                 ref = self._stored.get(message.artifact)
                 if ref is None or message.index >= ref.num_chunks:
                     self.send(peer, ChunkMissing(artifact=message.artifact, index=message.index))
@@ -375,6 +386,18 @@ class Engine:
                     if peer in fetch.providers:
                         fetch.providers.remove(peer)
                     self._requeue(fetch, peer)
+
+    def _take_chunk_token(self, state: PeerState) -> bool:
+        """Token bucket per peer: an honest fetcher keeps at most `max_chunks_in_flight` requests out, so
+        only a flooder runs it dry; its requests are refused without reading anything from storage."""
+        c = self.config
+        state.chunk_tokens = min(float(c.chunk_request_burst),
+                                 state.chunk_tokens + (self.now - state.tokens_at) * c.chunk_requests_per_s)
+        state.tokens_at = self.now
+        if state.chunk_tokens < 1.0:
+            return False
+        state.chunk_tokens -= 1.0
+        return True
 
     def _on_chunk(self, peer: PeerId, chunk: Chunk) -> None:
         fetch = self._fetches.get(chunk.artifact)
