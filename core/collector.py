@@ -55,15 +55,20 @@ class Collector:
         self.closed = False
         self.offers: dict[PeerId, int] = {}
 
-    def offer(self, sender: PeerId, envelope: SignedEnvelope) -> None:
-        """Take one signed update announcement from `sender` (who may relay someone else's)."""
+    def offer(self, sender: PeerId, envelope: SignedEnvelope, *, force: bool = False) -> None:
+        """Take one signed update announcement from `sender` (who may relay someone else's).
+
+        `force` is for updates named by a head proposal: checked the same way, but after the window
+        closed and outside the sender's quota (a proposal's size is bounded by the cohort limit).
+        """
         e = self.engine
-        # Quota before any signature check: a sender may offer at most one update per lease plus slack.
-        offers = self.offers.get(sender, 0) + 1
-        self.offers[sender] = offers
-        if offers > len(self.leases) + e.config.announcement_slack:
-            e.reject(sender, "announce-quota")
-            return
+        if not force:
+            # Quota before any signature check: a sender may offer one update per lease plus slack.
+            offers = self.offers.get(sender, 0) + 1
+            self.offers[sender] = offers
+            if offers > len(self.leases) + e.config.announcement_slack:
+                e.reject(sender, "announce-quota")
+                return
         try:
             ann = UpdateAnnouncement.from_cbor(envelope.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
         except (DecodeError, VerificationError) as exc:
@@ -76,7 +81,7 @@ class Collector:
             e.stats["stale_updates"] += 1  # a slow honest trainer; no penalty
         elif ann.window > self.window:
             e.stats["future_updates"] += 1  # we are behind; the head will reach us
-        elif self.closed:
+        elif self.closed and not force:
             e.rejected_by_reason["late"] += 1
         elif ann.base != self.head.id:
             e.reject(sender, "wrong-base")

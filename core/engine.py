@@ -64,6 +64,7 @@ class EngineConfig:
     chunk_request_burst: int = 1024  # per-peer serving quota (bucket size)
     announcement_slack: int = 4  # offers a sender may make per window beyond the number of leases
     stop_after_window: int | None = None  # local policy: open no window after this one
+    agreement_timeout_s: float = 2.0  # Tendermint base timeout; grows linearly with the round
 
     def __attrs_post_init__(self) -> None:
         if not self.roles or not self.roles <= set(ROLES):
@@ -132,7 +133,7 @@ class Engine:
         records = dict(records or {})
         self.records = records
         self.head, self.certificate = self.revision.genesis(), QuorumCertificate(
-            head=self.revision.genesis().id, window=0, votes=())
+            head=self.revision.genesis().id, window=0, round=0, votes=())
         if HEAD_RECORD in records:
             head, cert = _decode_certified(records[HEAD_RECORD], self.config.max_message_bytes)
             self.verify_certified(head, cert)

@@ -140,8 +140,9 @@ class Manifest:
         n = len(self.validators)
         if not 1 <= self.quorum <= n:
             raise DecodeError("bad-field", f"quorum {self.quorum} outside 1..{n}")
-        if 2 * self.quorum <= n:
-            # Two quorums must intersect, or two heads could both be certified for one window.
+        if 3 * self.quorum <= 2 * n:
+            # Byzantine quorums (spec/agreement.md §2): any two quorums must share an honest validator
+            # while up to n - quorum validators are faulty, which needs 3 * quorum > 2 * n.
             raise DecodeError("bad-field", f"quorum {self.quorum} of {n} validators cannot be safe")
         if self.window_s <= 0 or self.min_updates < 1 or self.max_capacity < 1:
             raise DecodeError("bad-field", "window_s, min_updates and max_capacity must be positive")
@@ -291,27 +292,33 @@ _HEAD_KEYS = frozenset({"revision", "parent", "window", "skipped", "params", "pa
                         "quarantine", "metrics"})
 
 VOTE_KIND = "vote"
+PREVOTE, PRECOMMIT = "prevote", "precommit"
 
 
-def vote_body(revision: bytes, window: int, head_id: bytes) -> dict[str, Any]:
-    return {"revision": revision, "window": window, "head": head_id}
+def vote_body(revision: bytes, window: int, round_: int, step: str, head_id: bytes | None) -> dict[str, Any]:
+    """Body of a Tendermint vote (spec/agreement.md §3); `head_id` None is a vote for nil."""
+    return {"revision": revision, "window": window, "round": round_, "step": step, "head": head_id}
 
 
-def sign_vote(identity: Identity, revision: bytes, window: int, head_id: bytes) -> SignedEnvelope:
-    """A validator's vote for `head_id` as the head of `window` (at most one per window, ever)."""
-    return SignedEnvelope.seal(identity, VOTE_KIND, PROTOCOL_VERSION, vote_body(revision, window, head_id))
+def sign_vote(identity: Identity, revision: bytes, window: int, round_: int, step: str,
+              head_id: bytes | None) -> SignedEnvelope:
+    """A validator's prevote or precommit. An honest validator signs at most one per (window, round, step)."""
+    return SignedEnvelope.seal(identity, VOTE_KIND, PROTOCOL_VERSION,
+                               vote_body(revision, window, round_, step, head_id))
 
 
 @attrs.frozen(kw_only=True)
 class QuorumCertificate:
-    """Signatures of a quorum of the revision's validators over one head id (DESIGN §4).
+    """Precommits of a quorum of the revision's validators for one head in one round (DESIGN §4,
+    spec/agreement.md §4).
 
     `votes` holds (validator, signature) pairs sorted by validator; each signature is a vote envelope's
-    signature over ``vote_body(revision, window, head)``.
+    signature over ``vote_body(revision, window, round, "precommit", head)``.
     """
 
     head: bytes
     window: int
+    round: int
     votes: tuple[tuple[PeerId, bytes], ...]
 
     def verify(self, revision: Revision, head: Head) -> None:
@@ -325,7 +332,7 @@ class QuorumCertificate:
         if signers != sorted(set(signers)):
             raise VerificationError("bad-certificate", "signers must be sorted and distinct")
         allowed = set(m.validators)
-        body = encode(vote_body(revision.id, self.window, self.head))
+        body = encode(vote_body(revision.id, self.window, self.round, PRECOMMIT, self.head))
         for signer, sig in self.votes:
             if signer not in allowed:
                 raise VerificationError("not-a-validator", str(signer))
@@ -335,23 +342,24 @@ class QuorumCertificate:
             raise VerificationError("no-quorum", f"{len(self.votes)} of {m.quorum} votes")
 
     def to_cbor(self) -> dict[str, Any]:
-        return {"head": self.head, "window": self.window,
+        return {"head": self.head, "window": self.window, "round": self.round,
                 "votes": [[p.to_bytes(), s] for p, s in self.votes]}
 
     @classmethod
     def from_cbor(cls, obj: Any) -> QuorumCertificate:
-        body = f.exact_keys(obj, frozenset({"head", "window", "votes"}), "certificate")
+        body = f.exact_keys(obj, frozenset({"head", "window", "round", "votes"}), "certificate")
         votes = []
         for item in f.array(body, "votes", max_len=MAX_PEERS):
             if not (isinstance(item, list) and len(item) == 2):
                 raise DecodeError("bad-field", "votes are [validator, signature]")
             v = {"p": item[0], "s": item[1]}
             votes.append((f.peer(v, "p"), f.raw(v, "s", size=64)))
-        return cls(head=f.cid(body, "head"), window=f.uint(body, "window"), votes=tuple(votes))
+        return cls(head=f.cid(body, "head"), window=f.uint(body, "window"), round=f.uint(body, "round"),
+                   votes=tuple(votes))
 
     @classmethod
-    def from_votes(cls, head: bytes, window: int, votes: Mapping[PeerId, bytes]) -> QuorumCertificate:
-        return cls(head=head, window=window, votes=tuple(sorted(votes.items())))
+    def from_votes(cls, head: bytes, window: int, round_: int, votes: Mapping[PeerId, bytes]) -> QuorumCertificate:
+        return cls(head=head, window=window, round=round_, votes=tuple(sorted(votes.items())))
 
 
 # --- signed bodies of trainer, reducer and join messages ---------------------------------------------
@@ -438,5 +446,41 @@ class ReductionProposal:
                    params_digest=f.cid(body, "params_digest"))
 
 
-def seal(identity: Identity, obj: UpdateAnnouncement | JoinRequest | ReductionProposal) -> SignedEnvelope:
+Sealable = UpdateAnnouncement | JoinRequest | ReductionProposal
+
+
+def seal(identity: Identity, obj: Sealable | HeadProposal) -> SignedEnvelope:
     return SignedEnvelope.seal(identity, obj.KIND, PROTOCOL_VERSION, obj.to_cbor())
+
+
+@attrs.frozen(kw_only=True)
+class HeadProposal:
+    """A round's proposer proposes the next head (Tendermint PROPOSAL, spec/agreement.md §3).
+
+    `updates` are the signed announcements of every cohort member, so each validator can fetch, screen
+    and re-reduce them itself; `valid_round` is the round in which the proposer saw a quorum of prevotes
+    for this head (None if it never did).
+    """
+
+    KIND: ClassVar[str] = "head-proposal"
+
+    revision: bytes
+    window: int
+    round: int
+    valid_round: int | None
+    head: Head
+    updates: tuple[SignedEnvelope, ...]
+
+    def to_cbor(self) -> dict[str, Any]:
+        return {"revision": self.revision, "window": self.window, "round": self.round,
+                "valid_round": self.valid_round, "head": self.head.to_cbor(),
+                "updates": [u.to_cbor() for u in self.updates]}
+
+    @classmethod
+    def from_cbor(cls, obj: Any) -> HeadProposal:
+        body = f.exact_keys(obj, frozenset({"revision", "window", "round", "valid_round", "head", "updates"}),
+                            "head-proposal")
+        valid_round = None if body["valid_round"] is None else f.uint(body, "valid_round")
+        updates = tuple(SignedEnvelope.from_cbor(u) for u in f.array(body, "updates", max_len=MAX_COHORT))
+        return cls(revision=f.cid(body, "revision"), window=f.uint(body, "window"), round=f.uint(body, "round"),
+                   valid_round=valid_round, head=Head.from_cbor(body["head"]), updates=updates)

@@ -1,32 +1,44 @@
-"""Validator role: collect, screen, reduce, evaluate, vote, certify (spec/protocol.md §6-7).
+"""Validator role: collect and screen updates, agree on the next head, certify it (spec/agreement.md).
 
-A validator recomputes everything it votes on: it screens every delta itself, reduces the cohort in
-canonical order, evaluates the result and only then signs a vote. Its vote for a window is persisted
-before it is sent and it never signs a second, different head for a window it already voted in, even
-after a crash (the vote record survives). A quorum of votes over one head id is a quorum certificate.
+A validator recomputes everything it votes for: a proposed head is *valid* only after this validator
+has itself fetched and screened every cohort update, re-reduced the cohort in canonical order to the
+same params and re-evaluated them to the same metrics (within `METRIC_TOLERANCE`). Agreement on the
+head is Tendermint (`agreement.py`); this module is its host. Every vote - and the lock that a
+non-nil precommit implies - is persisted before it is sent, and after a restart the validator resumes
+from those records, so it never signs two different votes for one (window, round, step).
 
 A window closes when every lease has reported or at its deadline (`window_s` after the window opened
-here). With fewer than `min_updates` accepted updates the window is *skipped*, loudly: the certified
-head says ``skipped`` and keeps its parent's params.
+here, counted from when a leaseholder is reachable). With fewer than `min_updates` accepted updates a
+proposer proposes a *skipped* head (parent's params, empty cohort), and validators accept a skip only if
+their own collection also fell short.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
+from .agreement import WindowAgreement
 from .collector import Collector
+from .encoding import decode, encode
 from .envelope import SignedEnvelope
 from .errors import DecodeError, VerificationError
 from .fsm import Table, step
 from .identity import PeerId
 from .messages import Signed
 from .objects import (
+    PRECOMMIT,
+    PREVOTE,
     PROTOCOL_VERSION,
     VOTE_KIND,
     Head,
+    HeadProposal,
     JoinRequest,
     QuorumCertificate,
     ReductionProposal,
+    seal,
     sign_vote,
 )
 
@@ -34,23 +46,38 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 TABLE: Table = {
-    ("collecting", "close"): "reducing",
-    ("collecting", "close-skip"): "voting",
-    ("reducing", "reduced"): "evaluating",
-    ("reducing", "reduce-failed"): "voting",
-    ("evaluating", "evaluated"): "voting",
-    ("evaluating", "evaluate-failed"): "voting",
-    ("voting", "head"): "collecting",
+    ("collecting", "close"): "closed",
     ("collecting", "head"): "collecting",
-    ("reducing", "head"): "collecting",
-    ("evaluating", "head"): "collecting",
+    ("closed", "head"): "collecting",
 }
 
-VOTE_WINDOW_AHEAD = 2
+WINDOWS_AHEAD = 2  # messages for windows this far ahead are held, later ones dropped
+MAX_HELD = 4096
+METRIC_TOLERANCE = 1e-4
+PROPOSER_DOMAIN = b"peerloom/proposer/v1"
+
+Value = tuple[Head, tuple[SignedEnvelope, ...]]
 
 
-def vote_key(window: int) -> str:
-    return f"vote/{window}"
+def vote_key(window: int, round_: int, vote_step: str) -> str:
+    return f"vote/{window}/{round_}/{vote_step}"
+
+
+def lock_key(window: int) -> str:
+    return f"lock/{window}"
+
+
+def proposal_key(window: int, round_: int) -> str:
+    return f"proposal/{window}/{round_}"
+
+
+@attrs.define
+class _Check:
+    """Recomputation of one proposed head: screening -> computing -> done."""
+
+    head: Head
+    updates: tuple[SignedEnvelope, ...]
+    stage: str = "screening"
 
 
 class ValidatorRole:
@@ -58,36 +85,72 @@ class ValidatorRole:
         self.engine = engine
         self.state = "collecting"
         self.collector: Collector | None = None
-        self.built: dict[bytes, Head] = {}
-        self.votes: dict[int, dict[bytes, dict[PeerId, bytes]]] = {}
-        self.vote_of: dict[tuple[int, PeerId], bytes] = {}
-        self.joins: dict[PeerId, int] = {}
-        self.proposals: dict[int, dict[PeerId, ReductionProposal]] = {}
-        self.results: dict[int, tuple[tuple[bytes, ...], bytes]] = {}  # window -> own (cohort, digest)
+        self.agreement: WindowAgreement | None = None
         self.deadline_armed = False
+        self.joins: dict[PeerId, int] = {}
+        self.verdicts: dict[bytes, bool] = {}
+        self.checks: dict[bytes, _Check] = {}
+        self.own: Value | None = None
+        self.building = False
+        self.held: list[tuple[PeerId, SignedEnvelope]] = []
+        self.vote_of: dict[tuple[int, int, str, PeerId], bytes | None] = {}
+        self.proposal_of: dict[tuple[int, int], bytes] = {}
+        self.proposal_signer: dict[bytes, PeerId] = {}
+        self.reducer_proposals: dict[int, dict[PeerId, ReductionProposal]] = {}
+        self.results: dict[int, tuple[tuple[bytes, ...], bytes]] = {}
 
     def _step(self, event: str) -> None:
         self.state = step("validator", TABLE, self.state, event)
+
+    @property
+    def window(self) -> int:
+        return self.collector.window if self.collector is not None else -1
 
     # --- window lifecycle ------------------------------------------------------------------------
 
     def on_head(self, head: Head) -> None:
         e = self.engine
         self._step("head")
-        self.collector = Collector(e, head, self._maybe_close)
-        self.deadline_armed = False
+        self.collector = Collector(e, head, self._on_collector_change)
         window = self.collector.window
-        self.built = {k: v for k, v in self.built.items() if v.window >= window}
-        self.votes = {w: v for w, v in self.votes.items() if w >= window}
-        self.proposals = {w: v for w, v in self.proposals.items() if w >= window}
+        self.deadline_armed, self.own, self.building = False, None, False
+        self.verdicts, self.checks = {}, {}
+        self.reducer_proposals = {w: v for w, v in self.reducer_proposals.items() if w >= window}
         self.results = {w: v for w, v in self.results.items() if w >= window}
         e.log("window-open", window=window, leases=len(self.collector.leases))
+        m = e.manifest
+        self.agreement = WindowAgreement(self, e.me, m.validators, m.quorum, timeout_s=e.config.agreement_timeout_s,
+                                         first_propose_extra_s=m.window_s)
+        if not self._restore(window):
+            self.agreement.start(0)
         self._arm_deadline()
-        old = e.records.get(vote_key(window))
-        if old is not None:  # restarted after voting: stand by that vote, never sign another
-            self.state = "voting"
-            e.log("resume-vote", window=window)
-            self._count_vote(SignedEnvelope.from_bytes(old), from_self=True)
+        held, self.held = self.held, []
+        for peer, envelope in held:
+            self.on_signed(peer, envelope)
+
+    def _restore(self, window: int) -> bool:
+        """After a restart, resume the agreement from this window's persisted votes. True if any."""
+        e = self.engine
+        prefix = f"vote/{window}/"
+        cast = [k[len(prefix):].split("/") for k in e.records if k.startswith(prefix)]
+        if not cast:
+            return False
+        round_ = max(int(r) for r, _ in cast)
+        steps = {s for r, s in cast if int(r) == round_}
+        locked, locked_round = None, -1
+        if lock_key(window) in e.records:
+            record = decode(e.records[lock_key(window)], max_bytes=e.config.max_message_bytes)
+            proposal = HeadProposal.from_cbor(record["proposal"])
+            locked, locked_round = (proposal.head, proposal.updates), record["round"]
+            self.verdicts[proposal.head.id] = True  # we checked it before we locked on it
+        assert self.agreement is not None
+        self.agreement.restore(round_, PRECOMMIT if PRECOMMIT in steps else PREVOTE, locked, locked_round)
+        e.log("resume-agreement", window=window, round=round_)
+        for key in sorted(k for k in e.records if k.startswith(prefix)):  # re-announce what we signed
+            envelope = SignedEnvelope.from_bytes(e.records[key])
+            e.broadcast(Signed(envelope=envelope), roles=("validator",))
+            self._on_vote(e.me, envelope)
+        return True
 
     def _arm_deadline(self) -> None:
         """Start the window's clock once a trainer holding a lease is reachable; until then it waits.
@@ -103,81 +166,346 @@ class ValidatorRole:
         self.deadline_armed = True
         e.set_timer(("close", "validator", c.window), e.now + e.manifest.window_s)
 
-    def _maybe_close(self) -> None:
+    def _on_collector_change(self) -> None:
         c = self.collector
         if c is not None and self.state == "collecting" and c.complete():
             self._close()
+        for check in list(self.checks.values()):
+            if check.stage == "screening":
+                self._advance(check)
 
     def on_timer(self, key: tuple[Any, ...]) -> None:
         c = self.collector
-        if key[:2] == ("close", "validator") and c is not None and key[2] == c.window and \
-                self.state == "collecting":
+        if c is None:
+            return
+        if key[:2] == ("close", "validator") and key[2] == c.window and self.state == "collecting":
             self.engine.log("window-deadline", window=c.window, reported=len(c.entries), leases=len(c.leases))
             self._close()
+        elif key[0] == "agreement" and key[1] == c.window and self.agreement is not None:
+            self.agreement.on_timeout(key[2], key[3])
 
     def _close(self) -> None:
         e, c = self.engine, self.collector
-        assert c is not None
+        assert c is not None and self.agreement is not None
+        self._step("close")
         c.closed = True
         e.cancel_timer(("close", "validator", c.window))
-        cohort = c.cohort()
-        if len(cohort) < e.manifest.min_updates:
-            self._step("close-skip")
-            e.log("window-skipped", window=c.window, accepted=len(cohort), needed=e.manifest.min_updates)
-            self._vote(self._skip_head(c))
-            return
-        self._step("close")
-        window = c.window
-        args = {"params": c.head.params, "deltas": tuple(x.announcement.delta for x in cohort),
-                "weights": c.weights(cohort), "rule": e.manifest.aggregation,
-                "outer_optimizer": e.manifest.outer_optimizer, "outer_lr": e.manifest.outer_lr}
-        e.run_task("reduce", args, lambda r: self._reduced(window, cohort, r),
-                   lambda why: self._reduce_failed(window, why))
+        if len(c.cohort()) < e.manifest.min_updates:
+            e.log("window-short", window=c.window, accepted=len(c.cohort()), needed=e.manifest.min_updates)
+        self.agreement.progress()
 
-    def _skip_head(self, c: Collector) -> Head:
-        h = c.head
-        return Head(revision=h.revision, parent=h.id, window=c.window, skipped=True, params=h.params,
-                    params_digest=h.params_digest, cohort=(), roster=self._next_roster(h),
-                    quarantine=h.quarantine, metrics=h.metrics)
+    # --- values: our own head, and recomputation of proposed ones ---------------------------------
 
-    def _reduce_failed(self, window: int, reason: str) -> None:
-        c = self.collector
-        if c is not None and c.window == window and self.state == "reducing":
-            self._step("reduce-failed")
-            self._vote(self._skip_head(c))
-
-    def _reduced(self, window: int, cohort: list[Any], result: dict[str, Any]) -> None:
+    def own_value(self) -> Value | None:
+        """The head this validator would propose: available once its window closed and it computed it."""
         e, c = self.engine, self.collector
-        e.note_stored(result["params"])
-        if c is None or c.window != window or self.state != "reducing":
+        if c is None or not c.closed:
+            return None
+        if self.own is None and not self.building:
+            cohort = c.cohort()
+            if len(cohort) < e.manifest.min_updates:
+                skip = self._skip_head(c.head)
+                e.log("window-skipped", window=c.window, accepted=len(cohort), needed=e.manifest.min_updates)
+                self.own = (skip, ())
+                self.verdicts[skip.id] = True
+            else:
+                self.building = True
+                updates = tuple(x.envelope for x in cohort)
+                self._compute(updates, self._built)
+        return self.own
+
+    def _built(self, head: Head | None, updates: tuple[SignedEnvelope, ...]) -> None:
+        self.building = False
+        if head is None or self.collector is None or head.window != self.collector.window:
             return
-        self._step("reduced")
-        ids = tuple(x.envelope.id for x in cohort)
-        self._check_proposals(window, ids, result["params_digest"])
-        train_loss = sum(x.announcement.train_loss for x in cohort) / len(cohort)
-
-        def evaluated(metrics: dict[str, Any]) -> None:
-            if c is not self.collector or self.state != "evaluating":
-                return
-            self._step("evaluated")
-            self._vote(Head(
-                revision=e.revision.id, parent=c.head.id, window=window, skipped=False, params=result["params"],
-                params_digest=result["params_digest"], cohort=ids, roster=self._next_roster(c.head),
-                quarantine=c.head.quarantine,
-                metrics={"test_loss": float(metrics["loss"]), "test_accuracy": float(metrics["accuracy"]),
-                         "train_loss": float(train_loss)}))
-
-        def evaluate_failed(reason: str) -> None:
-            if c is self.collector and self.state == "evaluating":
-                self._step("evaluate-failed")
-                self._vote(self._skip_head(c))
-
-        e.run_task("evaluate", {"params": result["params"]}, evaluated, evaluate_failed)
-
-    def _check_proposals(self, window: int, ids: tuple[bytes, ...], digest: bytes) -> None:
-        self.results[window] = (ids, digest)
-        for reducer, proposal in self.proposals.get(window, {}).items():
+        self.own = (head, updates)
+        self.verdicts[head.id] = True
+        self.results[head.window] = (head.cohort, head.params_digest)
+        for reducer, proposal in self.reducer_proposals.get(head.window, {}).items():
             self._compare(reducer, proposal)
+        if self.agreement is not None:
+            self.agreement.progress()
+
+    def _skip_head(self, parent: Head) -> Head:
+        return Head(revision=parent.revision, parent=parent.id, window=parent.window + 1, skipped=True,
+                    params=parent.params, params_digest=parent.params_digest, cohort=(),
+                    roster=self._next_roster(parent), quarantine=parent.quarantine, metrics=parent.metrics)
+
+    def _compute(self, updates: tuple[SignedEnvelope, ...], done: Any) -> None:
+        """Reduce `updates` (canonical order) onto the parent, evaluate, and call done(head, updates)."""
+        e, c = self.engine, self.collector
+        assert c is not None
+        updates = tuple(sorted(updates, key=lambda u: u.id))
+        entries = [c.entries[u.signer] for u in updates]
+        window, parent = c.window, c.head
+        args = {"params": parent.params, "deltas": tuple(x.announcement.delta for x in entries),
+                "weights": c.weights(entries), "rule": e.manifest.aggregation,
+                "outer_optimizer": e.manifest.outer_optimizer, "outer_lr": e.manifest.outer_lr}
+        train_loss = sum(x.announcement.train_loss for x in entries) / len(entries)
+
+        def reduced(result: dict[str, Any]) -> None:
+            e.note_stored(result["params"])
+
+            def evaluated(metrics: dict[str, Any]) -> None:
+                done(Head(revision=e.revision.id, parent=parent.id, window=window, skipped=False,
+                          params=result["params"], params_digest=result["params_digest"],
+                          cohort=tuple(u.id for u in updates), roster=self._next_roster(parent),
+                          quarantine=parent.quarantine,
+                          metrics={"test_loss": float(metrics["loss"]), "test_accuracy": float(metrics["accuracy"]),
+                                   "train_loss": float(train_loss)}), updates)
+
+            e.run_task("evaluate", {"params": result["params"]}, evaluated, lambda why: done(None, updates))
+
+        e.run_task("reduce", args, reduced, lambda why: done(None, updates))
+
+    def validity(self, head: Head, updates: tuple[SignedEnvelope, ...]) -> bool | None:
+        """True/False once this validator has recomputed `head`; None while it is still checking."""
+        if head.id in self.verdicts:
+            return self.verdicts[head.id]
+        c = self.collector
+        if c is None:
+            return False
+        reason = self._structural_fault(head, updates)
+        if reason:
+            self.engine.log("proposal-invalid", window=head.window, reason=reason)
+            self.verdicts[head.id] = False
+            return False
+        if head.skipped:
+            if not c.closed:
+                return None
+            self.verdicts[head.id] = len(c.cohort()) < self.engine.manifest.min_updates
+            return self.verdicts[head.id]
+        check = self.checks.get(head.id)
+        if check is None:
+            check = self.checks[head.id] = _Check(head=head, updates=updates)
+            proposer = self.proposer_of_head(head)
+            for u in updates:
+                c.offer(proposer, u, force=True)
+            self._advance(check)
+        return self.verdicts.get(head.id)
+
+    def proposer_of_head(self, head: Head) -> PeerId:
+        """Who proposed `head` (charged for its bad updates); ourselves for our own head."""
+        return self.proposal_signer.get(head.id, self.engine.me)
+
+    def _structural_fault(self, head: Head, updates: tuple[SignedEnvelope, ...]) -> str:
+        e, c = self.engine, self.collector
+        assert c is not None
+        parent = c.head
+        if head.revision != e.revision.id or head.parent != parent.id or head.window != c.window:
+            return "wrong-parent"
+        if head.quarantine != parent.quarantine:
+            return "quarantine-changed"
+        roster, before = dict(head.roster), dict(parent.roster)
+        if any(roster.get(p) != cap for p, cap in before.items()):
+            return "roster-shrunk"
+        if any(p not in self.joins and p not in before for p in roster):
+            return "roster-unknown-join"
+        if head.skipped:
+            if updates or head.cohort or head.params != parent.params or head.metrics != parent.metrics:
+                return "bad-skip"
+            return ""
+        ids = tuple(u.id for u in updates)
+        if head.cohort != tuple(sorted(ids)) or len(set(ids)) != len(ids):
+            return "cohort-mismatch"
+        if len({u.signer for u in updates}) != len(updates) or len(updates) < e.manifest.min_updates:
+            return "cohort-too-small"
+        return ""
+
+    def _advance(self, check: _Check) -> None:
+        c = self.collector
+        assert c is not None
+        head = check.head
+        states = []
+        for u in check.updates:
+            entry = c.entries.get(u.signer)
+            if entry is None or entry.envelope.id != u.id or entry.state == "rejected":
+                states.append("bad")
+            else:
+                states.append(entry.state)
+        if "bad" in states:
+            check.stage = "done"
+            self._verdict(head, False, "cohort-update-rejected")
+        elif all(s == "accepted" for s in states):
+            check.stage = "computing"
+            self._compute(check.updates, lambda mine, _: self._compared(check, mine))
+
+    def _compared(self, check: _Check, mine: Head | None) -> None:
+        check.stage = "done"
+        head = check.head
+        if mine is None:
+            self._verdict(head, False, "recompute-failed")
+        elif (mine.params, mine.params_digest, mine.cohort) != (head.params, head.params_digest, head.cohort):
+            self._verdict(head, False, "params-mismatch")
+        elif set(mine.metrics) != set(head.metrics) or any(
+                abs(mine.metrics[k] - head.metrics[k]) > METRIC_TOLERANCE for k in mine.metrics):
+            self._verdict(head, False, "metrics-mismatch")
+        else:
+            self.results[head.window] = (head.cohort, head.params_digest)
+            self._verdict(head, True, "")
+
+    def _verdict(self, head: Head, ok: bool, reason: str) -> None:
+        self.verdicts[head.id] = ok
+        self.engine.log("proposal-checked", window=head.window, head=head.id.hex(), ok=ok, reason=reason)
+        if not ok:
+            self.engine.stats["proposals_invalid"] += 1
+        if self.agreement is not None and self.collector is not None and head.window == self.collector.window:
+            self.agreement.progress()
+
+    def _next_roster(self, head: Head) -> tuple[tuple[PeerId, int], ...]:
+        roster = dict(head.roster)
+        quarantined = set(head.quarantine)
+        for peer, capacity in self.joins.items():
+            if peer not in quarantined and peer not in roster:
+                roster[peer] = min(capacity, self.engine.manifest.max_capacity)
+        return tuple(sorted(roster.items()))
+
+    # --- agreement host: proposer, votes, proposals, timers, decision -----------------------------
+
+    def proposer(self, round_: int) -> PeerId:
+        """Round-robin by hash: the validator with the smallest SHA-256(domain, parent, window, round, id)."""
+        c = self.collector
+        assert c is not None
+        prefix = PROPOSER_DOMAIN + c.head.id + c.window.to_bytes(8, "big") + round_.to_bytes(4, "big")
+        return min(self.engine.manifest.validators, key=lambda v: hashlib.sha256(prefix + v.to_bytes()).digest())
+
+    def cast(self, vote_step: str, round_: int, head_id: bytes | None) -> None:
+        e, window = self.engine, self.window
+        key = vote_key(window, round_, vote_step)
+        if key in e.records:  # restarted: stand by what we signed, never sign anything else
+            e.log("double-vote-refused", window=window, round=round_, step=vote_step)
+            return
+        vote = sign_vote(e.identity, e.revision.id, window, round_, vote_step, head_id)
+
+        def send() -> None:
+            e.stats["votes_cast"] += 1
+            e.log("vote", window=window, round=round_, step=vote_step, head=head_id.hex() if head_id else None)
+            e.broadcast(Signed(envelope=vote), roles=("validator",))
+            self._on_vote(e.me, vote)
+
+        def persist_vote() -> None:
+            e.persist_then(key, vote.to_bytes(), send)
+
+        locked = self.agreement.locked if self.agreement is not None else None
+        if vote_step == PRECOMMIT and head_id is not None and locked is not None:
+            proposal = HeadProposal(revision=e.revision.id, window=window, round=round_, valid_round=None,
+                                    head=locked[0], updates=locked[1])
+            e.persist_then(lock_key(window), encode({"round": round_, "proposal": proposal.to_cbor()}), persist_vote)
+        else:
+            persist_vote()
+
+    def propose(self, round_: int, head: Head, updates: tuple[SignedEnvelope, ...], valid_round: int | None) -> None:
+        e, window = self.engine, self.window
+        key = proposal_key(window, round_)
+        if key in e.records:
+            envelope = SignedEnvelope.from_bytes(e.records[key])
+        else:
+            envelope = seal(e.identity, HeadProposal(revision=e.revision.id, window=window, round=round_,
+                                                     valid_round=valid_round, head=head, updates=updates))
+
+        def send() -> None:
+            e.log("head-proposal", window=window, round=round_, head=head.id.hex(), skipped=head.skipped)
+            e.broadcast(Signed(envelope=envelope), roles=("validator",))
+            self._on_proposal(e.me, envelope)
+
+        if key in e.records:
+            send()
+        else:
+            e.persist_then(key, envelope.to_bytes(), send)
+
+    def schedule(self, timeout: str, round_: int, delay_s: float) -> None:
+        self.engine.set_timer(("agreement", self.window, timeout, round_), self.engine.now + delay_s)
+
+    def decide(self, head: Head, round_: int, precommits: dict[PeerId, bytes]) -> None:
+        e = self.engine
+        cert = QuorumCertificate.from_votes(head.id, head.window, round_, precommits)
+        e.verify_certified(head, cert)
+        e.log("decide", window=head.window, round=round_, head=head.id.hex())
+        e.adopt(head, cert)
+
+    # --- messages --------------------------------------------------------------------------------
+
+    def _hold(self, peer: PeerId, envelope: SignedEnvelope, window: Any) -> bool:
+        """Hold messages for a window a little ahead of ours; True if the message was consumed here."""
+        if not isinstance(window, int) or window <= self.window:
+            return window != self.window
+        if window <= self.window + WINDOWS_AHEAD and len(self.held) < MAX_HELD:
+            self.held.append((peer, envelope))
+        return True
+
+    def _on_vote(self, peer: PeerId, vote: SignedEnvelope) -> None:
+        e = self.engine
+        body = vote.open(VOTE_KIND, PROTOCOL_VERSION)
+        if set(body) != {"revision", "window", "round", "step", "head"}:
+            raise DecodeError("bad-fields", "vote")
+        window, round_, vote_step, head_id = body["window"], body["round"], body["step"], body["head"]
+        if body["revision"] != e.revision.id:
+            raise VerificationError("wrong-revision", "vote")
+        if vote.signer not in e.manifest.validators:
+            raise VerificationError("not-a-validator", str(vote.signer))
+        if vote_step not in (PREVOTE, PRECOMMIT) or not isinstance(round_, int) or isinstance(round_, bool) or \
+                round_ < 0 or not (head_id is None or isinstance(head_id, bytes)):
+            raise DecodeError("bad-field", "vote")
+        if self._hold(peer, vote, window):
+            return
+        key = (window, round_, vote_step, vote.signer)
+        if key in self.vote_of:
+            if self.vote_of[key] != head_id:
+                e.stats["equivocations"] += 1
+                e.reject(peer, "equivocation", f"{vote.signer} {vote_step} window {window} round {round_}")
+            return
+        self.vote_of[key] = head_id
+        assert self.agreement is not None
+        self.agreement.on_vote(vote.signer, vote_step, round_, head_id, vote.signature)
+
+    def _on_proposal(self, peer: PeerId, envelope: SignedEnvelope) -> None:
+        e = self.engine
+        proposal = HeadProposal.from_cbor(envelope.open(HeadProposal.KIND, PROTOCOL_VERSION))
+        if proposal.revision != e.revision.id:
+            raise VerificationError("wrong-revision", "head-proposal")
+        if self._hold(peer, envelope, proposal.window):
+            return
+        if envelope.signer != self.proposer(proposal.round):
+            e.reject(peer, "not-proposer", f"round {proposal.round}")
+            return
+        key = (proposal.window, proposal.round)
+        if key in self.proposal_of:
+            if self.proposal_of[key] != proposal.head.id:
+                e.stats["equivocations"] += 1
+                e.reject(peer, "proposal-equivocation", f"{envelope.signer} round {proposal.round}")
+            return
+        self.proposal_of[key] = proposal.head.id
+        self.proposal_signer[proposal.head.id] = envelope.signer
+        assert self.agreement is not None
+        self.agreement.on_proposal(proposal.round, proposal.head, proposal.updates, proposal.valid_round,
+                                   envelope.signer)
+
+    def on_signed(self, peer: PeerId, envelope: SignedEnvelope) -> None:
+        e = self.engine
+        if envelope.kind == "update":
+            if self.collector is not None:
+                self.collector.offer(peer, envelope)
+        elif envelope.kind == VOTE_KIND:
+            self._on_vote(peer, envelope)
+        elif envelope.kind == HeadProposal.KIND:
+            self._on_proposal(peer, envelope)
+        elif envelope.kind == JoinRequest.KIND:
+            join = JoinRequest.from_cbor(envelope.open(JoinRequest.KIND, PROTOCOL_VERSION))
+            if join.revision != e.revision.id:
+                raise VerificationError("wrong-revision", "join")
+            if envelope.signer not in self.joins:
+                e.log("join", peer=str(envelope.signer), capacity=join.capacity)
+            self.joins[envelope.signer] = max(1, join.capacity)
+        elif envelope.kind == ReductionProposal.KIND:
+            proposal = ReductionProposal.from_cbor(envelope.open(ReductionProposal.KIND, PROTOCOL_VERSION))
+            if proposal.revision != e.revision.id:
+                raise VerificationError("wrong-revision", "proposal")
+            known = self.reducer_proposals.setdefault(proposal.window, {})
+            if self.window <= proposal.window <= self.window + WINDOWS_AHEAD and envelope.signer not in known:
+                known[envelope.signer] = proposal
+                self._compare(envelope.signer, proposal)
+        else:
+            e.reject(peer, "unexpected-envelope", envelope.kind)
 
     def _compare(self, reducer: PeerId, proposal: ReductionProposal) -> None:
         """Once both our own result and a reducer's proposal for a window exist, judge the proposal."""
@@ -190,94 +518,6 @@ class ValidatorRole:
             e.log("proposal-confirmed", window=proposal.window, reducer=str(reducer))
         else:
             e.reject(reducer, "proposal-mismatch", f"window {proposal.window}")
-
-    def _next_roster(self, head: Head) -> tuple[tuple[PeerId, int], ...]:
-        roster = dict(head.roster)
-        quarantined = set(head.quarantine)
-        for peer, capacity in self.joins.items():
-            if peer not in quarantined:
-                roster[peer] = min(capacity, self.engine.manifest.max_capacity)
-        self.joins.clear()
-        return tuple(sorted(roster.items()))
-
-    # --- voting ----------------------------------------------------------------------------------
-
-    def _vote(self, head: Head) -> None:
-        e = self.engine
-        key = vote_key(head.window)
-        if key in e.records:
-            e.log("double-vote-refused", window=head.window)
-            return
-        self.built[head.id] = head
-        vote = sign_vote(e.identity, e.revision.id, head.window, head.id)
-
-        def cast() -> None:
-            e.stats["votes_cast"] += 1
-            e.log("vote", window=head.window, head=head.id.hex())
-            e.broadcast(Signed(envelope=vote), roles=("validator",))
-            self._count_vote(vote, from_self=True)
-
-        e.persist_then(key, vote.to_bytes(), cast)
-
-    def _count_vote(self, vote: SignedEnvelope, *, from_self: bool = False, sender: PeerId | None = None) -> None:
-        e = self.engine
-        body = vote.open(VOTE_KIND, PROTOCOL_VERSION)
-        if set(body) != {"revision", "window", "head"}:
-            raise DecodeError("bad-fields", "vote")
-        window, head_id = body["window"], body["head"]
-        if body["revision"] != e.revision.id:
-            raise VerificationError("wrong-revision", "vote")
-        if vote.signer not in e.manifest.validators:
-            raise VerificationError("not-a-validator", str(vote.signer))
-        if not isinstance(window, int) or not isinstance(head_id, bytes):
-            raise DecodeError("bad-field", "vote")
-        if not e.head.window < window <= e.head.window + VOTE_WINDOW_AHEAD:
-            return  # old, or too far ahead to hold
-        previous = self.vote_of.get((window, vote.signer))
-        if previous is not None and previous != head_id:
-            e.stats["equivocations"] += 1
-            e.reject(sender, "equivocation", str(vote.signer))
-            return
-        self.vote_of[(window, vote.signer)] = head_id
-        self.votes.setdefault(window, {}).setdefault(head_id, {})[vote.signer] = vote.signature
-        self._maybe_certify(window, head_id)
-
-    def _maybe_certify(self, window: int, head_id: bytes) -> None:
-        e = self.engine
-        head = self.built.get(head_id)
-        signatures = self.votes.get(window, {}).get(head_id, {})
-        if head is None or len(signatures) < e.manifest.quorum:
-            return
-        cert = QuorumCertificate.from_votes(head_id, window, signatures)
-        e.verify_certified(head, cert)
-        e.adopt(head, cert)
-
-    # --- messages --------------------------------------------------------------------------------
-
-    def on_signed(self, peer: PeerId, envelope: SignedEnvelope) -> None:
-        e = self.engine
-        if envelope.kind == "update":
-            if self.collector is not None:
-                self.collector.offer(peer, envelope)
-        elif envelope.kind == VOTE_KIND:
-            self._count_vote(envelope, sender=peer)
-        elif envelope.kind == JoinRequest.KIND:
-            join = JoinRequest.from_cbor(envelope.open(JoinRequest.KIND, PROTOCOL_VERSION))
-            if join.revision != e.revision.id:
-                raise VerificationError("wrong-revision", "join")
-            if envelope.signer not in self.joins:
-                e.log("join", peer=str(envelope.signer), capacity=join.capacity)
-            self.joins[envelope.signer] = max(1, join.capacity)
-        elif envelope.kind == ReductionProposal.KIND:
-            proposal = ReductionProposal.from_cbor(envelope.open(ReductionProposal.KIND, PROTOCOL_VERSION))
-            if proposal.revision != e.revision.id:
-                raise VerificationError("wrong-revision", "proposal")
-            known = self.proposals.setdefault(proposal.window, {})
-            if e.head.window < proposal.window <= e.head.window + VOTE_WINDOW_AHEAD and envelope.signer not in known:
-                known[envelope.signer] = proposal
-                self._compare(envelope.signer, proposal)
-        else:
-            e.reject(peer, "unexpected-envelope", envelope.kind)
 
     def on_peer_ready(self, peer: PeerId, roles: tuple[str, ...]) -> None:
         if "trainer" in roles:

@@ -37,6 +37,7 @@ class SimNode:
     executor: ComputeExecutor
     engine: Engine | None = None
     armed: float | None = None
+    incarnation: int = 0  # bumped on crash: events addressed to an older incarnation are lost with it
     heads: list[tuple[float, Head, QuorumCertificate]] = attrs.Factory(list)
 
 
@@ -55,7 +56,7 @@ class Cluster:
         self.nodes: dict[str, SimNode] = {}
         self.by_peer: dict[PeerId, SimNode] = {}
         self.logs: list[tuple[float, str, str, dict[str, Any]]] = []
-        self._heap: list[tuple[float, int, str, Any]] = []
+        self._heap: list[tuple[float, int, str, int, Any]] = []
         self._seq = 0
 
     def add_node(self, name: str, identity: Identity, roles: set[str], store_dir: Path,
@@ -88,6 +89,7 @@ class Cluster:
         """Kill a node (its disk survives); its peers see the connections drop."""
         node = self.nodes[name]
         node.engine = None
+        node.incarnation += 1
         me = node.identity.peer_id
         for other in self.transport.neighbours(me):
             self.transport.disconnect(me, other)
@@ -100,18 +102,18 @@ class Cluster:
 
     def _push(self, t: float, name: str, event: Any) -> None:
         self._seq += 1
-        heapq.heappush(self._heap, (t, self._seq, name, event))
+        heapq.heappush(self._heap, (t, self._seq, name, self.nodes[name].incarnation, event))
 
     def run_until(self, done: Callable[[Cluster], bool], *, max_time: float) -> bool:
         """Process events in time order until `done(self)` or virtual `max_time`; True iff done."""
         while self._heap and not done(self):
-            t, _, name, event = heapq.heappop(self._heap)
+            t, seq, name, incarnation, event = heapq.heappop(self._heap)
             if t > max_time:
-                heapq.heappush(self._heap, (t, 0, name, event))
+                heapq.heappush(self._heap, (t, seq, name, incarnation, event))
                 return False
             self.now = t
             node = self.nodes[name]
-            if node.engine is None:
+            if node.engine is None or incarnation != node.incarnation:
                 continue
             if isinstance(event, ev.TimerDue):
                 node.armed = None

@@ -9,12 +9,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from peerloom.core import collector, reducer, trainer, validator
+from peerloom.core import agreement, collector, reducer, trainer, validator
 
 MACHINES = (
     ("Trainer (one pass per window)", "core/trainer.py", trainer.TABLE, "idle"),
     ("Update in a collector (validator and reducer)", "core/collector.py", collector.TABLE, "announced"),
-    ("Validator (one pass per window)", "core/validator.py", validator.TABLE, "collecting"),
+    ("Validator collection (one pass per window)", "core/validator.py", validator.TABLE, "collecting"),
+    ("Head agreement step (Tendermint, one height per window)", "core/agreement.py", agreement.TABLE, "propose"),
     ("Reducer (one pass per window)", "core/reducer.py", reducer.TABLE, "collecting"),
 )
 

@@ -35,31 +35,38 @@ def ident(n: int) -> Identity:
     return Identity(bytes([n]) * 32)
 
 
-def build(tmp_path: Path, workload, *, trainers=2, min_updates=1, window_s=5.0):
+def build(tmp_path: Path, workload, *, trainers=2, min_updates=1, window_s=5.0, validators=1, quorum=1):
     wl, shards = workload
     params = wl.initial_params(SEED)
     genesis = to_safetensors(params)
-    validator, reducer = ident(1), ident(2)
+    vals = [ident(1)] + [ident(30 + i) for i in range(validators - 1)]
+    reducer = ident(2)
     tr = [ident(10 + i) for i in range(trainers)]
     authority = ident(99)
     manifest = Manifest(
         experiment="pair", workload="digits-mlp", workload_seed=SEED, schema=_schema(params),
-        shards=tuple(len(s) for s in shards), validators=(validator.peer_id,), quorum=1, window_s=window_s,
+        shards=tuple(len(s) for s in shards), validators=tuple(v.peer_id for v in vals), quorum=quorum,
+        window_s=window_s,
         min_updates=min_updates, max_capacity=4, aggregation="mean", outer_optimizer="fedavg", outer_lr=1.0,
         chunk_size=16 * 1024, genesis_params=make_artifact_ref(genesis, 16 * 1024),
         genesis_params_digest=tensor_digest(params), roster=tuple(sorted((t.peer_id, 1) for t in tr)))
     revision = Revision.verify(manifest.seal(authority), authority.peer_id)
     cluster = Cluster(revision, seed=SEED)
-    v = cluster.add_node("validator", validator, {"validator"}, tmp_path / "v", wl, shards)
-    v.store.put(genesis)
+    names = ["validator"] + [f"v{i}" for i in range(1, validators)]
+    for name, identity in zip(names, vals, strict=True):
+        cluster.add_node(name, identity, {"validator"}, tmp_path / name, wl, shards).store.put(genesis)
     cluster.add_node("reducer", reducer, {"reducer"}, tmp_path / "r", wl, shards).store.put(genesis)
     for i, t in enumerate(tr):
         cluster.add_node(f"t{i}", t, {"trainer"}, tmp_path / f"t{i}", wl, shards)
     cluster.start()
     for i in range(trainers):
-        cluster.connect(f"t{i}", "validator")
+        for name in names:
+            cluster.connect(f"t{i}", name)
         cluster.connect(f"t{i}", "reducer")
-    cluster.connect("reducer", "validator")
+    for j, name in enumerate(names):
+        cluster.connect("reducer", name)
+        for other in names[j + 1:]:
+            cluster.connect(name, other)
     return cluster
 
 
@@ -90,7 +97,7 @@ def test_pair_certifies_three_windows_and_chain_verifies(tmp_path, workload):
     assert chain[-1][0].metrics["test_accuracy"] > 0.5
     assert v.engine.stats["proposals_confirmed"] >= 1  # the reducer's proposals matched the recomputation
     # votes were durable before they were visible
-    assert {f"vote/{w}" for w in (1, 2, 3)} <= set(v.store.records())
+    assert {f"vote/{w}/0/{s}" for w in (1, 2, 3) for s in ("prevote", "precommit")} <= set(v.store.records())
 
 
 def test_same_seed_same_heads(tmp_path, workload):

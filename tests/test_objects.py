@@ -12,6 +12,8 @@ from peerloom.core.encoding import encode
 from peerloom.core.errors import DecodeError, VerificationError
 from peerloom.core.leases import assign_shards, lease_weight, leases_of
 from peerloom.core.objects import (
+    PRECOMMIT,
+    PREVOTE,
     ArtifactRef,
     Head,
     Manifest,
@@ -24,9 +26,9 @@ from peerloom.core.objects import (
 from .helpers import ident, make_revision
 
 
-def certify(revision, head, signers):
-    votes = {s.peer_id: sign_vote(s, revision.id, head.window, head.id).signature for s in signers}
-    return QuorumCertificate.from_votes(head.id, head.window, votes)
+def certify(revision, head, signers, round_=0, step=PRECOMMIT):
+    votes = {s.peer_id: sign_vote(s, revision.id, head.window, round_, step, head.id).signature for s in signers}
+    return QuorumCertificate.from_votes(head.id, head.window, round_, votes)
 
 
 def child(revision, parent, **changes):
@@ -50,10 +52,27 @@ def test_manifest_wrong_authority_refused():
         Revision.verify(rev.envelope, ident(99).peer_id)
 
 
-@pytest.mark.parametrize("n,quorum", [(1, 0), (2, 1), (4, 2), (3, 4)])
-def test_unsafe_quorums_refused(n, quorum):
+@pytest.mark.parametrize("n,quorum", [(1, 0), (2, 1), (3, 2), (4, 2), (3, 4), (7, 4)])
+def test_quorums_that_are_not_byzantine_safe_are_refused(n, quorum):
     with pytest.raises(DecodeError):
         make_revision(validators=[ident(i) for i in range(1, n + 1)], quorum=quorum)
+
+
+@pytest.mark.parametrize("n,quorum", [(1, 1), (2, 2), (4, 3), (7, 5), (10, 7)])
+def test_byzantine_quorums_accepted(n, quorum):
+    assert make_revision(validators=[ident(i) for i in range(1, n + 1)], quorum=quorum).manifest.quorum == quorum
+
+
+def test_prevotes_or_other_rounds_do_not_make_a_certificate():
+    vals = [ident(i) for i in range(1, 5)]
+    rev = make_revision(validators=vals, quorum=3)
+    head = child(rev, rev.genesis())
+    with pytest.raises(VerificationError):
+        certify(rev, head, vals[:3], step=PREVOTE).verify(rev, head)
+    cert = certify(rev, head, vals[:3], round_=2)
+    cert.verify(rev, head)
+    with pytest.raises(VerificationError):  # the same signatures claimed for another round
+        attrs.evolve(cert, round=1).verify(rev, head)
 
 
 def test_certificate_verifies_and_needs_quorum_of_real_validators():
@@ -126,11 +145,11 @@ def test_leases_of_head_and_weights_from_manifest():
 
 
 def test_chain_verifies_and_detects_tampering():
-    vals = [ident(1), ident(2), ident(3)]
-    rev = make_revision(validators=vals, quorum=2, trainers=[ident(10)])
+    vals = [ident(1), ident(2), ident(3), ident(4)]
+    rev = make_revision(validators=vals, quorum=3, trainers=[ident(10)])
     h1 = child(rev, rev.genesis())
     h2 = child(rev, h1)
-    chain = [(h1, certify(rev, h1, vals[:2])), (h2, certify(rev, h2, vals[1:]))]
+    chain = [(h1, certify(rev, h1, vals[:3])), (h2, certify(rev, h2, vals[1:]))]
     assert len(verify_chain(rev, chain)) == 3
     with pytest.raises(VerificationError):  # wrong parent link
         verify_chain(rev, [chain[1]])
