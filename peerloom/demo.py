@@ -1,7 +1,8 @@
 """`peerloom demo`: a real fleet of OS processes training one model over TCP+Noise on 127.0.0.1.
 
 The demo plays the experiment authority: it makes identities, the initial parameters and the signed
-manifest, starts one validator, one reducer and several trainers as separate `peerloom node` processes,
+manifest, starts validators (one in the smoke profile, four with a Byzantine quorum of three in the
+default one), a reducer and several trainers as separate `peerloom node` processes,
 shows each certified window as it happens, and leaves behind ``report.json``, ``chain/`` (the signed
 heads and their quorum certificates, plus the manifest) and ``plots/``. It also trains the same model
 centrally on the same data in the same run, as the baseline. Exit status 0 only if every window of the
@@ -14,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -40,6 +42,7 @@ MARKER = ".peerloom-demo"
 
 @attrs.frozen(kw_only=True)
 class Profile:
+    validators: int
     trainers: int
     windows: int
     shards: int
@@ -49,8 +52,10 @@ class Profile:
 
 
 PROFILES = {
-    "smoke": Profile(trainers=4, windows=3, shards=8, window_s=8.0, min_updates=2, time_limit_s=80.0),
-    "default": Profile(trainers=6, windows=20, shards=12, window_s=10.0, min_updates=3, time_limit_s=280.0),
+    "smoke": Profile(validators=1, trainers=4, windows=3, shards=8, window_s=8.0, min_updates=2,
+                     time_limit_s=80.0),
+    "default": Profile(validators=4, trainers=6, windows=20, shards=12, window_s=10.0, min_updates=3,
+                       time_limit_s=280.0),
 }
 
 
@@ -61,6 +66,7 @@ class NodeProc:
     identity: Identity
     directory: Path
     behaviour: str = "honest"
+    port: int = 0
     process: subprocess.Popen[bytes] | None = None
 
 
@@ -80,12 +86,23 @@ def _prepare_out(out: Path) -> None:
     (out / MARKER).touch()
 
 
+def byzantine_quorum(n: int) -> int:
+    """Smallest quorum q with 3q > 2n (spec/agreement.md §2): tolerates n - q Byzantine validators."""
+    return 2 * n // 3 + 1
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def _write_config(node: NodeProc, manifest_path: Path, authority: Identity, bootstrap: list[str],
                   windows: int) -> Path:
     d = node.directory
     config = {
         "name": node.name, "roles": [node.role], "key": "key", "manifest": str(manifest_path),
-        "authority": authority.peer_id.to_text(), "store": "store", "listen": "127.0.0.1:0",
+        "authority": authority.peer_id.to_text(), "store": "store", "listen": f"127.0.0.1:{node.port}",
         "bootstrap": bootstrap, "port_file": "port", "events": "events.jsonl", "stats": "stats.json",
         "threads": 1, "stop_after_window": windows,
     }
@@ -167,10 +184,10 @@ def run_demo(*, profile: str = "default", out: Path = Path("peerloom-demo"), see
          f"({baseline['wall_s']:.1f} s)")
 
     authority = generate_identity()
-    nodes = [NodeProc(name="validator", role="validator", identity=generate_identity(),
-                      directory=out / "nodes" / "validator"),
-             NodeProc(name="reducer", role="reducer", identity=generate_identity(),
-                      directory=out / "nodes" / "reducer")]
+    nodes = [NodeProc(name=f"validator-{i}", role="validator", identity=generate_identity(),
+                      directory=out / "nodes" / f"validator-{i}") for i in range(1, p.validators + 1)]
+    nodes.append(NodeProc(name="reducer", role="reducer", identity=generate_identity(),
+                          directory=out / "nodes" / "reducer"))
     nodes += [NodeProc(name=f"trainer-{i}", role="trainer", identity=generate_identity(),
                        directory=out / "nodes" / f"trainer-{i}") for i in range(1, p.trainers + 1)]
     for node in nodes:
@@ -186,7 +203,8 @@ def run_demo(*, profile: str = "default", out: Path = Path("peerloom-demo"), see
     manifest = Manifest(
         experiment=f"peerloom-demo-{seed}", workload=WORKLOAD, workload_seed=seed,
         schema=schema_of(params), shards=tuple(len(s) for s in shards),
-        validators=(nodes[0].identity.peer_id,), quorum=1, window_s=p.window_s, min_updates=p.min_updates,
+        validators=tuple(n.identity.peer_id for n in nodes if n.role == "validator"),
+        quorum=byzantine_quorum(p.validators), window_s=p.window_s, min_updates=p.min_updates,
         max_capacity=4, aggregation="mean", outer_optimizer="fedavg", outer_lr=1.0, chunk_size=chunk_size,
         genesis_params=genesis_refs[0], genesis_params_digest=tensor_digest(params),
         roster=tuple(sorted((t.identity.peer_id, 1) for t in trainers)),
@@ -201,16 +219,20 @@ def run_demo(*, profile: str = "default", out: Path = Path("peerloom-demo"), see
     rejected: dict[str, int] = {}
     killed: NodeProc | None = None
     try:
-        validator, reducer = nodes[0], nodes[1]
-        _spawn(validator, _write_config(validator, manifest_path, authority, [], p.windows))
-        v_port = _wait_port(validator, deadline)
-        _spawn(reducer, _write_config(reducer, manifest_path, authority, [f"127.0.0.1:{v_port}"], p.windows))
-        r_port = _wait_port(reducer, deadline)
-        for t in trainers:
-            bootstrap = [f"127.0.0.1:{v_port}", f"127.0.0.1:{r_port}"]
-            _spawn(t, _write_config(t, manifest_path, authority, bootstrap, p.windows))
-        _say(f"started {len(nodes)} node processes on 127.0.0.1 (validator port {v_port}); "
-             f"pids {', '.join(str(n.process.pid) for n in nodes if n.process)}")
+        validator = nodes[0]
+        for node in nodes:
+            node.port = _free_port()
+        servers = [n for n in nodes if n.role in ("validator", "reducer")]
+        for node in nodes:
+            # Trainers dial every validator and the reducer; servers dial the servers listed before them.
+            targets = servers if node.role == "trainer" else servers[:servers.index(node)]
+            _spawn(node, _write_config(node, manifest_path, authority, [f"127.0.0.1:{t.port}" for t in targets],
+                                       p.windows))
+        for node in nodes:
+            _wait_port(node, deadline)
+        _say(f"started {len(nodes)} node processes on 127.0.0.1: {p.validators} validators (quorum "
+             f"{manifest.quorum}), 1 reducer, {p.trainers} trainers; pids "
+             f"{', '.join(str(n.process.pid) for n in nodes if n.process)}")
         tail = EventTail(validator.directory / "events.jsonl")
         wire_tails = {n.name: EventTail(n.directory / "events.jsonl") for n in nodes}
         wire_sent: dict[str, int] = {}
@@ -272,7 +294,7 @@ def _finish(out: Path, profile: str, seed: int, p: Profile, nodes: list[NodeProc
     final = entries[-1][0] if entries else revision.genesis()
     certified = sum(1 for h, _ in entries if not h.skipped)
     skipped = sum(1 for h, _ in entries if h.skipped)
-    v_stats = stats.get("validator", {})
+    v_stats = stats.get(nodes[0].name, {})
     report = {
         "peerloom_version": peerloom.__version__, "profile": profile, "seed": seed, "workload": WORKLOAD,
         "transport": "tcp+noise",
