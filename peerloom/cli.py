@@ -1,4 +1,4 @@
-"""The `peerloom` command: `demo`, `node`, `keygen`."""
+"""The `peerloom` command: `demo`, `node`, `verify`, `keygen`."""
 
 from __future__ import annotations
 
@@ -21,6 +21,10 @@ def main(argv: list[str] | None = None) -> None:
     node = sub.add_parser("node", help="run one node from a TOML config until SIGTERM")
     node.add_argument("--config", type=Path, required=True)
 
+    verify = sub.add_parser("verify", help="verify a chain directory (manifest.cbor + NNNNNN.cbor) from genesis")
+    verify.add_argument("chain", type=Path)
+    verify.add_argument("--authority", default=None, help="peer id that must have signed the manifest")
+
     keygen = sub.add_parser("keygen", help="create an identity key file (mode 0600) and print its peer id")
     keygen.add_argument("path", type=Path)
 
@@ -37,6 +41,10 @@ def main(argv: list[str] | None = None) -> None:
             run_node(args.config)
         except ConfigError as exc:
             sys.exit(f"peerloom node: {exc}")
+    elif args.command == "verify":
+        from peerloom.verify import run_verify
+
+        sys.exit(run_verify(args.chain, args.authority))
     elif args.command == "keygen":
         from peerloom.adapters.keys import generate_identity, save_identity
 

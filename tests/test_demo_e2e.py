@@ -1,6 +1,7 @@
 """End to end: the smoke demo as a user runs it — real OS processes, TCP+Noise on 127.0.0.1."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -65,3 +66,22 @@ def test_verify_fails_on_tampered_chain(smoke_run):
         except PeerloomError:
             failures += 1
     assert failures == len(range(0, len(data), max(1, len(data) // 40)))
+
+
+@pytest.mark.slow
+def test_peerloom_verify_command_passes_and_fails_on_any_tampered_byte(smoke_run, tmp_path):
+    out, _ = smoke_run
+    ok = subprocess.run([sys.executable, "-m", "peerloom", "verify", str(out / "chain")],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0 and "OK: 3 certified heads" in ok.stdout, ok.stdout
+    for name in ("000002.cbor", "manifest.cbor"):
+        original = (out / "chain" / name).read_bytes()
+        for index in (0, len(original) // 2, len(original) - 1):
+            bad = tmp_path / f"chain-{name}-{index}"
+            shutil.copytree(out / "chain", bad)
+            data = bytearray(original)
+            data[index] ^= 0x01
+            (bad / name).write_bytes(bytes(data))
+            result = subprocess.run([sys.executable, "-m", "peerloom", "verify", str(bad)],
+                                    capture_output=True, text=True)
+            assert result.returncode == 1 and "FAILED" in result.stdout, (name, index, result.stdout)
