@@ -141,3 +141,10 @@ class Collector:
 
     def weights(self, cohort: list[Entry]) -> tuple[int, ...]:
         return tuple(lease_weight(self.engine.manifest, x.announcement.shards) for x in cohort)
+
+    def reduce_args(self, cohort: list[Entry]) -> dict[str, Any]:
+        """Arguments of the ``reduce`` task for `cohort` (already in canonical order) onto this window's base."""
+        m = self.engine.manifest
+        return {"params": self.head.params, "deltas": tuple(x.announcement.delta for x in cohort),
+                "weights": self.weights(cohort), "rule": m.aggregation, "outer_optimizer": m.outer_optimizer,
+                "outer_lr": m.outer_lr}

@@ -68,9 +68,7 @@ class ReducerRole:
             return
         self._step("close")
         window, ids = c.window, tuple(x.envelope.id for x in cohort)
-        args = {"params": c.head.params, "deltas": tuple(x.announcement.delta for x in cohort),
-                "weights": c.weights(cohort), "rule": e.manifest.aggregation,
-                "outer_optimizer": e.manifest.outer_optimizer, "outer_lr": e.manifest.outer_lr}
+        args = c.reduce_args(cohort)
 
         def reduced(result: dict[str, Any]) -> None:
             e.note_stored(result["params"])

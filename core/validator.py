@@ -238,9 +238,7 @@ class ValidatorRole:
         updates = tuple(sorted(updates, key=lambda u: u.id))
         entries = [c.entries[u.signer] for u in updates]
         window, parent = c.window, c.head
-        args = {"params": parent.params, "deltas": tuple(x.announcement.delta for x in entries),
-                "weights": c.weights(entries), "rule": e.manifest.aggregation,
-                "outer_optimizer": e.manifest.outer_optimizer, "outer_lr": e.manifest.outer_lr}
+        args = c.reduce_args(entries)
         train_loss = sum(x.announcement.train_loss for x in entries) / len(entries)
 
         def reduced(result: dict[str, Any]) -> None:
