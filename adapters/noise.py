@@ -44,6 +44,8 @@ import attrs
 import nacl.bindings
 import nacl.exceptions
 import nacl.utils
+from nacl._sodium import ffi as _ffi
+from nacl._sodium import lib as _lib
 
 from peerloom.core.errors import DecodeError, PeerloomError
 from peerloom.core.identity import Identity, PeerId, public_key_from_protobuf, public_key_protobuf
@@ -675,6 +677,52 @@ class NoiseTransport:
         if len(ciphertext) < TAGLEN:
             raise NoiseError("decrypt-failed", f"{len(ciphertext)} bytes is shorter than the tag")
         return self.receive.decrypt_with_ad(b"", ciphertext)
+
+    def encrypt_in_place(self, buffer: bytearray | memoryview, offset: int, length: int) -> int:
+        """Encrypt the `length` plaintext bytes at ``buffer[offset:]`` in place, appending the 16-byte tag
+        (the buffer needs ``length + 16`` bytes from `offset`); returns ``length + 16``.
+
+        Same transport message as `encrypt` (EncryptWithAd, empty ad, §5.1) without allocating: libsodium's
+        ChaCha20-Poly1305 allows the ciphertext to overlap the plaintext. NoiseError "message-too-long",
+        "nonce-exhausted".
+        """
+        if length > MAX_TRANSPORT_PLAINTEXT:
+            raise NoiseError("message-too-long", f"{length}-byte plaintext")
+        if offset < 0 or offset + length + TAGLEN > len(buffer):
+            raise NoiseError("out-of-order", "buffer too small for plaintext + tag")
+        cipher = self.send
+        assert cipher.k is not None
+        cipher._check_nonce()
+        ptr = _ffi.from_buffer(buffer, require_writable=True) + offset
+        clen = _ffi.new("unsigned long long *")
+        rc = _lib.crypto_aead_chacha20poly1305_ietf_encrypt(ptr, clen, ptr, length, _ffi.NULL, 0, _ffi.NULL,
+                                                            _nonce(cipher.n), cipher.k)
+        if rc != 0:  # pragma: no cover - libsodium documents 0 always
+            raise NoiseError("decrypt-failed", "libsodium encrypt failed")
+        cipher.n += 1
+        return length + TAGLEN
+
+    def decrypt_into(self, ciphertext: bytes | bytearray | memoryview, out: bytearray | memoryview) -> int:
+        """Decrypt one transport message into `out` (at least ``len(ciphertext) - 16`` bytes); returns the
+        plaintext length. Same checks and errors as `decrypt`; the receive nonce advances on success only."""
+        size = len(ciphertext)
+        if size > MAX_MESSAGE_BYTES:
+            raise NoiseError("message-too-long", f"{size}-byte ciphertext")
+        if size < TAGLEN:
+            raise NoiseError("decrypt-failed", f"{size} bytes is shorter than the tag")
+        if len(out) < size - TAGLEN:
+            raise NoiseError("out-of-order", "output buffer too small")
+        cipher = self.receive
+        assert cipher.k is not None
+        cipher._check_nonce()
+        mlen = _ffi.new("unsigned long long *")
+        rc = _lib.crypto_aead_chacha20poly1305_ietf_decrypt(
+            _ffi.from_buffer(out, require_writable=True), mlen, _ffi.NULL, _ffi.from_buffer(ciphertext), size,
+            _ffi.NULL, 0, _nonce(cipher.n), cipher.k)
+        if rc != 0:
+            raise NoiseError("decrypt-failed", f"{size}-byte ciphertext, nonce {cipher.n}")
+        cipher.n += 1
+        return size - TAGLEN
 
 
 class Libp2pNoiseHandshake:

@@ -1,29 +1,37 @@
-"""TCP transport on trio, secured by the libp2p ``/noise`` handshake (DESIGN §6).
+"""TCP transport on trio, secured by the libp2p ``/noise`` handshake (DESIGN §6; spec/transport.md).
 
-Wire format, bottom up:
+Wire format, bottom up (spec/transport.md has the byte layouts):
 
 1. Noise messages, each prefixed by its 2-byte big-endian length (libp2p noise README, "Wire Format").
    The first three are the XX handshake (`peerloom.adapters.noise.Libp2pNoiseHandshake`); every later one is
    a transport message: ChaChaPoly ciphertext of at most 65519 plaintext bytes + 16-byte tag.
-2. The decrypted transport plaintexts form one byte stream per direction. Application messages are
-   framed in it as a 4-byte big-endian length followed by that many bytes; one application message spans
-   as many Noise messages as it needs, and a Noise message boundary carries no meaning.
+2. Each transport plaintext is exactly one *frame*: a 1-byte header ``kind << 4 | lane`` then a body.
+   ``START`` opens an application message on a lane (4-byte big-endian total length, then the first
+   fragment), ``CONTINUE`` carries the next fragment of the lane's open message, ``PING``/``PONG`` are
+   keep-alives (8 opaque bytes). Two lanes: 0 (control) and 1 (bulk). Frames of different lanes interleave,
+   so a small control message overtakes a large bulk message already on its way; within a lane messages
+   arrive whole and in order.
 
-There is no multistream-select negotiation in front of the handshake: both ends are peerloom.
+Decoding is sans-IO (`FrameDecoder`, `MessageAssembler`) so it can be fuzzed byte by byte; `SecureConnection`
+adds the socket, the locks and the timers.
 
 Errors are `TransportError` with a stable ``reason``: ``connect-failed``, ``handshake-timeout``,
-``message-too-large``, ``truncated`` (EOF inside a frame), ``broken`` (after an earlier receive error),
-any `NoiseError` reason of the handshake (``bad-identity-signature``, ``peer-mismatch``, ``decrypt-failed``,
-...) or of the transport (``decrypt-failed``, ``nonce-exhausted``). `ConnectionClosed` (a
-`TransportError`) has reason ``eof`` (clean close by the peer), ``closed`` (closed locally) or ``reset``.
+``message-too-large``, ``bad-frame`` (a frame breaking the rules of spec/transport.md §3), ``truncated``
+(EOF inside a Noise message or an application message), ``idle-timeout``, ``broken`` (after an earlier
+receive error), any `NoiseError` reason of the handshake (``bad-identity-signature``, ``peer-mismatch``,
+``decrypt-failed``, ...) or of the transport (``decrypt-failed``, ``nonce-exhausted``). `ConnectionClosed`
+(a `TransportError`) has reason ``eof`` (clean close by the peer), ``closed`` (closed locally) or ``reset``.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
+from collections import Counter
 from collections.abc import Awaitable, Callable
 
+import attrs
 import trio
 
 from peerloom.core.errors import PeerloomError
@@ -31,7 +39,9 @@ from peerloom.core.identity import Identity, PeerId
 
 from .noise import (
     LENGTH_PREFIX_BYTES,
+    MAX_MESSAGE_BYTES,
     MAX_TRANSPORT_PLAINTEXT,
+    TAGLEN,
     Libp2pNoiseHandshake,
     NoiseError,
     NoiseTransport,
@@ -42,9 +52,24 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 2**20
 DEFAULT_HANDSHAKE_TIMEOUT = 10.0  # seconds
+DEFAULT_KEEPALIVE_INTERVAL = 15.0  # seconds without receiving anything before we send a PING
+DEFAULT_IDLE_TIMEOUT = 60.0  # seconds without receiving anything before the connection is dropped
+DEFAULT_MAX_HANDSHAKES = 64  # concurrent inbound handshakes per `serve`
+DEFAULT_MAX_HANDSHAKES_PER_IP = 8  # concurrent inbound handshakes per remote IP address
+
 APP_LENGTH_PREFIX_BYTES = 4
-_RECEIVE_CHUNK = 256 * 1024  # bytes asked of the socket per receive_some
-_SEND_BATCH = 16  # Noise messages (about 1 MiB) handed to the socket per send_all
+LANE_CONTROL = 0
+LANE_BULK = 1
+LANES = (LANE_CONTROL, LANE_BULK)
+AUTO_CONTROL_MAX_BYTES = 64 * 1024  # send_message(lane=None): messages up to this size go on the control lane
+KIND_START, KIND_CONTINUE, KIND_PING, KIND_PONG = 1, 2, 3, 4
+PING_BYTES = 8
+START_OVERHEAD = 1 + APP_LENGTH_PREFIX_BYTES  # header byte + total length
+MAX_FRAGMENT = MAX_TRANSPORT_PLAINTEXT - 1  # 65518 bytes of message per CONTINUE frame
+_WIRE_FRAME = LENGTH_PREFIX_BYTES + MAX_MESSAGE_BYTES  # 65537: the largest Noise message on the wire
+_RECEIVE_BUFFER = 4 * _WIRE_FRAME  # preallocated receive buffer (bytes)
+_BULK_BATCH_FRAMES = 4  # Noise messages of a bulk message per turn on the socket (~256 KiB)
+_CONTROL_BATCH_FRAMES = 2  # a control message up to AUTO_CONTROL_MAX_BYTES fits in one turn
 
 
 class TransportError(PeerloomError):
@@ -61,58 +86,285 @@ class ConnectionClosed(TransportError):
     ``reset`` (the socket broke)."""
 
 
+# --- sans-IO decoding ------------------------------------------------------------------------------------
+
+
+class FrameDecoder:
+    """Splits a byte stream into 2-byte-length-prefixed Noise messages, sans-IO, in a preallocated buffer.
+
+    Feed with `feed(data)`, or zero-copy with ``n = recv_into(decoder.writable()); decoder.commit(n)``;
+    then take messages with `next_frame()` until it returns None. Every byte sequence is a valid framing
+    (a length is 0..65535), so nothing here raises; `pending` is the number of bytes of an incomplete
+    message (0 at a message boundary). A returned memoryview is valid until the next `writable`/`feed`.
+    """
+
+    def __init__(self, capacity: int = _RECEIVE_BUFFER) -> None:
+        if capacity < 2 * _WIRE_FRAME:
+            raise ValueError(f"capacity must be at least {2 * _WIRE_FRAME} bytes")
+        self._buffer = bytearray(capacity)
+        self._view = memoryview(self._buffer)
+        self._start = 0
+        self._end = 0
+
+    @property
+    def pending(self) -> int:
+        return self._end - self._start
+
+    def writable(self) -> memoryview:
+        """Free space at the end of the buffer (at least one whole Noise message); compacts if needed."""
+        if len(self._buffer) - self._end < _WIRE_FRAME:
+            size = self._end - self._start
+            self._view[:size] = self._view[self._start:self._end]
+            self._start, self._end = 0, size
+        return self._view[self._end:]
+
+    def commit(self, n: int) -> None:
+        """Record that `n` bytes were written into the last `writable()` view."""
+        if not 0 <= n <= len(self._buffer) - self._end:
+            raise ValueError(f"commit of {n} bytes")
+        self._end += n
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        """Append bytes; callers must drain `next_frame()` so that at most one partial message stays."""
+        view = memoryview(data)
+        while view:
+            space = self.writable()
+            if not space:
+                raise ValueError("decoder full: drain next_frame() between feeds")
+            n = min(len(space), len(view))
+            space[:n] = view[:n]
+            self.commit(n)
+            view = view[n:]
+
+    def next_frame(self) -> memoryview | None:
+        """The next complete Noise message (0..65535 bytes, a view into the buffer), or None."""
+        have = self._end - self._start
+        if have < LENGTH_PREFIX_BYTES:
+            return None
+        length = self._buffer[self._start] << 8 | self._buffer[self._start + 1]
+        if have < LENGTH_PREFIX_BYTES + length:
+            return None
+        begin = self._start + LENGTH_PREFIX_BYTES
+        self._start = begin + length
+        return self._view[begin:self._start]
+
+    def take_rest(self) -> bytes:
+        """The buffered bytes past the last message (handed from the handshake to the connection)."""
+        out = bytes(self._view[self._start:self._end])
+        self._start = self._end = 0
+        return out
+
+
+@attrs.frozen(kw_only=True)
+class MessageReceived:
+    """A whole application message arrived on `lane`."""
+
+    lane: int
+    data: bytes
+
+
+@attrs.frozen(kw_only=True)
+class PingReceived:
+    opaque: bytes
+
+
+@attrs.frozen(kw_only=True)
+class PongReceived:
+    opaque: bytes
+
+
+FrameEvent = MessageReceived | PingReceived | PongReceived
+
+
+class MessageAssembler:
+    """Reassembles application messages from decrypted frames, sans-IO (spec/transport.md §3).
+
+    `handle(plaintext)` takes one transport plaintext and returns a `MessageReceived` when it completes a
+    message, a `PingReceived`/`PongReceived` for keep-alives, or None. Raises TransportError ``bad-frame``
+    (empty frame, unknown kind or lane, START on a lane with an open message, CONTINUE without one or
+    empty, a fragment longer than the rest of the message, a PING/PONG body that is not 8 bytes or not on
+    lane 0) or ``message-too-large`` (the announced length exceeds `max_message_bytes`; checked before any
+    buffer is sized for it). Memory: one reassembly buffer per lane, sized to the open message and kept
+    between messages up to 2 MiB.
+
+    Zero-copy path for the hot loop: `window(n)` offers a place inside the open bulk message where a
+    plaintext of `n` bytes can be decrypted directly (its header byte lands on the byte before the
+    fragment, saved here); then `handle_window(n)` processes it as `handle` would.
+    """
+
+    _KEEP_BYTES = 2 * 2**20  # reassembly buffers larger than this are released after their message
+
+    def __init__(self, max_message_bytes: int) -> None:
+        self.max_message_bytes = max_message_bytes
+        self._length = [-1, -1]  # per lane: total length of the open message, -1 when none
+        self._buffer = [bytearray(), bytearray()]
+        self._have = [0, 0]
+        self._saved = -1  # the byte under the window's header position
+
+    @property
+    def at_boundary(self) -> bool:
+        """True when no lane has a partly received message."""
+        return self._length[0] < 0 and self._length[1] < 0
+
+    def _complete(self, lane: int) -> MessageReceived:
+        length, buffer = self._length[lane], self._buffer[lane]
+        data = bytes(memoryview(buffer)[:length])
+        if len(buffer) > self._KEEP_BYTES:
+            self._buffer[lane] = bytearray()
+        self._length[lane], self._have[lane] = -1, 0
+        return MessageReceived(lane=lane, data=data)
+
+    def window(self, n: int) -> memoryview | None:
+        """Where to decrypt a plaintext of `n` bytes that is probably the bulk lane's next CONTINUE: a view
+        starting one byte before the fragment's place, or None (no open bulk message, or it would not fit).
+        The caller must then call `handle_window(n)` (or discard the assembler)."""
+        lane = LANE_BULK
+        have, length = self._have[lane], self._length[lane]
+        if length < 0 or have < 1 or n < 2 or n - 1 > length - have:
+            return None
+        self._saved = self._buffer[lane][have - 1]
+        return memoryview(self._buffer[lane])[have - 1:have - 1 + n]
+
+    def handle_window(self, n: int) -> FrameEvent | None:
+        """Process the `n`-byte plaintext decrypted into the last `window(n)`. Same results as `handle`."""
+        lane, buffer, have = LANE_BULK, self._buffer[LANE_BULK], self._have[LANE_BULK]
+        header = buffer[have - 1]
+        buffer[have - 1] = self._saved
+        if header == KIND_CONTINUE << 4 | lane:
+            self._have[lane] = have + n - 1
+            return self._complete(lane) if self._have[lane] == self._length[lane] else None
+        plaintext = bytes([header]) + bytes(buffer[have:have + n - 1])
+        return self.handle(plaintext)
+
+    def handle(self, plaintext: bytes | bytearray | memoryview) -> FrameEvent | None:
+        if not plaintext:
+            raise TransportError("bad-frame", "empty frame")
+        header = plaintext[0]
+        kind, lane = header >> 4, header & 0x0F
+        body = memoryview(plaintext)[1:]
+        if kind in (KIND_PING, KIND_PONG):
+            if lane != LANE_CONTROL or len(body) != PING_BYTES:
+                raise TransportError("bad-frame", f"keep-alive header {header:#x}, {len(body)} bytes")
+            return PingReceived(opaque=bytes(body)) if kind == KIND_PING else PongReceived(opaque=bytes(body))
+        if lane not in LANES:
+            raise TransportError("bad-frame", f"lane {lane}")
+        if kind == KIND_START:
+            if self._length[lane] >= 0:
+                raise TransportError("bad-frame", f"START on lane {lane} inside a message")
+            if len(body) < APP_LENGTH_PREFIX_BYTES:
+                raise TransportError("bad-frame", "START shorter than its length field")
+            length = int.from_bytes(body[:APP_LENGTH_PREFIX_BYTES], "big")
+            if length > self.max_message_bytes:
+                raise TransportError("message-too-large", f"{length} > {self.max_message_bytes} bytes")
+            fragment = body[APP_LENGTH_PREFIX_BYTES:]
+            if len(fragment) > length:
+                raise TransportError("bad-frame", f"fragment of {len(fragment)} bytes for a {length}-byte message")
+            if len(fragment) == length:
+                return MessageReceived(lane=lane, data=bytes(fragment))
+            if len(self._buffer[lane]) < length:
+                self._buffer[lane] = bytearray(length)
+            self._buffer[lane][:len(fragment)] = fragment
+            self._length[lane], self._have[lane] = length, len(fragment)
+            return None
+        if kind == KIND_CONTINUE:
+            length, have = self._length[lane], self._have[lane]
+            if length < 0:
+                raise TransportError("bad-frame", f"CONTINUE on lane {lane} without a message")
+            if not body or len(body) > length - have:
+                raise TransportError("bad-frame", f"fragment of {len(body)} bytes, {length - have} left")
+            self._buffer[lane][have:have + len(body)] = body
+            self._have[lane] = have + len(body)
+            return self._complete(lane) if self._have[lane] == length else None
+        raise TransportError("bad-frame", f"kind {kind}")
+
+
+def encode_frames(data: bytes | bytearray | memoryview, lane: int) -> list[bytes]:
+    """The plaintext frames of one application message on `lane` (for tests and other implementations;
+    the connection writes the same bytes straight into its send buffer)."""
+    view = memoryview(data)
+    first = MAX_TRANSPORT_PLAINTEXT - START_OVERHEAD
+    frames = [bytes([KIND_START << 4 | lane]) + len(view).to_bytes(4, "big") + bytes(view[:first])]
+    for pos in range(first, len(view), MAX_FRAGMENT):
+        frames.append(bytes([KIND_CONTINUE << 4 | lane]) + bytes(view[pos:pos + MAX_FRAGMENT]))
+    return frames
+
+
+# --- the connection --------------------------------------------------------------------------------------
+
+
 class SecureConnection:
-    """One Noise-secured TCP connection carrying length-framed application messages.
+    """One Noise-secured TCP connection carrying whole application messages on two lanes.
 
     `remote_peer` is the verified PeerId of the other end. `bytes_sent` / `bytes_received` count bytes on
-    the socket (handshake included: length prefixes, Noise framing, ciphertext and tags). Senders are
-    serialized by a lock, as are receivers, so messages never interleave. After a receive error the
-    connection is closed and every later `receive_message` raises.
+    the socket (handshake included: length prefixes, Noise framing, ciphertext and tags).
+
+    Sending: `send_message` may be called from several tasks at once. Messages of one lane go out whole and
+    in call order (a lock per lane); the socket is shared turn by turn, a bulk message yielding it every
+    few Noise messages (about 256 KiB), so a control message waits at most one such turn. Backpressure is
+    TCP's: `send_message` blocks while the peer does not read, which slows only this connection.
+
+    Receiving: one reader (`receive_message`) at a time. Keep-alive: after `keepalive_interval` seconds
+    with nothing received we send a PING (answered by the peer's reader with a PONG); after `idle_timeout`
+    seconds with nothing received the connection is dropped with TransportError("idle-timeout"). After a
+    receive error the connection is closed and every later `receive_message` raises.
     """
 
     def __init__(self, stream: trio.SocketStream, transport: NoiseTransport, remote_peer: PeerId, *,
                  max_message_bytes: int, bytes_sent: int, bytes_received: int,
-                 buffered: bytes = b"") -> None:
+                 decoder: FrameDecoder | None = None, keepalive_interval: float = DEFAULT_KEEPALIVE_INTERVAL,
+                 idle_timeout: float = DEFAULT_IDLE_TIMEOUT) -> None:
         self.remote_peer = remote_peer
         self.max_message_bytes = max_message_bytes
         self.bytes_sent = bytes_sent
         self.bytes_received = bytes_received
+        self.keepalive_interval = keepalive_interval
+        self.idle_timeout = idle_timeout
+        self.pings_sent = 0
+        self.pongs_received = 0
         self._stream = stream
         self._transport = transport
-        self._wire = _WireReader(stream, self, buffered)
-        self._plain = bytearray()  # decrypted bytes not yet returned as (part of) a message
-        self._body_length: int | None = None  # length of the message being assembled, if any
-        self._body_parts: list[bytes | bytearray] = []
-        self._body_have = 0
-        self._send_lock = trio.Lock()
+        self._decoder = decoder if decoder is not None else FrameDecoder()
+        self._assembler = MessageAssembler(max_message_bytes)
+        self._plain = bytearray(MAX_TRANSPORT_PLAINTEXT)  # decrypt target, reused
+        self._send_buffer = bytearray(_BULK_BATCH_FRAMES * _WIRE_FRAME)  # encrypt in place, reused
+        self._lane_locks = (trio.Lock(), trio.Lock())
+        self._wire_lock = trio.Lock()  # held while encrypting and writing: nonces must follow wire order
         self._receive_lock = trio.Lock()
         self._closed = False
         self._broken: TransportError | None = None
+        self._last_received = trio.current_time()
+        self._last_ping = -math.inf
 
     def __repr__(self) -> str:
         return f"SecureConnection({self.remote_peer.short()})"
 
-    async def send_message(self, data: bytes) -> None:
-        """Send one application message of at most `max_message_bytes` bytes.
+    # -- sending --
 
+    async def send_message(self, data: bytes | bytearray | memoryview, *, lane: int | None = None) -> None:
+        """Send one application message of at most `max_message_bytes` bytes on `lane`.
+
+        lane: LANE_CONTROL (0), LANE_BULK (1), or None: control if ``len(data) <= 65536`` else bulk.
         Raises TransportError("message-too-large") before sending anything, ConnectionClosed ("closed",
-        "reset") if the connection is gone, TransportError("nonce-exhausted") after 2^64-1 messages.
+        "reset") if the connection is gone, TransportError("nonce-exhausted") after 2^64-1 Noise messages.
         Cancelled part-way, a message may be half on the wire: the connection is then closed.
         """
-        if len(data) > self.max_message_bytes:
-            raise TransportError("message-too-large", f"{len(data)} > {self.max_message_bytes} bytes")
-        body = memoryview(len(data).to_bytes(APP_LENGTH_PREFIX_BYTES, "big") + bytes(data))
-        async with self._send_lock:
+        size = len(data)
+        if size > self.max_message_bytes:
+            raise TransportError("message-too-large", f"{size} > {self.max_message_bytes} bytes")
+        if lane is None:
+            lane = LANE_CONTROL if size <= AUTO_CONTROL_MAX_BYTES else LANE_BULK
+        if lane not in LANES:
+            raise ValueError(f"lane must be 0 or 1, not {lane}")
+        view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
+        batch = _CONTROL_BATCH_FRAMES if lane == LANE_CONTROL else _BULK_BATCH_FRAMES
+        async with self._lane_locks[lane]:
             if self._closed:
                 raise ConnectionClosed("closed")
-            n_chunks = max(1, math.ceil(len(body) / MAX_TRANSPORT_PLAINTEXT))
             try:
-                for first in range(0, n_chunks, _SEND_BATCH):
-                    batch = bytearray()
-                    for i in range(first, min(first + _SEND_BATCH, n_chunks)):
-                        chunk = body[i * MAX_TRANSPORT_PLAINTEXT:(i + 1) * MAX_TRANSPORT_PLAINTEXT]
-                        batch += frame(self._transport.encrypt(chunk))
-                    await self._send_raw(bytes(batch))
+                pos = -1  # -1: START not written yet
+                while pos < size:
+                    async with self._wire_lock:
+                        pos = await self._send_turn(view, lane, pos, batch)
             except NoiseError as exc:
                 await self._abort()
                 raise TransportError(exc.reason, exc.detail) from exc
@@ -120,7 +372,52 @@ class SecureConnection:
                 await self._abort()
                 raise
 
-    async def _send_raw(self, data: bytes) -> None:
+    async def _send_turn(self, view: memoryview, lane: int, pos: int, max_frames: int) -> int:
+        """Encrypt up to `max_frames` frames of the message from `pos` into the send buffer and write them;
+        returns the new position. Called with the wire lock held."""
+        if self._closed:
+            raise ConnectionClosed("closed")
+        buffer, out = self._send_buffer, 0
+        size = len(view)
+        for _ in range(max_frames):
+            if pos >= size:
+                break
+            start = out + LENGTH_PREFIX_BYTES
+            if pos < 0:
+                buffer[start] = KIND_START << 4 | lane
+                buffer[start + 1:start + START_OVERHEAD] = size.to_bytes(4, "big")
+                take = min(size, MAX_TRANSPORT_PLAINTEXT - START_OVERHEAD)
+                body, pos = start + START_OVERHEAD, 0
+            else:
+                buffer[start] = KIND_CONTINUE << 4 | lane
+                take = min(size - pos, MAX_FRAGMENT)
+                body = start + 1
+            buffer[body:body + take] = view[pos:pos + take]
+            pos += take
+            length = self._transport.encrypt_in_place(buffer, start, body + take - start)
+            buffer[out] = length >> 8
+            buffer[out + 1] = length & 0xFF
+            out = start + length
+        await self._send_raw(memoryview(buffer)[:out])
+        return pos
+
+    async def _send_control_frame(self, kind: int, opaque: bytes) -> None:
+        """PING or PONG, sent only if the socket is free right now (any bytes we send keep the peer alive)."""
+        if self._closed or self._wire_lock.locked():
+            return
+        async with self._wire_lock:
+            plaintext = bytes([kind << 4 | LANE_CONTROL]) + opaque
+            try:
+                data = frame(self._transport.encrypt(plaintext))
+            except NoiseError as exc:
+                raise TransportError(exc.reason, exc.detail) from exc
+            with trio.fail_after(self.idle_timeout):
+                try:
+                    await self._send_raw(data)
+                except trio.TooSlowError:  # pragma: no cover - the peer stopped reading entirely
+                    raise TransportError("idle-timeout", "keep-alive could not be sent") from None
+
+    async def _send_raw(self, data: bytes | memoryview) -> None:
         try:
             await self._stream.send_all(data)
         except trio.ClosedResourceError as exc:
@@ -129,14 +426,17 @@ class SecureConnection:
             raise ConnectionClosed("reset", str(exc)) from exc
         self.bytes_sent += len(data)
 
+    # -- receiving --
+
     async def receive_message(self) -> bytes:
-        """The next application message (bytes).
+        """The next whole application message (bytes), from either lane, in the order they complete.
 
         Raises ConnectionClosed("eof") when the peer closed cleanly between messages, ConnectionClosed
-        ("closed"/"reset"), TransportError("message-too-large") when the 4-byte length exceeds
-        `max_message_bytes` (checked before the body is read or a buffer allocated), ("truncated") on EOF
-        inside a frame, ("decrypt-failed") on a tampered Noise message, ("broken") after an earlier error.
-        A clean EOF stays ConnectionClosed("eof") on every later call.
+        ("closed"/"reset"), TransportError "message-too-large" (announced length over `max_message_bytes`,
+        refused before the body is read), "bad-frame", "truncated" (EOF inside a Noise message or an
+        application message), "decrypt-failed" (a tampered Noise message), "idle-timeout", or "broken" after
+        an earlier error. A clean EOF stays ConnectionClosed("eof") on every later call. Cancel-safe: a
+        cancelled call loses nothing and the next one resumes.
         """
         async with self._receive_lock:
             if self._broken is not None:
@@ -152,47 +452,57 @@ class SecureConnection:
                 raise
 
     async def _receive_message(self) -> bytes:
-        # Cancel-safe: a message being assembled lives in self._body_* until it is complete, so a
-        # cancelled receive_message loses nothing and the next call resumes.
-        if self._body_length is None:
-            while len(self._plain) < APP_LENGTH_PREFIX_BYTES:
-                plaintext = await self._receive_plaintext(at_boundary=not self._plain)
-                if plaintext is None:
-                    raise ConnectionClosed("eof")
-                self._plain += plaintext
-            length = int.from_bytes(self._plain[:APP_LENGTH_PREFIX_BYTES], "big")
-            if length > self.max_message_bytes:
-                raise TransportError("message-too-large", f"{length} > {self.max_message_bytes} bytes")
-            del self._plain[:APP_LENGTH_PREFIX_BYTES]
-            self._body_length, self._body_parts, self._body_have = length, [], 0
-        length = self._body_length
+        decoder, assembler = self._decoder, self._assembler
         while True:
-            take = min(length - self._body_have, len(self._plain))
-            if take:
-                self._body_parts.append(self._plain[:take])
-                del self._plain[:take]
-                self._body_have += take
-            if self._body_have == length:
-                message = b"".join(self._body_parts)
-                self._body_length, self._body_parts, self._body_have = None, [], 0
-                return message
-            plaintext = await self._receive_plaintext(at_boundary=False)
-            assert plaintext is not None
-            if len(plaintext) <= length - self._body_have:  # inside a long message: no extra copy
-                self._body_parts.append(plaintext)
-                self._body_have += len(plaintext)
+            ciphertext = decoder.next_frame()
+            if ciphertext is None:
+                if not await self._read_more():
+                    if decoder.pending or not assembler.at_boundary:
+                        raise TransportError("truncated", "EOF inside a Noise or application message")
+                    raise ConnectionClosed("eof")
+                continue
+            window = assembler.window(len(ciphertext) - TAGLEN)
+            try:
+                n = self._transport.decrypt_into(ciphertext, self._plain if window is None else window)
+            except NoiseError as exc:
+                raise TransportError(exc.reason, exc.detail) from exc
+            if window is None:
+                event = assembler.handle(memoryview(self._plain)[:n])
             else:
-                self._plain += plaintext
+                event = assembler.handle_window(n)
+            if isinstance(event, MessageReceived):
+                return event.data
+            if isinstance(event, PingReceived):
+                await self._send_control_frame(KIND_PONG, event.opaque)
+            elif isinstance(event, PongReceived):
+                self.pongs_received += 1
 
-    async def _receive_plaintext(self, *, at_boundary: bool) -> bytes | None:
-        """Plaintext of the next Noise transport message; None on a clean EOF at a message boundary."""
-        ciphertext = await self._wire.read_frame(at_boundary=at_boundary)
-        if ciphertext is None:
-            return None
-        try:
-            return self._transport.decrypt(ciphertext)
-        except NoiseError as exc:
-            raise TransportError(exc.reason, exc.detail) from exc
+    async def _read_more(self) -> bool:
+        """Receive more bytes into the decoder; False on EOF. Sends keep-alives and enforces the idle timeout."""
+        while True:
+            idle_deadline = self._last_received + self.idle_timeout
+            if trio.current_time() >= idle_deadline:
+                raise TransportError("idle-timeout", f"nothing received for {self.idle_timeout} s")
+            ping_deadline = max(self._last_received, self._last_ping) + self.keepalive_interval
+            with trio.move_on_at(min(idle_deadline, ping_deadline)):
+                try:
+                    n = await self._stream.socket.recv_into(self._decoder.writable())
+                except trio.ClosedResourceError as exc:
+                    raise ConnectionClosed("closed") from exc
+                except OSError as exc:
+                    if self._closed:
+                        raise ConnectionClosed("closed") from exc
+                    raise ConnectionClosed("reset", str(exc)) from exc
+                if n:
+                    self._decoder.commit(n)
+                    self.bytes_received += n
+                    self._last_received = trio.current_time()
+                return n > 0
+            now = trio.current_time()
+            if ping_deadline <= now < idle_deadline:
+                self._last_ping = now
+                self.pings_sent += 1
+                await self._send_control_frame(KIND_PING, os.urandom(PING_BYTES))
 
     async def _abort(self) -> None:
         self._closed = True
@@ -205,50 +515,7 @@ class SecureConnection:
         await self._stream.aclose()
 
 
-class _WireReader:
-    """Reads 2-byte-length-prefixed Noise messages off a stream, counting bytes into `counter`."""
-
-    def __init__(self, stream: trio.SocketStream, counter: object, buffered: bytes = b"") -> None:
-        self._stream = stream
-        self._counter = counter
-        self._buffer = bytearray(buffered)
-
-    def take_buffer(self) -> bytes:
-        """Bytes read past the last frame (handed from the handshake to the connection)."""
-        out = bytes(self._buffer)
-        self._buffer.clear()
-        return out
-
-    async def _fill(self, n: int) -> bool:
-        """Make `n` bytes available; False if EOF came first."""
-        while len(self._buffer) < n:
-            try:
-                data = await self._stream.receive_some(_RECEIVE_CHUNK)
-            except trio.ClosedResourceError as exc:
-                raise ConnectionClosed("closed") from exc
-            except trio.BrokenResourceError as exc:
-                raise ConnectionClosed("reset", str(exc)) from exc
-            if not data:
-                return False
-            self._counter.bytes_received += len(data)  # type: ignore[attr-defined]
-            self._buffer += data
-        return True
-
-    async def read_frame(self, *, at_boundary: bool) -> bytes | None:
-        """The next Noise message (0..65535 bytes); None on EOF before its first byte if `at_boundary`.
-
-        Raises TransportError("truncated") on EOF anywhere else.
-        """
-        if not await self._fill(LENGTH_PREFIX_BYTES):
-            if at_boundary and not self._buffer:
-                return None
-            raise TransportError("truncated", "EOF inside a length prefix or message")
-        length = int.from_bytes(self._buffer[:LENGTH_PREFIX_BYTES], "big")
-        if not await self._fill(LENGTH_PREFIX_BYTES + length):
-            raise TransportError("truncated", f"EOF inside a {length}-byte Noise message")
-        out = bytes(self._buffer[LENGTH_PREFIX_BYTES:LENGTH_PREFIX_BYTES + length])
-        del self._buffer[:LENGTH_PREFIX_BYTES + length]
-        return out
+# --- handshake, dial, listen -----------------------------------------------------------------------------
 
 
 class _Counter:
@@ -257,12 +524,25 @@ class _Counter:
         self.bytes_received = 0
 
 
+async def _read_handshake_frame(stream: trio.SocketStream, decoder: FrameDecoder, counter: _Counter) -> bytes:
+    while (message := decoder.next_frame()) is None:
+        try:
+            n = await stream.socket.recv_into(decoder.writable())
+        except OSError as exc:
+            raise ConnectionClosed("reset", "during the handshake") from exc
+        if not n:
+            raise TransportError("truncated", "EOF during the handshake")
+        decoder.commit(n)
+        counter.bytes_received += n
+    return bytes(message)
+
+
 async def _secure(stream: trio.SocketStream, identity: Identity, *, initiator: bool,
-                  expected_peer: PeerId | None, max_message_bytes: int,
-                  handshake_timeout: float) -> SecureConnection:
+                  expected_peer: PeerId | None, max_message_bytes: int, handshake_timeout: float,
+                  keepalive_interval: float, idle_timeout: float) -> SecureConnection:
     """Run the libp2p noise handshake on `stream`; close the stream and raise TransportError on failure."""
     counter = _Counter()
-    reader = _WireReader(stream, counter)
+    decoder = FrameDecoder()
     handshake = Libp2pNoiseHandshake(identity, initiator, expected_peer=expected_peer)
     try:
         with trio.fail_after(handshake_timeout):
@@ -272,9 +552,7 @@ async def _secure(stream: trio.SocketStream, identity: Identity, *, initiator: b
                     await stream.send_all(data)
                     counter.bytes_sent += len(data)
                 else:
-                    message = await reader.read_frame(at_boundary=False)
-                    assert message is not None
-                    handshake.read_message(message)
+                    handshake.read_message(await _read_handshake_frame(stream, decoder, counter))
         transport = handshake.transport()
     except BaseException as exc:
         with trio.CancelScope(shield=True):
@@ -289,23 +567,27 @@ async def _secure(stream: trio.SocketStream, identity: Identity, *, initiator: b
     assert handshake.remote_peer is not None
     return SecureConnection(stream, transport, handshake.remote_peer, max_message_bytes=max_message_bytes,
                             bytes_sent=counter.bytes_sent, bytes_received=counter.bytes_received,
-                            buffered=reader.take_buffer())
+                            decoder=decoder, keepalive_interval=keepalive_interval, idle_timeout=idle_timeout)
 
 
 async def connect(host: str, port: int, identity: Identity, *, expected_peer: PeerId | None = None,
                   max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                  handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT) -> SecureConnection:
-    """Dial `host:port` and run the handshake as initiator; `handshake_timeout` in seconds.
+                  handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+                  keepalive_interval: float = DEFAULT_KEEPALIVE_INTERVAL,
+                  idle_timeout: float = DEFAULT_IDLE_TIMEOUT) -> SecureConnection:
+    """Dial `host:port` and run the handshake as initiator; timeouts and intervals in seconds.
 
     Raises TransportError: ``connect-failed`` (OSError from the dial), ``handshake-timeout``,
     ``peer-mismatch`` (the responder is not `expected_peer`), ``bad-identity-signature``, ...
     """
     try:
-        stream = await trio.open_tcp_stream(host, port)
-    except OSError as exc:
-        raise TransportError("connect-failed", f"{host}:{port}: {exc}") from exc
+        with trio.fail_after(handshake_timeout):
+            stream = await trio.open_tcp_stream(host, port)
+    except (OSError, trio.TooSlowError) as exc:
+        raise TransportError("connect-failed", f"{host}:{port}: {exc!r}") from exc
     return await _secure(stream, identity, initiator=True, expected_peer=expected_peer,
-                         max_message_bytes=max_message_bytes, handshake_timeout=handshake_timeout)
+                         max_message_bytes=max_message_bytes, handshake_timeout=handshake_timeout,
+                         keepalive_interval=keepalive_interval, idle_timeout=idle_timeout)
 
 
 Handler = Callable[[SecureConnection], Awaitable[object]]
@@ -314,24 +596,47 @@ Handler = Callable[[SecureConnection], Awaitable[object]]
 async def serve(host: str, port: int, identity: Identity, handler: Handler, *,
                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                 handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+                max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
+                max_handshakes_per_ip: int = DEFAULT_MAX_HANDSHAKES_PER_IP,
+                keepalive_interval: float = DEFAULT_KEEPALIVE_INTERVAL,
+                idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
                 task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
     """Accept connections on `host:port` forever (use with ``await nursery.start(serve, ...)``).
 
     Reports the bound port through `task_status.started(port)` (so `port=0` works). Each connection gets
-    its own task: the handshake as responder, then ``await handler(conn)``, then the connection is closed.
-    A failed handshake, or a `TransportError` escaping the handler (the peer went away or misbehaved), is
-    logged and ends that connection only; any other exception from the handler is a bug and propagates.
+    its own task: the handshake as responder (at most `handshake_timeout` seconds), then
+    ``await handler(conn)``, then the connection is closed. At most `max_handshakes` handshakes run at once,
+    and at most `max_handshakes_per_ip` from one remote address; a connection over either cap is closed at
+    once, before any byte is read (slowloris defence: a flood costs the attacker a socket each and us
+    nothing beyond the cap). A failed handshake, or a `TransportError` escaping the handler, is logged and
+    ends that connection only; any other exception from the handler is a bug and propagates.
     """
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound_port = listeners[0].socket.getsockname()[1]
+    in_handshake: Counter[str] = Counter()
 
     async def serve_one(stream: trio.SocketStream) -> None:
         try:
+            ip = str(stream.socket.getpeername()[0])
+        except OSError:
+            await stream.aclose()
+            return
+        if in_handshake.total() >= max_handshakes or in_handshake[ip] >= max_handshakes_per_ip:
+            log.info("refused a connection from %s: handshake cap reached", ip)
+            await stream.aclose()
+            return
+        in_handshake[ip] += 1
+        try:
             conn = await _secure(stream, identity, initiator=False, expected_peer=None,
-                                 max_message_bytes=max_message_bytes, handshake_timeout=handshake_timeout)
+                                 max_message_bytes=max_message_bytes, handshake_timeout=handshake_timeout,
+                                 keepalive_interval=keepalive_interval, idle_timeout=idle_timeout)
         except TransportError as exc:
             log.info("inbound handshake failed: %s", exc)
             return
+        finally:
+            in_handshake[ip] -= 1
+            if not in_handshake[ip]:
+                del in_handshake[ip]
         try:
             await handler(conn)
         except TransportError as exc:

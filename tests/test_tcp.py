@@ -22,7 +22,18 @@ from peerloom.adapters.noise import (
     frame,
     x25519_public,
 )
-from peerloom.adapters.tcp import ConnectionClosed, SecureConnection, TransportError, connect, serve
+from peerloom.adapters.tcp import (
+    KIND_CONTINUE,
+    KIND_PING,
+    KIND_START,
+    LANE_BULK,
+    ConnectionClosed,
+    SecureConnection,
+    TransportError,
+    connect,
+    encode_frames,
+    serve,
+)
 from peerloom.core.identity import Identity, public_key_protobuf
 
 HOST = "127.0.0.1"
@@ -380,27 +391,89 @@ def test_tampered_ciphertext_byte_raises_transport_error() -> None:
     run_with_server(body, handler)
 
 
-def test_length_over_limit_is_refused_before_the_body() -> None:
-    """Only the 4-byte header is ever sent; the receiver must refuse without waiting for 4 GiB."""
-    errors: list[TransportError] = []
+def _raw_send(conn: SecureConnection, plaintexts: list[bytes]) -> Awaitable[None]:
+    """Encrypt and write Noise transport messages by hand: a lying or broken peer."""
+    return conn._stream.send_all(b"".join(frame(conn._transport.encrypt(p)) for p in plaintexts))
 
+
+def _collect_errors(errors: list[TransportError]) -> Callable[[SecureConnection], Awaitable[None]]:
     async def handler(conn: SecureConnection) -> None:
         try:
-            await conn.receive_message()
+            while True:
+                await conn.receive_message()
         except TransportError as exc:
             errors.append(exc)
 
+    return handler
+
+
+async def _wait_for(errors: list) -> None:
+    with trio.fail_after(5):
+        while not errors:
+            await trio.sleep(0.01)
+
+
+def test_length_over_limit_is_refused_before_the_body() -> None:
+    """Only the START header is ever sent; the receiver must refuse without waiting for 4 GiB."""
+    errors: list[TransportError] = []
+
     async def body(port: int) -> None:
         conn = await connect(HOST, port, CLIENT)
-        header = (2**32 - 1).to_bytes(4, "big")
-        await conn._stream.send_all(frame(conn._transport.encrypt(header)))  # a lying client
-        with trio.fail_after(5):
-            while not errors:
-                await trio.sleep(0.01)
+        await _raw_send(conn, [bytes([KIND_START << 4 | LANE_BULK]) + (2**32 - 1).to_bytes(4, "big")])
+        await _wait_for(errors)
         assert errors[0].reason == "message-too-large"
         await conn.aclose()
 
-    run_with_server(body, handler, max_message_bytes=1000)
+    run_with_server(body, _collect_errors(errors), max_message_bytes=1000)
+
+
+@pytest.mark.parametrize(("plaintexts", "reason"), [
+    ([b""], "bad-frame"),  # an empty frame
+    ([bytes([KIND_CONTINUE << 4]) + b"x"], "bad-frame"),  # CONTINUE without START
+    ([bytes([KIND_START << 4]) + (10).to_bytes(4, "big") + b"x", bytes([KIND_START << 4]) + b"\0\0\0\0"],
+     "bad-frame"),  # START inside an open message
+    ([bytes([KIND_START << 4]) + (2).to_bytes(4, "big") + b"xyz"], "bad-frame"),  # fragment too long
+    ([bytes([KIND_START << 4]) + (2).to_bytes(4, "big") + b"x", bytes([KIND_CONTINUE << 4]) + b"yz"],
+     "bad-frame"),  # continuation overruns the message
+    ([bytes([KIND_START << 4 | 2]) + b"\0\0\0\0"], "bad-frame"),  # lane 2
+    ([bytes([0x70])], "bad-frame"),  # unknown kind
+    ([bytes([KIND_PING << 4]) + b"123"], "bad-frame"),  # short ping
+    ([bytes([KIND_START << 4]) + b"\0\0"], "bad-frame"),  # truncated 4-byte length
+    ([bytes([KIND_START << 4]) + (5).to_bytes(4, "big") + b"ab"], "truncated"),  # EOF inside a message
+], ids=["empty", "orphan-continue", "nested-start", "long-fragment", "overrun", "bad-lane", "bad-kind",
+        "short-ping", "short-length", "eof-in-message"])
+def test_malformed_frames_are_refused(plaintexts: list[bytes], reason: str) -> None:
+    errors: list[TransportError] = []
+
+    async def body(port: int) -> None:
+        conn = await connect(HOST, port, CLIENT)
+        await _raw_send(conn, plaintexts)
+        await conn._stream.send_eof()
+        await _wait_for(errors)
+        assert errors[0].reason == reason
+        await conn.aclose()
+
+    run_with_server(body, _collect_errors(errors))
+
+
+@pytest.mark.parametrize(("raw", "reason"), [
+    (b"\x00", "truncated"),  # EOF inside the 2-byte Noise length
+    (b"\x00\x05hello", "decrypt-failed"),  # shorter than a tag
+    (b"\xff\xff" + b"\x00" * 100, "truncated"),  # a 65535-byte message that never comes
+    (b"\x00\x20" + b"\xaa" * 32, "decrypt-failed"),  # garbage ciphertext
+], ids=["half-prefix", "short", "oversize-prefix", "garbage"])
+def test_bad_noise_length_prefixes(raw: bytes, reason: str) -> None:
+    errors: list[TransportError] = []
+
+    async def body(port: int) -> None:
+        conn = await connect(HOST, port, CLIENT)
+        await conn._stream.send_all(raw)
+        await conn._stream.send_eof()
+        await _wait_for(errors)
+        assert errors[0].reason == reason
+        await conn.aclose()
+
+    run_with_server(body, _collect_errors(errors))
 
 
 def test_sender_limit_is_its_own() -> None:
@@ -442,9 +515,7 @@ def test_cancelled_receive_resumes_without_loss() -> None:
     async def body(port: int) -> None:
         conn = await connect(HOST, port, CLIENT)
         message = bytes(range(256)) * 1000  # 256 000 bytes: four Noise messages
-        plain = len(message).to_bytes(4, "big") + message
-        chunks = [plain[i:i + 65519] for i in range(0, len(plain), 65519)]
-        wire = b"".join(frame(conn._transport.encrypt(chunk)) for chunk in chunks)
+        wire = b"".join(frame(conn._transport.encrypt(f)) for f in encode_frames(message, LANE_BULK))
         await conn._stream.send_all(wire[:100_000])  # the header and part of the body
         await first_timed_out.wait()
         await conn._stream.send_all(wire[100_000:])
@@ -456,3 +527,206 @@ def test_cancelled_receive_resumes_without_loss() -> None:
         await conn.aclose()
 
     run_with_server(body, handler)
+
+
+# --- lanes: control messages are not stuck behind a bulk message -----------------------------------------
+
+
+def test_control_message_overtakes_a_bulk_message_in_flight() -> None:
+    """A FIFO transport delivers the 12 MB message first; here the later small message arrives first."""
+    received: list[bytes] = []
+
+    async def handler(conn: SecureConnection) -> None:
+        for _ in range(3):
+            received.append(await conn.receive_message())
+
+    big = bytes(range(256)) * (12_000_000 // 256)
+
+    async def body(port: int) -> None:
+        conn = await connect(HOST, port, CLIENT, max_message_bytes=len(big))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(conn.send_message, big)
+            while conn.bytes_sent < 1_000_000:  # the bulk message is on the wire
+                await trio.sleep(0)
+            await conn.send_message(b"vote")
+            await conn.send_message(b"head")
+        with trio.fail_after(10):
+            while len(received) < 3:
+                await trio.sleep(0.01)
+        assert received[:2] == [b"vote", b"head"]  # in order within the control lane
+        assert received[2] == big
+        await conn.aclose()
+
+    run_with_server(body, handler, max_message_bytes=len(big))
+
+
+def test_explicit_lanes_keep_order_per_lane() -> None:
+    received: list[bytes] = []
+
+    async def handler(conn: SecureConnection) -> None:
+        for _ in range(6):
+            received.append(await conn.receive_message())
+
+    async def body(port: int) -> None:
+        conn = await connect(HOST, port, CLIENT)
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(conn.send_message, bytes([i]) * 300_000)  # auto: bulk
+                await trio.sleep(0)
+        for i in range(3):
+            await conn.send_message(bytes([10 + i]) * 10, lane=LANE_BULK)
+        with trio.fail_after(10):
+            while len(received) < 6:
+                await trio.sleep(0.01)
+        assert [m[0] for m in received] == [0, 1, 2, 10, 11, 12]
+        await conn.aclose()
+
+    run_with_server(body, handler)
+
+
+# --- handshake attacks over a real socket ----------------------------------------------------------------
+
+
+async def _raw_frame(stream: trio.SocketStream) -> bytes:
+    buffer = b""
+    while len(buffer) < 2 or len(buffer) < 2 + int.from_bytes(buffer[:2], "big"):
+        chunk = await stream.receive_some(65537)
+        if not chunk:
+            raise EOFError
+        buffer += chunk
+    return buffer[2:]
+
+
+def test_server_refuses_initiator_whose_signature_does_not_match_static_key(caplog) -> None:
+    handled: list[SecureConnection] = []
+
+    async def handler(conn: SecureConnection) -> None:
+        handled.append(conn)
+
+    async def body(port: int) -> None:
+        raw = await trio.open_tcp_stream(HOST, port)
+        fake = HandshakeState(LIBP2P_PROTOCOL_NAME, initiator=True, s=STATIC)
+        await raw.send_all(frame(fake.write_message(b"")))
+        fake.read_message(await _raw_frame(raw))
+        # CLIENT's key, but the signature is over another static key than the one in the handshake
+        payload = _signed(CLIENT, x25519_public(bytes([9]) * 32))
+        await raw.send_all(frame(fake.write_message(payload)))
+        with trio.fail_after(5):
+            assert await raw.receive_some(100) == b""  # the server hung up
+        await raw.aclose()
+
+    with caplog.at_level("INFO", logger="peerloom.adapters.tcp"):
+        run_with_server(body, handler)
+    assert not handled
+    assert "bad-identity-signature" in caplog.text
+
+
+def test_client_refuses_responder_whose_signature_does_not_match_static_key() -> None:
+    async def fake_responder(stream: trio.SocketStream) -> None:
+        fake = HandshakeState(LIBP2P_PROTOCOL_NAME, initiator=False, s=STATIC)
+        try:
+            fake.read_message(await _raw_frame(stream))
+            payload = _signed(OTHER, STATIC_PUB, key_of=SERVER)  # SERVER's key, OTHER's signature
+            await stream.send_all(frame(fake.write_message(payload)))
+            await stream.receive_some(100)
+        except (EOFError, trio.BrokenResourceError):
+            pass
+
+    async def main() -> None:
+        listeners = await trio.open_tcp_listeners(0, host=HOST)
+        port = listeners[0].socket.getsockname()[1]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.serve_listeners, fake_responder, listeners)
+            with pytest.raises(TransportError) as info:
+                await connect(HOST, port, CLIENT)
+            assert info.value.reason == "bad-identity-signature"
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+async def _is_closed_soon(stream: trio.SocketStream, within: float) -> bool:
+    with trio.move_on_after(within):
+        try:
+            return await stream.receive_some(100) == b""
+        except trio.BrokenResourceError:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("cap", ["per-ip", "global"])
+def test_handshake_flood_is_capped_and_recovers(cap: str) -> None:
+    """Slowloris: silent half-open handshakes beyond the cap are closed at once, not after the timeout."""
+    kwargs = {"max_handshakes_per_ip": 3} if cap == "per-ip" else {"max_handshakes": 3}
+
+    async def body(port: int) -> None:
+        silent = [await trio.open_tcp_stream(HOST, port) for _ in range(3)]
+        await trio.sleep(0.1)
+        extra = [await trio.open_tcp_stream(HOST, port) for _ in range(5)]
+        for stream in extra:
+            assert await _is_closed_soon(stream, 1.0)
+        for stream in silent:
+            assert not await _is_closed_soon(stream, 0.05)
+        with pytest.raises(TransportError):  # the cap is full: even an honest dial is refused
+            await connect(HOST, port, CLIENT)
+        for stream in silent + extra:
+            await stream.aclose()
+        await trio.sleep(0.1)
+        conn = await connect(HOST, port, CLIENT)
+        await conn.send_message(b"ok")
+        assert await conn.receive_message() == b"ok"
+        await conn.aclose()
+
+    run_with_server(body, handshake_timeout=20, **kwargs)
+
+
+def test_handshake_timeout_frees_the_slot() -> None:
+    async def body(port: int) -> None:
+        silent = await trio.open_tcp_stream(HOST, port)
+        assert await _is_closed_soon(silent, 3.0)  # timed out after 0.3 s
+        conn = await connect(HOST, port, CLIENT)
+        await conn.aclose()
+        await silent.aclose()
+
+    run_with_server(body, handshake_timeout=0.3, max_handshakes=1)
+
+
+# --- keep-alive and idle timeout -------------------------------------------------------------------------
+
+
+def test_keepalive_keeps_a_quiet_connection_open() -> None:
+    async def body(port: int) -> None:
+        conn = await connect(HOST, port, CLIENT, keepalive_interval=0.1, idle_timeout=0.4)
+        with trio.move_on_after(1.2):
+            await conn.receive_message()  # nothing to receive; pings are answered by the echo server
+        assert conn.pings_sent >= 5 and conn.pongs_received >= 5
+        await conn.send_message(b"still")
+        assert await conn.receive_message() == b"still"
+        await conn.aclose()
+
+    run_with_server(body)
+
+
+def test_idle_timeout_drops_a_peer_that_stopped_answering() -> None:
+    async def mute(conn: SecureConnection) -> None:
+        await trio.sleep(30)  # never reads, so never answers a ping
+
+    async def body(port: int) -> None:
+        conn = await connect(HOST, port, CLIENT, keepalive_interval=0.1, idle_timeout=0.5)
+        with trio.fail_after(3), pytest.raises(TransportError) as info:
+            await conn.receive_message()
+        assert info.value.reason == "idle-timeout"
+        assert conn.pings_sent >= 1 and conn.pongs_received == 0
+
+    run_with_server(body, mute)
+
+
+def test_ping_frame_is_answered_with_pong() -> None:
+    async def body(port: int) -> None:
+        conn = await connect(HOST, port, CLIENT)
+        await _raw_send(conn, [bytes([KIND_PING << 4]) + b"12345678"])
+        await conn.send_message(b"after")
+        assert await conn.receive_message() == b"after"
+        await conn.aclose()
+
+    run_with_server(body)

@@ -1,0 +1,185 @@
+"""Transport benchmark (issue 3): move an artifact between two processes on 127.0.0.1 over TCP+Noise, and
+the same bytes over a plain TCP socket in the same run; print one JSON object on the last line.
+
+    python bench/transport.py [--bytes 400000000] [--message-bytes 1048576] [--seed 1]
+
+Output keys: artifact_bytes, noise_gbps, plain_gbps (GB = 1e9 bytes, from the sender's first byte to the
+receiver's acknowledgement of the last), ratio (noise / plain), receiver_peak_rss_bytes (the peak RSS of the
+Noise receiver process, from getrusage). The artifact is a seeded pseudo-random 1 MiB block repeated and
+streamed in messages of at most --message-bytes (≤ 1 MiB), so neither side ever holds the whole artifact;
+the receiver checks every message's length and first and last 8 bytes. Each mode gets a fresh receiver
+process so the RSS figure is the Noise path's alone; each mode runs --repeat times (alternating) and the
+median time is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import random
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from peerloom.adapters import tcp
+from peerloom.core.identity import Identity
+
+HOST = "127.0.0.1"
+MiB = 1 << 20
+
+
+def _block(seed: int, size: int) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+def _expected(block: bytes, offset: int, size: int) -> tuple[bytes, bytes]:
+    """First and last 8 bytes of artifact[offset:offset+size] where the artifact repeats `block`."""
+    n = len(block)
+    first = bytes(block[(offset + i) % n] for i in range(min(8, size)))
+    last = bytes(block[(offset + size - min(8, size) + i) % n] for i in range(min(8, size)))
+    return first, last
+
+
+def _receiver(mode: str, total: int, seed: int, message_bytes: int, conn) -> None:
+    """Child process: listen, report the port through `conn`, receive `total` bytes, ack, report RSS."""
+    block = _block(seed, MiB)
+
+    async def main() -> None:
+        done = trio.Event()
+        errors: list[str] = []
+
+        async def check(offset: int, data: bytes | memoryview) -> None:
+            if (bytes(data[:8]), bytes(data[-8:])) != _expected(block, offset, len(data)):
+                errors.append(f"bad bytes at {offset}")
+
+        if mode == "noise":
+            async def handler(sc: tcp.SecureConnection) -> None:
+                got = 0
+                while got < total:
+                    data = await sc.receive_message()
+                    await check(got, data)
+                    got += len(data)
+                await sc.send_message(json.dumps({"got": got, "errors": errors}).encode())
+                done.set()
+
+            async with trio.open_nursery() as nursery:
+                port = await nursery.start(lambda task_status: tcp.serve(
+                    HOST, 0, Identity(bytes([1]) * 32), handler, max_message_bytes=message_bytes,
+                    task_status=task_status))
+                conn.send(port)
+                await done.wait()
+                nursery.cancel_scope.cancel()
+        else:
+            listeners = await trio.open_tcp_listeners(0, host=HOST)
+            conn.send(listeners[0].socket.getsockname()[1])
+            stream = await listeners[0].accept()
+            buffer = bytearray(message_bytes)
+            view = memoryview(buffer)
+            got = 0
+            while got < total:
+                want = min(message_bytes, total - got)
+                have = 0
+                while have < want:
+                    n = await stream.socket.recv_into(view[have:want])
+                    if not n:
+                        raise SystemExit("plain: EOF")
+                    have += n
+                await check(got, view[:want])
+                got += want
+            await stream.send_all(json.dumps({"got": got, "errors": errors}).encode())
+            await stream.aclose()
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+        conn.send(peak)
+
+    trio.run(main)
+
+
+async def _send(mode: str, port: int, total: int, block: bytes, message_bytes: int) -> float:
+    view = memoryview(block)
+    if mode == "noise":
+        sc = await tcp.connect(HOST, port, Identity(bytes([2]) * 32), max_message_bytes=message_bytes)
+        start = time.perf_counter()
+        sent = 0
+        while sent < total:
+            size = min(message_bytes, total - sent)
+            offset = sent % len(block)
+            if offset + size <= len(block):
+                await sc.send_message(view[offset:offset + size])
+            else:
+                await sc.send_message(bytes(view[offset:]) + bytes(view[:size - (len(block) - offset)]))
+            sent += size
+        reply = json.loads(await sc.receive_message())
+        elapsed = time.perf_counter() - start
+        await sc.aclose()
+    else:
+        stream = await trio.open_tcp_stream(HOST, port)
+        start = time.perf_counter()
+        sent = 0
+        while sent < total:
+            size = min(message_bytes, total - sent)
+            offset = sent % len(block)
+            if offset + size <= len(block):
+                await stream.send_all(view[offset:offset + size])
+            else:
+                await stream.send_all(bytes(view[offset:]) + bytes(view[:size - (len(block) - offset)]))
+            sent += size
+        reply = json.loads(await stream.receive_some(4096))
+        elapsed = time.perf_counter() - start
+        await stream.aclose()
+    if reply["got"] != total or reply["errors"]:
+        raise SystemExit(f"{mode}: receiver reports {reply}")
+    return elapsed
+
+
+def run(mode: str, total: int, seed: int, message_bytes: int) -> tuple[float, int]:
+    """(seconds, receiver peak RSS bytes) for one transfer of `total` bytes."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver, args=(mode, total, seed, message_bytes, child))
+    proc.start()
+    try:
+        port = parent.recv()
+        elapsed = trio.run(_send, mode, port, total, _block(seed, MiB), message_bytes)
+        peak = parent.recv()
+    finally:
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+    return elapsed, peak
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bytes", type=int, default=400_000_000, help="artifact size in bytes")
+    parser.add_argument("--message-bytes", type=int, default=MiB, help="application message size (≤ 1 MiB)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=3, help="transfers per mode; the median time is used")
+    args = parser.parse_args(argv)
+    if not 0 < args.message_bytes <= MiB:
+        parser.error("--message-bytes must be in 1..1048576")
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
+    plain_runs, noise_runs = [], []
+    for _ in range(args.repeat):  # alternate the modes so drift on the machine hits both alike
+        plain_runs.append(run("plain", args.bytes, args.seed, args.message_bytes))
+        noise_runs.append(run("noise", args.bytes, args.seed, args.message_bytes))
+    plain_s = statistics.median(t for t, _ in plain_runs)
+    noise_s = statistics.median(t for t, _ in noise_runs)
+    peak = max(p for _, p in noise_runs)
+    noise_gbps = args.bytes / noise_s / 1e9
+    plain_gbps = args.bytes / plain_s / 1e9
+    print(f"plain {plain_s:.3f} s, noise {noise_s:.3f} s", file=sys.stderr)
+    print(json.dumps({"artifact_bytes": args.bytes, "noise_gbps": round(noise_gbps, 4),
+                      "plain_gbps": round(plain_gbps, 4), "ratio": round(noise_gbps / plain_gbps, 4),
+                      "receiver_peak_rss_bytes": peak}))
+
+
+if __name__ == "__main__":
+    main()
