@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--out", type=Path, default=Path("peerloom-demo"), help="output directory")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--kill-trainer-at", type=int, default=None, metavar="WINDOW",
-                      help="SIGKILL one trainer when this window opens (it is not restarted)")
+                      help="SIGKILL a trainer holding a lease in WINDOW as that window opens (not restarted)")
 
     node = sub.add_parser("node", help="run one node from a TOML config until SIGTERM")
     node.add_argument("--config", type=Path, required=True)

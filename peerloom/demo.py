@@ -34,6 +34,7 @@ from peerloom.backends.registry import build_workload
 from peerloom.core.chain import decode_chain_entry, verify_chain
 from peerloom.core.errors import PeerloomError
 from peerloom.core.identity import Identity
+from peerloom.core.leases import leases_of
 from peerloom.core.objects import Manifest, Revision
 
 WORKLOAD = "digits-mlp"
@@ -147,6 +148,26 @@ class EventTail:
         return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
 
 
+def _kill_leaseholder(validator: NodeProc, revision: Revision, trainers: list[NodeProc], window: int) -> NodeProc:
+    """SIGKILL a trainer that holds a lease in `window`, which has just opened at the validator.
+
+    The leases come from the certified head before it, exactly as every peer computes them, so the
+    victim's lease goes unreported and the window must close on its deadline.
+    """
+    if window == 1:
+        head = revision.genesis()
+    else:
+        head, _ = decode_chain_entry((validator.directory / "store" / "chain" / f"{window - 1:06d}.cbor").read_bytes())
+    leases = leases_of(head, revision.manifest)
+    victim = next((t for t in trainers if t.identity.peer_id in leases), trainers[0])
+    assert victim.process is not None
+    victim.process.send_signal(signal.SIGKILL)
+    victim.behaviour = "killed"
+    _say(f"  killed {victim.name} (pid {victim.process.pid}, lease on shards "
+         f"{list(leases.get(victim.identity.peer_id, ()))}) with SIGKILL as window {window} opened")
+    return victim
+
+
 def _stop(nodes: list[NodeProc]) -> None:
     for node in nodes:
         if node.process is not None and node.process.poll() is None:
@@ -258,12 +279,8 @@ def run_demo(*, profile: str = "default", out: Path = Path("peerloom-demo"), see
                     _say(f"window {line['window']:>3}/{p.windows}  {status}  updates {line['cohort']}  "
                          f"wire {sum(wire_sent.values()) / 1e6:6.2f} MB  t={time.monotonic() - started:5.1f}s",
                          markup=True)
-                    if kill_trainer_at is not None and killed is None and line["window"] + 1 >= kill_trainer_at:
-                        killed = trainers[0]
-                        assert killed.process is not None
-                        killed.process.send_signal(signal.SIGKILL)
-                        killed.behaviour = "killed"
-                        _say(f"  killed {killed.name} (pid {killed.process.pid}) with SIGKILL")
+                elif line["event"] == "window-open" and line["window"] == kill_trainer_at and killed is None:
+                    killed = _kill_leaseholder(validator, revision, trainers, kill_trainer_at)
             time.sleep(0.1)
     finally:
         _stop(nodes)

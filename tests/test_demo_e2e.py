@@ -15,7 +15,7 @@ REPORT_KEYS = {"peerloom_version", "profile", "seed", "workload", "transport", "
 def smoke_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e") / "demo"
     proc = subprocess.run([sys.executable, "-m", "peerloom", "demo", "--profile", "smoke", "--out", str(out),
-                           "--seed", "1", "--kill-trainer-at", "2"],
+                           "--seed", "1", "--kill-trainer-at", "1"],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc
