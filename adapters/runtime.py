@@ -63,7 +63,9 @@ class NodeRuntime:
         self._events_file = open(events_path, "a", buffering=1) if events_path else None
         self._send_events, self._receive_events = trio.open_memory_channel[ev.Event](math.inf)
         self._conns: dict[PeerId, tcp.SecureConnection] = {}
-        self._outboxes: dict[PeerId, trio.MemorySendChannel[bytes]] = {}
+        # Two outboxes per peer (control, bulk), each with its own writer task, so a vote or a chunk request
+        # never waits behind a large artifact message queued before it (the transport interleaves lanes).
+        self._outboxes: dict[PeerId, tuple[trio.MemorySendChannel[bytes], trio.MemorySendChannel[bytes]]] = {}
         self._compute_limiter = trio.CapacityLimiter(1)
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -130,9 +132,9 @@ class NodeRuntime:
                     self._emit_line(effect.event, effect.fields)
 
     def _enqueue(self, peer: PeerId, data: bytes) -> None:
-        outbox = self._outboxes.get(peer)
-        if outbox is not None:
-            outbox.send_nowait(data)
+        outboxes = self._outboxes.get(peer)
+        if outboxes is not None:
+            outboxes[0 if len(data) <= tcp.AUTO_CONTROL_MAX_BYTES else 1].send_nowait(data)
 
     async def _run_task(self, effect: fx.RunTask) -> None:
         try:
@@ -162,12 +164,14 @@ class NodeRuntime:
         if peer in self._conns or peer == self.identity.peer_id:
             await conn.aclose()  # one connection per peer pair is enough
             return
-        send_out, receive_out = trio.open_memory_channel[bytes](math.inf)
-        self._conns[peer], self._outboxes[peer] = conn, send_out
+        control_out, control_in = trio.open_memory_channel[bytes](math.inf)
+        bulk_out, bulk_in = trio.open_memory_channel[bytes](math.inf)
+        self._conns[peer], self._outboxes[peer] = conn, (control_out, bulk_out)
         await self._send_events.send(ev.PeerConnected(now=0.0, peer=peer))
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._writer, conn, receive_out, nursery.cancel_scope)
+                nursery.start_soon(self._writer, conn, control_in, tcp.LANE_CONTROL, nursery.cancel_scope)
+                nursery.start_soon(self._writer, conn, bulk_in, tcp.LANE_BULK, nursery.cancel_scope)
                 try:
                     while True:
                         data = await conn.receive_message()
@@ -183,11 +187,11 @@ class NodeRuntime:
                 await conn.aclose()
                 await self._send_events.send(ev.PeerDisconnected(now=0.0, peer=peer))
 
-    async def _writer(self, conn: tcp.SecureConnection, outbox: trio.MemoryReceiveChannel[bytes],
+    async def _writer(self, conn: tcp.SecureConnection, outbox: trio.MemoryReceiveChannel[bytes], lane: int,
                       scope: trio.CancelScope) -> None:
         try:
             async for data in outbox:
-                await conn.send_message(data)
+                await conn.send_message(data, lane=lane)
         except (tcp.TransportError, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             scope.cancel()
 
