@@ -1,0 +1,665 @@
+"""Backend-neutral kernels of the aggregation rules, screening statistics and outer optimizers (DESIGN §5).
+
+The numpy backend (`peerloom.backends.numpy.aggregate`) and the torch backend
+(`peerloom.backends.torch.aggregate`) run *this* code with their own `Ops` (a handful of elementwise
+primitives with an ``out`` argument), so both execute the same IEEE operations in the same order and
+produce the same bytes. The rules:
+
+* Work is blocked: every tensor is viewed flat and cut into blocks of `BLOCK` elements; each block is
+  reduced over the cohort while it sits in cache, in float64 scratch buffers that are allocated once per
+  thread and reused (writing fresh pages costs ~10x reusing them on the target machines).
+* Only elementwise operations whose result IEEE 754 fixes exactly are used: float32 -> float64 widening
+  (exact), ``+ - * /`` on float64 with one rounding each (no fused multiply-add: every multiply and add is
+  its own kernel), ``min``/``max``, and one final rounding to the input dtype (round to nearest even).
+* Sums over coordinates (norms, inner products) are never left to a library's ``sum``/``dot``, whose order
+  differs between numpy, torch and BLAS builds: each block's terms are added elementwise into `BLOCK`
+  float64 *lanes* (block after block, tensors in sorted-name order), and the lanes are then folded by
+  halving (``lanes[:h] += lanes[h:2h]``) to one value. That fixed order is the definition of every norm,
+  inner product and distance this module returns.
+* ``min``/``max`` may order ``-0.0`` and ``+0.0`` differently in different libraries; order statistics
+  therefore add ``+0.0`` to their result, which maps ``-0.0`` to ``+0.0`` and changes nothing else.
+* Inputs must be finite (screening rejects the rest first). Non-finite values propagate without crashing,
+  but their bits (NaN payloads, which of several infinities wins) are not part of the guarantee.
+
+Krum's distances come from the Gram matrix (one float64 BLAS product per block) whose rounding depends
+on the BLAS; see `krum_select` for how the selection is nevertheless made identical everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+BLOCK = 1 << 15
+"""Elements per block and number of float64 lanes (a power of two)."""
+
+UNIT_ROUNDOFF = 2.0**-53
+SORTING_NETWORK_MAX = 32
+"""Cohorts up to this size use a pruned Batcher sorting network for order statistics; larger ones sort."""
+
+
+class Ops(Protocol):
+    """Elementwise primitives one backend provides (`peerloom.backends.numpy.aggregate.NUMPY_OPS`...).
+
+    Arrays are 1-D (or 2-D for `gram`, `sort0`, `fold`) contiguous buffers of the backend's array type.
+    """
+
+    def empty(self, n: int, dtype: str) -> Any: ...
+    def empty2(self, rows: int, n: int, dtype: str) -> Any: ...
+    def zeros(self, n: int, dtype: str) -> Any: ...
+    def flat(self, t: Any) -> Any: ...
+    def new(self, shape: tuple[int, ...], dtype: str) -> Any: ...
+    def copy(self, dst: Any, src: Any) -> None: ...
+    def fill(self, a: Any, value: float) -> None: ...
+    def add(self, a: Any, b: Any) -> None: ...  # a += b
+    def sub(self, a: Any, b: Any) -> None: ...  # a -= b
+    def mul(self, a: Any, b: Any) -> None: ...  # a *= b
+    def scale(self, a: Any, c: float) -> None: ...  # a *= c (c a Python float; a float64)
+    def add_scalar(self, a: Any, c: float) -> None: ...  # a += c
+    def div_scalar(self, a: Any, c: float) -> None: ...  # a /= c
+    def scale_into(self, out: Any, x: Any, c: float) -> None: ...  # out = float64(x) * c
+    def mul_into(self, out: Any, x: Any, y: Any) -> None: ...  # out = float64(x) * float64(y)
+    def product(self, out: Any, a: Any, b: Any) -> None: ...  # out = a * b, all one dtype
+    def minimum(self, out: Any, a: Any, b: Any) -> None: ...
+    def maximum(self, out: Any, a: Any, b: Any) -> None: ...
+    def gram(self, x: Any, out: Any) -> None: ...  # out = x @ x.T (float64)
+    def sort0(self, x: Any) -> Any: ...  # sorted along axis 0 (a new array)
+    def item(self, a: Any, i: int) -> float: ...
+    def errstate(self) -> Any: ...  # context manager silencing overflow on the final rounding
+
+
+# ---------------------------------------------------------------- cohort layout and buffers
+
+
+Schema = tuple[tuple[str, str, tuple[int, ...]], ...]
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def segments(schema: Schema) -> list[tuple[str, int, int, int]]:
+    """``(name, start, end, offset)`` blocks in sorted-name order; offset is the global flat position."""
+    out = []
+    offset = 0
+    for name, _, shape in schema:
+        size = numel(shape)
+        for start in range(0, size, BLOCK):
+            end = min(size, start + BLOCK)
+            out.append((name, start, end, offset + start))
+        offset += size
+    return out
+
+
+class Workspace:
+    """Per-thread float64 (and input-dtype) buffers, grown on demand and reused between calls."""
+
+    def __init__(self, ops: Ops) -> None:
+        self.ops = ops
+        self._bufs: dict[tuple[str, str], Any] = {}
+        self._sizes: dict[tuple[str, str], tuple[int, int]] = {}
+
+    def get(self, key: str, rows: int, n: int, dtype: str = "float64") -> Any:
+        """A ``[rows, n]`` buffer (``rows == 0``: 1-D ``[n]``) named `key`; contents unspecified."""
+        k = (key, dtype)
+        have = self._sizes.get(k)
+        if have is None or have[0] < rows or have[1] < n:
+            r, m = (max(rows, have[0]), max(n, have[1])) if have else (rows, n)
+            self._bufs[k] = self.ops.empty2(max(r, 1), m, dtype) if r else self.ops.empty(m, dtype)
+            self._sizes[k] = (r, m)
+        buf = self._bufs[k]
+        if rows == 0:
+            return buf[:n] if self._sizes[k][0] == 0 else buf[0, :n]
+        return buf[:rows, :n]
+
+
+def flats(ops: Ops, members: Sequence[dict[str, Any]], schema: Schema) -> dict[str, list[Any]]:
+    return {name: [ops.flat(m[name]) for m in members] for name, _, _ in schema}
+
+
+# ---------------------------------------------------------------- deterministic sums
+
+
+def fold_lanes(ops: Ops, lanes: Any) -> list[float]:
+    """Fold ``[rows, BLOCK]`` float64 lanes by halving; returns one Python float per row."""
+    h = lanes.shape[1]
+    while h > 1:
+        h //= 2
+        ops.add(lanes[:, :h], lanes[:, h : 2 * h])
+    return [ops.item(lanes[r], 0) for r in range(lanes.shape[0])]
+
+
+def dots(
+    ops: Ops,
+    ws: Workspace,
+    schema: Schema,
+    xs: dict[str, list[Any]],
+    ys: dict[str, list[Any]] | None = None,
+    centre: dict[str, Any] | None = None,
+) -> list[float]:
+    """Per member i: ``sum((x_i - c) * (y_i - c))`` over all coordinates, in the fixed lane order.
+
+    ``ys=None`` means ``y_i = x_i`` (squared norms); `centre` (flat float64 or input-dtype arrays per name)
+    is subtracted from both when given. All in float64.
+    """
+    rows = len(next(iter(xs.values()))) if xs else 0
+    lanes = ws.get("lanes", rows, BLOCK)
+    ops.fill(lanes, 0.0)
+    s = ws.get("s", 0, BLOCK)
+    t = ws.get("t", 0, BLOCK)
+    for name, start, end, _ in segments(schema):
+        n = end - start
+        sb, tb = s[:n], t[:n]
+        for i in range(rows):
+            x = xs[name][i][start:end]
+            if centre is None:
+                ops.mul_into(sb, x, x if ys is None else ys[name][i][start:end])
+            else:
+                ops.copy(sb, x)
+                ops.sub(sb, centre[name][start:end])
+                if ys is None:
+                    ops.mul(sb, sb)
+                else:
+                    ops.copy(tb, ys[name][i][start:end])
+                    ops.sub(tb, centre[name][start:end])
+                    ops.mul(sb, tb)
+            ops.add(lanes[i, :n], sb)
+    return fold_lanes(ops, lanes) if rows else []
+
+
+# ---------------------------------------------------------------- weighted sums
+
+
+def normalized(weights: Sequence[int]) -> list[float]:
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def weighted_sum(
+    ops: Ops, ws: Workspace, schema: Schema, fl: dict[str, list[Any]], coeffs: Sequence[float], out: dict[str, Any]
+) -> dict[str, Any]:
+    """``out = sum_i coeffs[i] * x_i``: per block ``acc = +0.0; acc += float64(x_i) * c_i`` in member order,
+    rounded once into `out` (the `peerloom.backends.numpy.reduce` recipe, blocked)."""
+    acc = ws.get("acc", 0, BLOCK)
+    s = ws.get("s", 0, BLOCK)
+    with ops.errstate():
+        for name, start, end, _ in segments(schema):
+            n = end - start
+            a, sb = acc[:n], s[:n]
+            ops.fill(a, 0.0)
+            for x, c in zip(fl[name], coeffs, strict=True):
+                ops.scale_into(sb, x[start:end], c)
+                ops.add(a, sb)
+            ops.copy(ops.flat(out[name])[start:end], a)
+    return out
+
+
+# ---------------------------------------------------------------- order statistics
+
+
+def batcher_network(n: int) -> list[tuple[int, int]]:
+    """Comparators ``(i, j)``, i < j, of Batcher's odd-even merge sort for `n` inputs (Knuth TAOCP 5.3.4),
+    padded to a power of two with +inf and the comparators touching the padding removed."""
+    size = 1
+    while size < n:
+        size *= 2
+    pairs: list[tuple[int, int]] = []
+    p = 1
+    while p < size:
+        k = p
+        while k >= 1:
+            for j in range(k % p, size - k, 2 * k):
+                for i in range(min(k, size - j - k)):
+                    if (i + j) // (2 * p) == (i + j + k) // (2 * p):
+                        pairs.append((i + j, i + j + k))
+            k //= 2
+        p *= 2
+    return [(a, b) for a, b in pairs if b < n]
+
+
+_NETWORKS: dict[tuple[int, tuple[int, ...]], list[tuple[int, int]]] = {}
+
+
+def pruned_network(n: int, wanted: tuple[int, ...]) -> list[tuple[int, int]]:
+    """The comparators of `batcher_network` that the sorted positions `wanted` depend on."""
+    key = (n, wanted)
+    if key not in _NETWORKS:
+        need = set(wanted)
+        kept = []
+        for a, b in reversed(batcher_network(n)):
+            if a in need or b in need:
+                kept.append((a, b))
+                need.update((a, b))
+        _NETWORKS[key] = kept[::-1]
+    return _NETWORKS[key]
+
+
+def order_statistic_blocks(
+    ops: Ops, ws: Workspace, schema: Schema, fl: dict[str, list[Any]], wanted: tuple[int, ...]
+) -> Any:
+    """Yields ``(name, start, end, rows)`` where ``rows[p]`` holds sorted position ``wanted[p]`` of the block.
+
+    Up to `SORTING_NETWORK_MAX` members: the pruned sorting network on input-dtype buffers (min/max are
+    exact); beyond: the backend's sort along the member axis. Either way the values are the order
+    statistics; only the sign of zeros may differ, which the callers canonicalize.
+    """
+    n = len(next(iter(fl.values())))
+    use_network = n <= SORTING_NETWORK_MAX
+    for name, dtype, shape in schema:
+        work = ws.get("order", n + 1, BLOCK, dtype)
+        for _, start, end, _ in segments(((name, dtype, shape),)):
+            m = end - start
+            rows = [work[i, :m] for i in range(n)]
+            for i in range(n):
+                ops.copy(rows[i], fl[name][i][start:end])
+            if use_network:
+                spare = work[n, :m]
+                for a, b in pruned_network(n, wanted):
+                    ops.minimum(spare, rows[a], rows[b])
+                    ops.maximum(rows[b], rows[a], rows[b])
+                    rows[a], spare = spare, rows[a]
+                yield name, start, end, [rows[p] for p in wanted]
+            else:
+                ordered = ops.sort0(work[:n, :m])
+                yield name, start, end, [ordered[p] for p in wanted]
+
+
+def median(ops: Ops, ws: Workspace, schema: Schema, fl: dict[str, list[Any]], out: dict[str, Any]) -> dict[str, Any]:
+    """Coordinate-wise median; for an even count the mean of the two middle values, ``(a + b) * 0.5`` in
+    float64 rounded once (not the lower middle value `torch.median` returns)."""
+    n = len(next(iter(fl.values())))
+    wanted = ((n - 1) // 2,) if n % 2 else (n // 2 - 1, n // 2)
+    s = ws.get("s", 0, BLOCK)
+    t = ws.get("t", 0, BLOCK)
+    with ops.errstate():
+        for name, start, end, rows in order_statistic_blocks(ops, ws, schema, fl, wanted):
+            target = ops.flat(out[name])[start:end]
+            if n % 2:
+                ops.add_scalar(rows[0], 0.0)
+                ops.copy(target, rows[0])
+            else:
+                m = end - start
+                ops.copy(s[:m], rows[0])
+                ops.copy(t[:m], rows[1])
+                ops.add(s[:m], t[:m])
+                ops.scale(s[:m], 0.5)
+                ops.add_scalar(s[:m], 0.0)
+                ops.copy(target, s[:m])
+    return out
+
+
+def trimmed_mean(
+    ops: Ops, ws: Workspace, schema: Schema, fl: dict[str, list[Any]], trim: int, out: dict[str, Any]
+) -> dict[str, Any]:
+    """Coordinate-wise mean of the sorted positions ``trim .. n - trim - 1``: float64, ascending order,
+    accumulator from +0.0, divided by the count, rounded once."""
+    n = len(next(iter(fl.values())))
+    wanted = tuple(range(trim, n - trim))
+    acc = ws.get("acc", 0, BLOCK)
+    s = ws.get("s", 0, BLOCK)
+    with ops.errstate():
+        for name, start, end, rows in order_statistic_blocks(ops, ws, schema, fl, wanted):
+            m = end - start
+            a, sb = acc[:m], s[:m]
+            ops.fill(a, 0.0)
+            for row in rows:
+                ops.copy(sb, row)
+                ops.add(a, sb)
+            ops.div_scalar(a, float(len(wanted)))
+            ops.copy(ops.flat(out[name])[start:end], a)
+    return out
+
+
+# ---------------------------------------------------------------- Krum
+
+
+def gram(ops: Ops, ws: Workspace, schema: Schema, fl: dict[str, list[Any]]) -> list[list[float]]:
+    """``G[i][j] = <x_i, x_j>`` in float64 via one BLAS product per block (rounding order is the BLAS's)."""
+    n = len(next(iter(fl.values())))
+    total = ws.get("gram", 0, n * n)
+    part = ws.get("gram_part", n, n)
+    ops.fill(total, 0.0)
+    x = ws.get("gram_x", n, BLOCK)
+    for name, start, end, _ in segments(schema):
+        m = end - start
+        xb = x[:, :m]
+        for i in range(n):
+            ops.copy(xb[i], fl[name][i][start:end])
+        ops.gram(xb, part)
+        for i in range(n):
+            ops.add(total[i * n : (i + 1) * n], part[i])
+    return [[ops.item(total, i * n + j) for j in range(n)] for i in range(n)]
+
+
+def krum_scores(dist: list[list[float]], neighbours: int) -> list[float]:
+    n = len(dist)
+    return [sum(sorted(dist[i][j] for j in range(n) if j != i)[:neighbours]) for i in range(n)]
+
+
+def krum_select(
+    ops: Ops, ws: Workspace, schema: Schema, fl: dict[str, list[Any]], f: int, m: int
+) -> tuple[list[int], bool]:
+    """Indices (ascending) of the `m` members with the smallest Krum scores (Blanchard et al. 2017,
+    "Machine Learning with Adversaries", NeurIPS; multi-Krum keeps `m`), ties to the lower index; and
+    whether the exact fallback ran.
+
+    Score_i = sum of the ``n - f - 2`` smallest squared distances from x_i to the others (at least 0 and at
+    most ``n - 1`` neighbours). Distances are computed from the float64 Gram matrix,
+    ``|x_i|^2 + |x_j|^2 - 2<x_i, x_j>``, whose error for any summation order is at most
+    ``gamma_K (|x_i| + |x_j|)^2`` with ``gamma_K = K u / (1 - K u)`` (K coordinates, u = 2^-53; Higham,
+    *Accuracy and Stability*, §3.1). If the selected and rejected scores are separated by more than three
+    times their error bounds, the selection is the one exact arithmetic makes, on every machine and BLAS.
+    Otherwise (near-ties: duplicate members, colluders) every distance is recomputed directly as
+    ``sum((x_i - x_j)^2)`` in the fixed lane order (elementwise, identical on every backend) and the
+    selection is made from those. Either way all backends and machines select the same set.
+    """
+    n = len(next(iter(fl.values())))
+    neighbours = max(0, min(n - 1, n - f - 2))
+    if m >= n:
+        return list(range(n)), False
+    k = sum(numel(shape) for _, _, shape in schema)
+    g = gram(ops, ws, schema, fl)
+    gamma = 2.0 * (k + 8) * UNIT_ROUNDOFF / (1.0 - (k + 8) * UNIT_ROUNDOFF)
+    norms = [math.sqrt(max(g[i][i], 0.0)) for i in range(n)]
+    dist = [[max(g[i][i] + g[j][j] - 2.0 * g[i][j], 0.0) for j in range(n)] for i in range(n)]
+    err = [
+        neighbours * max((gamma * (norms[i] + norms[j]) ** 2 for j in range(n) if j != i), default=0.0)
+        for i in range(n)
+    ]
+    scores = krum_scores(dist, neighbours)
+    order = sorted(range(n), key=lambda i: (scores[i], i))
+    chosen, rest = order[:m], order[m:]
+    if max(scores[i] + 3 * err[i] for i in chosen) < min(scores[j] - 3 * err[j] for j in rest):
+        return sorted(chosen), False
+    exact = exact_distances(ops, ws, schema, fl)
+    scores = krum_scores(exact, neighbours)
+    order = sorted(range(n), key=lambda i: (scores[i], i))
+    return sorted(order[:m]), True
+
+
+def exact_distances(ops: Ops, ws: Workspace, schema: Schema, fl: dict[str, list[Any]]) -> list[list[float]]:
+    """All pairwise ``sum((x_i - x_j)^2)`` in float64 and the fixed lane order (symmetric, zero diagonal)."""
+    n = len(next(iter(fl.values())))
+    dist = [[0.0] * n for _ in range(n)]
+    for i in range(n):
+        others = list(range(i + 1, n))
+        if not others:
+            continue
+        xs = {name: [fl[name][j] for j in others] for name in fl}
+        centre = {name: fl[name][i] for name in fl}
+        for j, d in zip(others, dots(ops, ws, schema, xs, centre=centre), strict=True):
+            dist[i][j] = dist[j][i] = d
+    return dist
+
+
+# ---------------------------------------------------------------- clipping
+
+
+def clip_factor(norm: float, tau: float) -> float:
+    """``min(1, tau / norm)`` (1 for a zero norm)."""
+    return 1.0 if norm <= tau or norm == 0.0 else tau / norm
+
+
+def median_of(values: Sequence[float]) -> float:
+    v = sorted(values)
+    n = len(v)
+    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
+
+
+def centered_clip(
+    ops: Ops,
+    ws: Workspace,
+    schema: Schema,
+    fl: dict[str, list[Any]],
+    coeffs: Sequence[float],
+    tau: float | None,
+    iterations: int,
+    centre: dict[str, list[Any]] | None,
+    out: dict[str, Any],
+) -> dict[str, Any]:
+    """Centered clipping (Karimireddy, He, Jaggi 2021, arXiv 2012.10333, eq. 2):
+    ``v <- v + sum_i a_i (x_i - v) min(1, tau / |x_i - v|)``, `iterations` times, from `centre` (default 0).
+
+    Evaluated as ``v <- (1 - C) v + sum_i c_i x_i`` with the Python floats ``c_i = a_i min(1, tau/|x_i - v|)``
+    and ``C = sum_i c_i`` (the same value in exact arithmetic). `v` stays float64 for the whole run (one
+    rounding at the end). Per block: ``acc = +0.0; acc += float64(x_i) * c_i`` in member order; ``v *= 1 - C``;
+    ``v += acc``. The distances only set the clipping factors and are cheaper: ``|x_i - v|^2 = |x_i|^2 -
+    2<x_i, v> + |v|^2`` (clamped at 0) with the products ``x_i * v`` taken in the input dtype (v rounded to it
+    per block; float32: ~1e-7 relative error, deterministic) and summed in float64 lanes. ``tau=None`` uses the
+    median distance of the current iteration.
+    """
+    total = sum(numel(shape) for _, _, shape in schema)
+    v = ws.get("cc_v", 0, max(total, 1))
+    vv: dict[str, Any] = {}
+    off = 0
+    for name, _, shape in schema:
+        vv[name] = v[off : off + numel(shape)]
+        off += numel(shape)
+    n = len(coeffs)
+    segs = segments(schema)
+    dtypes = {name: dtype for name, dtype, _ in schema}
+    acc = ws.get("acc", 0, BLOCK)
+    s = ws.get("s", 0, BLOCK)
+
+    def light_dots(with_v: bool) -> list[float]:
+        """Per member ``<x_i, y>`` (y = v rounded to the input dtype per block, or x_i itself), products in
+        the input dtype, lanes in float64; then ``|v|^2`` (float64 products) in the last row."""
+        lanes = ws.get("lanes", n + 1, BLOCK)
+        ops.fill(lanes, 0.0)
+        for name, start, end, _ in segs:
+            m = end - start
+            q = ws.get("cc_q", 0, BLOCK, dtypes[name])[:m]
+            vq = ws.get("cc_vq", 0, BLOCK, dtypes[name])[:m]
+            vb = vv[name][start:end]
+            if with_v:
+                ops.copy(vq, vb)
+            for i, x in enumerate(fl[name]):
+                xb = x[start:end]
+                ops.product(q, xb, vq if with_v else xb)
+                ops.add(lanes[i, :m], q)
+            if with_v:
+                ops.mul_into(s[:m], vb, vb)
+                ops.add(lanes[n, :m], s[:m])
+        folded = fold_lanes(ops, lanes)
+        return folded
+
+    sq = light_dots(False)[:n]
+    if centre is None:
+        ops.fill(v, 0.0)
+        cross, vsq = [0.0] * n, 0.0
+    else:
+        for name, _, _ in schema:
+            ops.copy(vv[name], centre[name][0])
+        folded = light_dots(True)
+        cross, vsq = folded[:n], folded[n]
+    for it in range(iterations):
+        dist = [math.sqrt(max(q - 2.0 * p + vsq, 0.0)) for q, p in zip(sq, cross, strict=True)]
+        radius = median_of(dist) if tau is None else float(tau)
+        cs = [a * clip_factor(d, radius) for a, d in zip(coeffs, dist, strict=True)]
+        keep = 1.0 - sum(cs)
+        for name, start, end, _ in segs:
+            m = end - start
+            a, sb, vb = acc[:m], s[:m], vv[name][start:end]
+            ops.fill(a, 0.0)
+            for x, c in zip(fl[name], cs, strict=True):
+                ops.scale_into(sb, x[start:end], c)
+                ops.add(a, sb)
+            ops.scale(vb, keep)
+            ops.add(vb, a)
+        if it < iterations - 1:
+            folded = light_dots(True)
+            cross, vsq = folded[:n], folded[n]
+    with ops.errstate():
+        for name, _, _ in schema:
+            ops.copy(ops.flat(out[name]), vv[name])
+    return out
+
+
+# ---------------------------------------------------------------- outer optimizers
+
+
+def outer_momentum(
+    ops: Ops,
+    ws: Workspace,
+    schema: Schema,
+    params: dict[str, Any],
+    grad: dict[str, Any],
+    buf: dict[str, Any] | None,
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+    out: dict[str, Any],
+    out_buf: dict[str, Any] | None,
+) -> None:
+    """SGD with (Nesterov) momentum, PyTorch's formulation (`torch.optim.SGD`, as DiLoCo uses it):
+    ``b' = momentum * b + g``; ``step = g + momentum * b'`` (Nesterov) or ``b'`` (heavy ball) or ``g``
+    (momentum 0); ``p' = p - lr * step``. float64 per block, one multiply or add per kernel in exactly this
+    order, ``b'`` rounded to the params dtype (that rounded value is used for the step), ``p'`` rounded once.
+    """
+    acc = ws.get("acc", 0, BLOCK)
+    s = ws.get("s", 0, BLOCK)
+    with ops.errstate():
+        for name, start, end, _ in segments(schema):
+            m = end - start
+            a, sb = acc[:m], s[:m]
+            g = ops.flat(grad[name])[start:end]
+            if out_buf is not None:
+                nb = ops.flat(out_buf[name])[start:end]
+                if buf is None:
+                    ops.fill(a, 0.0)
+                else:
+                    ops.copy(a, ops.flat(buf[name])[start:end])
+                ops.scale(a, momentum)
+                ops.copy(sb, g)
+                ops.add(a, sb)
+                ops.copy(nb, a)  # b' rounded to the state dtype
+                if nesterov:
+                    ops.copy(a, nb)
+                    ops.scale(a, momentum)
+                    ops.add(a, sb)
+                else:
+                    ops.copy(a, nb)
+            else:
+                ops.copy(a, g)
+            ops.scale(a, lr)
+            ops.copy(sb, ops.flat(params[name])[start:end])
+            ops.sub(sb, a)
+            ops.copy(ops.flat(out[name])[start:end], sb)
+
+
+# ---------------------------------------------------------------- the dispatcher both backends share
+
+RULES = ("mean", "median", "trimmed_mean", "krum", "multi_krum", "centered_clip", "norm_clip")
+DEFAULT_RULE = "centered_clip"
+
+_PARAMS: dict[str, frozenset[str]] = {
+    "mean": frozenset(),
+    "median": frozenset(),
+    "trimmed_mean": frozenset({"trim_fraction"}),
+    "krum": frozenset({"f"}),
+    "multi_krum": frozenset({"f", "m"}),
+    "centered_clip": frozenset({"tau", "iterations", "center"}),
+    "norm_clip": frozenset({"tau"}),
+}
+
+
+def default_f(n: int) -> int:
+    """The largest f Krum tolerates for n members: ``n >= 2f + 3``."""
+    return max(0, (n - 3) // 2)
+
+
+def run_rule(
+    ops: Ops,
+    ws: Workspace,
+    schema: Schema,
+    members: Sequence[dict[str, Any]],
+    weights: Sequence[int],
+    rule: str,
+    params: dict[str, Any],
+    new: Callable[[], dict[str, Any]],
+    to_flat: Callable[[dict[str, Any]], dict[str, list[Any]]],
+) -> dict[str, Any]:
+    """Validate `params` for `rule` and run it. `new()` makes the output dict; `to_flat` flattens a dict."""
+    if rule not in _PARAMS:
+        raise ValueError(f"unknown aggregation rule {rule!r}; known: {', '.join(RULES)}")
+    unknown = set(params) - _PARAMS[rule]
+    if unknown:
+        raise TypeError(f"rule {rule!r} takes no parameter(s) {sorted(unknown)}")
+    n = len(members)
+    fl = flats(ops, members, schema)
+    coeffs = normalized(weights)
+    if rule == "mean":
+        return weighted_sum(ops, ws, schema, fl, coeffs, new())
+    if rule == "median":
+        return median(ops, ws, schema, fl, new())
+    if rule == "trimmed_mean":
+        beta = float(params.get("trim_fraction", 0.2))
+        if not 0.0 <= beta < 0.5:
+            raise ValueError(f"trim_fraction must be in [0, 0.5), got {beta}")
+        trim = math.floor(beta * n)
+        return trimmed_mean(ops, ws, schema, fl, trim, new())
+    if rule in ("krum", "multi_krum"):
+        f = params.get("f")
+        f = default_f(n) if f is None else int(f)
+        if f < 0:
+            raise ValueError(f"f must be >= 0, got {f}")
+        m = 1 if rule == "krum" else params.get("m")
+        m = max(1, n - f) if m is None else int(m)
+        if not 1 <= m <= n:
+            raise ValueError(f"m must be in [1, {n}], got {m}")
+        chosen, _ = krum_select(ops, ws, schema, fl, f, m)
+        chosen_weights = [weights[i] for i in chosen]
+        sub = {name: [fl[name][i] for i in chosen] for name in fl}
+        return weighted_sum(ops, ws, schema, sub, normalized(chosen_weights), new())
+    if rule == "centered_clip":
+        iterations = int(params.get("iterations", 3))
+        if iterations < 1:
+            raise ValueError(f"iterations must be >= 1, got {iterations}")
+        tau = params.get("tau")
+        if tau is not None and not float(tau) > 0.0:
+            raise ValueError(f"tau must be > 0, got {tau}")
+        centre = params.get("center")
+        centre_fl = None
+        if centre is not None:
+            centre_fl = to_flat(centre)
+        return centered_clip(ops, ws, schema, fl, coeffs, tau, iterations, centre_fl, new())
+    # norm_clip
+    tau = params.get("tau")
+    if tau is not None and not float(tau) > 0.0:
+        raise ValueError(f"tau must be > 0, got {tau}")
+    norms = [math.sqrt(max(d, 0.0)) for d in dots(ops, ws, schema, fl)]
+    radius = median_of(norms) if tau is None else float(tau)
+    cs = [a * clip_factor(d, radius) for a, d in zip(coeffs, norms, strict=True)]
+    return weighted_sum(ops, ws, schema, fl, cs, new())
+
+
+# ---------------------------------------------------------------- screening statistics
+
+
+def screening_stats(
+    ops: Ops, ws: Workspace, schema: Schema, delta: dict[str, Any], reference: dict[str, Any] | None,
+    centre: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """``{"norms": {name: L2}, "global_norm", "cosine" (to `reference`, NaN without one or for a zero norm),
+    "distance" (L2 to `centre`, NaN without one)}``; every sum a float64 lane sum (identical on backends)."""
+    per = {name: dots(ops, ws, ((name, dt, shape),), {name: [ops.flat(delta[name])]})[0]
+           for name, dt, shape in schema}
+    total = dots(ops, ws, schema, {n: [ops.flat(delta[n])] for n in delta})[0] if schema else 0.0
+    out: dict[str, Any] = {"norms": {n: math.sqrt(v) for n, v in per.items()}, "global_norm": math.sqrt(total)}
+    out["cosine"] = math.nan
+    if reference is not None:
+        fl = {n: [ops.flat(delta[n])] for n in delta}
+        dot = dots(ops, ws, schema, fl, {n: [ops.flat(reference[n])] for n in reference})[0]
+        rn = dots(ops, ws, schema, {n: [ops.flat(reference[n])] for n in reference})[0]
+        if total > 0.0 and rn > 0.0:
+            out["cosine"] = dot / (math.sqrt(total) * math.sqrt(rn))
+    out["distance"] = math.nan
+    if centre is not None:
+        d = dots(ops, ws, schema, {n: [ops.flat(delta[n])] for n in delta},
+                 centre={n: ops.flat(centre[n]) for n in centre})[0]
+        out["distance"] = math.sqrt(max(d, 0.0))
+    return out
