@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from peerloom.backends.numpy import reduce as np_reduce
+from peerloom.backends.numpy.aggregate import aggregate
 from peerloom.backends.numpy.screening import screen_delta
 from peerloom.backends.numpy.tensors import from_safetensors, tensor_digest, to_safetensors
 from peerloom.core.errors import DecodeError
@@ -55,12 +56,13 @@ class ComputeExecutor:
                     ok, reason = False, "digest-mismatch"
                 return {"ok": ok, "reason": reason, "norm": norm}
             case "reduce":
-                if args["rule"] != "mean" or args["outer_optimizer"] != "fedavg":
-                    raise ValueError(f"unsupported rule/optimizer {args['rule']}/{args['outer_optimizer']}")
+                if args["outer_optimizer"] != "fedavg":
+                    # DiLoCo needs its momentum committed in the head (issue 4); refuse rather than guess.
+                    raise ValueError(f"outer optimizer {args['outer_optimizer']!r} is not supported yet")
                 params = self.load(args["params"])
                 deltas = [self.load(ref) for ref in args["deltas"]]
-                mean = np_reduce.weighted_mean(deltas, args["weights"])
-                new = np_reduce.outer_sgd_step(params, mean, args["outer_lr"])
+                centre = aggregate(args["rule"], deltas, args["weights"])
+                new = np_reduce.outer_sgd_step(params, centre, args["outer_lr"])
                 ref, digest = self.save(new)
                 return {"params": ref, "params_digest": digest}
             case "evaluate":

@@ -26,6 +26,9 @@ MAX_TENSORS = 4096
 MAX_SHARDS = 65536
 MAX_PEERS = 4096
 MAX_COHORT = 4096
+# Protocol names of aggregation rules and outer optimizers a manifest may choose (spec/protocol.md §7).
+AGGREGATION_RULES = ("mean", "median", "trimmed_mean", "krum", "multi_krum", "centered_clip", "norm_clip")
+OUTER_OPTIMIZERS = ("fedavg",)
 
 
 # --- artifacts ---------------------------------------------------------------------------------------
@@ -144,6 +147,8 @@ class Manifest:
             # Byzantine quorums (spec/agreement.md §2): any two quorums must share an honest validator
             # while up to n - quorum validators are faulty, which needs 3 * quorum > 2 * n.
             raise DecodeError("bad-field", f"quorum {self.quorum} of {n} validators cannot be safe")
+        if self.aggregation not in AGGREGATION_RULES or self.outer_optimizer not in OUTER_OPTIMIZERS:
+            raise DecodeError("bad-field", f"unknown rule {self.aggregation!r} or optimizer {self.outer_optimizer!r}")
         if self.window_s <= 0 or self.min_updates < 1 or self.max_capacity < 1:
             raise DecodeError("bad-field", "window_s, min_updates and max_capacity must be positive")
 

@@ -35,7 +35,8 @@ def ident(n: int) -> Identity:
     return Identity(bytes([n]) * 32)
 
 
-def build(tmp_path: Path, workload, *, trainers=2, min_updates=1, window_s=5.0, validators=1, quorum=1):
+def build(tmp_path: Path, workload, *, trainers=2, min_updates=1, window_s=5.0, validators=1, quorum=1,
+          rule="mean"):
     wl, shards = workload
     params = wl.initial_params(SEED)
     genesis = to_safetensors(params)
@@ -47,7 +48,7 @@ def build(tmp_path: Path, workload, *, trainers=2, min_updates=1, window_s=5.0, 
         experiment="pair", workload="digits-mlp", workload_seed=SEED, schema=_schema(params),
         shards=tuple(len(s) for s in shards), validators=tuple(v.peer_id for v in vals), quorum=quorum,
         window_s=window_s,
-        min_updates=min_updates, max_capacity=4, aggregation="mean", outer_optimizer="fedavg", outer_lr=1.0,
+        min_updates=min_updates, max_capacity=4, aggregation=rule, outer_optimizer="fedavg", outer_lr=1.0,
         chunk_size=16 * 1024, genesis_params=make_artifact_ref(genesis, 16 * 1024),
         genesis_params_digest=tensor_digest(params), roster=tuple(sorted((t.peer_id, 1) for t in tr)))
     revision = Revision.verify(manifest.seal(authority), authority.peer_id)
@@ -162,3 +163,13 @@ def test_engine_refuses_misuse(tmp_path, workload):
         engine.handle(ev.TimerDue(now=4.0))  # time went backwards
     engine.handle(ev.TimerDue(now=5.0))  # spurious timer: no-op
     assert encode(engine.head.to_cbor()) == encode(cluster.revision.genesis().to_cbor())
+
+
+@pytest.mark.parametrize("rule", ["median", "trimmed_mean", "centered_clip"])
+def test_robust_rules_certify_and_learn(tmp_path, workload, rule):
+    cluster = build(tmp_path, workload, trainers=3, rule=rule)
+    assert cluster.run_until(lambda c: head_window(c) >= 3, max_time=60.0)
+    heads = [h for _, h, _ in cluster.nodes["validator"].heads]
+    assert all(not h.skipped for h in heads[:3])
+    assert heads[2].metrics["test_accuracy"] > 0.5
+    assert cluster.nodes["validator"].engine.stats["proposals_confirmed"] >= 1  # reducer got the same bytes
