@@ -10,9 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .encoding import decode
+from .encoding import decode, encode
 from .errors import DecodeError, VerificationError
 from .objects import Head, QuorumCertificate, Revision
+
+
+def encode_chain_entry(head: Head, cert: QuorumCertificate) -> bytes:
+    """The canonical ``{"head", "certificate"}`` record: one chain file, and the engine's head record."""
+    return encode({"head": head.to_cbor(), "certificate": cert.to_cbor()})
 
 
 def decode_chain_entry(data: bytes) -> tuple[Head, QuorumCertificate]:

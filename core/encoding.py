@@ -87,7 +87,3 @@ def content_id(data: bytes | bytearray | memoryview) -> bytes:
 def is_content_id(value: object) -> bool:
     return isinstance(value, bytes) and len(value) == CONTENT_ID_BYTES and value[:2] == SHA256_MULTIHASH_PREFIX
 
-
-def hex_id(cid: bytes) -> str:
-    """Printable form of a content id: hex of the digest without the multihash prefix."""
-    return cid[2:].hex()

@@ -26,8 +26,7 @@ import attrs
 
 from . import effects as fx
 from . import events as ev
-from .encoding import decode, encode
-from .envelope import SignedEnvelope
+from .chain import decode_chain_entry, encode_chain_entry
 from .errors import DecodeError, LocalProtocolError, VerificationError
 from .identity import Identity, PeerId
 from .messages import (
@@ -135,7 +134,7 @@ class Engine:
         self.head, self.certificate = self.revision.genesis(), QuorumCertificate(
             head=self.revision.genesis().id, window=0, round=0, votes=())
         if HEAD_RECORD in records:
-            head, cert = _decode_certified(records[HEAD_RECORD], self.config.max_message_bytes)
+            head, cert = decode_chain_entry(records[HEAD_RECORD])
             self.verify_certified(head, cert)
             self.head, self.certificate = head, cert
         self.roles: list[Any] = []
@@ -306,7 +305,7 @@ class Engine:
         """Make a verified certified head canonical: persist it, then announce and start the next window."""
         if head.window <= self.head.window:
             return
-        record = encode({"head": head.to_cbor(), "certificate": cert.to_cbor()})
+        record = encode_chain_entry(head, cert)
 
         def promote() -> None:
             if head.window <= self.head.window:
@@ -488,13 +487,3 @@ class Engine:
                 for role in self.roles:
                     role.on_timer(key)
 
-
-def _decode_certified(data: bytes, max_bytes: int) -> tuple[Head, QuorumCertificate]:
-    obj = decode(data, max_bytes=max_bytes)
-    if not isinstance(obj, dict) or set(obj) != {"head", "certificate"}:
-        raise DecodeError("bad-record", "certified head")
-    return Head.from_cbor(obj["head"]), QuorumCertificate.from_cbor(obj["certificate"])
-
-
-def decode_signed(data: bytes) -> SignedEnvelope:
-    return SignedEnvelope.from_bytes(data)

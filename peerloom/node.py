@@ -35,7 +35,7 @@ from peerloom.adapters.keys import load_or_create_identity
 from peerloom.adapters.runtime import NodeRuntime, RuntimeOptions
 from peerloom.adapters.storage import ArtifactStore, atomic_write
 from peerloom.backends.registry import build_workload
-from peerloom.core.encoding import encode
+from peerloom.core.chain import encode_chain_entry
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.identity import PeerId
 from peerloom.core.objects import Head, QuorumCertificate, Revision
@@ -72,8 +72,7 @@ def load_config(path: Path) -> dict[str, Any]:
 def write_chain_entry(chain_dir: Path, head: Head, cert: QuorumCertificate) -> None:
     """Append a certified head to a chain directory as ``<window>.cbor`` (canonical CBOR)."""
     chain_dir.mkdir(parents=True, exist_ok=True)
-    record = encode({"head": head.to_cbor(), "certificate": cert.to_cbor()})
-    atomic_write(chain_dir / f"{head.window:06d}.cbor", record)
+    atomic_write(chain_dir / f"{head.window:06d}.cbor", encode_chain_entry(head, cert))
 
 
 def run_node(config_path: Path) -> None:
