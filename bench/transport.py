@@ -22,6 +22,7 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import trio
@@ -101,35 +102,37 @@ def _receiver(mode: str, total: int, seed: int, message_bytes: int, conn) -> Non
     trio.run(main)
 
 
-async def _send(mode: str, port: int, total: int, block: bytes, message_bytes: int) -> float:
+def _pieces(block: bytes, total: int, message_bytes: int) -> Iterator[memoryview | bytes]:
+    """`total` bytes cut from the repeating `block` in messages of at most `message_bytes`.
+
+    Both modes send exactly these pieces, so the ratio compares transports and nothing else.
+    """
     view = memoryview(block)
+    sent = 0
+    while sent < total:
+        size = min(message_bytes, total - sent)
+        offset = sent % len(block)
+        if offset + size <= len(block):
+            yield view[offset:offset + size]
+        else:
+            yield bytes(view[offset:]) + bytes(view[:size - (len(block) - offset)])
+        sent += size
+
+
+async def _send(mode: str, port: int, total: int, block: bytes, message_bytes: int) -> float:
     if mode == "noise":
         sc = await tcp.connect(HOST, port, Identity(bytes([2]) * 32), max_message_bytes=message_bytes)
         start = time.perf_counter()
-        sent = 0
-        while sent < total:
-            size = min(message_bytes, total - sent)
-            offset = sent % len(block)
-            if offset + size <= len(block):
-                await sc.send_message(view[offset:offset + size])
-            else:
-                await sc.send_message(bytes(view[offset:]) + bytes(view[:size - (len(block) - offset)]))
-            sent += size
+        for piece in _pieces(block, total, message_bytes):
+            await sc.send_message(piece)
         reply = json.loads(await sc.receive_message())
         elapsed = time.perf_counter() - start
         await sc.aclose()
     else:
         stream = await trio.open_tcp_stream(HOST, port)
         start = time.perf_counter()
-        sent = 0
-        while sent < total:
-            size = min(message_bytes, total - sent)
-            offset = sent % len(block)
-            if offset + size <= len(block):
-                await stream.send_all(view[offset:offset + size])
-            else:
-                await stream.send_all(bytes(view[offset:]) + bytes(view[:size - (len(block) - offset)]))
-            sent += size
+        for piece in _pieces(block, total, message_bytes):
+            await stream.send_all(piece)
         reply = json.loads(await stream.receive_some(4096))
         elapsed = time.perf_counter() - start
         await stream.aclose()
