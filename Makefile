@@ -19,5 +19,12 @@ test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q
 	$(BIN)/ruff check .
 
+# Long Hypothesis run over every decoder fuzz test (by hand; not part of CI);
+# the example count is the "fuzz" profile in tests/conftest.py.
+FUZZ_TESTS := tests/test_transport_fuzz.py tests/test_encoding.py tests/test_messages.py tests/test_objects.py
+
+fuzz: $(BIN)/.installed
+	HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest -q -p no:cacheprovider $(FUZZ_TESTS)
+
 clean:
 	rm -rf $(VENV) peerloom-demo .pytest_cache .hypothesis
