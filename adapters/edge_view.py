@@ -1,0 +1,313 @@
+"""What the HTTP edge reads from and hands to a running node (DESIGN §6, issue 7).
+
+`EdgeView` is the one seam between `adapters.http_edge` (an aiohttp server on its own thread and asyncio
+loop) and the node runtime (trio). Every method is called from the edge's thread, so an implementation
+must be thread-safe and must not block for long (read snapshots; hand submissions to the engine through a
+thread-safe channel and wait for its answer at most `SUBMIT_TIMEOUT_S`).
+
+The edge never trusts what clients send: it checks sizes and the envelope signature before calling
+`submit`, and the node verifies everything again (the edge is a convenience, not a trust boundary).
+Heads and certificates are returned as decoded objects; the edge serves their canonical CBOR bytes
+(`Head.to_bytes()`, `encode(certificate.to_cbor())`) so clients can verify them against the manifest.
+
+`InMemoryEdgeView` is a complete, thread-safe fake backed by dicts; tests and the light-trainer
+end-to-end test use it until a real node implements the protocol.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+
+from peerloom.core.encoding import content_id
+from peerloom.core.envelope import SignedEnvelope
+from peerloom.core.errors import DecodeError, VerificationError
+from peerloom.core.identity import PeerId
+from peerloom.core.leases import leases_of
+from peerloom.core.objects import (
+    PROTOCOL_VERSION,
+    Head,
+    JoinRequest,
+    QuorumCertificate,
+    Revision,
+    UpdateAnnouncement,
+)
+
+SUBMIT_TIMEOUT_S = 10.0
+
+HeadCallback = Callable[[Head, QuorumCertificate], None]
+
+
+@attrs.frozen(kw_only=True)
+class CertifiedEntry:
+    """A head and its quorum certificate; `certificate` is None only for the genesis head (window 0)."""
+
+    head: Head
+    certificate: QuorumCertificate | None
+
+
+@attrs.frozen(kw_only=True)
+class LeaseInfo:
+    """The shards `peer` holds in `window` (= certified head's window + 1), computed from head `base`."""
+
+    peer: PeerId
+    window: int
+    base: bytes
+    shards: tuple[int, ...]
+
+
+@attrs.frozen(kw_only=True)
+class SubmitResult:
+    """The node's verdict on a submitted envelope. `reason` is a `core.errors` reason when rejected."""
+
+    accepted: bool
+    reason: str = ""
+    envelope_id: bytes = b""
+
+
+@attrs.frozen(kw_only=True)
+class PeerInfo:
+    """A connected (or known) peer as the node sees it. Byte counts are wire bytes (Noise frames)."""
+
+    peer_id: PeerId
+    roles: tuple[str, ...]
+    address: str = ""
+    connected: bool = True
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class WindowStats:
+    """One row of the dashboard history: a certified window and what the node counted during it.
+
+    `metrics` are the head's validation metrics (e.g. ``test_loss``, ``test_accuracy``); `time` is
+    seconds since the epoch when the node promoted the head; byte counts are cumulative wire bytes.
+    """
+
+    window: int
+    head_id: bytes
+    skipped: bool
+    metrics: dict[str, float]
+    accepted: int = 0
+    rejected: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    time: float = 0.0
+
+
+@runtime_checkable
+class EdgeView(Protocol):
+    """The node as the HTTP edge sees it. All methods are called from the edge's (non-trio) thread."""
+
+    @property
+    def peer_id(self) -> PeerId:
+        """This node's peer id."""
+        ...
+
+    @property
+    def roles(self) -> frozenset[str]:
+        """This node's roles (subset of ``trainer``, ``reducer``, ``validator``)."""
+        ...
+
+    @property
+    def revision(self) -> Revision:
+        """The verified revision (manifest envelope) the node runs; served so light peers can verify."""
+        ...
+
+    @property
+    def registry(self) -> Any:
+        """The node's `prometheus_client.CollectorRegistry`, exposed at ``/metrics``."""
+        ...
+
+    def latest(self) -> CertifiedEntry:
+        """The latest certified head (the genesis head with no certificate before window 1)."""
+        ...
+
+    def head(self, head_id: bytes) -> CertifiedEntry | None:
+        """A certified head the node holds, by content id; None if unknown."""
+        ...
+
+    def chain(self, start_window: int, limit: int) -> Sequence[CertifiedEntry]:
+        """Certified heads with window >= `start_window`, ascending, at most `limit` of them."""
+        ...
+
+    def certificate(self, head_id: bytes) -> QuorumCertificate | None:
+        """The quorum certificate of a head the node holds; None if unknown (or genesis)."""
+        ...
+
+    def artifact_path(self, digest: bytes) -> Path | None:
+        """Path of a complete, digest-verified artifact in the node's store; None if absent.
+
+        The file is immutable once visible (content-addressed store), so the edge may stream ranges of it.
+        """
+        ...
+
+    def leases(self, peer: PeerId) -> LeaseInfo:
+        """The leases of `peer` for the window after the latest certified head (empty shards if none)."""
+        ...
+
+    def submit(self, envelope: bytes, artifact: bytes | None) -> SubmitResult:
+        """Hand a signed envelope (canonical `SignedEnvelope` bytes) to the node; it verifies everything.
+
+        Kinds: ``update`` (with `artifact` = the delta's safetensors bytes, which must match the
+        announcement's delta ref) and ``join`` (no artifact). Blocks at most `SUBMIT_TIMEOUT_S` seconds;
+        on timeout returns ``SubmitResult(accepted=False, reason="timeout")``.
+        """
+        ...
+
+    def peers(self) -> Sequence[PeerInfo]:
+        """Peers the node knows, connected ones first."""
+        ...
+
+    def subscribe(self, callback: HeadCallback) -> Callable[[], None]:
+        """Call `callback(head, certificate)` on every head promotion (from the node's thread; it must be
+        quick and must not raise). Returns a function that unsubscribes."""
+        ...
+
+    def history(self) -> Sequence[WindowStats]:
+        """Per-window statistics of every certified window this node has seen, ascending."""
+        ...
+
+
+class InMemoryEdgeView:
+    """A thread-safe in-memory `EdgeView` for tests: heads are added with `promote`, submissions are
+    verified like a node would (signature, kind, revision, window, lease, artifact digest) and recorded.
+    """
+
+    def __init__(self, *, identity_peer: PeerId, revision: Revision, registry: Any,
+                 roles: Iterable[str] = ("validator",), artifacts_dir: Path) -> None:
+        self._peer_id = identity_peer
+        self._roles = frozenset(roles)
+        self._revision = revision
+        self._registry = registry
+        self._dir = Path(artifacts_dir)
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._entries: list[CertifiedEntry] = [CertifiedEntry(head=revision.genesis(), certificate=None)]
+        self._by_id: dict[bytes, CertifiedEntry] = {self._entries[0].head.id: self._entries[0]}
+        self._history: list[WindowStats] = []
+        self._subscribers: list[HeadCallback] = []
+        self._peers: list[PeerInfo] = []
+        self.updates: list[tuple[UpdateAnnouncement, SignedEnvelope]] = []
+        self.joins: list[tuple[PeerId, int]] = []
+        self.rejected: list[str] = []
+
+    # --- test controls ----------------------------------------------------------------------------
+
+    def put_artifact(self, data: bytes) -> bytes:
+        """Store `data` and return its content id."""
+        digest = content_id(data)
+        (self._dir / digest.hex()).write_bytes(data)
+        return digest
+
+    def add_peer(self, info: PeerInfo) -> None:
+        with self._lock:
+            self._peers.append(info)
+
+    def promote(self, head: Head, certificate: QuorumCertificate, **stats: Any) -> None:
+        """Append a certified head (the caller built it) and notify subscribers."""
+        with self._lock:
+            entry = CertifiedEntry(head=head, certificate=certificate)
+            self._entries.append(entry)
+            self._by_id[head.id] = entry
+            self._history.append(WindowStats(window=head.window, head_id=head.id, skipped=head.skipped,
+                                             metrics=dict(head.metrics), **stats))
+            subscribers = list(self._subscribers)
+        for callback in subscribers:
+            callback(head, certificate)
+
+    # --- EdgeView ---------------------------------------------------------------------------------
+
+    @property
+    def peer_id(self) -> PeerId:
+        return self._peer_id
+
+    @property
+    def roles(self) -> frozenset[str]:
+        return self._roles
+
+    @property
+    def revision(self) -> Revision:
+        return self._revision
+
+    @property
+    def registry(self) -> Any:
+        return self._registry
+
+    def latest(self) -> CertifiedEntry:
+        with self._lock:
+            return self._entries[-1]
+
+    def head(self, head_id: bytes) -> CertifiedEntry | None:
+        with self._lock:
+            return self._by_id.get(head_id)
+
+    def chain(self, start_window: int, limit: int) -> Sequence[CertifiedEntry]:
+        with self._lock:
+            return [e for e in self._entries if e.head.window >= start_window][:max(0, limit)]
+
+    def certificate(self, head_id: bytes) -> QuorumCertificate | None:
+        entry = self.head(head_id)
+        return None if entry is None else entry.certificate
+
+    def artifact_path(self, digest: bytes) -> Path | None:
+        path = self._dir / digest.hex()
+        return path if path.exists() else None
+
+    def leases(self, peer: PeerId) -> LeaseInfo:
+        head = self.latest().head
+        shards = leases_of(head, self._revision.manifest).get(peer, ())
+        return LeaseInfo(peer=peer, window=head.window + 1, base=head.id, shards=shards)
+
+    def submit(self, envelope: bytes, artifact: bytes | None) -> SubmitResult:
+        try:
+            env = SignedEnvelope.from_bytes(envelope)
+            if env.kind == JoinRequest.KIND:
+                join = JoinRequest.from_cbor(env.open(JoinRequest.KIND, PROTOCOL_VERSION))
+                if join.revision != self._revision.id:
+                    raise VerificationError("wrong-revision", "join")
+                with self._lock:
+                    self.joins.append((env.signer, join.capacity))
+                return SubmitResult(accepted=True, envelope_id=env.id)
+            ann = UpdateAnnouncement.from_cbor(env.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
+            lease = self.leases(env.signer)
+            if ann.revision != self._revision.id:
+                raise VerificationError("wrong-revision", "update")
+            if ann.window != lease.window or ann.base != lease.base:
+                raise VerificationError("stale-update", f"window {ann.window}")
+            if ann.shards != lease.shards or not ann.shards:
+                raise VerificationError("not-leaseholder", str(env.signer))
+            if artifact is None or content_id(artifact) != ann.delta.digest or len(artifact) != ann.delta.size:
+                raise VerificationError("bad-artifact", "delta bytes do not match the announcement")
+        except (DecodeError, VerificationError) as exc:
+            with self._lock:
+                self.rejected.append(exc.reason)
+            return SubmitResult(accepted=False, reason=exc.reason)
+        self.put_artifact(artifact)
+        with self._lock:
+            self.updates.append((ann, env))
+        return SubmitResult(accepted=True, envelope_id=env.id)
+
+    def peers(self) -> Sequence[PeerInfo]:
+        with self._lock:
+            return list(self._peers)
+
+    def subscribe(self, callback: HeadCallback) -> Callable[[], None]:
+        with self._lock:
+            self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if callback in self._subscribers:
+                    self._subscribers.remove(callback)
+
+        return unsubscribe
+
+    def history(self) -> Sequence[WindowStats]:
+        with self._lock:
+            return list(self._history)
