@@ -21,6 +21,9 @@ def apply_storage_effect(store: ArtifactStore, effect: fx.Effect) -> bool:
     """Execute Persist / StoreChunk / CommitArtifact against `store`; False for any other effect.
 
     The caller feeds back `Persisted` / `ArtifactStored` (with its own clock) after this returns True.
+    A Persist is committed to the node database (SQLite WAL, synchronous=FULL) before this returns, so the
+    messages the engine releases on `Persisted` are always sent after their record is durable (the engine's
+    persist_then contract). A conflicting vote raises DoubleVoteError: the node stops rather than equivocate.
     """
     match effect:
         case fx.Persist():

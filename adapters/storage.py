@@ -5,20 +5,27 @@ Layout under `root`::
     artifacts/<hex digest>        the artifact bytes (verified against the digest on every read)
     artifacts/<hex digest>.ref    its canonical ArtifactRef (chunk size and chunk digests)
     partial/<hex digest>          an artifact being fetched, written chunk by chunk at its offsets
-    records/<key>                 engine records (votes, claims, the certified head)
+    node.db                       SQLite (WAL): engine records, heads, votes, claims, peers, pins
+                                  (`adapters/database.py`; stores from before it kept ``records/<key>``
+                                  files, imported by a schema migration)
 
-Every write goes to a temporary file, is fsynced, then renamed over the target and the directory is
-fsynced, so a crash at any point leaves either the old state or the new one, never a torn file.
+Every artifact write goes to a temporary file, is fsynced, then renamed over the target and the directory
+is fsynced, so a crash at any point leaves either the old state or the new one, never a torn file. Opening
+the store removes what a crash can leave behind (temporary files, partial fetches, an artifact without its
+ref); `check()` verifies everything.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 from peerloom.core.encoding import content_id, decode, encode
 from peerloom.core.errors import VerificationError
 from peerloom.core.objects import ArtifactRef, make_artifact_ref
+
+from .database import DB_NAME, Database
 
 
 def _fsync_dir(path: Path) -> None:
@@ -31,7 +38,8 @@ def _fsync_dir(path: Path) -> None:
 
 def atomic_write(path: Path, data: bytes | memoryview) -> None:
     """Write `data` to `path` so that readers see the old file or the whole new one (temp, fsync, rename)."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    # Unique per writer, so two threads storing the same artifact never share a temporary file.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     with open(tmp, "wb") as fh:
         fh.write(data)
         fh.flush()
@@ -41,21 +49,34 @@ def atomic_write(path: Path, data: bytes | memoryview) -> None:
 
 
 class ArtifactStore:
-    """Artifacts by content id plus named records, in one directory. Not thread-safe by itself."""
+    """Artifacts by content id plus the node database, in one directory.
+
+    Reads (`get`, `read_chunk`, `refs`) and `put` may come from any thread; chunked fetches
+    (`write_chunk`/`commit`) come from the node's one engine loop.
+    """
 
     def __init__(self, root: str | Path, *, chunk_size: int = 256 * 1024) -> None:
         self.root = Path(root)
         self.chunk_size = chunk_size
         self._artifacts = self.root / "artifacts"
         self._partial = self.root / "partial"
-        self._records = self.root / "records"
-        for d in (self._artifacts, self._partial, self._records):
+        for d in (self._artifacts, self._partial):
             d.mkdir(parents=True, exist_ok=True)
+        self.db = Database(self.root / DB_NAME)
+        self._recover()
+
+    def _recover(self) -> None:
+        """Load the refs of complete artifacts; remove what an interrupted write or fetch left behind."""
         self._refs: dict[bytes, ArtifactRef] = {}
+        for leftover in [*self._artifacts.glob(".*.tmp"), *self._partial.iterdir()]:
+            leftover.unlink(missing_ok=True)  # a fetch interrupted by a crash starts again
         for meta in self._artifacts.glob("*.ref"):
             ref = ArtifactRef.from_cbor(decode(meta.read_bytes(), max_bytes=1 << 24))
             if (self._artifacts / ref.digest[2:].hex()).exists():
                 self._refs[ref.digest] = ref
+        for path in self._artifacts.iterdir():
+            if not path.name.startswith(".") and not path.suffix and not path.with_suffix(".ref").exists():
+                path.unlink()  # renamed into place, crashed before its ref was written: not visible, drop it
 
     # --- artifacts -------------------------------------------------------------------------------
 
@@ -123,12 +144,57 @@ class ArtifactStore:
         _fsync_dir(self._artifacts)
         self._finish(ref)
 
+    # --- garbage collection and checks -------------------------------------------------------------
+
+    def pin(self, label: str, digest: bytes) -> None:
+        """Keep artifact `digest` through `gc` under `label` (a label holds one digest; re-pinning moves it)."""
+        self.db.pin(label, digest)
+
+    def unpin(self, label: str) -> None:
+        self.db.unpin(label)
+
+    def gc(self) -> list[bytes]:
+        """Delete every artifact that no pin names; returns the digests removed.
+
+        Only call it when the engine no longer needs unpinned artifacts (e.g. between runs): the engine was
+        told they are stored.
+        """
+        keep = set(self.db.pins().values())
+        removed = []
+        for digest in list(self._refs):
+            if digest not in keep:
+                del self._refs[digest]
+                self._path(digest).with_suffix(".ref").unlink(missing_ok=True)
+                self._path(digest).unlink(missing_ok=True)
+                removed.append(digest)
+        if removed:
+            _fsync_dir(self._artifacts)
+        return removed
+
+    def check(self) -> list[str]:
+        """Verify every artifact against its digest and the database's integrity; returns the problems."""
+        problems = []
+        for digest in list(self._refs):
+            try:
+                self.get(digest)
+            except (OSError, VerificationError) as exc:
+                problems.append(f"artifact {digest.hex()}: {exc}")
+        integrity = self.db.integrity_check()
+        if integrity != "ok":
+            problems.append(f"database: {integrity}")
+        return problems
+
     # --- records ---------------------------------------------------------------------------------
 
     def put_record(self, key: str, record: bytes) -> None:
-        """Durably write an engine record (e.g. ``vote/3``)."""
-        atomic_write(self._records / key.replace("/", "~"), record)
+        """Durably write an engine record (e.g. ``vote/3/0/prevote``); committed before this returns.
+
+        DoubleVoteError (adapters.database) if it is a different vote for an already-voted slot.
+        """
+        self.db.put_record(key, record)
 
     def records(self) -> dict[str, bytes]:
-        return {p.name.replace("~", "/"): p.read_bytes() for p in self._records.iterdir()
-                if not p.name.startswith(".")}
+        return self.db.records()
+
+    def close(self) -> None:
+        self.db.close()

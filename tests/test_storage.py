@@ -52,7 +52,40 @@ def test_records_round_trip_and_no_temp_files_left(tmp_path):
     store.put_record("vote/3", b"v3 again")
     store.put_record("head", b"h")
     assert ArtifactStore(tmp_path).records() == {"vote/3": b"v3 again", "head": b"h"}
-    assert not [p for p in (tmp_path / "records").iterdir() if p.name.startswith(".")]
+
+
+def test_open_removes_crash_leftovers_and_keeps_complete_artifacts(tmp_path):
+    store = ArtifactStore(tmp_path, chunk_size=4)
+    ref = store.put(b"complete")
+    half = make_artifact_ref(b"partial data", 4)
+    store.write_chunk(half, 0, b"part")  # a fetch interrupted by a crash
+    (tmp_path / "artifacts" / ".abc.1.2.tmp").write_bytes(b"torn")  # a write interrupted before its rename
+    orphan = make_artifact_ref(b"orphan", 4)  # renamed into place, crashed before its ref was written
+    (tmp_path / "artifacts" / orphan.digest[2:].hex()).write_bytes(b"orphan")
+    again = ArtifactStore(tmp_path, chunk_size=4)
+    assert again.refs() == [ref] and again.check() == []
+    assert sorted(p.name for p in (tmp_path / "artifacts").iterdir()) == sorted(
+        [ref.digest[2:].hex(), ref.digest[2:].hex() + ".ref"])
+    assert list((tmp_path / "partial").iterdir()) == []
+
+
+def test_gc_keeps_only_pinned_artifacts(tmp_path):
+    store = ArtifactStore(tmp_path)
+    keep, old, loose = store.put(b"head params"), store.put(b"old params"), store.put(b"some update")
+    store.pin("head", old.digest)
+    store.pin("head", keep.digest)  # moving a label releases the old digest
+    assert set(store.gc()) == {old.digest, loose.digest}
+    assert [r.digest for r in ArtifactStore(tmp_path).refs()] == [keep.digest]
+    with pytest.raises(KeyError):
+        store.get(old.digest)
+    assert store.get(keep.digest) == b"head params"
+
+
+def test_check_reports_a_corrupt_artifact(tmp_path):
+    store = ArtifactStore(tmp_path)
+    ref = store.put(b"abcdef")
+    (tmp_path / "artifacts" / ref.digest[2:].hex()).write_bytes(b"abcdeg")
+    assert len(store.check()) == 1 and "corrupt-artifact" in store.check()[0]
 
 
 def test_key_files_are_private_and_never_overwritten(tmp_path):
