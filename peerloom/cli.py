@@ -17,6 +17,12 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--kill-trainer-at", type=int, default=None, metavar="WINDOW",
                       help="SIGKILL a trainer holding a lease in WINDOW as that window opens (not restarted)")
+    demo.add_argument("--rule", default=None, metavar="RULE",
+                      help="aggregation rule for the manifest (default: the profile's robust rule; "
+                           "`mean` shows what the defence is worth)")
+    demo.add_argument("--workload", choices=("digits", "charlm"), default="digits",
+                      help="digits: MLP on scikit-learn digits; charlm: character-level transformer on the "
+                           "Python docs that ship with CPython")
 
     node = sub.add_parser("node", help="run one node from a TOML config until SIGTERM")
     node.add_argument("--config", type=Path, required=True)
@@ -33,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
         from peerloom.demo import run_demo
 
         sys.exit(run_demo(profile=args.profile, out=args.out, seed=args.seed,
-                          kill_trainer_at=args.kill_trainer_at))
+                          kill_trainer_at=args.kill_trainer_at, rule=args.rule, workload=args.workload))
     elif args.command == "node":
         from peerloom.node import ConfigError, run_node
 

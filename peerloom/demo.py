@@ -12,6 +12,7 @@ profile was certified (not skipped) and the chain verifies.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -19,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -31,32 +33,48 @@ from peerloom.adapters.keys import generate_identity, save_identity
 from peerloom.adapters.storage import ArtifactStore, atomic_write
 from peerloom.backends.numpy.tensors import schema_of, tensor_digest, to_safetensors
 from peerloom.backends.registry import build_workload
-from peerloom.core.chain import decode_chain_entry, verify_chain
-from peerloom.core.errors import PeerloomError
+from peerloom.core.chain import decode_chain_entry
 from peerloom.core.identity import Identity
 from peerloom.core.leases import leases_of
 from peerloom.core.objects import Manifest, Revision
+from peerloom.demo_report import build_report, defence_verdict, plot_report
 
-WORKLOAD = "digits-mlp"
+WORKLOADS = {"digits": "digits-mlp", "charlm": "charlm"}
 MARKER = ".peerloom-demo"
+
+# Behaviours a demo node can have (report.json's per-node "behaviour").
+HONEST, KILLED, KILLED_RESTARTED, LATE_JOINER = "honest", "killed", "killed-restarted", "late-joiner"
+BYZANTINE = ("sign-flip-scale", "alie")
 
 
 @attrs.frozen(kw_only=True)
 class Profile:
+    """One demo fleet. `trainers` gives the behaviour of each trainer in the genesis roster; `late_joiners`
+    more honest trainers start when window `join_at` opens and must ask to join. The trainer marked
+    killed-restarted is SIGKILLed as window `kill_at` opens and started again from its disk at `restart_at`."""
+
     validators: int
-    trainers: int
+    trainers: tuple[str, ...]
     windows: int
     shards: int
     window_s: float
     min_updates: int
     time_limit_s: float
+    rule: str
+    outer_optimizer: str = "fedavg"
+    outer_lr: float = 1.0
+    late_joiners: int = 0
+    join_at: int = 0
+    kill_at: int = 0
+    restart_at: int = 0
 
 
 PROFILES = {
-    "smoke": Profile(validators=1, trainers=4, windows=3, shards=8, window_s=8.0, min_updates=2,
-                     time_limit_s=80.0),
-    "default": Profile(validators=4, trainers=6, windows=20, shards=12, window_s=10.0, min_updates=3,
-                       time_limit_s=280.0),
+    "smoke": Profile(validators=1, trainers=(HONEST,) * 4, windows=3, shards=8, window_s=8.0, min_updates=2,
+                     time_limit_s=80.0, rule="mean"),
+    "default": Profile(validators=4, trainers=(HONEST,) * 4 + (KILLED_RESTARTED, *BYZANTINE), windows=20,
+                       shards=16, window_s=10.0, min_updates=3, time_limit_s=340.0, rule="trimmed_mean",
+                       late_joiners=1, join_at=6, kill_at=5, restart_at=8),
 }
 
 
@@ -101,19 +119,22 @@ def _free_port() -> int:
 def _write_config(node: NodeProc, manifest_path: Path, authority: Identity, bootstrap: list[str],
                   windows: int) -> Path:
     d = node.directory
-    config = {
+    config: dict[str, Any] = {
         "name": node.name, "roles": [node.role], "key": "key", "manifest": str(manifest_path),
         "authority": authority.peer_id.to_text(), "store": "store", "listen": f"127.0.0.1:{node.port}",
         "bootstrap": bootstrap, "port_file": "port", "events": "events.jsonl", "stats": "stats.json",
         "threads": 1, "stop_after_window": windows,
     }
+    if node.behaviour in BYZANTINE:
+        config["behaviour"] = node.behaviour
     path = d / "node.toml"
     path.write_text(tomli_w.dumps(config))
     return path
 
 
 def _spawn(node: NodeProc, config: Path) -> None:
-    log = open(node.directory / "node.log", "wb")
+    # Append: a restarted node keeps the log of its first life above the new one.
+    log = open(node.directory / "node.log", "ab")
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     node.process = subprocess.Popen([sys.executable, "-m", "peerloom", "node", "--config", str(config)],
                                     stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -145,27 +166,31 @@ class EventTail:
             data = fh.read()
         end = data.rfind(b"\n") + 1
         self.offset += end
-        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+        lines = []
+        for line in data[:end].splitlines():
+            try:
+                lines.append(json.loads(line))
+            except ValueError:  # a line torn by SIGKILL
+                continue
+        return lines
 
 
-def _kill_leaseholder(validator: NodeProc, revision: Revision, trainers: list[NodeProc], window: int) -> NodeProc:
-    """SIGKILL a trainer that holds a lease in `window`, which has just opened at the validator.
-
-    The leases come from the certified head before it, exactly as every peer computes them, so the
-    victim's lease goes unreported and the window must close on its deadline.
-    """
+def _leases_in(validator: NodeProc, revision: Revision, window: int) -> dict[Any, Any]:
+    """Leases of `window`, from the certified head before it, exactly as every peer computes them."""
     if window == 1:
         head = revision.genesis()
     else:
         head, _ = decode_chain_entry((validator.directory / "store" / "chain" / f"{window - 1:06d}.cbor").read_bytes())
-    leases = leases_of(head, revision.manifest)
-    victim = next((t for t in trainers if t.identity.peer_id in leases), trainers[0])
+    return leases_of(head, revision.manifest)
+
+
+def _kill(victim: NodeProc, leases: dict[Any, Any], window: int, behaviour: str) -> None:
     assert victim.process is not None
     victim.process.send_signal(signal.SIGKILL)
-    victim.behaviour = "killed"
+    victim.process.wait()
+    victim.behaviour = behaviour
     _say(f"  killed {victim.name} (pid {victim.process.pid}, lease on shards "
          f"{list(leases.get(victim.identity.peer_id, ()))}) with SIGKILL as window {window} opened")
-    return victim
 
 
 def _stop(nodes: list[NodeProc]) -> None:
@@ -183,52 +208,69 @@ def _stop(nodes: list[NodeProc]) -> None:
             node.process.wait()
 
 
-def run_demo(*, profile: str = "default", out: Path = Path("peerloom-demo"), seed: int = 0,
-             kill_trainer_at: int | None = None) -> int:
-    """Run the demo; returns the process exit status (0 = every window certified and verified)."""
-    import torch
+def _baseline(workload_name: str, workload: Any, epochs: int, seed: int) -> dict[str, Any]:
+    if workload_name == "charlm":
+        from peerloom.backends.torch.charlm import train_centralized as train_charlm
 
+        return dict(train_charlm(workload, epochs=epochs, seed=seed))
     from peerloom.backends.torch.models import train_centralized
+
+    return dict(train_centralized(workload, epochs=epochs, seed=seed))
+
+
+def run_demo(*, profile: str = "default", out: Path = Path("peerloom-demo"), seed: int = 0,
+             kill_trainer_at: int | None = None, rule: str | None = None, workload: str = "digits") -> int:
+    """Run the demo; returns the process exit status (0 = every window certified and the chain verified).
+
+    `rule` overrides the profile's aggregation rule (e.g. ``"mean"`` to show what the defence is worth);
+    `kill_trainer_at` SIGKILLs a leaseholder of that window for good (a different fault from the
+    profile's kill-and-restart). Raises SystemExit when a node cannot start.
+    """
+    import torch
 
     torch.set_num_threads(1)
     p = PROFILES[profile]
+    rule = rule or p.rule
+    workload_name = WORKLOADS[workload]
     started = time.monotonic()
     out = out.resolve()
     _prepare_out(out)
-    _say(f"peerloom {peerloom.__version__} demo: profile {profile}, seed {seed}, "
-         f"{p.trainers} trainers, {p.windows} windows, output {out}")
+    _say(f"peerloom {peerloom.__version__} demo: profile {profile}, workload {workload_name}, rule {rule}, "
+         f"seed {seed}, {len(p.trainers) + p.late_joiners} trainers, {p.windows} windows, output {out}")
 
-    workload, shards = build_workload(WORKLOAD, seed, p.shards)
+    model, shards = build_workload(workload_name, seed, p.shards)
     _say("training the centralized baseline on the same data ...")
-    baseline = train_centralized(workload, epochs=p.windows, seed=seed)
-    _say(f"  baseline: test accuracy {baseline['test_accuracy']:.4f} after {baseline['epochs']} epochs "
-         f"({baseline['wall_s']:.1f} s)")
+    baseline = _baseline(workload_name, model, p.windows, seed)
+    _say(f"  baseline: test accuracy {baseline['test_accuracy']:.4f}, loss {baseline['test_loss']:.4f} after "
+         f"{baseline['epochs']} epochs ({baseline['wall_s']:.1f} s)")
 
     authority = generate_identity()
     nodes = [NodeProc(name=f"validator-{i}", role="validator", identity=generate_identity(),
                       directory=out / "nodes" / f"validator-{i}") for i in range(1, p.validators + 1)]
     nodes.append(NodeProc(name="reducer", role="reducer", identity=generate_identity(),
                           directory=out / "nodes" / "reducer"))
+    behaviours = [*p.trainers, *([LATE_JOINER] * p.late_joiners)]
     nodes += [NodeProc(name=f"trainer-{i}", role="trainer", identity=generate_identity(),
-                       directory=out / "nodes" / f"trainer-{i}") for i in range(1, p.trainers + 1)]
+                       directory=out / "nodes" / f"trainer-{i}", behaviour=b) for i, b in enumerate(behaviours, 1)]
     for node in nodes:
         node.directory.mkdir(parents=True)
         save_identity(node.identity, node.directory / "key")
 
-    params = workload.initial_params(seed)
+    params = model.initial_params(seed)
     genesis_bytes = to_safetensors(params)
     chunk_size = 64 * 1024
     genesis_refs = [ArtifactStore(n.directory / "store", chunk_size=chunk_size).put(genesis_bytes)
                     for n in nodes if n.role in ("validator", "reducer")]
     trainers = [n for n in nodes if n.role == "trainer"]
     manifest = Manifest(
-        experiment=f"peerloom-demo-{seed}", workload=WORKLOAD, workload_seed=seed,
+        experiment=f"peerloom-demo-{seed}", workload=workload_name, workload_seed=seed,
         schema=schema_of(params), shards=tuple(len(s) for s in shards),
         validators=tuple(n.identity.peer_id for n in nodes if n.role == "validator"),
         quorum=byzantine_quorum(p.validators), window_s=p.window_s, min_updates=p.min_updates,
-        max_capacity=4, aggregation="mean", outer_optimizer="fedavg", outer_lr=1.0, chunk_size=chunk_size,
-        genesis_params=genesis_refs[0], genesis_params_digest=tensor_digest(params),
-        roster=tuple(sorted((t.identity.peer_id, 1) for t in trainers)),
+        max_capacity=4, aggregation=rule, outer_optimizer=p.outer_optimizer, outer_lr=p.outer_lr,
+        chunk_size=chunk_size, genesis_params=genesis_refs[0], genesis_params_digest=tensor_digest(params),
+        # Late joiners are not in the genesis roster: they must ask to join (spec/protocol.md).
+        roster=tuple(sorted((t.identity.peer_id, 1) for t in trainers if t.behaviour != LATE_JOINER)),
     )
     envelope = manifest.seal(authority)
     revision = Revision.verify(envelope, authority.peer_id)
@@ -236,9 +278,8 @@ def run_demo(*, profile: str = "default", out: Path = Path("peerloom-demo"), see
     atomic_write(manifest_path, envelope.to_bytes())
 
     deadline = started + p.time_limit_s
+    configs: dict[str, Path] = {}
     heads: list[dict[str, Any]] = []
-    rejected: dict[str, int] = {}
-    killed: NodeProc | None = None
     try:
         validator = nodes[0]
         for node in nodes:
@@ -247,16 +288,22 @@ def run_demo(*, profile: str = "default", out: Path = Path("peerloom-demo"), see
         for node in nodes:
             # Trainers dial every validator and the reducer; servers dial the servers listed before them.
             targets = servers if node.role == "trainer" else servers[:servers.index(node)]
-            _spawn(node, _write_config(node, manifest_path, authority, [f"127.0.0.1:{t.port}" for t in targets],
-                                       p.windows))
-        for node in nodes:
+            configs[node.name] = _write_config(node, manifest_path, authority,
+                                               [f"127.0.0.1:{t.port}" for t in targets], p.windows)
+        first = [n for n in nodes if n.behaviour != LATE_JOINER]
+        for node in first:
+            _spawn(node, configs[node.name])
+        for node in first:
             _wait_port(node, deadline)
-        _say(f"started {len(nodes)} node processes on 127.0.0.1: {p.validators} validators (quorum "
-             f"{manifest.quorum}), 1 reducer, {p.trainers} trainers; pids "
-             f"{', '.join(str(n.process.pid) for n in nodes if n.process)}")
+        _say(f"started {len(first)} node processes on 127.0.0.1: {p.validators} validators (quorum "
+             f"{manifest.quorum}), 1 reducer, {len(first) - p.validators - 1} trainers "
+             f"({', '.join(f'{n.name} {n.behaviour}' for n in first if n.behaviour != HONEST)}); pids "
+             f"{', '.join(str(n.process.pid) for n in first if n.process)}")
         tail = EventTail(validator.directory / "events.jsonl")
         wire_tails = {n.name: EventTail(n.directory / "events.jsonl") for n in nodes}
         wire_sent: dict[str, int] = {}
+        rejected_now = 0
+        restart_pending: NodeProc | None = None
         while time.monotonic() < deadline and (not heads or heads[-1]["window"] < p.windows):
             if validator.process is not None and validator.process.poll() is not None:
                 _say("validator exited unexpectedly; see its node.log")
@@ -264,32 +311,57 @@ def run_demo(*, profile: str = "default", out: Path = Path("peerloom-demo"), see
             for name, node_tail in wire_tails.items():
                 for line in node_tail.read():
                     if line["event"] == "wire":
-                        wire_sent[name] = line["sent"]
+                        wire_sent[name] = wire_sent.get(name, 0) + line["sent"] - wire_sent.get(f"{name}@", 0)
+                        wire_sent[f"{name}@"] = line["sent"]
             for line in tail.read():
-                if line["event"] == "reject":
-                    rejected[line["reason"]] = rejected.get(line["reason"], 0) + 1
-                elif line["event"] == "window-deadline":
+                event = line["event"]
+                if event == "reject":
+                    rejected_now += 1
+                elif event == "window-deadline":
                     _say(f"  window {line['window']}: deadline reached with {line['reported']} of "
                          f"{line['leases']} leases reported")
-                elif line["event"] == "head":
+                elif event == "head":
                     heads.append(line)
                     m = line["metrics"]
                     status = "[bold red]SKIPPED (too few updates)[/]" if line["skipped"] else (
                         f"accuracy [bold green]{m.get('test_accuracy', 0):.4f}[/]  loss {m.get('test_loss', 0):.4f}")
-                    _say(f"window {line['window']:>3}/{p.windows}  {status}  updates {line['cohort']}  "
-                         f"wire {sum(wire_sent.values()) / 1e6:6.2f} MB  t={time.monotonic() - started:5.1f}s",
-                         markup=True)
-                elif line["event"] == "window-open" and line["window"] == kill_trainer_at and killed is None:
-                    killed = _kill_leaseholder(validator, revision, trainers, kill_trainer_at)
+                    total = sum(v for k, v in wire_sent.items() if not k.endswith("@"))
+                    _say(f"window {line['window']:>3}/{p.windows}  {status}  accepted {line['cohort']}  "
+                         f"rejected {rejected_now}  wire {total / 1e6:6.2f} MB  "
+                         f"t={time.monotonic() - started:5.1f}s", markup=True)
+                    rejected_now = 0
+                elif event == "window-open":
+                    window = line["window"]
+                    if window == kill_trainer_at:
+                        leases = _leases_in(validator, revision, window)
+                        victim = next((t for t in trainers if t.identity.peer_id in leases
+                                       and t.behaviour == HONEST), trainers[0])
+                        _kill(victim, leases, window, KILLED)
+                    if window == p.kill_at:
+                        victim = next(t for t in trainers if t.behaviour == KILLED_RESTARTED)
+                        _kill(victim, _leases_in(validator, revision, window), window, KILLED_RESTARTED)
+                        restart_pending = victim
+                    if window == p.restart_at and restart_pending is not None:
+                        _spawn(restart_pending, configs[restart_pending.name])
+                        _say(f"  restarted {restart_pending.name} from its disk (pid {restart_pending.process.pid})"
+                             if restart_pending.process else "")
+                        restart_pending = None
+                    if window == p.join_at:
+                        for joiner in (t for t in trainers if t.behaviour == LATE_JOINER):
+                            _spawn(joiner, configs[joiner.name])
+                            _say(f"  {joiner.name} joins late (pid {joiner.process.pid if joiner.process else '?'}),"
+                                 " not in the genesis roster")
             time.sleep(0.1)
     finally:
         _stop(nodes)
 
-    return _finish(out, profile, seed, p, nodes, revision, baseline, rejected, started)
+    return _finish(out, profile, seed, p, nodes, revision, baseline, started, rule, workload_name)
 
 
 def _finish(out: Path, profile: str, seed: int, p: Profile, nodes: list[NodeProc], revision: Revision,
-            baseline: dict[str, Any], rejected: dict[str, int], started: float) -> int:
+            baseline: dict[str, Any], started: float, rule: str, workload_name: str) -> int:
+    from peerloom.verify import run_verify
+
     chain_src = nodes[0].directory / "store" / "chain"
     chain_dir = out / "chain"
     chain_dir.mkdir()
@@ -298,76 +370,68 @@ def _finish(out: Path, profile: str, seed: int, p: Profile, nodes: list[NodeProc
     for path in sorted(chain_src.glob("*.cbor")) if chain_src.exists() else []:
         shutil.copy(path, chain_dir / path.name)
         entries.append(decode_chain_entry(path.read_bytes()))
-    try:
-        checked = verify_chain(revision, entries)
-        verified = True
-    except PeerloomError as exc:
-        checked, verified = [f"FAILED: {exc}"], False
-    stats = {}
-    for node in nodes:
-        path = node.directory / "stats.json"
-        if path.exists():
-            stats[node.name] = json.loads(path.read_text())
+    _say("chain check (peerloom verify):")
+    verified = run_verify(chain_dir, str(revision.authority), echo=_verify_echo, brief=True) == 0
     final = entries[-1][0] if entries else revision.genesis()
     certified = sum(1 for h, _ in entries if not h.skipped)
     skipped = sum(1 for h, _ in entries if h.skipped)
-    v_stats = stats.get(nodes[0].name, {})
+    node_dicts = [{"name": n.name, "role": n.role, "peer_id": n.identity.peer_id.to_text(),
+                   "behaviour": n.behaviour, "directory": n.directory} for n in nodes]
+    details = build_report(nodes=node_dicts, entries=entries, observer=nodes[0].name)
+    metric = "test_loss" if workload_name == "charlm" else "test_accuracy"
+    final_metric = final.metrics.get(metric, math.nan)
+    defence = defence_verdict(rule=rule, final=final_metric, baseline=baseline[metric],
+                              higher_is_better=metric == "test_accuracy")
+    by_name = {n["name"]: n for n in details["per_node"]}
     report = {
-        "peerloom_version": peerloom.__version__, "profile": profile, "seed": seed, "workload": WORKLOAD,
-        "transport": "tcp+noise",
+        "peerloom_version": peerloom.__version__, "profile": profile, "seed": seed, "workload": workload_name,
+        "rule": rule, "outer_optimizer": p.outer_optimizer, "metric": metric, "transport": "tcp+noise",
         "nodes": [{"name": n.name, "role": n.role, "peer_id": n.identity.peer_id.to_text(),
-                   "pid": n.process.pid if n.process else None, "behaviour": n.behaviour} for n in nodes],
+                   "pid": n.process.pid if n.process else None, "behaviour": n.behaviour,
+                   "accepted": by_name[n.name]["accepted"], "rejected": by_name[n.name]["rejected"],
+                   "rejected_by_reason": by_name[n.name]["rejected_by_reason"]} for n in nodes],
         "windows": {"certified": certified, "skipped": skipped},
         "final_head": {"id": final.id.hex(), "window": final.window,
                        "test_accuracy": final.metrics.get("test_accuracy", 0.0),
                        "test_loss": final.metrics.get("test_loss", 0.0)},
-        "baseline": {"test_accuracy": baseline["test_accuracy"], "epochs": baseline["epochs"],
-                     "wall_s": baseline["wall_s"]},
+        "baseline": {k: baseline[k] for k in ("test_accuracy", "test_loss", "epochs", "wall_s")},
+        "defence": defence,
         "updates": {"accepted": sum(len(h.cohort) for h, _ in entries),
-                    "rejected": sum(v_stats.get("rejected_by_reason", {}).values()),
-                    "rejected_by_reason": v_stats.get("rejected_by_reason", {})},
-        "bytes_on_wire": sum(s["bytes_sent"] for s in stats.values()),
+                    "rejected": sum(n["rejected"] for n in details["per_node"]),
+                    "rejected_by_reason": dict(sum((Counter(n["rejected_by_reason"]) for n in details["per_node"]),
+                                                   Counter()))},
+        "quarantined": details["quarantined"],
+        "quarantine_over_time": details["quarantine_over_time"],
+        "head_lag_s": details["head_lag_s"],
+        "bytes_by_role": details["bytes_by_role"],
+        "bytes_on_wire": sum(details["bytes_by_role"].values()),
         "wall_s": round(time.monotonic() - started, 3),
         "verified": verified,
-        "history": [{"window": h.window, "skipped": h.skipped, "cohort": len(h.cohort), **dict(h.metrics)}
-                    for h, _ in entries],
+        "chain": details["chain"],
+        "history": details["per_window"],
+        "per_window": details["per_window"],
     }
+    if workload_name == "charlm":
+        # Loss is in nats per character; bits per character = nats / ln 2.
+        report["final_head"]["bits_per_char"] = report["final_head"]["test_loss"] / math.log(2)
+        report["baseline"]["bits_per_char"] = baseline["test_loss"] / math.log(2)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    _plot(out, report)
-    _say("chain check:")
-    shown = checked if len(checked) <= 7 else [*checked[:3], f"... {len(checked) - 5} more windows ...",
-                                               *checked[-2:]]
-    for line in shown:
-        _say(f"  {line}")
+    plots = plot_report(out, report)
     ok = certified >= p.windows and verified
-    gap = report["baseline"]["test_accuracy"] - report["final_head"]["test_accuracy"]
     verdict = "[bold green]OK[/]" if ok else "[bold red]FAILED[/]"
     _say(f"{verdict}: {certified}/{p.windows} windows certified, {skipped} skipped; "
-         f"final accuracy {report['final_head']['test_accuracy']:.4f} vs centralized "
-         f"{report['baseline']['test_accuracy']:.4f} ({gap * 100:+.2f} points behind); "
+         f"final {metric.replace('_', ' ')} {final_metric:.4f} vs centralized {baseline[metric]:.4f}; "
+         f"{report['updates']['accepted']} updates accepted, {report['updates']['rejected']} rejected; "
+         f"quarantined: {', '.join(by_name_of(nodes, q) for q in report['quarantined']) or 'none'}; "
          f"{report['bytes_on_wire'] / 1e6:.1f} MB on the wire; {report['wall_s']:.1f} s.", markup=True)
-    _say(f"report: {out / 'report.json'}  chain: {out / 'chain'}  plot: {out / 'plots' / 'accuracy.png'}")
+    _say(f"defence: {defence['summary']}")
+    _say(f"report: {out / 'report.json'}  chain: {out / 'chain'}  plots: {', '.join(str(x) for x in plots)}")
     return 0 if ok else 1
 
 
-def _plot(out: Path, report: dict[str, Any]) -> None:
-    import matplotlib
+def by_name_of(nodes: list[NodeProc], peer_text: str) -> str:
+    return next((n.name for n in nodes if n.identity.peer_id.to_text() == peer_text), peer_text)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    history = [h for h in report["history"] if "test_accuracy" in h]
-    (out / "plots").mkdir(exist_ok=True)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([h["window"] for h in history], [h["test_accuracy"] for h in history], marker="o",
-            label="peerloom (certified heads)")
-    ax.axhline(report["baseline"]["test_accuracy"], color="grey", linestyle="--",
-               label=f"centralized baseline ({report['baseline']['epochs']} epochs)")
-    ax.set_xlabel("window")
-    ax.set_ylabel("test accuracy")
-    ax.set_title(f"digits MLP, {sum(1 for n in report['nodes'] if n['role'] == 'trainer')} trainers")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(out / "plots" / "accuracy.png", dpi=100)
-    plt.close(fig)
+def _verify_echo(line: str) -> None:
+    _say(f"  {line}")

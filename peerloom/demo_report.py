@@ -1,0 +1,208 @@
+"""The demo's report: what happened in a fleet run, read back from the nodes' logs and the signed chain.
+
+Everything here is derived after the run from artifacts anyone can inspect: each node's ``events.jsonl``
+(one JSON object per engine log event, with a wall-clock ``t`` in seconds) and ``stats.json``, and the
+certified heads in ``chain/``. The numbers that matter for trust (cohorts, quarantine, signers) come from
+the chain, never from what a trainer says about itself.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from peerloom.core.objects import Head, QuorumCertificate
+
+# A final accuracy this many points below the centralized baseline counts as degraded (issue 8's bar).
+DEGRADED_POINTS = 2.0
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """All JSON lines of an event log; a torn last line (a SIGKILLed writer) is skipped, not fatal."""
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_bytes().splitlines():
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            continue
+    return events
+
+
+def _window_of_time(opens: list[tuple[float, int]], t: float) -> int:
+    """The window that was open at wall time `t`, from (time, window) pairs of window-open events."""
+    current = 0
+    for opened_at, window in opens:
+        if opened_at > t:
+            break
+        current = window
+    return current
+
+
+def build_report(*, nodes: Sequence[dict[str, Any]], entries: Sequence[tuple[Head, QuorumCertificate]],
+                 observer: str) -> dict[str, Any]:
+    """The per-node and per-window parts of ``report.json``.
+
+    `nodes` are dicts with ``name``, ``role``, ``peer_id`` (text), ``behaviour`` and ``directory`` (Path);
+    `observer` names the validator whose logs stand for "the network's view" of rejections and head times.
+    Returns the keys ``per_node``, ``per_window``, ``quarantine_over_time``, ``quarantined``,
+    ``bytes_by_role``, ``head_lag_s`` and ``chain``.
+    """
+    events = {n["name"]: read_events(n["directory"] / "events.jsonl") for n in nodes}
+    stats = {}
+    for n in nodes:
+        path = n["directory"] / "stats.json"
+        if path.exists():
+            stats[n["name"]] = json.loads(path.read_text())
+    by_peer = {n["peer_id"]: n["name"] for n in nodes}
+
+    # Who announced which update: trainers log the envelope id of every announcement they send.
+    author: dict[str, str] = {}
+    for n in nodes:
+        for e in events[n["name"]]:
+            if e["event"] == "announce":
+                author[e["update"]] = n["name"]
+
+    accepted: Counter[str] = Counter()
+    for head, _ in entries:
+        for update in head.cohort:
+            accepted[author.get(update.hex(), "unknown")] += 1
+
+    observed = events.get(observer, [])
+    opens = sorted((e["t"], e["window"]) for e in observed if e["event"] == "window-open")
+    rejected: dict[str, Counter[str]] = defaultdict(Counter)
+    rejected_per_window: Counter[int] = Counter()
+    for e in observed:
+        if e["event"] == "reject" and e.get("peer"):
+            rejected[by_peer.get(e["peer"], e["peer"])][e["reason"]] += 1
+            rejected_per_window[_window_of_time(opens, e["t"])] += 1
+
+    # Head lag: how long after the observer promoted a head each trainer promoted the same head.
+    head_times = {e["window"]: e["t"] for e in observed if e["event"] == "head"}
+    head_lag: dict[str, dict[str, float]] = {}
+    for n in nodes:
+        if n["role"] != "trainer":
+            continue
+        lags = [e["t"] - head_times[e["window"]] for e in events[n["name"]]
+                if e["event"] == "head" and e["window"] in head_times]
+        if lags:
+            head_lag[n["name"]] = {"median_s": round(statistics.median(lags), 3), "max_s": round(max(lags), 3),
+                                   "heads": len(lags)}
+
+    # Bytes per window: every node logs its cumulative bytes sent when it promotes a head.
+    sent_at: dict[str, dict[int, int]] = {n["name"]: {} for n in nodes}
+    for n in nodes:
+        for e in events[n["name"]]:
+            if e["event"] == "wire":
+                sent_at[n["name"]][e["window"]] = e["sent"]
+    bytes_per_window: Counter[int] = Counter()
+    for per_node in sent_at.values():
+        previous = 0
+        for window in sorted(per_node):
+            # A restarted process counts from zero again; never report a negative difference.
+            bytes_per_window[window] += max(0, per_node[window] - previous)
+            previous = per_node[window]
+
+    bytes_by_role: Counter[str] = Counter()
+    for n in nodes:
+        bytes_by_role[n["role"]] += int(stats.get(n["name"], {}).get("bytes_sent", 0))
+
+    quarantine_over_time = [{"window": h.window, "quarantined": sorted(by_peer.get(str(p), str(p))
+                                                                      for p in h.quarantine)}
+                            for h, _ in entries]
+    per_node = []
+    for n in nodes:
+        per_node.append({
+            "name": n["name"], "role": n["role"], "peer_id": n["peer_id"], "behaviour": n["behaviour"],
+            "accepted": accepted.get(n["name"], 0),
+            "rejected": sum(rejected[n["name"]].values()),
+            "rejected_by_reason": dict(sorted(rejected[n["name"]].items())),
+            "bytes_sent": int(stats.get(n["name"], {}).get("bytes_sent", 0)),
+        })
+    per_window = [{"window": h.window, "skipped": h.skipped, "accepted": len(h.cohort),
+                   "rejected": rejected_per_window.get(h.window, 0), "bytes": bytes_per_window.get(h.window, 0),
+                   "roster": len(h.roster), **dict(h.metrics)}
+                  for h, _ in entries]
+    return {
+        "per_node": per_node,
+        "per_window": per_window,
+        "quarantine_over_time": quarantine_over_time,
+        "quarantined": [str(p) for p in entries[-1][0].quarantine] if entries else [],
+        "bytes_by_role": dict(sorted(bytes_by_role.items())),
+        "head_lag_s": head_lag,
+        "chain": [{"window": h.window, "head": h.id.hex(), "skipped": h.skipped,
+                   "signers": [str(p) for p, _ in c.votes]} for h, c in entries],
+    }
+
+
+def defence_verdict(*, rule: str, final: float, baseline: float, higher_is_better: bool = True) -> dict[str, Any]:
+    """Did the run keep up with the centralized baseline? `final` and `baseline` are accuracies (or losses
+    when `higher_is_better` is False); the gap is in percentage points for accuracy, in nats for loss."""
+    gap = (baseline - final) * 100 if higher_is_better else final - baseline
+    degraded = gap > DEGRADED_POINTS if higher_is_better else gap > 0.25
+    unit = "points" if higher_is_better else "nats"
+    text = (f"rule {rule!r}: final {final:.4f} vs baseline {baseline:.4f}, {gap:+.2f} {unit} behind; "
+            + ("DEGRADED — the aggregation rule did not hold off the Byzantine trainers" if degraded
+               else "within the bound"))
+    return {"rule": rule, "gap": round(gap, 4), "unit": unit, "degraded": degraded, "summary": text}
+
+
+def plot_report(out: Path, report: dict[str, Any]) -> list[Path]:
+    """Write ``plots/accuracy.png`` (or ``loss.png``), ``plots/updates.png`` and ``plots/bytes.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots = out / "plots"
+    plots.mkdir(exist_ok=True)
+    windows = report.get("per_window", [])
+    written = []
+    metric = "test_accuracy" if report.get("metric", "test_accuracy") == "test_accuracy" else "test_loss"
+    shown = [w for w in windows if metric in w and not math.isnan(w[metric])]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.plot([w["window"] for w in shown], [w[metric] for w in shown], marker="o",
+            label=f"peerloom, rule {report.get('rule', '?')} (certified heads)")
+    ax.axhline(report["baseline"][metric], color="grey", linestyle="--", label="centralized baseline")
+    ax.set_xlabel("window")
+    ax.set_ylabel(metric.replace("_", " "))
+    ax.set_title(f"{report.get('workload', '')}: {sum(1 for n in report['nodes'] if n['role'] == 'trainer')} "
+                 "trainers")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right" if metric == "test_accuracy" else "upper right")
+    fig.tight_layout()
+    path = plots / ("accuracy.png" if metric == "test_accuracy" else "loss.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    written.append(path)
+
+    xs = [w["window"] for w in windows]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.bar(xs, [w["accepted"] for w in windows], color="tab:green", label="accepted (in the cohort)")
+    ax.bar(xs, [w["rejected"] for w in windows], bottom=[w["accepted"] for w in windows], color="tab:red",
+           label="rejected by screening")
+    ax.set_xlabel("window")
+    ax.set_ylabel("updates")
+    ax.set_title("updates per window")
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(plots / "updates.png", dpi=100)
+    plt.close(fig)
+    written.append(plots / "updates.png")
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.bar(xs, [w["bytes"] / 1e6 for w in windows], color="tab:blue")
+    ax.set_xlabel("window")
+    ax.set_ylabel("MB sent (all nodes)")
+    ax.set_title("bytes on the wire per window")
+    fig.tight_layout()
+    fig.savefig(plots / "bytes.png", dpi=100)
+    plt.close(fig)
+    written.append(plots / "bytes.png")
+    return written
