@@ -1,0 +1,289 @@
+"""`NumpyWorkload`: a multi-layer perceptron (or softmax regression) trained with Adam in pure numpy — the
+workload for peers without torch and for the simulator (issue 5 item 6, DESIGN §5).
+
+Same interface as `peerloom.backends.torch.workload.TorchWorkload`: ``schema()``, ``initial_params(seed)``,
+``train(params, indices, seed) -> (delta, {"train_loss", "samples"})``, ``evaluate(params) -> {"loss",
+"accuracy"}``, ``num_train``. Parameter names and shapes follow ``torch.nn.Sequential(Linear, ReLU,
+Linear, ...)`` (``"0.weight"`` ``[out, in]``, ``"0.bias"`` ``[out]``, ``"2.weight"``...), so a numpy peer and
+a torch peer share the manifest's schema; the arithmetic differs (float32 BLAS here), so their deltas are not
+bit-identical — the reduction is what must be, and it is (`peerloom.backends._robust`).
+
+Training modes: FedAvg local epochs (``local_epochs`` passes over the lease), or DiLoCo inner steps
+(``inner_steps`` = H optimizer steps per window, cycling through reshuffled passes of the lease; Douillard et
+al. 2023, arXiv 2311.08105). With ``keep_optimizer_state=True`` the Adam moments and step count survive
+from one `train` call to the next under the same ``state_key`` (DiLoCo keeps its inner optimizer state
+across windows); otherwise each call starts from zeros.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .tensors import Schema, TensorDict, schema_of
+
+
+def _softmax_xent(logits: np.ndarray, y: np.ndarray, grad: bool) -> tuple[float, np.ndarray | None]:
+    """Mean cross-entropy of logits ``[b, C]`` against labels ``[b]``; with `grad`, d loss / d logits."""
+    z = logits - logits.max(axis=1, keepdims=True)
+    ez = np.exp(z)
+    s = ez.sum(axis=1, keepdims=True)
+    rows = np.arange(len(y))
+    loss = float(np.mean(np.log(s[:, 0]) - z[rows, y]))
+    if not grad:
+        return loss, None
+    p = ez / s
+    p[rows, y] -= 1.0
+    p /= len(y)
+    return loss, p
+
+
+class NumpyWorkload:
+    """FedAvg / DiLoCo local training of an MLP ``sizes[0] -> ... -> sizes[-1]`` (ReLU between layers;
+    ``sizes=(64, 10)`` is softmax regression) with Adam and cross-entropy, in float32 numpy.
+
+    Args:
+        train_data: ``(x float32 [n, sizes[0]], y int [n])``; a lease names row indices into it.
+        eval_data: ``(x, y)`` for `evaluate`.
+        sizes: layer widths.
+        lr, betas, eps: Adam's hyper-parameters (Kingma & Ba 2015, as ``torch.optim.Adam``).
+        batch_size: inner mini-batch size (samples).
+        local_epochs: FedAvg's E (passes over the lease per `train`), used when `inner_steps` is None.
+        inner_steps: DiLoCo's H (optimizer steps per `train`); overrides `local_epochs`.
+        keep_optimizer_state: keep Adam's state across `train` calls, per ``state_key``.
+
+    Not thread-safe: one workload per thread of compute.
+    """
+
+    def __init__(
+        self,
+        train_data: tuple[Any, Any],
+        eval_data: tuple[Any, Any],
+        *,
+        sizes: Sequence[int] = (64, 128, 10),
+        lr: float = 5e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        batch_size: int = 32,
+        local_epochs: int = 1,
+        inner_steps: int | None = None,
+        keep_optimizer_state: bool = False,
+    ) -> None:
+        if len(sizes) < 2 or min(sizes) < 1:
+            raise ValueError(f"sizes must hold >= 2 positive widths, got {sizes}")
+        if batch_size < 1 or local_epochs < 1 or (inner_steps is not None and inner_steps < 1):
+            raise ValueError("batch_size, local_epochs and inner_steps must be >= 1")
+        self.sizes = tuple(int(s) for s in sizes)
+        self.lr, self.betas, self.eps = float(lr), (float(betas[0]), float(betas[1])), float(eps)
+        self.batch_size = batch_size
+        self.local_epochs = local_epochs
+        self.inner_steps = inner_steps
+        self.keep_optimizer_state = keep_optimizer_state
+        self.x_train = np.ascontiguousarray(train_data[0], dtype=np.float32)
+        self.y_train = np.ascontiguousarray(train_data[1], dtype=np.int64)
+        self.x_eval = np.ascontiguousarray(eval_data[0], dtype=np.float32)
+        self.y_eval = np.ascontiguousarray(eval_data[1], dtype=np.int64)
+        if len(self.x_train) != len(self.y_train) or len(self.x_eval) != len(self.y_eval):
+            raise ValueError("x and y of a dataset must have the same length")
+        if self.x_train.ndim != 2 or self.x_train.shape[1] != self.sizes[0]:
+            raise ValueError(f"x_train must be [n, {self.sizes[0]}], got {self.x_train.shape}")
+        self._layers = [(f"{2 * i}.weight", f"{2 * i}.bias") for i in range(len(self.sizes) - 1)]
+        shapes: dict[str, tuple[int, ...]] = {}
+        for (wn, bn), fan_in, fan_out in zip(self._layers, self.sizes, self.sizes[1:], strict=False):
+            shapes[wn], shapes[bn] = (fan_out, fan_in), (fan_out,)
+        self._schema: Schema = tuple((n, "float32", shapes[n]) for n in sorted(shapes))
+        # Working params and Adam moments: allocated once, reused by every train call.
+        self._w = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
+        self._m = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
+        self._v = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
+        self._saved: dict[Any, tuple[int, TensorDict, TensorDict]] = {}
+
+    # ---------------------------------------------------------------- interface
+
+    @property
+    def num_train(self) -> int:
+        """Number of training samples (valid lease indices are ``0 .. num_train - 1``)."""
+        return len(self.x_train)
+
+    @property
+    def train_labels(self) -> np.ndarray:
+        """The training labels (int64 ``[num_train]``; read-only view)."""
+        view = self.y_train.view()
+        view.flags.writeable = False
+        return view
+
+    def with_train_labels(self, y: Any) -> NumpyWorkload:
+        """A copy of this workload training on labels `y` (same length); used by label-flip attackers."""
+        y = np.ascontiguousarray(y, dtype=np.int64)
+        if y.shape != self.y_train.shape:
+            raise ValueError(f"labels must have shape {self.y_train.shape}, got {y.shape}")
+        other = NumpyWorkload.__new__(NumpyWorkload)
+        other.__dict__.update(self.__dict__)
+        other.y_train = y
+        other._w = {n: np.zeros_like(t) for n, t in self._w.items()}
+        other._m = {n: np.zeros_like(t) for n, t in self._m.items()}
+        other._v = {n: np.zeros_like(t) for n, t in self._v.items()}
+        other._saved = {}
+        return other
+
+    def schema(self) -> Schema:
+        """``((name, "float32", shape), ...)`` of the params, sorted by name."""
+        return self._schema
+
+    def initial_params(self, seed: int) -> TensorDict:
+        """PyTorch's default ``nn.Linear`` init (weights and biases uniform in ``±1/sqrt(fan_in)``) drawn
+        from ``np.random.default_rng(seed)``, layer by layer (weight then bias)."""
+        rng = np.random.default_rng(seed)
+        out: TensorDict = {}
+        for (wn, bn), fan_in, fan_out in zip(self._layers, self.sizes, self.sizes[1:], strict=False):
+            bound = 1.0 / math.sqrt(fan_in)
+            out[wn] = rng.uniform(-bound, bound, (fan_out, fan_in)).astype(np.float32)
+            out[bn] = rng.uniform(-bound, bound, fan_out).astype(np.float32)
+        return {n: out[n] for n in sorted(out)}
+
+    def train(
+        self,
+        params: TensorDict,
+        indices: Sequence[int],
+        seed: int,
+        *,
+        epochs: int | None = None,
+        inner_steps: int | None = None,
+        state_key: Any = None,
+    ) -> tuple[TensorDict, dict[str, float | int]]:
+        """Local training on the leased samples; returns ``(delta, metrics)``.
+
+        Runs `inner_steps` (argument, else the workload's) Adam steps, or else `epochs` (argument, else
+        `local_epochs`) passes, over ``indices`` in mini-batches of `batch_size`, reshuffled every pass by
+        ``np.random.default_rng(seed)``. Same (params, indices, seed, optimizer state) -> same bytes.
+
+        Returns ``delta = params - trained`` (float32, DiLoCo sign convention) and ``{"train_loss":
+        sample-weighted mean loss of the last pass (inner steps: of the last len(indices) samples seen),
+        "samples": len(indices)}``. Raises ValueError for an empty lease, out-of-range indices or params
+        of the wrong schema.
+        """
+        index = np.asarray(indices, dtype=np.int64)
+        if index.ndim != 1 or len(index) == 0:
+            raise ValueError("indices must be a non-empty sequence of ints")
+        if int(index.min()) < 0 or int(index.max()) >= self.num_train:
+            raise ValueError(f"indices must lie in [0, {self.num_train})")
+        if schema_of(params) != self._schema:
+            raise ValueError(f"params have schema {schema_of(params)}, expected {self._schema}")
+        steps = self.inner_steps if inner_steps is None else inner_steps
+        n_epochs = self.local_epochs if epochs is None else epochs
+        if (steps is not None and steps < 1) or n_epochs < 1:
+            raise ValueError("epochs and inner_steps must be >= 1")
+        for n, t in self._w.items():
+            np.copyto(t, params[n], casting="no")
+        t_step = self._restore_state(state_key)
+        rng = np.random.default_rng(seed)
+        n = len(index)
+        batches_per_pass = -(-n // self.batch_size)
+        total = steps if steps is not None else n_epochs * batches_per_pass
+        recent: list[tuple[float, int]] = []
+        order = index
+        for k in range(total):
+            pos = k % batches_per_pass
+            if pos == 0:
+                order = index[rng.permutation(n)]
+                recent = []
+            batch = order[pos * self.batch_size : (pos + 1) * self.batch_size]
+            t_step += 1
+            loss = self._step(self.x_train[batch], self.y_train[batch], t_step)
+            recent.append((loss, len(batch)))
+        if self.keep_optimizer_state:
+            self._saved[state_key] = (t_step, {k: v.copy() for k, v in self._m.items()},
+                                      {k: v.copy() for k, v in self._v.items()})
+        seen = sum(c for _, c in recent)
+        delta = {name: np.subtract(params[name], self._w[name], dtype=np.float32) for name, _, _ in self._schema}
+        return delta, {"train_loss": sum(loss * c for loss, c in recent) / seen, "samples": n}
+
+    def evaluate(self, params: TensorDict) -> dict[str, float]:
+        """``{"loss": mean cross-entropy, "accuracy": fraction of argmax == label}`` over the eval set."""
+        if schema_of(params) != self._schema:
+            raise ValueError(f"params have schema {schema_of(params)}, expected {self._schema}")
+        if len(self.x_eval) == 0:
+            return {"loss": math.nan, "accuracy": math.nan}
+        logits = self._forward(params, self.x_eval)[-1]
+        loss, _ = _softmax_xent(logits, self.y_eval, grad=False)
+        return {"loss": loss, "accuracy": float(np.mean(logits.argmax(axis=1) == self.y_eval))}
+
+    def reset_optimizer_state(self, state_key: Any = None) -> None:
+        """Forget the kept inner optimizer state of `state_key` (no-op if none)."""
+        self._saved.pop(state_key, None)
+
+    # ---------------------------------------------------------------- internals
+
+    def _restore_state(self, state_key: Any) -> int:
+        saved = self._saved.get(state_key) if self.keep_optimizer_state else None
+        if saved is None:
+            for t in (*self._m.values(), *self._v.values()):
+                t.fill(0.0)
+            return 0
+        step, m, v = saved
+        for k in self._m:
+            np.copyto(self._m[k], m[k])
+            np.copyto(self._v[k], v[k])
+        return step
+
+    def _forward(self, w: TensorDict, x: np.ndarray) -> list[np.ndarray]:
+        acts = [x]
+        last = len(self._layers) - 1
+        for i, (wn, bn) in enumerate(self._layers):
+            h = acts[-1] @ w[wn].T
+            h += w[bn]
+            if i < last:
+                np.maximum(h, 0.0, out=h)
+            acts.append(h)
+        return acts
+
+    def _step(self, x: np.ndarray, y: np.ndarray, t: int) -> float:
+        """One Adam step on a mini-batch (``torch.optim.Adam`` update rule, no weight decay)."""
+        w = self._w
+        acts = self._forward(w, x)
+        loss, g = _softmax_xent(acts[-1], y, grad=True)
+        b1, b2 = self.betas
+        c1, c2 = 1.0 - b1**t, 1.0 - b2**t
+        step_size = self.lr / c1
+        for i in range(len(self._layers) - 1, -1, -1):
+            wn, bn = self._layers[i]
+            grads = ((wn, g.T @ acts[i]), (bn, g.sum(axis=0)))
+            if i > 0:
+                g = g @ w[wn]
+                g *= acts[i] > 0  # ReLU'
+            for name, grad in grads:
+                m, v = self._m[name], self._v[name]
+                m *= b1
+                m += (1.0 - b1) * grad
+                v *= b2
+                v += (1.0 - b2) * grad * grad
+                denom = np.sqrt(v / c2)
+                denom += self.eps
+                w[name] -= step_size * m / denom
+        return loss
+
+
+def make_digits_numpy_workload(
+    seed: int = 0,
+    *,
+    local_epochs: int = 2,
+    inner_steps: int | None = None,
+    keep_optimizer_state: bool = False,
+    lr: float = 5e-3,
+    batch_size: int = 32,
+    hidden: int = 128,
+    test_fraction: float = 0.25,
+) -> NumpyWorkload:
+    """The bundled digits task in numpy: MLP 64-`hidden`-10 (``hidden=0``: softmax regression 64-10), Adam
+    (`lr`), cross-entropy; train/eval = `load_digits_split(seed, test_fraction)` (1347 / 450 samples). The
+    defaults mirror `peerloom.backends.torch.models.make_digits_workload` (same schema)."""
+    from peerloom.backends.datasets import load_digits_split
+
+    x_train, y_train, x_test, y_test = load_digits_split(seed, test_fraction)
+    sizes = (64, hidden, 10) if hidden else (64, 10)
+    return NumpyWorkload((x_train, y_train), (x_test, y_test), sizes=sizes, lr=lr, batch_size=batch_size,
+                         local_epochs=local_epochs, inner_steps=inner_steps,
+                         keep_optimizer_state=keep_optimizer_state)
