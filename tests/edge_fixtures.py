@@ -1,0 +1,59 @@
+"""Builders for the HTTP edge tests: a revision, certified heads signed by a real validator key, and an
+`InMemoryEdgeView` holding them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter
+
+from peerloom.adapters.edge_view import InMemoryEdgeView, PeerInfo
+from peerloom.core.encoding import content_id
+from peerloom.core.identity import Identity
+from peerloom.core.objects import PRECOMMIT, Head, QuorumCertificate, Revision, make_artifact_ref, sign_vote
+
+from .helpers import ident, make_revision
+
+VALIDATOR = ident(1)
+
+
+def certify(revision: Revision, head: Head, validators: tuple[Identity, ...] = (VALIDATOR,)) -> QuorumCertificate:
+    votes = {v.peer_id: sign_vote(v, revision.id, head.window, 0, PRECOMMIT, head.id).signature for v in validators}
+    return QuorumCertificate.from_votes(head.id, head.window, 0, votes)
+
+
+def next_head(revision: Revision, parent: Head, params: bytes, *, accuracy: float, loss: float,
+              chunk_size: int = 64 * 1024) -> Head:
+    ref = make_artifact_ref(params, chunk_size)
+    return Head(revision=revision.id, parent=parent.id, window=parent.window + 1, skipped=False, params=ref,
+                params_digest=ref.digest, cohort=(content_id(b"update %d" % parent.window),), roster=parent.roster,
+                quarantine=(), metrics={"test_accuracy": accuracy, "test_loss": loss})
+
+
+def make_view(tmp_path: Path, *, revision: Revision | None = None, genesis: bytes = b"genesis params",
+              trainers: tuple[Identity, ...] = (ident(10), ident(11))) -> InMemoryEdgeView:
+    revision = revision or make_revision(validators=(VALIDATOR,), trainers=trainers, genesis=genesis)
+    registry = CollectorRegistry()
+    Counter("peerloom_windows", "certified windows", registry=registry).inc(0)
+    view = InMemoryEdgeView(identity_peer=VALIDATOR.peer_id, revision=revision, registry=registry,
+                            artifacts_dir=tmp_path / "artifacts")
+    view.put_artifact(genesis)
+    for t in trainers:
+        view.add_peer(PeerInfo(peer_id=t.peer_id, roles=("trainer",), address="127.0.0.1:1", bytes_sent=1000,
+                               bytes_received=2000))
+    return view
+
+
+def advance(view: InMemoryEdgeView, n: int) -> list[Head]:
+    """Certify `n` more heads with made-up params and rising accuracy; returns them."""
+    heads = []
+    for _ in range(n):
+        parent = view.latest().head
+        w = parent.window + 1
+        params = b"params of window %d " % w * 100
+        view.put_artifact(params)
+        head = next_head(view.revision, parent, params, accuracy=0.5 + 0.04 * w, loss=2.0 / w)
+        view.promote(head, certify(view.revision, head), accepted=2, rejected=w % 2,
+                     bytes_sent=1000 * w, bytes_received=1500 * w, time=1.0e9 + w)
+        heads.append(head)
+    return heads
