@@ -2,22 +2,63 @@
 
 A workload name plus its seed must mean the same model, data split and shard contents on every peer,
 because leases name shards by number and sample weights come from the manifest's shard sizes.
+
+=============== ========================================================================================
+name            workload
+=============== ========================================================================================
+``digits-mlp``  `peerloom.backends.torch.models.make_digits_workload`: torch MLP 64-128-10 on digits
+``digits-numpy`` `peerloom.backends.numpy.workload.make_digits_numpy_workload`: the same model and schema
+                in pure numpy (peers without torch, the simulator, the robustness bench)
+``quadratic``   `peerloom.backends.synthetic.QuadraticWorkload`: noisy quadratic for 10,000-node
+                simulations; shards cut from its ``num_train`` (default 1,000,000) samples
+=============== ========================================================================================
+
+`options` are passed to the factory (e.g. ``local_epochs``, ``inner_steps``, ``keep_optimizer_state`` for
+the digits workloads; ``dim``, ``local_steps``, ``num_train`` for ``quadratic``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-WORKLOADS = ("digits-mlp",)
+WORKLOADS = ("digits-mlp", "digits-numpy", "quadratic")
+
+
+def _contiguous_shards(n: int, num_shards: int) -> list[list[int]]:
+    """``range(n)`` cut into `num_shards` contiguous near-equal ranges (the quadratic's samples are
+    exchangeable, so no permutation is needed)."""
+    if not 1 <= num_shards <= n:
+        raise ValueError(f"need 1 <= num_shards <= n, got num_shards={num_shards}, n={n}")
+    base, extra = divmod(n, num_shards)
+    out, start = [], 0
+    for s in range(num_shards):
+        size = base + (s < extra)
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
 
 
 def build_workload(name: str, seed: int, num_shards: int, **options: Any) -> tuple[Any, list[list[int]]]:
     """(workload, shard -> train sample indices) for a workload name. ValueError for unknown names."""
-    if name == "digits-mlp":
-        from .datasets import load_digits_split, shard_indices
-        from .torch.models import make_digits_workload
+    if name in ("digits-mlp", "digits-numpy"):
+        from .datasets import shard_indices
 
-        workload = make_digits_workload(seed=seed, **options)
-        num_train = len(load_digits_split(seed)[0])
-        return workload, shard_indices(num_train, num_shards, seed)
+        if name == "digits-mlp":
+            from .torch.models import make_digits_workload
+
+            workload: Any = make_digits_workload(seed=seed, **options)
+        else:
+            from .numpy.workload import make_digits_numpy_workload
+
+            workload = make_digits_numpy_workload(seed=seed, **options)
+        return workload, shard_indices(workload.num_train, num_shards, seed)
+    if name == "quadratic":
+        from .synthetic import QuadraticWorkload
+
+        workload = QuadraticWorkload(seed, **options)
+        # Shards of at most 64 samples each keep lease targets noisy (non-i.i.d.) and lists small.
+        if not 1 <= num_shards <= workload.num_train:
+            raise ValueError(f"need 1 <= num_shards <= {workload.num_train}, got {num_shards}")
+        per = min(64, workload.num_train // num_shards)
+        return workload, _contiguous_shards(per * num_shards, num_shards)
     raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")

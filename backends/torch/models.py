@@ -39,6 +39,8 @@ def make_digits_workload(
     seed: int = 0,
     *,
     local_epochs: int = DIGITS_LOCAL_EPOCHS,
+    inner_steps: int | None = None,
+    keep_optimizer_state: bool = False,
     lr: float = DIGITS_LR,
     batch_size: int = DIGITS_BATCH_SIZE,
     hidden: int = 128,
@@ -47,6 +49,7 @@ def make_digits_workload(
 ) -> TorchWorkload:
     """The bundled digits task: MLP 64-`hidden`-10, Adam(`lr`), cross-entropy, mini-batches of
     `batch_size`; train/eval = `load_digits_split(seed, test_fraction)` (1347 / 450 samples by default).
+    `inner_steps` / `keep_optimizer_state`: DiLoCo inner steps and kept Adam state (see `TorchWorkload`).
     """
     x_train, y_train, x_test, y_test = load_digits_split(seed, test_fraction)
 
@@ -61,6 +64,8 @@ def make_digits_workload(
         (x_test, y_test),
         batch_size=batch_size,
         local_epochs=local_epochs,
+        inner_steps=inner_steps,
+        keep_optimizer_state=keep_optimizer_state,
         num_threads=num_threads,
     )
 

@@ -9,6 +9,7 @@ loaded into it in place with ``copy_``, never reallocated.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -56,6 +57,10 @@ class TorchWorkload:
         eval_data: ``(x, y)`` for `evaluate`. Accuracy assumes class logits ``[n, C]`` and integer labels.
         batch_size: inner mini-batch size (samples).
         local_epochs: passes over the leased samples per `train` call (FedAvg's E).
+        inner_steps: DiLoCo's H — optimizer steps per `train` call (mini-batches cycle through reshuffled
+            passes of the lease); overrides `local_epochs` when given (Douillard et al., arXiv 2311.08105).
+        keep_optimizer_state: keep the inner optimizer's state (e.g. Adam moments) from one `train` call to
+            the next under the same ``state_key`` (DiLoCo keeps it across windows); default: fresh per call.
         eval_batch_size: batch size for `evaluate` (memory only; does not change results beyond float
             summation order).
         num_threads: if given, calls `set_num_threads` (process-wide) at construction.
@@ -75,11 +80,15 @@ class TorchWorkload:
         *,
         batch_size: int = 32,
         local_epochs: int = 1,
+        inner_steps: int | None = None,
+        keep_optimizer_state: bool = False,
         eval_batch_size: int = 1024,
         num_threads: int | None = None,
     ) -> None:
         if batch_size < 1 or local_epochs < 1 or eval_batch_size < 1:
             raise ValueError("batch_size, local_epochs and eval_batch_size must be >= 1")
+        if inner_steps is not None and inner_steps < 1:
+            raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
         if num_threads is not None:
             set_num_threads(num_threads)
         self.model_factory = model_factory
@@ -87,6 +96,9 @@ class TorchWorkload:
         self.loss_fn = loss_fn
         self.batch_size = batch_size
         self.local_epochs = local_epochs
+        self.inner_steps = inner_steps
+        self.keep_optimizer_state = keep_optimizer_state
+        self._saved_optimizers: dict[Any, dict[str, Any]] = {}
         self.eval_batch_size = eval_batch_size
         self.x_train = _as_tensor(train_data[0])
         self.y_train = _as_tensor(train_data[1])
@@ -110,6 +122,28 @@ class TorchWorkload:
     def num_train(self) -> int:
         """Number of training samples (valid lease indices are ``0 .. num_train - 1``)."""
         return len(self.x_train)
+
+    @property
+    def train_labels(self) -> np.ndarray:
+        """The training targets as a numpy array (a copy)."""
+        return self.y_train.numpy().copy()
+
+    def with_train_labels(self, y: Any) -> TorchWorkload:
+        """A copy of this workload training on targets `y` (same length; used by label-flip attackers). It
+        shares this workload's model object (params are loaded in place before every use) but keeps its own
+        optimizer state."""
+        labels = _as_tensor(y, self.y_train.dtype)
+        if labels.shape != self.y_train.shape:
+            raise ValueError(f"labels must have shape {tuple(self.y_train.shape)}, got {tuple(labels.shape)}")
+        other = TorchWorkload.__new__(TorchWorkload)
+        other.__dict__.update(self.__dict__)
+        other.y_train = labels
+        other._saved_optimizers = {}
+        return other
+
+    def reset_optimizer_state(self, state_key: Any = None) -> None:
+        """Forget the kept inner optimizer state of `state_key` (no-op if none)."""
+        self._saved_optimizers.pop(state_key, None)
 
     def schema(self) -> Schema:
         """``((name, "float32", shape), ...)`` of the params, sorted by name."""
@@ -137,23 +171,35 @@ class TorchWorkload:
         return {n: t.numpy().copy() for n, t in self._state.items()}
 
     def train(
-        self, params: TensorDict, indices: Sequence[int], seed: int, *, epochs: int | None = None
+        self,
+        params: TensorDict,
+        indices: Sequence[int],
+        seed: int,
+        *,
+        epochs: int | None = None,
+        inner_steps: int | None = None,
+        state_key: Any = None,
     ) -> tuple[TensorDict, dict[str, float | int]]:
         """Local training on the leased samples; returns ``(delta, metrics)``.
 
-        Loads `params` (copied in place), builds a fresh inner optimizer, and runs `local_epochs` (or
-        `epochs`) passes over ``indices`` in mini-batches of `batch_size`, reshuffled every epoch by a
-        ``torch.Generator`` seeded with `seed`; the global torch RNG (dropout etc.) is forked and seeded
-        with `seed` too, so the same (params, indices, seed) gives the same bytes in one process.
+        Loads `params` (copied in place) and runs either `inner_steps` optimizer steps (argument, else the
+        workload's; DiLoCo's H) or `local_epochs` (or `epochs`) passes (FedAvg's E) over ``indices`` in
+        mini-batches of `batch_size`, reshuffled every pass by a ``torch.Generator`` seeded with `seed`; the
+        global torch RNG (dropout etc.) is forked and seeded with `seed` too, so the same (params, indices,
+        seed, kept optimizer state) gives the same bytes in one process. The inner optimizer is fresh, or,
+        with ``keep_optimizer_state``, restored from the state this workload saved for `state_key` at the
+        end of its previous call (the host passes one key per trainer when one workload serves several).
 
         Returns the pseudo-gradient ``delta = params_before - params_after`` (numpy float32, same schema;
         DiLoCo sign convention, arXiv 2311.08105, so the outer step is ``params - lr * mean(delta)``) and
-        ``{"train_loss": sample-weighted mean loss of the last epoch, "samples": len(indices)}``.
+        ``{"train_loss": sample-weighted mean loss of the last pass (inner steps: of the batches since the
+        last reshuffle), "samples": len(indices)}``.
         Raises ValueError for an empty lease, out-of-range indices or params of the wrong schema.
         """
+        steps = self.inner_steps if inner_steps is None else inner_steps
         n_epochs = self.local_epochs if epochs is None else epochs
-        if n_epochs < 1:
-            raise ValueError(f"epochs must be >= 1, got {n_epochs}")
+        if n_epochs < 1 or (steps is not None and steps < 1):
+            raise ValueError(f"epochs and inner_steps must be >= 1, got {n_epochs}, {steps}")
         index = torch.as_tensor(np.asarray(indices, dtype=np.int64))
         if index.ndim != 1 or len(index) == 0:
             raise ValueError("indices must be a non-empty sequence of ints")
@@ -163,24 +209,35 @@ class TorchWorkload:
         model = self.model
         model.train()
         optimizer = self.optimizer_factory(model.parameters())
+        saved = self._saved_optimizers.get(state_key) if self.keep_optimizer_state else None
+        if saved is not None:
+            optimizer.load_state_dict(saved)
         generator = torch.Generator().manual_seed(seed)
-        loss_sum = 0.0
+        n = len(index)
+        per_pass = -(-n // self.batch_size)
+        total = steps if steps is not None else n_epochs * per_pass
+        loss_sum, seen = 0.0, 0
+        order = index
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            for _ in range(n_epochs):
-                loss_sum = 0.0
-                order = index[torch.randperm(len(index), generator=generator)]
-                for start in range(0, len(order), self.batch_size):
-                    batch = order[start : start + self.batch_size]
-                    optimizer.zero_grad(set_to_none=True)
-                    loss = self.loss_fn(model(self.x_train[batch]), self.y_train[batch])
-                    loss.backward()
-                    optimizer.step()
-                    loss_sum += float(loss.detach()) * len(batch)
+            for k in range(total):
+                pos = k % per_pass
+                if pos == 0:
+                    order = index[torch.randperm(n, generator=generator)]
+                    loss_sum, seen = 0.0, 0
+                batch = order[pos * self.batch_size : (pos + 1) * self.batch_size]
+                optimizer.zero_grad(set_to_none=True)
+                loss = self.loss_fn(model(self.x_train[batch]), self.y_train[batch])
+                loss.backward()
+                optimizer.step()
+                loss_sum += float(loss.detach()) * len(batch)
+                seen += len(batch)
+        if self.keep_optimizer_state:
+            self._saved_optimizers[state_key] = copy.deepcopy(optimizer.state_dict())
         delta = {
             name: np.subtract(params[name], tensor.numpy(), dtype=np.float32) for name, tensor in self._state.items()
         }
-        return delta, {"train_loss": loss_sum / len(index), "samples": len(index)}
+        return delta, {"train_loss": loss_sum / seen, "samples": n}
 
     @torch.no_grad()
     def evaluate(self, params: TensorDict) -> dict[str, float]:
