@@ -1,0 +1,306 @@
+"""Adversaries as named behaviours (DESIGN §7, spec/simulator.md §6).
+
+Each behaviour wraps a real engine from the outside: it rewrites the node's compute results (a trainer's
+delta, a reducer's aggregate), filters or forges what the node sends (votes, proposals, announcements
+signed with the node's own key), or injects messages when a head arrives. Core is never patched, so
+what the simulator shows is what honest peers running the real engine do against these attacks.
+
+Trainer attacks that change the update use `peerloom.backends.attacks.craft_update` (one shared
+definition with the robustness bench); the references an attack may read are the honest deltas the
+simulator saw trained in the same window (the omniscient colluding setting of ALIE / IPM).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+
+from peerloom.backends import attacks
+from peerloom.backends.numpy.tensors import from_safetensors, tensor_digest, to_safetensors
+from peerloom.core.envelope import SignedEnvelope
+from peerloom.core.leases import lease_weight, leases_of
+from peerloom.core.messages import Signed, decode_message, encode_message
+from peerloom.core.objects import (
+    PROTOCOL_VERSION,
+    VOTE_KIND,
+    Head,
+    HeadProposal,
+    UpdateAnnouncement,
+    seal,
+    sign_vote,
+)
+
+from .kernel import Behaviour, derive_seed
+
+if TYPE_CHECKING:
+    from .kernel import SimNode, Simulation
+
+TRAINER_BEHAVIOURS = (*attacks.ATTACKS, "replay", "lease-squatting", "sybil")
+REDUCER_BEHAVIOURS = ("wrong-aggregate", "silent")
+VALIDATOR_BEHAVIOURS = ("equivocation", "vote-withholding", "late-votes")
+BEHAVIOURS = TRAINER_BEHAVIOURS + REDUCER_BEHAVIOURS + VALIDATOR_BEHAVIOURS
+MAX_REFERENCES = 32
+
+
+def _signed_kind(data: bytes) -> tuple[str, SignedEnvelope | None]:
+    """('signed', envelope) for a Signed message, (message kind, None) otherwise. Cheap pre-check first."""
+    if b"signed" not in data[:16]:
+        return "", None
+    message = decode_message(data, max_bytes=1 << 24)
+    return ("signed", message.envelope) if isinstance(message, Signed) else ("", None)
+
+
+class ModelAttack(Behaviour):
+    """A trainer that sends `craft_update(attack, honest, references, rng, **params)` instead of its delta."""
+
+    byzantine = True
+
+    def __init__(self, attack: str, **params: Any) -> None:
+        if attack not in attacks.ATTACKS:
+            raise ValueError(f"unknown attack {attack!r}")
+        self.name = attack
+        self.params = params
+        self.previous: dict[str, np.ndarray] | None = None
+
+    def attach(self, sim: Simulation, node: SimNode) -> None:
+        sim.keep_honest_deltas = True
+        if self.name in attacks.DATA_ATTACKS:
+            if not hasattr(sim.workload, "x_train"):
+                raise ValueError("label-flip needs a classification workload (digits), not the synthetic one")
+            node.executor.workload = attacks.label_flipped(sim.workload)
+
+    def on_task(self, sim: Simulation, node: SimNode, kind: str, args: dict[str, Any],
+                result: dict[str, Any]) -> dict[str, Any]:
+        if kind != "train":
+            return result
+        window = int(args.get("window", 0))
+        honest = from_safetensors(node.disk.get(result["delta"].digest))
+        refs = [from_safetensors(sim.honest_delta_bytes(entry))
+                for entry in sim.honest_deltas.get(window, [])[:MAX_REFERENCES]]
+        rng = np.random.default_rng(derive_seed(sim.seed, f"adversary/{node.name}/{window}"))
+        params = dict(self.params)
+        if self.name == "free-rider":
+            params.setdefault("previous", self.previous)
+        crafted = attacks.craft_update(self.name, honest, refs, rng, **params)
+        self.previous = honest
+        ref = node.disk.put(to_safetensors(crafted))
+        return dict(result, delta=ref, delta_digest=tensor_digest(crafted))
+
+
+class Replay(Behaviour):
+    """A trainer that trains once and then re-sends that first delta in every later window."""
+
+    name = "replay"
+    byzantine = True
+
+    def __init__(self) -> None:
+        self.first: dict[str, Any] | None = None
+
+    def on_task(self, sim: Simulation, node: SimNode, kind: str, args: dict[str, Any],
+                result: dict[str, Any]) -> dict[str, Any]:
+        if kind != "train":
+            return result
+        if self.first is None:
+            self.first = result
+            return result
+        return dict(result, delta=self.first["delta"], delta_digest=self.first["delta_digest"])
+
+
+class LeaseSquatting(Behaviour):
+    """A trainer that, every window, also announces an update for a shard leased to someone else."""
+
+    name = "lease-squatting"
+    byzantine = True
+
+    def on_head(self, sim: Simulation, node: SimNode, head: Head) -> None:
+        leases = leases_of(head, sim.manifest)
+        mine = set(leases.get(node.peer_id, ()))
+        others = sorted(s for shards in leases.values() for s in shards if s not in mine)
+        if not others:
+            return
+        shard = others[(head.window * 7919) % len(others)]
+        delta = {n: np.zeros(shape, dtype=dtype) for n, dtype, shape in sim.manifest.schema}
+        ref = node.disk.put(to_safetensors(delta))
+        ann = UpdateAnnouncement(revision=sim.revision.id, window=head.window + 1, base=head.id, shards=(shard,),
+                                 delta=ref, delta_digest=tensor_digest(delta), train_loss=0.0)
+        envelope = seal(node.identity, ann)
+        sim.register_update(envelope)
+        sim.record(node.name, "adversary", behaviour=self.name, window=head.window + 1, shard=shard)
+        data = encode_message(Signed(envelope=envelope))
+        for other in sim.links_of(node.name):
+            if sim.nodes[other].role in ("validator", "reducer"):
+                sim.send(node.name, other, data)
+        if node.engine is not None:
+            node.engine.note_stored(ref)
+
+
+class Sybil(Behaviour):
+    """One of many fresh identities that join the roster at once and free-ride (zero updates)."""
+
+    name = "sybil"
+    byzantine = True
+
+    def on_task(self, sim: Simulation, node: SimNode, kind: str, args: dict[str, Any],
+                result: dict[str, Any]) -> dict[str, Any]:
+        if kind != "train":
+            return result
+        delta = {n: np.zeros(shape, dtype=dtype) for n, dtype, shape in sim.manifest.schema}
+        return dict(result, delta=node.disk.put(to_safetensors(delta)), delta_digest=tensor_digest(delta))
+
+
+class WrongAggregate(Behaviour):
+    """A reducer whose proposed aggregate is off by `offset` in every coordinate (still well-formed)."""
+
+    name = "wrong-aggregate"
+    byzantine = True
+
+    def __init__(self, offset: float = 1.0) -> None:
+        self.offset = offset
+
+    def on_task(self, sim: Simulation, node: SimNode, kind: str, args: dict[str, Any],
+                result: dict[str, Any]) -> dict[str, Any]:
+        if kind != "reduce":
+            return result
+        params = from_safetensors(node.disk.get(result["params"].digest))
+        bad = {n: (t + np.asarray(self.offset, t.dtype)).astype(t.dtype) for n, t in params.items()}
+        return dict(result, params=node.disk.put(to_safetensors(bad)), params_digest=tensor_digest(bad))
+
+
+class SilentReducer(Behaviour):
+    """A reducer that never sends its proposal (the missing-aggregate case)."""
+
+    name = "silent"
+    byzantine = True
+
+    def on_send(self, sim: Simulation, node: SimNode, dst: str, data: bytes) -> list[tuple[float, bytes]]:
+        _, envelope = _signed_kind(data)
+        if envelope is not None and envelope.kind == "proposal":
+            return []
+        return [(0.0, data)]
+
+
+class VoteWithholding(Behaviour):
+    """A validator that never sends its votes or head proposals (it still receives and computes)."""
+
+    name = "vote-withholding"
+    byzantine = True
+
+    def on_send(self, sim: Simulation, node: SimNode, dst: str, data: bytes) -> list[tuple[float, bytes]]:
+        _, envelope = _signed_kind(data)
+        if envelope is not None and envelope.kind in (VOTE_KIND, "head-proposal"):
+            return []
+        return [(0.0, data)]
+
+
+class LateVotes(Behaviour):
+    """A validator whose votes leave `delay_s` late (slow or deliberately lagging)."""
+
+    name = "late-votes"
+    byzantine = True
+
+    def __init__(self, delay_s: float = 3.0) -> None:
+        self.delay_s = delay_s
+
+    def on_send(self, sim: Simulation, node: SimNode, dst: str, data: bytes) -> list[tuple[float, bytes]]:
+        _, envelope = _signed_kind(data)
+        if envelope is not None and envelope.kind == VOTE_KIND:
+            return [(self.delay_s, data)]
+        return [(0.0, data)]
+
+
+class Equivocation(Behaviour):
+    """A validator that signs two different things for one slot and shows each half of the honest
+    validators a different one (the classic fork attempt against a BFT protocol):
+
+    - as the round's proposer it proposes its head A to one half and a *different valid* head B (the same
+      cohort less its last update, honestly reduced and evaluated, so B passes recomputation) to the other;
+    - every non-nil vote for A goes to the second half as a vote for B (or for nil when there is no B).
+
+    Every equivocating validator shares the forks it built, so two of them collude. With f < n/3 of them
+    Tendermint stays safe (no half can reach a quorum alone); with more, two final heads appear.
+    `byzantine=False` counts the node as honest: the "broken engine" variant the safety checker must
+    catch (spec/simulator.md §7).
+    """
+
+    name = "equivocation"
+
+    def __init__(self, *, byzantine: bool = True) -> None:
+        self.byzantine = byzantine
+
+    def _second_half(self, sim: Simulation, node: SimNode) -> list[str]:
+        honest = sorted(n for n in sim.links_of(node.name)
+                        if sim.nodes[n].role == "validator" and not isinstance(sim.nodes[n].behaviour, Equivocation))
+        return honest[len(honest) // 2:]
+
+    def on_send(self, sim: Simulation, node: SimNode, dst: str, data: bytes) -> list[tuple[float, bytes]]:
+        _, envelope = _signed_kind(data)
+        if envelope is None or envelope.kind not in (VOTE_KIND, HeadProposal.KIND) or \
+                dst not in self._second_half(sim, node):
+            return [(0.0, data)]
+        forks: dict[bytes, tuple[Head, tuple[SignedEnvelope, ...]]] = sim.__dict__.setdefault("forks", {})
+        if envelope.kind == HeadProposal.KIND:
+            proposal = HeadProposal.from_cbor(envelope.open(HeadProposal.KIND, PROTOCOL_VERSION))
+            fork = forks.get(proposal.head.id) or self._fork(sim, node, proposal)
+            if fork is None:
+                return [(0.0, data)]
+            forks[proposal.head.id] = fork
+            other = seal(node.identity, attrs.evolve(proposal, head=fork[0], updates=fork[1], valid_round=None))
+            sim.record(node.name, "adversary", behaviour=self.name, window=proposal.window, to=dst, fork=True)
+            return [(0.0, encode_message(Signed(envelope=other)))]
+        body = envelope.open(VOTE_KIND, PROTOCOL_VERSION)
+        if body["head"] is None:
+            return [(0.0, data)]
+        fork = forks.get(body["head"])
+        head_id = fork[0].id if fork is not None else None
+        vote = sign_vote(node.identity, body["revision"], body["window"], body["round"], body["step"], head_id)
+        return [(0.0, encode_message(Signed(envelope=vote)))]
+
+    def _fork(self, sim: Simulation, node: SimNode,
+              proposal: HeadProposal) -> tuple[Head, tuple[SignedEnvelope, ...]] | None:
+        """A second valid head for the proposal's window: its cohort less the last update."""
+        head, m = proposal.head, sim.manifest
+        engine = node.engine
+        if head.skipped or len(proposal.updates) <= m.min_updates or engine is None or engine.head.id != head.parent:
+            return None
+        updates = tuple(sorted(proposal.updates, key=lambda u: u.id))[:-1]
+        anns = [UpdateAnnouncement.from_cbor(u.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION)) for u in updates]
+        args = {"params": engine.head.params, "deltas": tuple(a.delta for a in anns),
+                "weights": tuple(lease_weight(m, a.shards) for a in anns), "rule": m.aggregation,
+                "outer_optimizer": m.outer_optimizer, "outer_lr": m.outer_lr}
+        try:
+            reduced = node.executor.run("reduce", args)
+            metrics = node.executor.run("evaluate", {"params": reduced["params"]})
+        except (KeyError, ValueError):
+            return None
+        engine.note_stored(reduced["params"])
+        other = attrs.evolve(head, cohort=tuple(u.id for u in updates), params=reduced["params"],
+                             params_digest=reduced["params_digest"],
+                             metrics={"test_loss": float(metrics["loss"]), "test_accuracy": float(metrics["accuracy"]),
+                                      "train_loss": float(sum(a.train_loss for a in anns) / len(anns))})
+        return other, updates
+
+
+def make_behaviour(name: str, **params: Any) -> Behaviour:
+    """The behaviour named `name` (one of BEHAVIOURS) with its parameters. ValueError if unknown."""
+    if name in attacks.ATTACKS:
+        return ModelAttack(name, **params)
+    simple: dict[str, Any] = {
+        "replay": Replay, "lease-squatting": LeaseSquatting, "sybil": Sybil, "wrong-aggregate": WrongAggregate,
+        "silent": SilentReducer, "equivocation": Equivocation, "vote-withholding": VoteWithholding,
+        "late-votes": LateVotes,
+    }
+    if name not in simple:
+        raise ValueError(f"unknown behaviour {name!r}; known: {', '.join(BEHAVIOURS)}")
+    return simple[name](**params)
+
+
+def role_of_behaviour(name: str) -> str:
+    if name in TRAINER_BEHAVIOURS:
+        return "trainer"
+    if name in REDUCER_BEHAVIOURS:
+        return "reducer"
+    if name in VALIDATOR_BEHAVIOURS:
+        return "validator"
+    raise ValueError(f"unknown behaviour {name!r}")

@@ -1,0 +1,198 @@
+"""Invariant checkers, run continuously while a simulation runs (DESIGN §7, spec/simulator.md §7).
+
+Safety (checked on every head an honest node promotes):
+
+- ``one-final-head``: at most one certified head per window across honest nodes, and each carries a
+  quorum certificate that verifies against the manifest's validator set.
+- ``prefix-consistent``: honest final chains agree: every final head's parent is the final head of the
+  window before it.
+- ``valid-leases``: every update in a final head's cohort was announced for that window, on that head's
+  parent, for exactly the shards the signer leased from the parent (`leases_of`).
+- ``no-quarantined-cohort``: no cohort slot and no lease for a peer in the parent's quarantine set
+  (trivially true while heads carry no quarantine).
+
+Liveness (checked as virtual time passes): ``liveness``: once the faults end (`heal_at`), honest
+validators certify at least `min_windows` new windows within `bound_s` seconds.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from peerloom.core.errors import VerificationError
+from peerloom.core.identity import PeerId
+from peerloom.core.objects import Head, QuorumCertificate
+
+if TYPE_CHECKING:
+    from .kernel import SimNode, Simulation
+
+
+@attrs.define
+class Verdict:
+    ok: bool = True
+    detail: str = ""
+    checked: int = 0
+
+    def fail(self, detail: str) -> None:
+        if self.ok:
+            self.ok, self.detail = False, detail
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "detail": self.detail or f"{self.checked} checks passed"}
+
+
+class Checkers:
+    """All invariants over one simulation. Register with `sim.observers.append(checkers)`."""
+
+    SAFETY = ("one-final-head", "prefix-consistent", "valid-leases", "no-quarantined-cohort")
+
+    def __init__(self, *, heal_at: float | None = None, bound_s: float | None = None, min_windows: int = 1,
+                 stop_on_violation: bool = True) -> None:
+        self.verdicts = {name: Verdict() for name in (*self.SAFETY, "liveness")}
+        self.final: dict[int, Head] = {}  # window -> the final head
+        self.final_at: dict[int, float] = {}
+        self.by_id: dict[bytes, Head] = {}
+        self.verified: set[bytes] = set()
+        self.checked_cohorts: set[bytes] = set()
+        self.heal_at = heal_at
+        self.bound_s = bound_s
+        self.min_windows = min_windows
+        self.stop_on_violation = stop_on_violation
+        self.height_at_heal: int | None = None
+        self.quarantine_seen = False
+        self.first_violation: tuple[float, str, str] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return all(v.ok for v in self.verdicts.values())
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        out = {name: v.as_dict() for name, v in self.verdicts.items()}
+        if self.verdicts["no-quarantined-cohort"].ok and not self.quarantine_seen:
+            out["no-quarantined-cohort"]["detail"] += " (no head carried a quarantine set)"
+        if self.heal_at is None:
+            out["liveness"]["detail"] = "not checked (scenario has no liveness phase)"
+        return out
+
+    def _fail(self, sim: Simulation, name: str, detail: str) -> None:
+        verdict = self.verdicts[name]
+        if verdict.ok:
+            verdict.fail(detail)
+            sim.record("", "violation", invariant=name, detail=detail)
+            if self.first_violation is None:
+                self.first_violation = (sim.now, name, detail)
+        if self.stop_on_violation:
+            sim.stopped = True
+
+    # --- safety ------------------------------------------------------------------------------------
+
+    def on_head(self, sim: Simulation, node: SimNode, head: Head, cert: QuorumCertificate) -> None:
+        if not node.honest or head.window == 0:
+            return
+        one = self.verdicts["one-final-head"]
+        one.checked += 1
+        if head.id not in self.verified:
+            try:
+                cert.verify(sim.revision, head)
+            except VerificationError as exc:
+                self._fail(sim, "one-final-head", f"{node.name} promoted window {head.window} with a bad "
+                                                  f"certificate: {exc.reason}")
+                return
+            self.verified.add(head.id)
+        known = self.final.get(head.window)
+        if known is None:
+            self.final[head.window] = head
+            self.final_at[head.window] = sim.now
+            self.by_id[head.id] = head
+        elif known.id != head.id:
+            self._fail(sim, "one-final-head", f"window {head.window}: two final heads {known.id.hex()[:16]} and "
+                                              f"{head.id.hex()[:16]} (second at {node.name})")
+            return
+        self._check_prefix(sim, head)
+        self._check_cohort(sim, head)
+
+    def _check_prefix(self, sim: Simulation, head: Head) -> None:
+        verdict = self.verdicts["prefix-consistent"]
+        verdict.checked += 1
+        expected = sim.revision.genesis().id if head.window == 1 else None
+        parent = self.final.get(head.window - 1)
+        if parent is not None:
+            expected = parent.id
+        if expected is not None and head.parent != expected:
+            self._fail(sim, "prefix-consistent", f"window {head.window}: parent {head.parent!r:.20} is not the "
+                                                 f"final head of window {head.window - 1}")
+        child = self.final.get(head.window + 1)
+        if child is not None and child.parent != head.id:
+            self._fail(sim, "prefix-consistent", f"window {head.window + 1} does not extend window {head.window}")
+
+    def _parent_head(self, sim: Simulation, head: Head) -> Head | None:
+        if head.window == 1:
+            return sim.revision.genesis()
+        parent = self.final.get(head.window - 1)
+        return parent if parent is not None and parent.id == head.parent else None
+
+    def _check_cohort(self, sim: Simulation, head: Head) -> None:
+        if head.id in self.checked_cohorts:
+            return
+        parent = self._parent_head(sim, head)
+        if parent is None:
+            return  # checked when the parent is known (a node jumped ahead); rare and re-tried below
+        self.checked_cohorts.add(head.id)
+        if head.quarantine or parent.quarantine:
+            self.quarantine_seen = True
+        leases = sim.leases(parent)
+        quarantined: set[PeerId] = set(parent.quarantine)
+        lease_v, quar_v = self.verdicts["valid-leases"], self.verdicts["no-quarantined-cohort"]
+        for peer in leases:
+            quar_v.checked += 1
+            if peer in quarantined:
+                self._fail(sim, "no-quarantined-cohort", f"window {head.window}: quarantined {peer} holds a lease")
+        for update_id in head.cohort:
+            lease_v.checked += 1
+            known = sim.updates.get(update_id)
+            if known is None:
+                self._fail(sim, "valid-leases", f"window {head.window}: cohort update {update_id.hex()[:16]} was "
+                                                "never announced")
+                continue
+            signer, ann = known
+            if signer in quarantined:
+                self._fail(sim, "no-quarantined-cohort", f"window {head.window}: update of quarantined {signer}")
+            if ann.window != head.window or ann.base != parent.id or leases.get(signer) != ann.shards:
+                self._fail(sim, "valid-leases", f"window {head.window}: update {update_id.hex()[:16]} of {signer} "
+                                                f"for shards {list(ann.shards)} has no valid lease")
+        child = self.final.get(head.window + 1)
+        if child is not None:
+            self._check_cohort(sim, child)
+
+    # --- liveness ----------------------------------------------------------------------------------
+
+    def height(self) -> int:
+        return max(self.final, default=0)
+
+    def on_tick(self, sim: Simulation) -> None:
+        if self.heal_at is None or self.bound_s is None or sim.now < self.heal_at:
+            return
+        if self.height_at_heal is None:
+            self.height_at_heal = self.height()
+        verdict = self.verdicts["liveness"]
+        if verdict.ok and not verdict.checked and sim.now > self.heal_at + self.bound_s:
+            verdict.checked = 1
+            progressed = self.height() - self.height_at_heal
+            if progressed < self.min_windows:
+                self._fail(sim, "liveness", f"{progressed} window(s) certified within {self.bound_s} s after the "
+                                            f"heal at {self.heal_at} s (need {self.min_windows})")
+
+    def finish(self, sim: Simulation) -> None:
+        """End of run: a liveness bound that the run did not reach is judged on what happened."""
+        verdict = self.verdicts["liveness"]
+        if self.heal_at is None or self.bound_s is None or verdict.checked or not verdict.ok:
+            return
+        if self.height_at_heal is None:
+            self.height_at_heal = self.height()
+        progressed = self.height() - self.height_at_heal
+        if progressed >= self.min_windows:
+            verdict.checked = 1
+        elif sim.now >= self.heal_at + self.bound_s:
+            self._fail(sim, "liveness", f"{progressed} window(s) certified after the heal (need {self.min_windows})")

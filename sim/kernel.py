@@ -1,0 +1,562 @@
+"""The simulation kernel: real engines on a virtual clock over a modelled network (DESIGN §7,
+spec/simulator.md §2).
+
+One event heap ordered by (time, sequence): the sequence number is the deterministic tie-break, so two
+events at the same virtual time run in the order they were scheduled. One master seed derives a
+separate `random.Random` per subsystem (network, churn, compute, adversaries) and per engine, so adding
+a fault does not shift the randomness of the network, and the same seed replays the same run exactly.
+
+The kernel executes every effect of every engine: `Send` goes through the `Network` model, `Persist`
+goes to the node's `SimDisk` and is fed back as `Persisted` only after the modelled fsync time (a crash
+in between loses it), `RunTask` runs the real compute synchronously and reports back after a modelled
+duration on the node's single compute queue. Faults (partitions, clogging, crashes, joins, leaves) are
+scheduled actions on the same heap. No wall clock is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import random
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from typing import IO, Any
+
+import attrs
+
+from peerloom.adapters.compute import ComputeExecutor
+from peerloom.adapters.host import apply_storage_effect, chunk_message
+from peerloom.core import collector as _collector
+from peerloom.core import effects as fx
+from peerloom.core import events as ev
+from peerloom.core import trainer as _trainer
+from peerloom.core.engine import Engine, EngineConfig
+from peerloom.core.identity import Identity, PeerId
+from peerloom.core.leases import leases_of
+from peerloom.core.objects import PROTOCOL_VERSION, Head, QuorumCertificate, Revision, UpdateAnnouncement
+
+from .disk import SimDisk
+from .network import LinkSpec, Network
+
+SUBSYSTEMS = ("network", "churn", "compute", "adversaries")
+DEFAULT_TASK_S = {"train": 0.5, "screen": 0.01, "reduce": 0.05, "evaluate": 0.05}
+
+
+def derive_seed(master: int, name: str) -> int:
+    """A 64-bit seed for one subsystem (or node) from the master seed: SHA-256(master, name)."""
+    return int.from_bytes(hashlib.sha256(f"peerloom-sim/{master}/{name}".encode()).digest()[:8], "big")
+
+
+def sim_identity(seed: int, name: str) -> Identity:
+    """A node's Ed25519 identity, derived from the master seed and its name (reproducible)."""
+    return Identity(hashlib.sha256(f"peerloom-sim-identity/{seed}/{name}".encode()).digest())
+
+
+class Trace:
+    """JSONL trace: one canonical JSON object per line (sorted keys); the SHA-256 covers every byte."""
+
+    def __init__(self, out: IO[str] | None = None, *, level: str = "log") -> None:
+        if level not in ("log", "heads"):
+            raise ValueError("trace level is 'log' or 'heads'")
+        self.out = out
+        self.level = level
+        self.lines = 0
+        self._sha = hashlib.sha256()
+
+    def emit(self, t: float, node: str, kind: str, fields: Mapping[str, Any]) -> None:
+        line = json.dumps({"t": round(t, 9), "node": node, "kind": kind, **fields}, sort_keys=True,
+                          separators=(",", ":"), default=str) + "\n"
+        self._sha.update(line.encode())
+        self.lines += 1
+        if self.out is not None:
+            self.out.write(line)
+
+    def sha256(self) -> str:
+        return self._sha.hexdigest()
+
+
+class Behaviour:
+    """A named node behaviour (honest by default). Adversaries override the hooks (sim/adversary.py)."""
+
+    name = "honest"
+    byzantine = False
+
+    def attach(self, sim: Simulation, node: SimNode) -> None:
+        """Called once when the node is added (e.g. to swap its workload)."""
+
+    def on_task(self, sim: Simulation, node: SimNode, kind: str, args: dict[str, Any],
+                result: dict[str, Any]) -> dict[str, Any]:
+        return result
+
+    def on_send(self, sim: Simulation, node: SimNode, dst: str, data: bytes) -> list[tuple[float, bytes]]:
+        """What actually leaves the node for one `Send`: (extra delay in s, bytes) pairs; [] drops it."""
+        return [(0.0, data)]
+
+    def on_head(self, sim: Simulation, node: SimNode, head: Head) -> None:
+        """After the node promoted a certified head."""
+
+
+HONEST = Behaviour()
+
+
+@attrs.define(eq=False)
+class SimNode:
+    name: str
+    identity: Identity
+    role: str
+    roles: frozenset[str]
+    disk: SimDisk
+    executor: ComputeExecutor
+    capacity: int = 1
+    behaviour: Behaviour = HONEST
+    engine: Engine | None = None
+    up: bool = False
+    armed: float | None = None
+    incarnation: int = 0
+    compute_free_at: float = 0.0
+    speed: float = 1.0
+    heads: list[tuple[float, int, bytes]] = attrs.Factory(list)  # (time, window, head id)
+    engine_factory: Callable[..., Engine] | None = None
+
+    @property
+    def peer_id(self) -> PeerId:
+        return self.identity.peer_id
+
+    @property
+    def honest(self) -> bool:
+        return not self.behaviour.byzantine
+
+
+class Simulation:
+    """Build nodes with `add_node`, wire them with `link`, `start()`, schedule faults with `at(...)`,
+    then `run(until=...)`. Observers (invariant checkers) get `on_head` / `on_event` callbacks."""
+
+    def __init__(self, revision: Revision, *, seed: int, workload: Any, shards: list[list[int]],
+                 default_link: LinkSpec | None = None,
+                 link_overrides: Iterable[tuple[frozenset[str], LinkSpec]] = (),
+                 task_s: Mapping[str, float] | None = None, compute_jitter: float = 0.0,
+                 speed_sigma: float = 0.0, persist_s: float = 0.001, lose_unsynced: bool = True,
+                 detect_s: float = 0.5, redial_s: float | None = 5.0, trace: Trace | None = None,
+                 engine_options: Mapping[str, Any] | None = None) -> None:
+        self.revision = revision
+        self.manifest = revision.manifest
+        self.seed = seed
+        self.workload = workload
+        self.shards = shards
+        self.rngs = {name: random.Random(derive_seed(seed, name)) for name in SUBSYSTEMS}
+        self.roles_of: dict[str, str] = {}
+        self.network = Network(default_link or LinkSpec(), link_overrides, rng=self.rngs["network"],
+                               roles_of=self.roles_of)
+        self.task_s = dict(DEFAULT_TASK_S, **(task_s or {}))
+        self.compute_jitter = compute_jitter
+        self.speed_sigma = speed_sigma
+        self.persist_s = persist_s
+        self.lose_unsynced = lose_unsynced
+        self.detect_s = detect_s
+        self.redial_s = redial_s
+        self.trace = trace
+        self.engine_options = dict(engine_options or {})
+        self.now = 0.0
+        self.events = 0
+        self.nodes: dict[str, SimNode] = {}
+        self.by_peer: dict[PeerId, SimNode] = {}
+        self.adjacent: dict[str, set[str]] = {}
+        self.connected: set[tuple[str, str]] = set()
+        self.epoch: dict[tuple[str, str], int] = {}
+        self.cut: set[tuple[str, str]] = set()  # links held down by a partition
+        self.down_at: dict[tuple[str, str], float] = {}
+        self.observers: list[Any] = []
+        self.updates: dict[bytes, tuple[PeerId, UpdateAnnouncement]] = {}  # every announcement seen
+        self.honest_deltas: dict[int, list[tuple[str, Any]]] = {}  # window -> (trainer, delta ref)
+        self.keep_honest_deltas = False  # set by attacks that read the honest cohort (ALIE, IPM)
+        self.task_counts: Counter[str] = Counter()
+        self.stopped = False
+        self._heap: list[tuple[float, int, str, int, Any]] = []
+        self._seq = 0
+        self._lease_cache: dict[bytes, dict[PeerId, tuple[int, ...]]] = {}
+        self._seen_ann: dict[str, bytes] = {}
+
+    # --- building ----------------------------------------------------------------------------------
+
+    def add_node(self, name: str, role: str, *, identity: Identity | None = None, capacity: int = 1,
+                 behaviour: Behaviour | None = None, genesis: bytes | None = None,
+                 engine_factory: Callable[..., Engine] | None = None, extra_roles: Iterable[str] = ()) -> SimNode:
+        if name in self.nodes:
+            raise ValueError(f"node {name!r} exists")
+        identity = identity or sim_identity(self.seed, name)
+        disk = SimDisk(chunk_size=self.manifest.chunk_size)
+        if genesis is not None:
+            disk.put(genesis)
+        node = SimNode(name=name, identity=identity, role=role, roles=frozenset({role, *extra_roles}), disk=disk,
+                       executor=ComputeExecutor(disk, self.manifest, self.workload, self.shards),
+                       capacity=capacity, behaviour=behaviour or HONEST, engine_factory=engine_factory)
+        if self.speed_sigma:
+            node.speed = self.rngs["compute"].lognormvariate(0.0, self.speed_sigma)
+        self.nodes[name] = node
+        self.by_peer[identity.peer_id] = node
+        self.roles_of[name] = role
+        self.adjacent[name] = set()
+        node.behaviour.attach(self, node)
+        return node
+
+    def link(self, a: str, b: str) -> None:
+        """Make `a` and `b` neighbours: connected whenever both are up and no partition cuts them."""
+        self.adjacent[a].add(b)
+        self.adjacent[b].add(a)
+        self._connect(a, b)
+
+    def start(self) -> None:
+        """Boot every node at the current time, then connect the links between them."""
+        for node in self.nodes.values():
+            if not node.up:
+                self.boot(node.name)
+
+    def boot(self, name: str) -> None:
+        node = self.nodes[name]
+        config = EngineConfig(roles=node.roles, revision=self.revision, capacity=node.capacity,
+                              **self.engine_options)
+        rng = random.Random(derive_seed(self.seed, f"engine/{name}/{node.incarnation}"))
+        factory = node.engine_factory or Engine
+        node.engine = factory(config, node.identity, rng, stored=node.disk.refs(), records=node.disk.records())
+        node.up, node.armed = True, None
+        node.compute_free_at = self.now
+        self._push(self.now, name, node.incarnation, ev.Start(now=self.now))
+        for other in sorted(self.adjacent[name]):
+            self._connect(name, other)
+
+    # --- scheduling --------------------------------------------------------------------------------
+
+    def _push(self, t: float, name: str, incarnation: int, item: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, name, incarnation, item))
+
+    def at(self, t: float, action: Callable[[], None]) -> None:
+        """Run `action()` (a fault, a join...) at virtual time `t` (not before now)."""
+        self._push(max(t, self.now), "", 0, action)
+
+    def record(self, node: str, kind: str, **fields: Any) -> None:
+        if self.trace is not None:
+            self.trace.emit(self.now, node, kind, fields)
+
+    def run(self, *, until: float, stop: Callable[[Simulation], bool] | None = None) -> bool:
+        """Process events in order until virtual time `until`, `stop(self)` or an observer stops the run.
+        Returns True iff `stop` became true."""
+        with _shared_lease_cache(self):
+            while self._heap and not self.stopped:
+                if stop is not None and stop(self):
+                    return True
+                t, _seq, name, incarnation, item = self._heap[0]
+                if t > until:
+                    break
+                heapq.heappop(self._heap)
+                self.now = t
+                self.events += 1
+                if not name:
+                    item()
+                else:
+                    self._deliver(name, incarnation, item)
+                for obs in self.observers:
+                    obs.on_tick(self)
+            if not self.stopped and (not self._heap or self._heap[0][0] > until):
+                self.now = max(self.now, until)
+                for obs in self.observers:
+                    obs.on_tick(self)
+        return stop is not None and stop(self)
+
+    def _deliver(self, name: str, incarnation: int, event: Any) -> None:
+        node = self.nodes[name]
+        if node.engine is None or not node.up or incarnation != node.incarnation:
+            return
+        if isinstance(event, tuple):  # ("msg", src, epoch, data) or ("persisted", token)
+            if event[0] == "msg":
+                _, src, epoch, data = event
+                link = _key(src, name)
+                if link not in self.connected or self.epoch.get(link) != epoch:
+                    return  # the connection it travelled on is gone
+                event = ev.MessageReceived(now=self.now, peer=self.nodes[src].peer_id, data=data)
+            else:
+                if not node.disk.sync(event[1]):
+                    return
+                event = ev.Persisted(now=self.now, token=event[1])
+        elif isinstance(event, ev.TimerDue):
+            node.armed = None
+        node.engine.handle(event)
+        self._drain(node)
+
+    # --- effects -----------------------------------------------------------------------------------
+
+    def _drain(self, node: SimNode) -> None:
+        engine = node.engine
+        assert engine is not None
+        name = node.name
+        while (effect := engine.next_effect()) is not None:
+            match effect:
+                case fx.Send():
+                    self.send(name, self.by_peer[effect.peer].name, effect.data)
+                case fx.Persist():
+                    node.disk.write_pending(effect.token, effect.key, effect.record)
+                    self._push(self.now + self.persist_s, name, node.incarnation, ("persisted", effect.token))
+                case fx.StoreChunk():
+                    apply_storage_effect(node.disk, effect)
+                case fx.CommitArtifact():
+                    apply_storage_effect(node.disk, effect)
+                    self._push(self.now, name, node.incarnation, ev.ArtifactStored(now=self.now, ref=effect.ref))
+                case fx.ServeChunk():
+                    self.send(name, self.by_peer[effect.peer].name, chunk_message(node.disk, effect))
+                case fx.RunTask():
+                    self._run_task(node, effect)
+                case fx.HangUp():
+                    other = self.by_peer[effect.peer].name
+                    self.record(name, "hangup", peer=other, reason=effect.reason)
+                    self._disconnect(name, other, delay=0.0)
+                    if self.redial_s is not None:
+                        self.at(self.now + self.redial_s, lambda a=name, b=other: self._connect(a, b))
+                case fx.HeadPromoted():
+                    self._on_head(node, effect.head, effect.certificate)
+                case fx.Log():
+                    if self.trace is not None and self.trace.level == "log":
+                        self.trace.emit(self.now, name, "log", {"event": effect.event, **effect.fields})
+        if node.role == "trainer":
+            self._note_announcement(node)
+        deadline = engine.next_deadline()
+        if deadline is not None and deadline != node.armed:
+            node.armed = deadline
+            t = max(deadline, self.now)
+            self._push(t, name, node.incarnation, ev.TimerDue(now=t))
+
+    def _note_announcement(self, node: SimNode) -> None:
+        """Register a trainer's signed announcement once (invariant checkers look cohort ids up here)."""
+        engine = node.engine
+        assert engine is not None
+        for role in engine.roles:
+            envelope = getattr(role, "announcement", None)
+            if envelope is not None and self._seen_ann.get(node.name) != envelope.id:
+                self._seen_ann[node.name] = envelope.id
+                self.register_update(envelope)
+
+    def register_update(self, envelope: Any) -> None:
+        if envelope.id not in self.updates:
+            ann = UpdateAnnouncement.from_cbor(envelope.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
+            self.updates[envelope.id] = (envelope.signer, ann)
+
+    def _run_task(self, node: SimNode, effect: fx.RunTask) -> None:
+        kind = effect.kind
+        self.task_counts[kind] += 1
+        rng = self.rngs["compute"]
+        duration = self.task_s[kind] * node.speed
+        if self.compute_jitter:
+            duration *= 1.0 + self.compute_jitter * (2.0 * rng.random() - 1.0)
+        start = max(self.now, node.compute_free_at)
+        done = start + duration
+        node.compute_free_at = done
+        try:
+            result = node.executor.run(kind, effect.args)
+            if kind == "train" and node.honest and self.keep_honest_deltas:
+                window = int(effect.args.get("window", -1))
+                self.honest_deltas.setdefault(window, []).append((node.name, result["delta"]))
+            result = node.behaviour.on_task(self, node, kind, effect.args, result)
+            event: Any = ev.TaskFinished(now=done, task_id=effect.task_id, result=result)
+        except Exception as exc:  # a failing task is an event for the engine, not a crash of the simulator
+            event = ev.TaskFailed(now=done, task_id=effect.task_id, reason=repr(exc))
+        self._push(done, node.name, node.incarnation, event)
+
+    def _on_head(self, node: SimNode, head: Head, cert: QuorumCertificate) -> None:
+        node.heads.append((self.now, head.window, head.id))
+        self.record(node.name, "head", window=head.window, id=head.id.hex(), skipped=head.skipped,
+                    cohort=len(head.cohort), metrics=dict(head.metrics), round=cert.round)
+        for obs in self.observers:
+            obs.on_head(self, node, head, cert)
+        node.behaviour.on_head(self, node, head)
+
+    def send(self, src: str, dst: str, data: bytes) -> None:
+        """Put one message from `src` on the wire to `dst` (after the sender's behaviour hook)."""
+        link = _key(src, dst)
+        if link not in self.connected:
+            return
+        node = self.nodes[src]
+        outgoing = [(0.0, data)] if node.behaviour is HONEST else node.behaviour.on_send(self, node, dst, data)
+        epoch = self.epoch[link]
+        target = self.nodes[dst]
+        for extra, payload in outgoing:
+            for t in self.network.plan(src, dst, len(payload), self.now + extra):
+                self._push(t, dst, target.incarnation, ("msg", src, epoch, payload))
+
+    # --- connections -------------------------------------------------------------------------------
+
+    def _connect(self, a: str, b: str) -> None:
+        link = _key(a, b)
+        na, nb = self.nodes[a], self.nodes[b]
+        if link in self.connected or link in self.cut or not (na.up and nb.up) or b not in self.adjacent[a]:
+            return
+        self.connected.add(link)
+        self.epoch[link] = self.epoch.get(link, 0) + 1
+        t = max(self.now, self.down_at.get(link, self.now))  # never before the old connection's drop
+        self._push(t, a, na.incarnation, ev.PeerConnected(now=t, peer=nb.peer_id))
+        self._push(t, b, nb.incarnation, ev.PeerConnected(now=t, peer=na.peer_id))
+
+    def _disconnect(self, a: str, b: str, *, delay: float | None = None) -> None:
+        link = _key(a, b)
+        if link not in self.connected:
+            return
+        self.connected.discard(link)
+        self.epoch[link] += 1
+        t = self.now + (self.detect_s if delay is None else delay)
+        self.down_at[link] = t
+        for x, y in ((a, b), (b, a)):
+            nx = self.nodes[x]
+            if nx.up:
+                self._push(t, x, nx.incarnation, ev.PeerDisconnected(now=t, peer=self.nodes[y].peer_id))
+
+    def links_of(self, name: str) -> list[str]:
+        return sorted(self.adjacent[name])
+
+    # --- faults ------------------------------------------------------------------------------------
+
+    def crash(self, name: str, *, keep_disk: bool = True) -> None:
+        """Kill a node now. Un-synced records are lost (if the disk model says so); without its disk
+        it restarts from nothing."""
+        node = self.nodes[name]
+        if not node.up:
+            return
+        for other in self.links_of(name):
+            self._disconnect(name, other)
+        lost = node.disk.crash(lose_unsynced=self.lose_unsynced)
+        if not keep_disk:
+            node.disk.wipe()
+        node.up, node.engine = False, None
+        node.incarnation += 1
+        self.record(name, "crash", keep_disk=keep_disk, lost_records=lost)
+
+    def restart(self, name: str) -> None:
+        node = self.nodes[name]
+        if node.up:
+            return
+        if node.role in ("validator", "reducer") and not node.disk.has(self.manifest.genesis_params.digest):
+            pass  # a wiped validator fetches genesis params from its peers like anyone else
+        self.record(name, "restart")
+        self.boot(name)
+
+    def leave(self, name: str) -> None:
+        """Graceful leave: disconnect and stay down."""
+        node = self.nodes[name]
+        if not node.up:
+            return
+        for other in self.links_of(name):
+            self._disconnect(name, other, delay=0.0)
+        node.up, node.engine = False, None
+        node.incarnation += 1
+        self.record(name, "leave")
+
+    def partition(self, groups: list[list[str]]) -> None:
+        """Symmetric partition: links between nodes of different groups go down (unlisted nodes reach
+        everyone)."""
+        group_of = {n: i for i, g in enumerate(groups) for n in g}
+        for a in sorted(group_of):
+            for b in self.links_of(a):
+                if b in group_of and group_of[a] != group_of[b]:
+                    link = _key(a, b)
+                    self.cut.add(link)
+                    self.network.block(a, b)
+                    self.network.block(b, a)
+                    self._disconnect(a, b)
+        self.record("", "partition", groups=[sorted(g) for g in groups])
+
+    def block(self, sources: list[str], targets: list[str]) -> None:
+        """Asymmetric partition: messages from `sources` to `targets` are silently lost (links stay up)."""
+        for a in sources:
+            for b in targets:
+                if a != b:
+                    self.network.block(a, b)
+        self.record("", "block", sources=sorted(sources), targets=sorted(targets))
+
+    def heal(self) -> None:
+        """End every partition: unblock links and reconnect the ones a partition cut."""
+        blocked = sorted(self.network.blocked)
+        self.network.blocked.clear()
+        cut, self.cut = sorted(self.cut), set()
+        self.record("", "heal", links=len(cut))
+        for a, b in cut:
+            self._connect(a, b)
+        # Links blocked one way stayed up but lost messages: bounce them so both sides exchange hellos
+        # again (what a keep-alive timeout and a re-dial do on a real transport).
+        for a, b in blocked:
+            if _key(a, b) in self.connected:
+                self._disconnect(a, b, delay=0.0)
+                self._connect(a, b)
+
+    def clog(self, pairs: list[tuple[str, str]], until: float) -> None:
+        """Hold every message on these directed links until `until` (then deliver, in order)."""
+        for a, b in pairs:
+            self.network.clog(a, b, until)
+        self.record("", "clog", links=len(pairs), until=until)
+
+    def swizzle(self, names: list[str], start: float, duration: float) -> None:
+        """FoundationDB swizzle-clogging: clog a random half of the links among `names` now, then unclog
+        them one by one in a different random order over `duration` seconds."""
+        rng = self.rngs["churn"]
+        links = sorted({_key(a, b) for a in names for b in self.adjacent[a] if b in names})
+        chosen = rng.sample(links, len(links) // 2)
+        order = list(chosen)
+        rng.shuffle(order)
+        step = duration / max(1, len(order))
+        for i, (a, b) in enumerate(order):
+            until = start + step * (i + 1)
+            self.network.clog(a, b, until)
+            self.network.clog(b, a, until)
+        self.record("", "swizzle", links=len(chosen), duration=duration)
+
+    # --- views -------------------------------------------------------------------------------------
+
+    def leases(self, head: Head) -> dict[PeerId, tuple[int, ...]]:
+        return _cached_leases(self, head, self.manifest)
+
+    def honest_delta_bytes(self, entry: tuple[str, Any]) -> bytes:
+        name, ref = entry
+        return self.nodes[name].disk.get(ref.digest)
+
+    def height(self, name: str) -> int:
+        node = self.nodes[name]
+        return node.engine.head.window if node.engine is not None else (node.heads[-1][1] if node.heads else 0)
+
+
+def _key(a: str, b: str) -> tuple[str, str]:
+    return (a, b) if a < b else (b, a)
+
+
+def _cached_leases(sim: Simulation, head: Head, manifest: Any) -> dict[PeerId, tuple[int, ...]]:
+    key = head.id
+    cached = sim._lease_cache.get(key)
+    if cached is None or manifest is not sim.manifest:
+        cached = leases_of(head, manifest)
+        if manifest is sim.manifest:
+            if len(sim._lease_cache) > 64:
+                sim._lease_cache.clear()
+            sim._lease_cache[key] = cached
+    return dict(cached)
+
+
+class _shared_lease_cache:
+    """Memoise `leases_of` across the simulated nodes while the simulation runs.
+
+    Lease assignment is a pure function of public data (the certified head and the manifest), so every
+    node computing it gets the same answer; computing it once per head instead of once per node changes
+    no outcome and skips no check (nothing is verified by it). It only saves CPU: rendezvous hashing is
+    O(shards x roster) SHA-256 calls per node (spec/simulator.md §9).
+    """
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+
+    def __enter__(self) -> None:
+        sim = self.sim
+        self.saved = (_trainer.leases_of, _collector.leases_of)
+
+        def cached(head: Head, manifest: Any) -> dict[PeerId, tuple[int, ...]]:
+            return _cached_leases(sim, head, manifest)
+
+        _trainer.leases_of = cached  # type: ignore[assignment]
+        _collector.leases_of = cached  # type: ignore[assignment]
+
+    def __exit__(self, *exc: object) -> None:
+        _trainer.leases_of, _collector.leases_of = self.saved
