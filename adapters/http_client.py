@@ -1,0 +1,223 @@
+"""HTTP client adapter: a light trainer takes part through a node's HTTP edge only (DESIGN §6, issue 7).
+
+`EdgeClient` speaks the edge's JSON/CBOR API (see `adapters.http_edge`) with the standard library's
+urllib, and trusts nothing it receives: the manifest must be signed by the expected authority, a head
+must carry a quorum certificate that verifies against the manifest (or be the manifest's genesis), and
+artifacts are fetched in byte ranges of the artifact's chunk size, each range checked against the chunk
+digests of the head's `ArtifactRef` before it is kept.
+
+`LightTrainer.step()` does one window: read the latest certified head, join the roster if absent, compute
+its own leases from the head (the same function every peer uses, cross-checked with the edge's answer),
+fetch the params, train on the leased shards with the manifest's workload (through the same
+`ComputeExecutor` a full node runs), sign the update announcement and upload it with its delta.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from peerloom.core.encoding import content_id, decode, encode
+from peerloom.core.envelope import SignedEnvelope
+from peerloom.core.errors import VerificationError
+from peerloom.core.identity import Identity, PeerId
+from peerloom.core.leases import leases_of
+from peerloom.core.objects import (
+    ArtifactRef,
+    Head,
+    JoinRequest,
+    QuorumCertificate,
+    Revision,
+    UpdateAnnouncement,
+    seal,
+)
+
+from .storage import ArtifactStore
+
+MAX_JSON_BYTES = 32 << 20
+
+
+class EdgeError(Exception):
+    """The edge answered with an error status. `code` is the typed error code of its JSON body."""
+
+    def __init__(self, status: int, code: str, message: str = "") -> None:
+        super().__init__(f"HTTP {status} {code}: {message}")
+        self.status, self.code, self.message = status, code, message
+
+
+class EdgeClient:
+    """Blocking client of one HTTP edge at `base_url` (e.g. ``http://127.0.0.1:8080``).
+
+    Raises `EdgeError` for error statuses, `VerificationError` for anything that fails verification, and
+    `OSError` (urllib's URLError) when the edge cannot be reached. `timeout_s` applies to every request.
+    """
+
+    def __init__(self, base_url: str, *, timeout_s: float = 30.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    # --- plumbing ---
+
+    def _request(self, path: str, *, data: bytes | None = None, headers: dict[str, str] | None = None,
+                 max_bytes: int = MAX_JSON_BYTES) -> tuple[int, dict[str, str], bytes]:
+        req = urllib.request.Request(self.base_url + path, data=data, headers=headers or {},
+                                     method="POST" if data is not None else "GET")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                body = resp.read(max_bytes + 1)
+                if len(body) > max_bytes:
+                    raise VerificationError("too-large", f"{path} answered over {max_bytes} bytes")
+                return resp.status, dict(resp.headers), body
+        except urllib.error.HTTPError as exc:
+            raw = exc.read(65536)
+            try:
+                err = json.loads(raw)["error"]
+                raise EdgeError(exc.code, str(err["code"]), str(err["message"])) from None
+            except (ValueError, KeyError, TypeError):
+                raise EdgeError(exc.code, "http-error", raw[:200].decode(errors="replace")) from None
+
+    def get_json(self, path: str) -> Any:
+        return json.loads(self._request(path)[2])
+
+    # --- reads (verified) ---
+
+    def revision(self, authority: PeerId) -> Revision:
+        """The manifest the edge serves, verified to be signed by `authority`."""
+        doc = self.get_json("/v1/manifest")
+        return Revision.verify(SignedEnvelope.from_bytes(bytes.fromhex(doc["envelope"])), authority)
+
+    def _entry(self, doc: dict[str, Any], revision: Revision) -> tuple[Head, QuorumCertificate | None]:
+        head = Head.from_cbor(decode(bytes.fromhex(doc["cbor"]), max_bytes=1 << 24))
+        if doc["certificate"] is None:
+            if head.id != revision.genesis().id:
+                raise VerificationError("no-certificate", f"head of window {head.window}")
+            return head, None
+        cert = QuorumCertificate.from_cbor(decode(bytes.fromhex(doc["certificate"]["cbor"]), max_bytes=1 << 24))
+        cert.verify(revision, head)
+        return head, cert
+
+    def latest(self, revision: Revision) -> tuple[Head, QuorumCertificate | None]:
+        """The latest certified head, its certificate verified against `revision` (None for genesis)."""
+        return self._entry(self.get_json("/v1/heads/latest"), revision)
+
+    def chain(self, revision: Revision, start: int = 0, limit: int = 64) -> list[tuple[Head, QuorumCertificate | None]]:
+        """One page of certified heads from window `start`, each verified."""
+        page = self.get_json(f"/v1/chain?from={start}&limit={limit}")
+        return [self._entry(doc, revision) for doc in page["heads"]]
+
+    def leases(self, peer: PeerId) -> dict[str, Any]:
+        """The edge's view of `peer`'s leases: ``{"window", "base", "shards"}`` (not trusted by itself)."""
+        return dict(self.get_json(f"/v1/leases/{peer.to_text()}"))
+
+    def artifact(self, ref: ArtifactRef, *, chunks_per_request: int = 16) -> bytes:
+        """The bytes of `ref`, fetched with Range requests and verified chunk by chunk, then as a whole."""
+        out = bytearray(ref.size)
+        step = ref.chunk_size * max(1, chunks_per_request)
+        for start in range(0, ref.size, step):
+            end = min(ref.size, start + step) - 1
+            status, _, body = self._request(f"/v1/artifacts/{ref.digest.hex()}",
+                                                  headers={"Range": f"bytes={start}-{end}"}, max_bytes=step)
+            if status != 206 or len(body) != end - start + 1:
+                raise VerificationError("bad-range", f"status {status}, {len(body)} bytes for {start}-{end}")
+            for offset in range(0, len(body), ref.chunk_size):
+                index = (start + offset) // ref.chunk_size
+                if not ref.chunk_ok(index, body[offset:offset + ref.chunk_size]):
+                    raise VerificationError("bad-chunk", f"chunk {index} of {ref.digest.hex()[:16]}")
+            out[start:end + 1] = body
+        data = bytes(out)
+        if content_id(data) != ref.digest:
+            raise VerificationError("corrupt-artifact", ref.digest.hex())
+        return data
+
+    # --- signed writes ---
+
+    def submit_update(self, envelope: SignedEnvelope, artifact: bytes) -> str:
+        """Upload a signed update and its delta; returns the envelope id (hex). EdgeError when refused."""
+        body = encode({"envelope": envelope.to_bytes(), "artifact": artifact})
+        return str(json.loads(self._request("/v1/updates", data=body,
+                                            headers={"Content-Type": "application/cbor"})[2])["id"])
+
+    def join(self, envelope: SignedEnvelope) -> str:
+        """Send a signed join request; returns the envelope id (hex). EdgeError when refused."""
+        return str(json.loads(self._request("/v1/join", data=envelope.to_bytes(),
+                                            headers={"Content-Type": "application/cbor"})[2])["id"])
+
+
+@attrs.frozen(kw_only=True)
+class StepResult:
+    """What one `LightTrainer.step` did: the window, the leased shards, and the update id if uploaded."""
+
+    window: int
+    shards: tuple[int, ...]
+    joined: bool = False
+    update_id: str = ""
+    train_loss: float = float("nan")
+
+
+class LightTrainer:
+    """A trainer that needs nothing but HTTP access to one edge and its own key.
+
+    `workload` and `shards` (shard -> sample indices) default to the manifest's named workload
+    (`backends.registry.build_workload`); `workdir` holds its small artifact store (a temp dir by default).
+    """
+
+    def __init__(self, client: EdgeClient, identity: Identity, *, authority: PeerId, capacity: int = 1,
+                 workload: Any = None, shards: Any = None, workdir: Path | None = None, seed: int = 0) -> None:
+        self.client = client
+        self.identity = identity
+        self.authority = authority
+        self.capacity = capacity
+        self.revision = client.revision(authority)
+        manifest = self.revision.manifest
+        if workload is None:
+            from peerloom.backends.registry import build_workload
+
+            workload, shards = build_workload(manifest.workload, manifest.workload_seed, len(manifest.shards))
+        from .compute import ComputeExecutor
+
+        self._tmp = None if workdir is not None else tempfile.TemporaryDirectory(prefix="peerloom-light-")
+        root = Path(workdir) if workdir is not None else Path(self._tmp.name)  # type: ignore[union-attr]
+        self.store = ArtifactStore(root, chunk_size=manifest.chunk_size)
+        self.executor = ComputeExecutor(self.store, manifest, workload, shards)
+        self.seed = seed
+        self.last_window = -1
+        self.joined_at = -1
+
+    def step(self) -> StepResult:
+        """Take part in the window after the latest certified head (at most one update per window)."""
+        head, _ = self.client.latest(self.revision)
+        window = head.window + 1
+        me = self.identity.peer_id
+        joined = False
+        if me not in {p for p, _ in head.roster} and self.joined_at != window:
+            self.client.join(seal(self.identity, JoinRequest(revision=self.revision.id, capacity=self.capacity)))
+            self.joined_at, joined = window, True
+        shards = leases_of(head, self.revision.manifest).get(me, ())
+        offered = self.client.leases(me)
+        if offered["base"] == head.id.hex() and tuple(offered["shards"]) != shards:
+            raise VerificationError("bad-lease", "the edge's leases differ from the lease function")
+        if not shards or window == self.last_window:
+            return StepResult(window=window, shards=shards, joined=joined)
+        if not self.store.has(head.params.digest):
+            self.store.put(self.client.artifact(head.params))
+        args = {"params": head.params, "shards": shards, "seed": (self.seed * 1_000_003 + window) & 0xFFFFFFFF,
+                "window": window, "inner_steps": getattr(self.revision.manifest, "inner_steps", 0)}
+        result = self.executor.run("train", args)
+        delta: ArtifactRef = result["delta"]
+        ann = UpdateAnnouncement(revision=self.revision.id, window=window, base=head.id, shards=shards,
+                                 delta=delta, delta_digest=result["delta_digest"],
+                                 train_loss=float(result["train_loss"]))
+        update_id = self.client.submit_update(seal(self.identity, ann), self.store.get(delta.digest))
+        self.last_window = window
+        return StepResult(window=window, shards=shards, joined=joined, update_id=update_id,
+                          train_loss=ann.train_loss)
+
+    def close(self) -> None:
+        if self._tmp is not None:
+            self._tmp.cleanup()

@@ -1,0 +1,131 @@
+"""A light trainer that uses only the HTTP client adapter contributes accepted updates (issue 7).
+
+The edge here is backed by `InMemoryEdgeView`, which verifies submissions the way a node does (signature,
+revision, window and base, lease, delta bytes); the node-backed end-to-end run lives with the runtime.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from peerloom.adapters.http_client import EdgeClient, EdgeError, LightTrainer
+from peerloom.adapters.http_edge import EdgeServer
+from peerloom.backends.numpy.screening import screen_delta
+from peerloom.backends.numpy.tensors import from_safetensors, schema_of, tensor_digest, to_safetensors
+from peerloom.backends.registry import build_workload
+from peerloom.core.errors import VerificationError
+from peerloom.core.leases import leases_of
+from peerloom.core.objects import Head, Manifest, Revision, make_artifact_ref
+
+from .edge_fixtures import VALIDATOR, certify, make_view
+from .helpers import ident
+
+AUTHORITY = ident(200)
+LIGHT = ident(30)
+NEWCOMER = ident(31)
+OTHER = ident(32)  # holds most leases, so the light trainer trains on a few shards (fast)
+CHUNK = 4096  # small chunks so the params artifact is fetched in several verified ranges
+
+
+@pytest.fixture(scope="module")
+def digits():
+    workload, shards = build_workload("digits-mlp", 0, 16)
+    return workload, shards
+
+
+def digits_revision(workload, shards) -> tuple[Revision, bytes]:
+    params = workload.initial_params(0)
+    genesis = to_safetensors(params)
+    ref = make_artifact_ref(genesis, CHUNK)
+    manifest = Manifest(
+        experiment="light", workload="digits-mlp", workload_seed=0, schema=schema_of(params),
+        shards=tuple(len(s) for s in shards), validators=(VALIDATOR.peer_id,), quorum=1, window_s=5.0,
+        min_updates=1, max_capacity=4, aggregation="mean", outer_optimizer="fedavg", outer_lr=1.0,
+        chunk_size=CHUNK, genesis_params=ref, genesis_params_digest=tensor_digest(params),
+        roster=tuple(sorted(((LIGHT.peer_id, 1), (OTHER.peer_id, 3)))))
+    return Revision.verify(manifest.seal(AUTHORITY), AUTHORITY.peer_id), genesis
+
+
+def certify_update(view, ann) -> Head:
+    """Play the node: apply the accepted delta (FedAvg of one, outer lr 1) and certify the next head."""
+    parent = view.latest().head
+    params = from_safetensors(open(view.artifact_path(parent.params.digest), "rb").read())
+    delta = from_safetensors(open(view.artifact_path(ann.delta.digest), "rb").read())
+    new = {k: (params[k] - delta[k]).astype(np.float32) for k in params}
+    data = to_safetensors(new)
+    view.put_artifact(data)
+    ref = make_artifact_ref(data, CHUNK)
+    head = Head(revision=view.revision.id, parent=parent.id, window=parent.window + 1, skipped=False, params=ref,
+                params_digest=tensor_digest(new), cohort=(view.updates[-1][1].id,), roster=parent.roster,
+                metrics={"test_accuracy": 0.5})
+    view.promote(head, certify(view.revision, head))
+    return head
+
+
+def test_light_trainer_contributes_accepted_updates_over_http_only(tmp_path, digits):
+    workload, shards = digits
+    revision, genesis = digits_revision(workload, shards)
+    view = make_view(tmp_path, revision=revision, genesis=genesis, trainers=())
+    with EdgeServer(view) as server:
+        client = EdgeClient(server.url)
+        trainer = LightTrainer(client, LIGHT, authority=AUTHORITY.peer_id, workload=workload, shards=shards,
+                               workdir=tmp_path / "light")
+        windows = []
+        for _ in range(3):
+            assert leases_of(view.latest().head, revision.manifest).get(LIGHT.peer_id)
+            result = trainer.step()
+            assert result.update_id, result
+            ann, envelope = view.updates[-1]
+            assert envelope.signer == LIGHT.peer_id and envelope.id.hex() == result.update_id
+            assert ann.window == result.window and ann.base == view.latest().head.id
+            assert ann.shards == leases_of(view.latest().head, revision.manifest)[LIGHT.peer_id] == result.shards
+            delta = from_safetensors(open(view.artifact_path(ann.delta.digest), "rb").read())
+            ok, reason, norm = screen_delta(delta, revision.manifest.schema)
+            assert ok and norm > 0, reason
+            assert tensor_digest(delta) == ann.delta_digest
+            # A second step in the same window uploads nothing new.
+            assert trainer.step().update_id == "" and len(view.updates) == len(windows) + 1
+            windows.append(result.window)
+            certify_update(view, ann)
+        assert windows == [1, 2, 3] and view.rejected == []
+        trainer.close()
+
+
+def test_a_newcomer_joins_over_http(tmp_path, digits):
+    workload, shards = digits
+    revision, genesis = digits_revision(workload, shards)
+    view = make_view(tmp_path, revision=revision, genesis=genesis, trainers=())
+    with EdgeServer(view) as server:
+        trainer = LightTrainer(EdgeClient(server.url), NEWCOMER, authority=AUTHORITY.peer_id, capacity=2,
+                               workload=workload, shards=shards, workdir=tmp_path / "n")
+        result = trainer.step()
+        assert result.joined and result.shards == () and result.update_id == ""
+        assert view.joins == [(NEWCOMER.peer_id, 2)] and view.updates == []
+
+
+def test_client_refuses_what_does_not_verify(tmp_path, digits):
+    workload, shards = digits
+    revision, genesis = digits_revision(workload, shards)
+    view = make_view(tmp_path, revision=revision, genesis=genesis, trainers=())
+    with EdgeServer(view) as server:
+        client = EdgeClient(server.url)
+        with pytest.raises(VerificationError, match="wrong-authority"):
+            client.revision(ident(77).peer_id)
+        # Corrupt one byte of the stored genesis params: the ranged fetch catches the bad chunk.
+        path = view.artifact_path(revision.manifest.genesis_params.digest)
+        data = bytearray(path.read_bytes())
+        data[CHUNK + 5] ^= 0xFF
+        path.write_bytes(bytes(data))
+        with pytest.raises(VerificationError, match="bad-chunk"):
+            client.artifact(revision.manifest.genesis_params)
+        # A head certified by someone who is not a validator is refused.
+        parent = view.latest().head
+        forged = Head(revision=revision.id, parent=parent.id, window=1, skipped=False, params=parent.params,
+                      params_digest=parent.params_digest, cohort=(parent.id,), roster=parent.roster)
+        view.promote(forged, certify(revision, forged, validators=(ident(99),)))
+        with pytest.raises(VerificationError, match="not-a-validator"):
+            client.latest(revision)
+        with pytest.raises(EdgeError) as info:
+            client.get_json("/v1/heads/" + "12" * 34)
+        assert info.value.status == 400 and info.value.code == "bad-id"
