@@ -96,10 +96,24 @@ class QuadraticWorkload:
             raise ValueError(f"indices must lie in [0, {self._num_train})")
         return self.optimum + self.data_noise * self.table[index % TABLE_ROWS].mean(axis=0)
 
-    def train(self, params: TensorDict, indices: Sequence[int], seed: int) -> tuple[TensorDict, dict[str, float | int]]:
-        """`local_steps` noisy SGD steps toward the lease's target. Returns ``({"x": params - trained},
-        {"train_loss": f_lease at the start, "samples": len(indices)})``. Raises ValueError for an empty lease,
-        out-of-range indices or a wrong schema."""
+    def train(
+        self,
+        params: TensorDict,
+        indices: Sequence[int],
+        seed: int,
+        *,
+        epochs: int | None = None,
+        inner_steps: int | None = None,
+        state_key: object = None,
+    ) -> tuple[TensorDict, dict[str, float | int]]:
+        """Noisy SGD steps toward the lease's target: `inner_steps` if given, else ``local_steps * epochs``
+        (epochs default 1; the keywords mirror the digits workloads, `state_key` is accepted and unused — plain
+        SGD has no state). Returns ``({"x": params - trained}, {"train_loss": f_lease at the start, "samples":
+        len(indices)})``. Raises ValueError for an empty lease, out-of-range indices, a wrong schema or a
+        step count < 1."""
+        steps = inner_steps if inner_steps is not None else self.local_steps * (1 if epochs is None else epochs)
+        if steps < 1:
+            raise ValueError(f"need >= 1 step, got {steps}")
         x0 = params.get("x")
         if x0 is None or len(params) != 1 or x0.shape != (self.dim,) or x0.dtype != np.float32:
             raise ValueError(f"params must be {self._schema}")
@@ -107,7 +121,7 @@ class QuadraticWorkload:
         diff = x0 - c
         loss = 0.5 * float(np.dot(self.a * diff, diff))
         x = x0.copy()
-        for k in range(self.local_steps):
+        for k in range(steps):
             g = self.a * (x - c)
             g += self.grad_noise * self.table[_row(seed, k)]
             x -= self.lr * g

@@ -151,6 +151,10 @@ def test_quadratic_is_fast_deterministic_and_converges_under_fedavg() -> None:
         wl.train(params, shards[k % 16], k)
     per_call = (time.perf_counter() - start) / 2000
     assert per_call < 1e-3  # tens of microseconds on a quiet core; generous bound for a shared one
+    assert tensor_digest(wl.train(params, range(64), 5, inner_steps=5)[0]) == tensor_digest(d1)
+    ten, _ = wl.train(params, range(64), 5, epochs=2)
+    assert tensor_digest(wl.train(params, range(64), 5, inner_steps=10)[0]) == tensor_digest(ten)
+    assert np.linalg.norm(ten["x"]) > np.linalg.norm(d1["x"])  # more steps, further toward the target
     with pytest.raises(ValueError):
         wl.train({"x": np.zeros(3, np.float32)}, [0], 0)
     with pytest.raises(ValueError):
