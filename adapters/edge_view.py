@@ -278,10 +278,13 @@ class InMemoryEdgeView:
             lease = self.leases(env.signer)
             if ann.revision != self._revision.id:
                 raise VerificationError("wrong-revision", "update")
+            # Reason codes as the node's collector uses them (core/collector.py).
             if ann.window != lease.window or ann.base != lease.base:
-                raise VerificationError("stale-update", f"window {ann.window}")
-            if ann.shards != lease.shards or not ann.shards:
-                raise VerificationError("not-leaseholder", str(env.signer))
+                raise VerificationError("wrong-base", f"window {ann.window}")
+            if not lease.shards:
+                raise VerificationError("no-lease", str(env.signer))
+            if ann.shards != lease.shards:
+                raise VerificationError("bad-lease", str(env.signer))
             if artifact is None or content_id(artifact) != ann.delta.digest or len(artifact) != ann.delta.size:
                 raise VerificationError("bad-artifact", "delta bytes do not match the announcement")
         except (DecodeError, VerificationError) as exc:

@@ -196,7 +196,7 @@ def test_signed_update_is_accepted_and_tampered_ones_change_nothing(world):
     # A validly signed update the node rejects (not the leaseholder's shards) is 422 with the node's reason.
     bad = signed_update(view, trainer, artifact, shards=(99,))
     status, _, body = post(server, "/v1/updates", encode({"envelope": bad, "artifact": artifact}))
-    assert status == 422 and error_code(body) == "not-leaseholder"
+    assert status == 422 and error_code(body) == "bad-lease"
     assert len(view.updates) == 1
 
 
