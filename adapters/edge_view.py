@@ -10,12 +10,14 @@ The edge never trusts what clients send: it checks sizes and the envelope signat
 Heads and certificates are returned as decoded objects; the edge serves their canonical CBOR bytes
 (`Head.to_bytes()`, `encode(certificate.to_cbor())`) so clients can verify them against the manifest.
 
-`InMemoryEdgeView` is a complete, thread-safe fake backed by dicts; tests and the light-trainer
-end-to-end test use it until a real node implements the protocol.
+`NodeEdgeView` implements the protocol for a running node from a few callables the runtime supplies (see
+its docstring); `InMemoryEdgeView` is a complete, thread-safe fake for tests. Both pre-check submissions
+with `check_submission`, which mirrors the node's collector and uses its reason codes.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -174,24 +176,120 @@ class EdgeView(Protocol):
         ...
 
 
-class InMemoryEdgeView:
+def check_submission(revision: Revision, head: Head, envelope: bytes,
+                     artifact: bytes | None) -> tuple[SignedEnvelope, JoinRequest | UpdateAnnouncement]:
+    """Verify a submission the way the node's collector does, against the latest certified `head`.
+
+    Joins: signature and revision. Updates: signature, revision, window and base (``wrong-base``), a lease
+    in the window after `head` (``no-lease``; quarantined peers hold none), the leased shards
+    (``bad-lease``), and `artifact` matching the announced delta (``bad-artifact``). Raises DecodeError or
+    VerificationError with the collector's reason codes (core/collector.py).
+    """
+    env = SignedEnvelope.from_bytes(envelope)
+    if env.kind == JoinRequest.KIND:
+        join = JoinRequest.from_cbor(env.open(JoinRequest.KIND, PROTOCOL_VERSION))
+        if join.revision != revision.id:
+            raise VerificationError("wrong-revision", "join")
+        return env, join
+    ann = UpdateAnnouncement.from_cbor(env.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
+    shards = leases_of(head, revision.manifest).get(env.signer, ())
+    if ann.revision != revision.id:
+        raise VerificationError("wrong-revision", "update")
+    if ann.window != head.window + 1 or ann.base != head.id:
+        raise VerificationError("wrong-base", f"window {ann.window}")
+    if not shards:
+        raise VerificationError("no-lease", str(env.signer))
+    if ann.shards != shards:
+        raise VerificationError("bad-lease", str(env.signer))
+    if artifact is None or len(artifact) != ann.delta.size or content_id(artifact) != ann.delta.digest:
+        raise VerificationError("bad-artifact", "delta bytes do not match the announcement")
+    return env, ann
+
+
+class ChainIndex:
+    """Thread-safe index of certified heads, per-window statistics and head subscribers: the read side
+    shared by `InMemoryEdgeView` and `NodeEdgeView`. `promote` is called by whoever certifies heads."""
+
+    def __init__(self, revision: Revision, entries: Iterable[tuple[Head, QuorumCertificate]] = ()) -> None:
+        self._lock = threading.Lock()
+        genesis = CertifiedEntry(head=revision.genesis(), certificate=None)
+        self._entries: list[CertifiedEntry] = [genesis]
+        self._by_id: dict[bytes, CertifiedEntry] = {genesis.head.id: genesis}
+        self._history: list[WindowStats] = []
+        self._subscribers: list[HeadCallback] = []
+        for head, cert in sorted(entries, key=lambda e: e[0].window):
+            self._add(head, cert, {})
+
+    def _add(self, head: Head, certificate: QuorumCertificate, stats: dict[str, Any]) -> bool:
+        if head.id in self._by_id or head.window <= self._entries[-1].head.window:
+            return False
+        entry = CertifiedEntry(head=head, certificate=certificate)
+        self._entries.append(entry)
+        self._by_id[head.id] = entry
+        self._history.append(WindowStats(window=head.window, head_id=head.id, skipped=head.skipped,
+                                         metrics=dict(head.metrics), **stats))
+        return True
+
+    def promote(self, head: Head, certificate: QuorumCertificate, **stats: Any) -> None:
+        """Append a certified head (window above the latest; others are ignored) and notify subscribers.
+
+        `stats` are `WindowStats` fields: accepted, rejected, bytes_sent, bytes_received, time.
+        """
+        with self._lock:
+            added = self._add(head, certificate, stats)
+            subscribers = list(self._subscribers)
+        if added:
+            for callback in subscribers:
+                callback(head, certificate)
+
+    def latest(self) -> CertifiedEntry:
+        with self._lock:
+            return self._entries[-1]
+
+    def head(self, head_id: bytes) -> CertifiedEntry | None:
+        with self._lock:
+            return self._by_id.get(head_id)
+
+    def chain(self, start_window: int, limit: int) -> Sequence[CertifiedEntry]:
+        with self._lock:
+            entries = self._entries
+            lo = bisect.bisect_left([e.head.window for e in entries], start_window)
+            return entries[lo:lo + max(0, limit)]
+
+    def certificate(self, head_id: bytes) -> QuorumCertificate | None:
+        entry = self.head(head_id)
+        return None if entry is None else entry.certificate
+
+    def subscribe(self, callback: HeadCallback) -> Callable[[], None]:
+        with self._lock:
+            self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if callback in self._subscribers:
+                    self._subscribers.remove(callback)
+
+        return unsubscribe
+
+    def history(self) -> Sequence[WindowStats]:
+        with self._lock:
+            return list(self._history)
+
+
+class InMemoryEdgeView(ChainIndex):
     """A thread-safe in-memory `EdgeView` for tests: heads are added with `promote`, submissions are
-    verified like a node would (signature, kind, revision, window, lease, artifact digest) and recorded.
+    checked with `check_submission` (as a node would) and recorded in `updates` / `joins` / `rejected`.
     """
 
     def __init__(self, *, identity_peer: PeerId, revision: Revision, registry: Any,
                  roles: Iterable[str] = ("validator",), artifacts_dir: Path) -> None:
+        super().__init__(revision)
         self._peer_id = identity_peer
         self._roles = frozenset(roles)
         self._revision = revision
         self._registry = registry
         self._dir = Path(artifacts_dir)
         self._dir.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-        self._entries: list[CertifiedEntry] = [CertifiedEntry(head=revision.genesis(), certificate=None)]
-        self._by_id: dict[bytes, CertifiedEntry] = {self._entries[0].head.id: self._entries[0]}
-        self._history: list[WindowStats] = []
-        self._subscribers: list[HeadCallback] = []
         self._peers: list[PeerInfo] = []
         self.updates: list[tuple[UpdateAnnouncement, SignedEnvelope]] = []
         self.joins: list[tuple[PeerId, int]] = []
@@ -208,18 +306,6 @@ class InMemoryEdgeView:
     def add_peer(self, info: PeerInfo) -> None:
         with self._lock:
             self._peers.append(info)
-
-    def promote(self, head: Head, certificate: QuorumCertificate, **stats: Any) -> None:
-        """Append a certified head (the caller built it) and notify subscribers."""
-        with self._lock:
-            entry = CertifiedEntry(head=head, certificate=certificate)
-            self._entries.append(entry)
-            self._by_id[head.id] = entry
-            self._history.append(WindowStats(window=head.window, head_id=head.id, skipped=head.skipped,
-                                             metrics=dict(head.metrics), **stats))
-            subscribers = list(self._subscribers)
-        for callback in subscribers:
-            callback(head, certificate)
 
     # --- EdgeView ---------------------------------------------------------------------------------
 
@@ -239,78 +325,91 @@ class InMemoryEdgeView:
     def registry(self) -> Any:
         return self._registry
 
-    def latest(self) -> CertifiedEntry:
-        with self._lock:
-            return self._entries[-1]
-
-    def head(self, head_id: bytes) -> CertifiedEntry | None:
-        with self._lock:
-            return self._by_id.get(head_id)
-
-    def chain(self, start_window: int, limit: int) -> Sequence[CertifiedEntry]:
-        with self._lock:
-            return [e for e in self._entries if e.head.window >= start_window][:max(0, limit)]
-
-    def certificate(self, head_id: bytes) -> QuorumCertificate | None:
-        entry = self.head(head_id)
-        return None if entry is None else entry.certificate
-
     def artifact_path(self, digest: bytes) -> Path | None:
         path = self._dir / digest.hex()
         return path if path.exists() else None
 
     def leases(self, peer: PeerId) -> LeaseInfo:
-        head = self.latest().head
-        shards = leases_of(head, self._revision.manifest).get(peer, ())
-        return LeaseInfo(peer=peer, window=head.window + 1, base=head.id, shards=shards)
+        return lease_info(self._revision, self.latest().head, peer)
 
     def submit(self, envelope: bytes, artifact: bytes | None) -> SubmitResult:
         try:
-            env = SignedEnvelope.from_bytes(envelope)
-            if env.kind == JoinRequest.KIND:
-                join = JoinRequest.from_cbor(env.open(JoinRequest.KIND, PROTOCOL_VERSION))
-                if join.revision != self._revision.id:
-                    raise VerificationError("wrong-revision", "join")
-                with self._lock:
-                    self.joins.append((env.signer, join.capacity))
-                return SubmitResult(accepted=True, envelope_id=env.id)
-            ann = UpdateAnnouncement.from_cbor(env.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
-            lease = self.leases(env.signer)
-            if ann.revision != self._revision.id:
-                raise VerificationError("wrong-revision", "update")
-            # Reason codes as the node's collector uses them (core/collector.py).
-            if ann.window != lease.window or ann.base != lease.base:
-                raise VerificationError("wrong-base", f"window {ann.window}")
-            if not lease.shards:
-                raise VerificationError("no-lease", str(env.signer))
-            if ann.shards != lease.shards:
-                raise VerificationError("bad-lease", str(env.signer))
-            if artifact is None or content_id(artifact) != ann.delta.digest or len(artifact) != ann.delta.size:
-                raise VerificationError("bad-artifact", "delta bytes do not match the announcement")
+            env, obj = check_submission(self._revision, self.latest().head, envelope, artifact)
         except (DecodeError, VerificationError) as exc:
             with self._lock:
                 self.rejected.append(exc.reason)
             return SubmitResult(accepted=False, reason=exc.reason)
-        self.put_artifact(artifact)
-        with self._lock:
-            self.updates.append((ann, env))
+        if isinstance(obj, JoinRequest):
+            with self._lock:
+                self.joins.append((env.signer, obj.capacity))
+        else:
+            assert artifact is not None
+            self.put_artifact(artifact)
+            with self._lock:
+                self.updates.append((obj, env))
         return SubmitResult(accepted=True, envelope_id=env.id)
 
     def peers(self) -> Sequence[PeerInfo]:
         with self._lock:
             return list(self._peers)
 
-    def subscribe(self, callback: HeadCallback) -> Callable[[], None]:
-        with self._lock:
-            self._subscribers.append(callback)
 
-        def unsubscribe() -> None:
-            with self._lock:
-                if callback in self._subscribers:
-                    self._subscribers.remove(callback)
+def lease_info(revision: Revision, head: Head, peer: PeerId) -> LeaseInfo:
+    """`peer`'s leases in the window after `head` (the lease function every peer computes)."""
+    shards = leases_of(head, revision.manifest).get(peer, ())
+    return LeaseInfo(peer=peer, window=head.window + 1, base=head.id, shards=shards)
 
-        return unsubscribe
 
-    def history(self) -> Sequence[WindowStats]:
-        with self._lock:
-            return list(self._history)
+class NodeEdgeView(ChainIndex):
+    """The `EdgeView` of a running node: the runtime feeds it and supplies three callables.
+
+    - The runtime calls `promote(head, certificate, accepted=..., rejected=..., bytes_sent=...,
+      bytes_received=..., time=...)` on every `HeadPromoted` effect (any thread; quick).
+    - `artifact_path(digest)`: the verified artifact's file in the node's store, or None.
+    - `relay(envelope, artifact)`: called from the edge's thread after `check_submission` passed; it must
+      hand the envelope (and store the artifact) to the engine on the node's own thread (e.g. with
+      ``trio.from_thread.run(..., trio_token=...)``), wait at most `SUBMIT_TIMEOUT_S` for the engine's
+      verdict, and return it. The engine verifies again; the edge is no trust boundary.
+    - `peers()`: the node's peers as `PeerInfo`s.
+    """
+
+    def __init__(self, *, peer_id: PeerId, roles: Iterable[str], revision: Revision, registry: Any,
+                 artifact_path: Callable[[bytes], Path | None],
+                 relay: Callable[[SignedEnvelope, bytes | None], SubmitResult],
+                 peers: Callable[[], Sequence[PeerInfo]],
+                 entries: Iterable[tuple[Head, QuorumCertificate]] = ()) -> None:
+        super().__init__(revision, entries)
+        self._peer_id, self._roles, self._revision, self._registry = peer_id, frozenset(roles), revision, registry
+        self._artifact_path, self._relay, self._peers = artifact_path, relay, peers
+
+    @property
+    def peer_id(self) -> PeerId:
+        return self._peer_id
+
+    @property
+    def roles(self) -> frozenset[str]:
+        return self._roles
+
+    @property
+    def revision(self) -> Revision:
+        return self._revision
+
+    @property
+    def registry(self) -> Any:
+        return self._registry
+
+    def artifact_path(self, digest: bytes) -> Path | None:
+        return self._artifact_path(digest)
+
+    def leases(self, peer: PeerId) -> LeaseInfo:
+        return lease_info(self._revision, self.latest().head, peer)
+
+    def submit(self, envelope: bytes, artifact: bytes | None) -> SubmitResult:
+        try:
+            env, _ = check_submission(self._revision, self.latest().head, envelope, artifact)
+        except (DecodeError, VerificationError) as exc:
+            return SubmitResult(accepted=False, reason=exc.reason)
+        return self._relay(env, artifact)
+
+    def peers(self) -> Sequence[PeerInfo]:
+        return list(self._peers())

@@ -544,6 +544,7 @@ class EdgeServer:
 
     def _run(self) -> None:
         loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
         self._loop = loop
         try:
             loop.run_until_complete(self._serve())
@@ -551,6 +552,12 @@ class EdgeServer:
             self._error = exc
             self._ready.set()
         finally:
+            # Handlers of idle keep-alive connections may outlive the runner; end them before closing.
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             loop.close()
 
     async def _serve(self) -> None:

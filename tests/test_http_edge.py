@@ -297,3 +297,36 @@ def test_dashboard_page_is_self_contained(world):
     assert status == 200 and headers["Content-Type"].startswith("text/html")
     assert 'id="chain-rows"' in page and 'id="curve"' in page
     assert "http://" not in page.replace("http://www.w3.org/", "") and "https://" not in page
+
+
+def test_node_edge_view_relays_only_checked_submissions(tmp_path):
+    from peerloom.adapters.edge_view import NodeEdgeView, SubmitResult
+
+    source = make_view(tmp_path)
+    heads = advance(source, 3)
+    relayed = []
+
+    def relay(envelope, artifact):
+        relayed.append((envelope.signer, artifact))
+        return SubmitResult(accepted=True, envelope_id=envelope.id)
+
+    entries = [(e.head, e.certificate) for e in source.chain(1, 10)]
+    view = NodeEdgeView(peer_id=source.peer_id, roles=("validator",), revision=source.revision,
+                        registry=source.registry, artifact_path=source.artifact_path, relay=relay,
+                        peers=source.peers, entries=entries[:2])
+    assert view.latest().head.id == heads[1].id and [w.window for w in view.history()] == [1, 2]
+    seen = []
+    view.subscribe(lambda h, c: seen.append(h.window))
+    view.promote(heads[2], entries[2][1], accepted=3)
+    view.promote(heads[1], entries[1][1])  # an old head is ignored
+    assert seen == [3] and view.history()[-1].accepted == 3
+    assert [e.head.window for e in view.chain(2, 5)] == [2, 3]
+    with EdgeServer(view) as server:
+        trainer = leaseholder(source)
+        artifact = b"delta" * 10
+        bad = signed_update(source, trainer, artifact, shards=(99,))
+        status, _, body = post(server, "/v1/updates", encode({"envelope": bad, "artifact": artifact}))
+        assert status == 422 and error_code(body) == "bad-lease" and relayed == []
+        good = signed_update(source, trainer, artifact)
+        status, _, _ = post(server, "/v1/updates", encode({"envelope": good, "artifact": artifact}))
+        assert status == 202 and relayed == [(trainer.peer_id, artifact)]
