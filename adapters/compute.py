@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from peerloom.backends.numpy import reduce as np_reduce
-from peerloom.backends.numpy.aggregate import aggregate
+from peerloom.backends.numpy.aggregate import aggregate, outer_step, screening_stats
 from peerloom.backends.numpy.screening import screen_delta
 from peerloom.backends.numpy.tensors import from_safetensors, tensor_digest, to_safetensors
 from peerloom.core.errors import DecodeError
@@ -43,7 +43,11 @@ class ComputeExecutor:
             case "train":
                 params = self.load(args["params"])
                 indices = [i for s in args["shards"] for i in self.shards[s]]
-                delta, metrics = self.workload.train(params, indices, args["seed"])
+                epochs = self._epochs_for(int(args.get("inner_steps", 0)), len(indices))
+                if epochs is None:
+                    delta, metrics = self.workload.train(params, indices, args["seed"])
+                else:
+                    delta, metrics = self.workload.train(params, indices, args["seed"], epochs=epochs)
                 ref, digest = self.save(delta)
                 return {"delta": ref, "delta_digest": digest, "train_loss": float(metrics["train_loss"])}
             case "screen":
@@ -54,18 +58,78 @@ class ComputeExecutor:
                 ok, reason, norm = screen_delta(delta, self.manifest.schema)
                 if ok and tensor_digest(delta) != args["delta_digest"]:
                     ok, reason = False, "digest-mismatch"
+                max_norm = float(args.get("max_norm", 0.0))
+                if ok and max_norm > 0.0 and not norm <= max_norm:
+                    ok, reason = False, "norm-bound"
                 return {"ok": ok, "reason": reason, "norm": norm}
             case "reduce":
-                if args["outer_optimizer"] != "fedavg":
-                    # DiLoCo needs its momentum committed in the head (issue 4); refuse rather than guess.
-                    raise ValueError(f"outer optimizer {args['outer_optimizer']!r} is not supported yet")
-                params = self.load(args["params"])
-                deltas = [self.load(ref) for ref in args["deltas"]]
-                centre = aggregate(args["rule"], deltas, args["weights"])
-                new = np_reduce.outer_sgd_step(params, centre, args["outer_lr"])
-                ref, digest = self.save(new)
-                return {"params": ref, "params_digest": digest}
+                return self._reduce(args)
             case "evaluate":
                 metrics = self.workload.evaluate(self.load(args["params"]))
                 return {"loss": float(metrics["loss"]), "accuracy": float(metrics["accuracy"])}
         raise ValueError(f"unknown task kind {kind!r}")
+
+    def _epochs_for(self, inner_steps: int, samples: int) -> int | None:
+        """Local epochs that cover about `inner_steps` mini-batches (DiLoCo's H); None = workload default.
+
+        The workloads count local epochs, not steps: H steps of `batch_size` samples is rounded up to
+        whole passes over the leased samples.
+        """
+        batch = getattr(self.workload, "batch_size", None)
+        if inner_steps <= 0 or not batch or samples <= 0:
+            return None
+        return max(1, -(-inner_steps * int(batch) // samples))
+
+    def _reduce(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Cohort screening, then aggregation and the outer optimizer step (spec/protocol.md §6-7).
+
+        The candidates (canonical order) are screened against each other: the robust centre is their
+        coordinate-wise median; a candidate whose L2 norm exceeds ``norm_ratio`` times the median norm is
+        an outlier (``norm-outlier``), else one whose cosine to the centre is below ``min_cosine`` is
+        (``cosine``). The rest are aggregated with the manifest's rule and the outer optimizer applied:
+        FedAvg (SGD, lr `outer_lr`) or DiLoCo (Nesterov momentum `outer_momentum`, state = the parent head's
+        `outer_state` artifact or zeros). Result: params, params_digest, outer_state (ArtifactRef or None),
+        outer_state_digest, outliers ([[candidate index, reason]]) and kept (candidate indices reduced).
+        """
+        params = self.load(args["params"])
+        deltas = [self.load(ref) for ref in args["deltas"]]
+        weights = list(args["weights"])
+        outliers = self._outliers(deltas, float(args.get("norm_ratio", 0.0)), float(args.get("min_cosine", -1.0)))
+        bad = {i for i, _ in outliers}
+        kept = [i for i in range(len(deltas)) if i not in bad]
+        out: dict[str, Any] = {"outliers": outliers, "kept": kept, "outer_state": None, "outer_state_digest": None}
+        if not kept:
+            out.update(params=args["params"], params_digest=tensor_digest(params))
+            return out
+        centre = aggregate(args["rule"], [deltas[i] for i in kept], [weights[i] for i in kept])
+        optimizer = args["outer_optimizer"]
+        if optimizer == "fedavg":
+            new = np_reduce.outer_sgd_step(params, centre, args["outer_lr"])
+        elif optimizer == "diloco":
+            state_ref = args.get("outer_state")
+            state = self.load(state_ref) if state_ref is not None else None
+            new, new_state = outer_step("diloco", params, centre, state, lr=args["outer_lr"],
+                                        momentum=args.get("outer_momentum", 0.9))
+            if new_state is not None:
+                out["outer_state"], out["outer_state_digest"] = self.save(new_state)
+        else:
+            raise ValueError(f"unknown outer optimizer {optimizer!r}")
+        out["params"], out["params_digest"] = self.save(new)
+        return out
+
+    @staticmethod
+    def _outliers(deltas: list[dict[str, np.ndarray]], norm_ratio: float, min_cosine: float) -> list[list[Any]]:
+        if len(deltas) < 2 or (norm_ratio <= 0.0 and min_cosine <= -1.0):
+            return []
+        centre = aggregate("median", deltas, [1] * len(deltas))
+        stats = [screening_stats(d, reference=centre) for d in deltas]
+        norms = sorted(s["global_norm"] for s in stats)
+        mid = len(norms) // 2
+        median_norm = norms[mid] if len(norms) % 2 else (norms[mid - 1] + norms[mid]) * 0.5
+        outliers: list[list[Any]] = []
+        for i, s in enumerate(stats):
+            if norm_ratio > 0.0 and s["global_norm"] > norm_ratio * median_norm:
+                outliers.append([i, "norm-outlier"])
+            elif min_cosine > -1.0 and s["cosine"] == s["cosine"] and s["cosine"] < min_cosine:
+                outliers.append([i, "cosine"])
+        return outliers

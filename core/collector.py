@@ -7,6 +7,13 @@ stable reason code. Each update moves through this table:
     announced --fetched--> screening --screened-ok--> accepted
                                      --screened-bad-> rejected
     announced --fetch-failed-> rejected
+    accepted  --outlier-----> rejected     (cohort screening inside the reduce task)
+
+Per-update screening (the ``screen`` task): decodable, schema, finite, the signed tensor digest, and the
+manifest's absolute norm bound. Replay: a delta whose tensor digest another author already announced in
+this window, or that an accepted update of a recent window carried, is ``screen-replay``. Cohort-relative
+screening (norm against the cohort median, cosine to the robust centre) runs in the ``reduce`` task over
+all individually accepted updates, because it needs the whole cohort.
 """
 
 from __future__ import annotations
@@ -31,7 +38,10 @@ TABLE: Table = {
     ("screening", "screened-ok"): "accepted",
     ("screening", "screened-bad"): "rejected",
     ("screening", "screen-failed"): "rejected",
+    ("announced", "replay"): "rejected",
+    ("accepted", "outlier"): "rejected",
 }
+REPLAY_WINDOWS = 8  # how many windows of accepted delta digests a collector remembers
 
 
 @attrs.define
@@ -54,6 +64,9 @@ class Collector:
         self.on_change = on_change
         self.closed = False
         self.offers: dict[PeerId, int] = {}
+        self.digests: dict[bytes, PeerId] = {}  # delta digest -> first author announcing it this window
+        quarantined = head.quarantined
+        self.quarantined = quarantined
 
     def offer(self, sender: PeerId, envelope: SignedEnvelope, *, force: bool = False) -> None:
         """Take one signed update announcement from `sender` (who may relay someone else's).
@@ -85,6 +98,8 @@ class Collector:
             e.rejected_by_reason["late"] += 1
         elif ann.base != self.head.id:
             e.reject(sender, "wrong-base")
+        elif author in self.quarantined:
+            e.reject(sender, "quarantined")
         elif author not in self.leases:
             e.reject(sender, "no-lease")
         elif ann.shards != self.leases[author]:
@@ -96,6 +111,11 @@ class Collector:
             entry = Entry(envelope=envelope, announcement=ann)
             self.entries[author] = entry
             window = self.window
+            first = self.digests.setdefault(ann.delta_digest, author)
+            seen = e.seen_deltas.get(ann.delta_digest)
+            if first != author or (seen is not None and seen < window):
+                self._move(entry, "replay", "screen-replay")
+                return
             e.fetch(ann.delta, [author, sender], lambda: self._fetched(window, author),
                     lambda reason: self._fetch_failed(window, author, reason))
 
@@ -112,7 +132,8 @@ class Collector:
             return
         entry.state = step("collector", TABLE, entry.state, "fetched")
         ann = entry.announcement
-        self.engine.run_task("screen", {"delta": ann.delta, "delta_digest": ann.delta_digest},
+        self.engine.run_task("screen", {"delta": ann.delta, "delta_digest": ann.delta_digest,
+                                        "max_norm": self.engine.manifest.max_update_norm},
                              lambda r: self._screened(author, r), lambda why: self._screen_failed(author, why))
 
     def _fetch_failed(self, window: int, author: PeerId, reason: str) -> None:
@@ -122,13 +143,30 @@ class Collector:
 
     def _screened(self, author: PeerId, result: dict[str, Any]) -> None:
         entry = self.entries[author]
+        if entry.state != "screening":
+            return
         if result["ok"]:
+            seen = self.engine.seen_deltas
+            seen.setdefault(entry.announcement.delta_digest, self.window)
             self._move(entry, "screened-ok")
         else:
             self._move(entry, "screened-bad", f"screen-{result['reason']}")
 
     def _screen_failed(self, author: PeerId, reason: str) -> None:
-        self._move(self.entries[author], "screen-failed", "screen-error")
+        if self.entries[author].state == "screening":
+            self._move(self.entries[author], "screen-failed", "screen-error")
+
+    def reject_outlier(self, author: PeerId, reason: str) -> None:
+        """Cohort screening found `author`'s accepted update an outlier (`reason` a ``screen-*`` code)."""
+        entry = self.entries[author]
+        if entry.state == "accepted":
+            self._move(entry, "outlier", reason)
+
+    def struck(self) -> list[Entry]:
+        """Updates rejected for a reason every honest validator reproduces (strikes), by update id."""
+        from .quarantine import STRIKE_REASONS
+        return sorted((x for x in self.entries.values() if x.state == "rejected" and x.reason in STRIKE_REASONS),
+                      key=lambda x: x.envelope.id)
 
     def complete(self) -> bool:
         """Every leased trainer has an update that is accepted or rejected."""
@@ -143,8 +181,10 @@ class Collector:
         return tuple(lease_weight(self.engine.manifest, x.announcement.shards) for x in cohort)
 
     def reduce_args(self, cohort: list[Entry]) -> dict[str, Any]:
-        """Arguments of the ``reduce`` task for `cohort` (already in canonical order) onto this window's base."""
+        """Arguments of the ``reduce`` task for candidates `cohort` (canonical order) onto this window's base:
+        cohort screening thresholds and the outer optimizer with the parent head's state."""
         m = self.engine.manifest
         return {"params": self.head.params, "deltas": tuple(x.announcement.delta for x in cohort),
                 "weights": self.weights(cohort), "rule": m.aggregation, "outer_optimizer": m.outer_optimizer,
-                "outer_lr": m.outer_lr}
+                "outer_lr": m.outer_lr, "outer_momentum": m.outer_momentum, "outer_state": self.head.outer_state,
+                "norm_ratio": m.norm_ratio, "min_cosine": m.min_cosine}

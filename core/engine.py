@@ -129,6 +129,7 @@ class Engine:
         self._stored: dict[bytes, ArtifactRef] = {r.digest: r for r in stored}
         self._fetches: dict[bytes, _Fetch] = {}
         self._tasks: dict[str, _Task] = {}
+        self.seen_deltas: dict[bytes, int] = {}  # accepted delta digest -> window (replay screening)
         records = dict(records or {})
         self.records = records
         self.head, self.certificate = self.revision.genesis(), QuorumCertificate(
@@ -322,6 +323,9 @@ class Engine:
     # --- internals -------------------------------------------------------------------------------
 
     def _open_next_window(self) -> None:
+        from .collector import REPLAY_WINDOWS
+        horizon = self.head.window + 1 - REPLAY_WINDOWS
+        self.seen_deltas = {d: w for d, w in self.seen_deltas.items() if w >= horizon}
         stop = self.config.stop_after_window
         if stop is not None and self.head.window >= stop:
             self.log("finished", window=self.head.window)

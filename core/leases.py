@@ -44,10 +44,29 @@ def assign_shards(head_id: bytes, window: int, num_shards: int,
     return leases
 
 
+_CACHE: dict[bytes, dict[PeerId, tuple[int, ...]]] = {}
+_CACHE_SIZE = 16
+
+
 def leases_of(head: Head, manifest: Manifest) -> dict[PeerId, tuple[int, ...]]:
-    """The leases of window `head.window + 1`: trainer -> its sorted shard numbers."""
+    """The leases of window `head.window + 1`: trainer -> its sorted shard numbers (do not mutate).
+
+    Computed once per head and shared (a head id names its revision, hence the manifest): every engine in
+    one process - a simulator's ten thousand trainers included - reuses one assignment per window.
+    """
+    key = head.id
+    cached = _CACHE.get(key)
+    if cached is None:
+        cached = _compute_leases(head, manifest)
+        if len(_CACHE) >= _CACHE_SIZE:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = cached
+    return cached
+
+
+def _compute_leases(head: Head, manifest: Manifest) -> dict[PeerId, tuple[int, ...]]:
     owners = assign_shards(head.id, head.window + 1, len(manifest.shards), head.roster, manifest.max_capacity,
-                           frozenset(head.quarantine))
+                           head.quarantined)
     by_peer: dict[PeerId, list[int]] = {}
     for shard, peer in owners.items():
         by_peer.setdefault(peer, []).append(shard)

@@ -28,7 +28,11 @@ MAX_PEERS = 4096
 MAX_COHORT = 4096
 # Protocol names of aggregation rules and outer optimizers a manifest may choose (spec/protocol.md §7).
 AGGREGATION_RULES = ("mean", "median", "trimmed_mean", "krum", "multi_krum", "centered_clip", "norm_clip")
-OUTER_OPTIMIZERS = ("fedavg",)
+OUTER_OPTIMIZERS = ("fedavg", "diloco")
+# Screening reasons of cohort-relative outliers (the reduce task's cohort screening).
+OUTLIER_REASONS = frozenset({"screen-norm-outlier", "screen-cosine"})
+# DiLoCo outer Nesterov momentum default (Douillard et al., arXiv 2311.08105); FedAvg has none.
+DILOCO_MOMENTUM = 0.9
 
 
 # --- artifacts ---------------------------------------------------------------------------------------
@@ -138,6 +142,22 @@ class Manifest:
     genesis_params: ArtifactRef
     genesis_params_digest: bytes
     roster: tuple[RosterEntry, ...]
+    # Screening thresholds (spec/protocol.md §6). 0 disables the absolute norm bound and the cohort-relative
+    # norm ratio; min_cosine -1 disables the cosine test.
+    max_update_norm: float = 0.0
+    norm_ratio: float = 10.0
+    min_cosine: float = -1.0
+    # Quarantine (spec/protocol.md §9): `quarantine_strikes` screening rejections within `strike_windows`
+    # windows quarantine a trainer for `quarantine_windows` windows.
+    quarantine_strikes: int = 3
+    strike_windows: int = 5
+    quarantine_windows: int = 10
+    # Outer optimizer: momentum (DiLoCo: Nesterov 0.9; FedAvg: 0) and trainers' inner steps H (0 = the
+    # workload's own local epochs).
+    outer_momentum: float = attrs.field(
+        default=attrs.Factory(lambda self: DILOCO_MOMENTUM if self.outer_optimizer == "diloco" else 0.0,
+                              takes_self=True))
+    inner_steps: int = 0
 
     def __attrs_post_init__(self) -> None:
         n = len(self.validators)
@@ -151,6 +171,13 @@ class Manifest:
             raise DecodeError("bad-field", f"unknown rule {self.aggregation!r} or optimizer {self.outer_optimizer!r}")
         if self.window_s <= 0 or self.min_updates < 1 or self.max_capacity < 1:
             raise DecodeError("bad-field", "window_s, min_updates and max_capacity must be positive")
+        if not (self.max_update_norm >= 0 and self.norm_ratio >= 0 and -1.0 <= self.min_cosine <= 1.0
+                and 0.0 <= self.outer_momentum < 1.0 and self.outer_lr > 0):
+            raise DecodeError("bad-field", "screening thresholds or outer optimizer settings out of range")
+        if self.quarantine_strikes < 1 or self.strike_windows < 1 or self.quarantine_windows < 1:
+            raise DecodeError("bad-field", "quarantine thresholds must be positive")
+        if self.outer_optimizer == "fedavg" and self.outer_momentum != 0.0:
+            raise DecodeError("bad-field", "fedavg has no outer momentum; use diloco")
 
     def to_cbor(self) -> dict[str, Any]:
         return {
@@ -162,6 +189,10 @@ class Manifest:
             "outer_lr": self.outer_lr, "chunk_size": self.chunk_size,
             "genesis_params": self.genesis_params.to_cbor(),
             "genesis_params_digest": self.genesis_params_digest, "roster": _roster_to_cbor(self.roster),
+            "max_update_norm": self.max_update_norm, "norm_ratio": self.norm_ratio, "min_cosine": self.min_cosine,
+            "quarantine_strikes": self.quarantine_strikes, "strike_windows": self.strike_windows,
+            "quarantine_windows": self.quarantine_windows, "outer_momentum": self.outer_momentum,
+            "inner_steps": self.inner_steps,
         }
 
     @classmethod
@@ -190,6 +221,12 @@ class Manifest:
             genesis_params=ArtifactRef.from_cbor(body["genesis_params"]),
             genesis_params_digest=f.cid(body, "genesis_params_digest"),
             roster=_roster_from_cbor(body, "roster", max_capacity),
+            max_update_norm=f.number(body, "max_update_norm"), norm_ratio=f.number(body, "norm_ratio"),
+            min_cosine=f.number(body, "min_cosine"),
+            quarantine_strikes=f.uint(body, "quarantine_strikes", maximum=1 << 16),
+            strike_windows=f.uint(body, "strike_windows", maximum=1 << 16),
+            quarantine_windows=f.uint(body, "quarantine_windows", maximum=1 << 20),
+            outer_momentum=f.number(body, "outer_momentum"), inner_steps=f.uint(body, "inner_steps", maximum=1 << 24),
         )
 
     def seal(self, authority: Identity) -> SignedEnvelope:
@@ -199,7 +236,8 @@ class Manifest:
 _MANIFEST_KEYS = frozenset({
     "experiment", "workload", "workload_seed", "schema", "shards", "validators", "quorum", "window_s",
     "min_updates", "max_capacity", "aggregation", "outer_optimizer", "outer_lr", "chunk_size",
-    "genesis_params", "genesis_params_digest", "roster",
+    "genesis_params", "genesis_params_digest", "roster", "max_update_norm", "norm_ratio", "min_cosine",
+    "quarantine_strikes", "strike_windows", "quarantine_windows", "outer_momentum", "inner_steps",
 })
 
 
@@ -231,19 +269,44 @@ class Revision:
     def genesis(self) -> Head:
         m = self.manifest
         return Head(revision=self.id, parent=None, window=0, skipped=False, params=m.genesis_params,
-                    params_digest=m.genesis_params_digest, cohort=(), roster=m.roster, quarantine=(),
-                    metrics={})
+                    params_digest=m.genesis_params_digest, cohort=(), roster=m.roster)
 
 
 # --- heads and certificates --------------------------------------------------------------------------
 
+QuarantineRecord = tuple[PeerId, int]  # (peer, first window in which it may hold a lease again)
+StrikeRecord = tuple[PeerId, int, int]  # (peer, screening rejections counted, window of the latest)
+Evidence = tuple[SignedEnvelope, SignedEnvelope]  # two conflicting votes of one validator, sorted by id
+
+
+def _peer_records(body: dict[str, Any], key: str, width: int) -> tuple[Any, ...]:
+    out = []
+    for item in f.array(body, key, max_len=MAX_PEERS):
+        if not (isinstance(item, list) and len(item) == width):
+            raise DecodeError("bad-field", f"{key} entries are {width}-element arrays")
+        rec = {str(i): v for i, v in enumerate(item)}
+        out.append((f.peer(rec, "0"), *(f.uint(rec, str(i)) for i in range(1, width))))
+    peers = [r[0] for r in out]
+    if peers != sorted(set(peers)):
+        raise DecodeError("bad-field", f"{key} must be sorted by peer id without duplicates")
+    return tuple(out)
+
+
 @attrs.frozen(kw_only=True)
 class Head:
-    """A block of the chain: the model after window `window` (DESIGN §4).
+    """A block of the chain: the model after window `window` (DESIGN §4, spec/protocol.md §2).
 
     `skipped` heads record a window that closed with too few updates: params unchanged, empty cohort.
     `roster` names the trainers (peer, capacity) that hold leases in window `window + 1`.
     `metrics` are validation numbers (e.g. ``test_loss``, ``test_accuracy``) computed by validators.
+    `quarantine` holds (peer, release window) records sorted by peer: a peer is quarantined for window
+    `window + 1` iff its release window is greater. `strikes` counts screening rejections per trainer
+    (peer, count, latest window); `rejected` lists the update ids this window rejected by deterministic
+    screening (their envelopes travel in the head proposal); `evidence` holds equivocation evidence (two
+    conflicting signed votes of one validator). `outer_state` is the outer optimizer's state artifact
+    (DiLoCo momentum; None for FedAvg and at genesis, meaning zeros) and `outer_state_digest` its tensor
+    digest. Every field is derived deterministically from the parent and the window's inputs
+    (`core/quarantine.py`), so every validator recomputes the same head.
     """
 
     revision: bytes
@@ -254,15 +317,30 @@ class Head:
     params_digest: bytes
     cohort: tuple[bytes, ...]
     roster: tuple[RosterEntry, ...]
-    quarantine: tuple[PeerId, ...]
-    metrics: Mapping[str, float] = attrs.field(converter=lambda m: dict(sorted(m.items())))
+    quarantine: tuple[QuarantineRecord, ...] = ()
+    metrics: Mapping[str, float] = attrs.field(factory=dict, converter=lambda m: dict(sorted(m.items())))
+    strikes: tuple[StrikeRecord, ...] = ()
+    rejected: tuple[bytes, ...] = ()
+    evidence: tuple[Evidence, ...] = ()
+    outer_state: ArtifactRef | None = None
+    outer_state_digest: bytes | None = None
+
+    @property
+    def quarantined(self) -> frozenset[PeerId]:
+        """Peers that hold no lease and no cohort slot in window `window + 1`."""
+        return frozenset(p for p, until in self.quarantine if until > self.window + 1)
 
     def to_cbor(self) -> dict[str, Any]:
         return {
             "revision": self.revision, "parent": self.parent, "window": self.window, "skipped": self.skipped,
             "params": self.params.to_cbor(), "params_digest": self.params_digest, "cohort": list(self.cohort),
-            "roster": _roster_to_cbor(self.roster), "quarantine": [p.to_bytes() for p in self.quarantine],
+            "roster": _roster_to_cbor(self.roster),
+            "quarantine": [[p.to_bytes(), until] for p, until in self.quarantine],
             "metrics": dict(self.metrics),
+            "strikes": [[p.to_bytes(), n, w] for p, n, w in self.strikes], "rejected": list(self.rejected),
+            "evidence": [[a.to_cbor(), b.to_cbor()] for a, b in self.evidence],
+            "outer_state": None if self.outer_state is None else self.outer_state.to_cbor(),
+            "outer_state_digest": self.outer_state_digest,
         }
 
     @classmethod
@@ -271,17 +349,31 @@ class Head:
         cohort = f.array(body, "cohort", max_len=MAX_COHORT)
         for i in range(len(cohort)):
             f.cid({"c": cohort[i]}, "c")
+        rejected = f.array(body, "rejected", max_len=MAX_COHORT)
+        for r in rejected:
+            f.cid({"c": r}, "c")
+        if rejected != sorted(set(rejected)):
+            raise DecodeError("bad-field", "rejected must be sorted distinct update ids")
         metrics = body["metrics"]
         if not isinstance(metrics, dict) or len(metrics) > 64 or not all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) for v in metrics.values()):
             raise DecodeError("bad-field", "metrics must map names to numbers")
+        evidence = []
+        for item in f.array(body, "evidence", max_len=64):
+            if not (isinstance(item, list) and len(item) == 2):
+                raise DecodeError("bad-field", "evidence entries are [vote, vote]")
+            evidence.append((SignedEnvelope.from_cbor(item[0]), SignedEnvelope.from_cbor(item[1])))
+        state = body["outer_state"]
         return cls(
             revision=f.cid(body, "revision"), parent=f.optional_cid(body, "parent"),
             window=f.uint(body, "window"), skipped=f.boolean(body, "skipped"),
             params=ArtifactRef.from_cbor(body["params"]), params_digest=f.cid(body, "params_digest"),
             cohort=tuple(cohort), roster=_roster_from_cbor(body, "roster", 1 << 16),
-            quarantine=tuple(f.peer({"q": q}, "q") for q in f.array(body, "quarantine", max_len=MAX_PEERS)),
+            quarantine=_peer_records(body, "quarantine", 2),
             metrics={k: float(v) for k, v in metrics.items()},
+            strikes=_peer_records(body, "strikes", 3), rejected=tuple(rejected), evidence=tuple(evidence),
+            outer_state=None if state is None else ArtifactRef.from_cbor(state),
+            outer_state_digest=f.optional_cid(body, "outer_state_digest"),
         )
 
     def to_bytes(self) -> bytes:
@@ -294,7 +386,8 @@ class Head:
 
 
 _HEAD_KEYS = frozenset({"revision", "parent", "window", "skipped", "params", "params_digest", "cohort", "roster",
-                        "quarantine", "metrics"})
+                        "quarantine", "metrics", "strikes", "rejected", "evidence", "outer_state",
+                        "outer_state_digest"})
 
 VOTE_KIND = "vote"
 PREVOTE, PRECOMMIT = "prevote", "precommit"
@@ -475,17 +568,19 @@ class HeadProposal:
     valid_round: int | None
     head: Head
     updates: tuple[SignedEnvelope, ...]
+    rejected: tuple[SignedEnvelope, ...] = ()
 
     def to_cbor(self) -> dict[str, Any]:
         return {"revision": self.revision, "window": self.window, "round": self.round,
                 "valid_round": self.valid_round, "head": self.head.to_cbor(),
-                "updates": [u.to_cbor() for u in self.updates]}
+                "updates": [u.to_cbor() for u in self.updates], "rejected": [u.to_cbor() for u in self.rejected]}
 
     @classmethod
     def from_cbor(cls, obj: Any) -> HeadProposal:
-        body = f.exact_keys(obj, frozenset({"revision", "window", "round", "valid_round", "head", "updates"}),
-                            "head-proposal")
+        body = f.exact_keys(obj, frozenset({"revision", "window", "round", "valid_round", "head", "updates",
+                                            "rejected"}), "head-proposal")
         valid_round = None if body["valid_round"] is None else f.uint(body, "valid_round")
         updates = tuple(SignedEnvelope.from_cbor(u) for u in f.array(body, "updates", max_len=MAX_COHORT))
+        rejected = tuple(SignedEnvelope.from_cbor(u) for u in f.array(body, "rejected", max_len=MAX_COHORT))
         return cls(revision=f.cid(body, "revision"), window=f.uint(body, "window"), round=f.uint(body, "round"),
-                   valid_round=valid_round, head=Head.from_cbor(body["head"]), updates=updates)
+                   valid_round=valid_round, head=Head.from_cbor(body["head"]), updates=updates, rejected=rejected)

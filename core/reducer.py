@@ -67,12 +67,18 @@ class ReducerRole:
             self._step("close-skip")
             return
         self._step("close")
-        window, ids = c.window, tuple(x.envelope.id for x in cohort)
+        window = c.window
         args = c.reduce_args(cohort)
 
         def reduced(result: dict[str, Any]) -> None:
             e.note_stored(result["params"])
             if c is not self.collector or self.state != "reducing":
+                return
+            for i, reason in result["outliers"]:
+                c.reject_outlier(cohort[i].envelope.signer, f"screen-{reason}")
+            ids = tuple(cohort[i].envelope.id for i in result["kept"])
+            if len(ids) < e.manifest.min_updates:
+                self._step("reduce-failed")
                 return
             self._step("reduced")
             proposal = seal(e.identity, ReductionProposal(

@@ -100,7 +100,7 @@ class TrainerRole:
         self._step("params-stored")
         e = self.engine
         args = {"params": self.head.params, "shards": self.shards, "seed": e.rng.getrandbits(32),
-                "window": window}
+                "window": window, "inner_steps": e.manifest.inner_steps}
         e.run_task("train", args, lambda r: self._trained(window, r), lambda why: self._train_failed(window, why))
 
     def _fetch_failed(self, window: int, reason: str) -> None:

@@ -29,6 +29,7 @@ from .fsm import Table, step
 from .identity import PeerId
 from .messages import Signed
 from .objects import (
+    OUTLIER_REASONS,
     PRECOMMIT,
     PREVOTE,
     PROTOCOL_VERSION,
@@ -41,6 +42,7 @@ from .objects import (
     seal,
     sign_vote,
 )
+from .quarantine import STRIKE_REASONS, check_evidence, make_evidence, next_records
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -56,6 +58,7 @@ MAX_HELD = 4096
 METRIC_TOLERANCE = 1e-4
 PROPOSER_DOMAIN = b"peerloom/proposer/v1"
 
+# A proposed value: the head and the signed announcements it names - its cohort's and its rejected ones.
 Value = tuple[Head, tuple[SignedEnvelope, ...]]
 
 
@@ -98,6 +101,8 @@ class ValidatorRole:
         self.proposal_signer: dict[bytes, PeerId] = {}
         self.reducer_proposals: dict[int, dict[PeerId, ReductionProposal]] = {}
         self.results: dict[int, tuple[tuple[bytes, ...], bytes]] = {}
+        self.vote_envelopes: dict[tuple[int, int, str, PeerId], SignedEnvelope] = {}
+        self.evidence: dict[PeerId, tuple[SignedEnvelope, SignedEnvelope]] = {}  # not yet in a certified head
 
     def _step(self, event: str) -> None:
         self.state = step("validator", TABLE, self.state, event)
@@ -117,6 +122,9 @@ class ValidatorRole:
         self.verdicts, self.checks = {}, {}
         self.reducer_proposals = {w: v for w, v in self.reducer_proposals.items() if w >= window}
         self.results = {w: v for w, v in self.results.items() if w >= window}
+        self.evidence = {p: x for p, x in self.evidence.items() if p not in head.quarantined}
+        self.vote_envelopes = {k: v for k, v in self.vote_envelopes.items() if k[0] >= window}
+        self.vote_of = {k: v for k, v in self.vote_of.items() if k[0] >= window}
         e.log("window-open", window=window, leases=len(self.collector.leases))
         m = e.manifest
         self.agreement = WindowAgreement(self, e.me, m.validators, m.quorum, timeout_s=e.config.agreement_timeout_s,
@@ -141,7 +149,7 @@ class ValidatorRole:
         if lock_key(window) in e.records:
             record = decode(e.records[lock_key(window)], max_bytes=e.config.max_message_bytes)
             proposal = HeadProposal.from_cbor(record["proposal"])
-            locked, locked_round = (proposal.head, proposal.updates), record["round"]
+            locked, locked_round = (proposal.head, proposal.updates + proposal.rejected), record["round"]
             self.verdicts[proposal.head.id] = True  # we checked it before we locked on it
         assert self.agreement is not None
         self.agreement.restore(round_, PRECOMMIT if PRECOMMIT in steps else PREVOTE, locked, locked_round)
@@ -204,57 +212,102 @@ class ValidatorRole:
         if self.own is None and not self.building:
             cohort = c.cohort()
             if len(cohort) < e.manifest.min_updates:
-                skip = self._skip_head(c.head)
-                e.log("window-skipped", window=c.window, accepted=len(cohort), needed=e.manifest.min_updates)
-                self.own = (skip, ())
-                self.verdicts[skip.id] = True
+                self._own_skip(len(cohort))
             else:
                 self.building = True
-                updates = tuple(x.envelope for x in cohort)
-                self._compute(updates, self._built)
+                self._compute(tuple(x.envelope for x in cohort), None, self._built)
         return self.own
 
-    def _built(self, head: Head | None, updates: tuple[SignedEnvelope, ...]) -> None:
+    def _own_skip(self, accepted: int) -> None:
+        e, c = self.engine, self.collector
+        assert c is not None
+        skip = self._skip_head(c.head, self._pending_evidence(c.head))
+        e.log("window-skipped", window=c.window, accepted=accepted, needed=e.manifest.min_updates)
+        self.own = (skip, ())
+        self.verdicts[skip.id] = True
+
+    def _pending_evidence(self, parent: Head) -> tuple[tuple[SignedEnvelope, SignedEnvelope], ...]:
+        quarantined = parent.quarantined
+        return tuple(x for p, x in sorted(self.evidence.items()) if p not in quarantined)
+
+    def _built(self, result: dict[str, Any] | None) -> None:
         self.building = False
-        if head is None or self.collector is None or head.window != self.collector.window:
+        e, c = self.engine, self.collector
+        if result is None or c is None or result["window"] != c.window:
             return
-        self.own = (head, updates)
-        self.verdicts[head.id] = True
-        self.results[head.window] = (head.cohort, head.params_digest)
-        for reducer, proposal in self.reducer_proposals.get(head.window, {}).items():
-            self._compare(reducer, proposal)
+        for author, reason in result["outliers"]:
+            c.reject_outlier(author, reason)
+        if len(result["kept"]) < e.manifest.min_updates:
+            self._own_skip(len(result["kept"]))
+        else:
+            struck = tuple(x.envelope for x in c.struck())
+            head = self._make_head(result, struck, self._pending_evidence(c.head))
+            kept = {u.id for u in result["candidates"] if u.signer in result["kept"]}
+            self.own = (head, tuple(u for u in result["candidates"] if u.id in kept) + struck)
+            self.verdicts[head.id] = True
+            self.results[head.window] = (head.cohort, head.params_digest)
+            for reducer, proposal in self.reducer_proposals.get(head.window, {}).items():
+                self._compare(reducer, proposal)
         if self.agreement is not None:
             self.agreement.progress()
 
-    def _skip_head(self, parent: Head) -> Head:
-        return Head(revision=parent.revision, parent=parent.id, window=parent.window + 1, skipped=True,
+    def _skip_head(self, parent: Head, evidence: tuple[tuple[SignedEnvelope, SignedEnvelope], ...]) -> Head:
+        window = parent.window + 1
+        quarantine, strikes = next_records(parent, window, (), (a.signer for a, _ in evidence), self.engine.manifest)
+        return Head(revision=parent.revision, parent=parent.id, window=window, skipped=True,
                     params=parent.params, params_digest=parent.params_digest, cohort=(),
-                    roster=self._next_roster(parent), quarantine=parent.quarantine, metrics=parent.metrics)
+                    roster=self._next_roster(parent, quarantine), quarantine=quarantine, metrics=parent.metrics,
+                    strikes=strikes, evidence=evidence, outer_state=parent.outer_state,
+                    outer_state_digest=parent.outer_state_digest)
 
-    def _compute(self, updates: tuple[SignedEnvelope, ...], done: Any) -> None:
-        """Reduce `updates` (canonical order) onto the parent, evaluate, and call done(head, updates)."""
+    def _make_head(self, result: dict[str, Any], rejected: tuple[SignedEnvelope, ...],
+                   evidence: tuple[tuple[SignedEnvelope, SignedEnvelope], ...]) -> Head:
+        """The head of a reduction `result`, with the quarantine records its rejections and evidence imply."""
         e, c = self.engine, self.collector
         assert c is not None
-        updates = tuple(sorted(updates, key=lambda u: u.id))
-        entries = [c.entries[u.signer] for u in updates]
-        window, parent = c.window, c.head
+        parent, window = c.head, c.window
+        quarantine, strikes = next_records(parent, window, (u.signer for u in rejected),
+                                           (a.signer for a, _ in evidence), e.manifest)
+        return Head(revision=e.revision.id, parent=parent.id, window=window, skipped=False,
+                    params=result["params"], params_digest=result["params_digest"],
+                    cohort=tuple(sorted(u.id for u in result["candidates"] if u.signer in result["kept"])),
+                    roster=self._next_roster(parent, quarantine), quarantine=quarantine,
+                    metrics=result["metrics"], strikes=strikes, rejected=tuple(sorted(u.id for u in rejected)),
+                    evidence=evidence, outer_state=result["outer_state"],
+                    outer_state_digest=result["outer_state_digest"])
+
+    def _compute(self, candidates: tuple[SignedEnvelope, ...], check: _Check | None, done: Any) -> None:
+        """Screen the candidates against each other, reduce the rest onto the parent (canonical order),
+        evaluate, and call ``done(result)`` with the task results (or None on failure). The result names
+        outliers and kept members by author."""
+        e, c = self.engine, self.collector
+        assert c is not None
+        candidates = tuple(sorted(candidates, key=lambda u: u.id))
+        entries = [c.entries[u.signer] for u in candidates]
+        window = c.window
         args = c.reduce_args(entries)
-        train_loss = sum(x.announcement.train_loss for x in entries) / len(entries)
 
         def reduced(result: dict[str, Any]) -> None:
             e.note_stored(result["params"])
+            if result.get("outer_state") is not None:
+                e.note_stored(result["outer_state"])
+            outliers = [(candidates[i].signer, f"screen-{reason}") for i, reason in result["outliers"]]
+            kept = [candidates[i].signer for i in result["kept"]]
+            if not kept:
+                done({"window": window, "outliers": outliers, "kept": kept, "candidates": candidates})
+                return
+            train_loss = sum(entries[i].announcement.train_loss for i in result["kept"]) / len(kept)
 
             def evaluated(metrics: dict[str, Any]) -> None:
-                done(Head(revision=e.revision.id, parent=parent.id, window=window, skipped=False,
-                          params=result["params"], params_digest=result["params_digest"],
-                          cohort=tuple(u.id for u in updates), roster=self._next_roster(parent),
-                          quarantine=parent.quarantine,
-                          metrics={"test_loss": float(metrics["loss"]), "test_accuracy": float(metrics["accuracy"]),
-                                   "train_loss": float(train_loss)}), updates)
+                done({"window": window, "outliers": outliers, "kept": kept, "candidates": candidates,
+                      "params": result["params"], "params_digest": result["params_digest"],
+                      "outer_state": result.get("outer_state"), "outer_state_digest": result.get("outer_state_digest"),
+                      "metrics": {"test_loss": float(metrics["loss"]), "test_accuracy": float(metrics["accuracy"]),
+                                  "train_loss": float(train_loss)}})
 
-            e.run_task("evaluate", {"params": result["params"]}, evaluated, lambda why: done(None, updates))
+            e.run_task("evaluate", {"params": result["params"]}, evaluated, lambda why: done(None))
 
-        e.run_task("reduce", args, reduced, lambda why: done(None, updates))
+        e.run_task("reduce", args, reduced, lambda why: done(None))
 
     def validity(self, head: Head, updates: tuple[SignedEnvelope, ...]) -> bool | None:
         """True/False once this validator has recomputed `head`; None while it is still checking."""
@@ -282,6 +335,19 @@ class ValidatorRole:
             self._advance(check)
         return self.verdicts.get(head.id)
 
+    def _evidence_fault(self, head: Head) -> str:
+        e, c = self.engine, self.collector
+        assert c is not None
+        signers = []
+        for pair in head.evidence:
+            try:
+                signers.append(check_evidence(pair, e.revision.id, e.manifest))
+            except (DecodeError, VerificationError):
+                return "bad-evidence"
+        if signers != sorted(set(signers)) or set(signers) & c.head.quarantined:
+            return "bad-evidence"
+        return ""
+
     def proposer_of_head(self, head: Head) -> PeerId:
         """Who proposed `head` (charged for its bad updates); ourselves for our own head."""
         return self.proposal_signer.get(head.id, self.engine.me)
@@ -292,51 +358,80 @@ class ValidatorRole:
         parent = c.head
         if head.revision != e.revision.id or head.parent != parent.id or head.window != c.window:
             return "wrong-parent"
-        if head.quarantine != parent.quarantine:
-            return "quarantine-changed"
+        fault = self._evidence_fault(head)
+        if fault:
+            return fault
+        cohort = tuple(u for u in updates if u.id in set(head.cohort))
+        rejected = tuple(u for u in updates if u.id in set(head.rejected))
+        quarantine, strikes = next_records(parent, c.window, (u.signer for u in rejected),
+                                           (a.signer for a, _ in head.evidence), e.manifest)
+        if (head.quarantine, head.strikes) != (quarantine, strikes):
+            return "quarantine-mismatch"
         roster, before = dict(head.roster), dict(parent.roster)
         if any(roster.get(p) != cap for p, cap in before.items()):
             return "roster-shrunk"
-        if any(p not in self.joins and p not in before for p in roster):
+        if any(p not in self.joins and p not in before for p in roster) or \
+                any(p in head.quarantined for p in roster if p not in before):
             return "roster-unknown-join"
         if head.skipped:
-            if updates or head.cohort or head.params != parent.params or head.metrics != parent.metrics:
+            if updates or head.cohort or head.rejected or head.params != parent.params or \
+                    head.metrics != parent.metrics or head.outer_state != parent.outer_state:
                 return "bad-skip"
             return ""
-        ids = tuple(u.id for u in updates)
-        if head.cohort != tuple(sorted(ids)) or len(set(ids)) != len(ids):
+        ids = tuple(u.id for u in cohort)
+        if len(cohort) + len(rejected) != len(updates) or head.cohort != tuple(sorted(ids)) or \
+                len(set(ids)) != len(ids) or head.rejected != tuple(sorted(u.id for u in rejected)):
             return "cohort-mismatch"
-        if len({u.signer for u in updates}) != len(updates) or len(updates) < e.manifest.min_updates:
+        if len({u.signer for u in updates}) != len(updates) or len(cohort) < e.manifest.min_updates:
             return "cohort-too-small"
+        if {u.signer for u in cohort} & parent.quarantined:
+            return "cohort-quarantined"
         return ""
 
     def _advance(self, check: _Check) -> None:
+        """Once every named update is screened here: cohort members must pass individual screening, rejected
+        ones must fail it deterministically or be outliers, which the recomputation must confirm."""
         c = self.collector
         assert c is not None
+        if check.stage != "screening":
+            return
         head = check.head
-        states = []
+        cohort_ids, candidates, outliers, pending = set(head.cohort), [], set(), False
         for u in check.updates:
             entry = c.entries.get(u.signer)
-            if entry is None or entry.envelope.id != u.id or entry.state == "rejected":
-                states.append("bad")
+            if entry is None or entry.envelope.id != u.id:
+                state = "bad"
+            elif entry.state == "accepted" or (entry.state == "rejected" and entry.reason in OUTLIER_REASONS):
+                state = "ok"
+            elif entry.state == "rejected":
+                state = "struck" if entry.reason in STRIKE_REASONS else "bad"
             else:
-                states.append(entry.state)
-        if "bad" in states:
-            check.stage = "done"
-            self._verdict(head, False, "cohort-update-rejected")
-        elif all(s == "accepted" for s in states):
-            check.stage = "computing"
-            self._compute(check.updates, lambda mine, _: self._compared(check, mine))
+                state, pending = "pending", True
+            if state == "bad" or (u.id in cohort_ids and state == "struck"):
+                check.stage = "done"
+                self._verdict(head, False, "cohort-update-rejected")
+                return
+            if state == "ok":
+                candidates.append(u)
+                if u.id not in cohort_ids:
+                    outliers.add(u.signer)
+        if pending:
+            return
+        check.stage = "computing"
+        self._compute(tuple(candidates), check, lambda mine: self._compared(check, mine, outliers))
 
-    def _compared(self, check: _Check, mine: Head | None) -> None:
+    def _compared(self, check: _Check, mine: dict[str, Any] | None, outliers: set[PeerId]) -> None:
         check.stage = "done"
         head = check.head
-        if mine is None:
+        if mine is None or "params" not in mine:
             self._verdict(head, False, "recompute-failed")
-        elif (mine.params, mine.params_digest, mine.cohort) != (head.params, head.params_digest, head.cohort):
+        elif {p for p, _ in mine["outliers"]} != outliers:
+            self._verdict(head, False, "outliers-mismatch")
+        elif (mine["params"], mine["params_digest"], mine["outer_state_digest"]) != (
+                head.params, head.params_digest, head.outer_state_digest) or mine["outer_state"] != head.outer_state:
             self._verdict(head, False, "params-mismatch")
-        elif set(mine.metrics) != set(head.metrics) or any(
-                abs(mine.metrics[k] - head.metrics[k]) > METRIC_TOLERANCE for k in mine.metrics):
+        elif set(mine["metrics"]) != set(head.metrics) or any(
+                abs(mine["metrics"][k] - head.metrics[k]) > METRIC_TOLERANCE for k in mine["metrics"]):
             self._verdict(head, False, "metrics-mismatch")
         else:
             self.results[head.window] = (head.cohort, head.params_digest)
@@ -350,9 +445,10 @@ class ValidatorRole:
         if self.agreement is not None and self.collector is not None and head.window == self.collector.window:
             self.agreement.progress()
 
-    def _next_roster(self, head: Head) -> tuple[tuple[PeerId, int], ...]:
+    def _next_roster(self, head: Head, quarantine: tuple[tuple[PeerId, int], ...]) -> tuple[tuple[PeerId, int], ...]:
+        """The parent's roster plus joins seen here, except from peers quarantined by the new head."""
         roster = dict(head.roster)
-        quarantined = set(head.quarantine)
+        quarantined = {p for p, until in quarantine if until > head.window + 2}
         for peer, capacity in self.joins.items():
             if peer not in quarantined and peer not in roster:
                 roster[peer] = min(capacity, self.engine.manifest.max_capacity)
@@ -386,8 +482,7 @@ class ValidatorRole:
 
         locked = self.agreement.locked if self.agreement is not None else None
         if vote_step == PRECOMMIT and head_id is not None and locked is not None:
-            proposal = HeadProposal(revision=e.revision.id, window=window, round=round_, valid_round=None,
-                                    head=locked[0], updates=locked[1])
+            proposal = self._head_proposal(window, round_, None, locked[0], locked[1])
             e.persist_then(lock_key(window), encode({"round": round_, "proposal": proposal.to_cbor()}), persist_vote)
         else:
             persist_vote()
@@ -398,8 +493,7 @@ class ValidatorRole:
         if key in e.records:
             envelope = SignedEnvelope.from_bytes(e.records[key])
         else:
-            envelope = seal(e.identity, HeadProposal(revision=e.revision.id, window=window, round=round_,
-                                                     valid_round=valid_round, head=head, updates=updates))
+            envelope = seal(e.identity, self._head_proposal(window, round_, valid_round, head, updates))
 
         def send() -> None:
             e.log("head-proposal", window=window, round=round_, head=head.id.hex(), skipped=head.skipped)
@@ -410,6 +504,13 @@ class ValidatorRole:
             send()
         else:
             e.persist_then(key, envelope.to_bytes(), send)
+
+    def _head_proposal(self, window: int, round_: int, valid_round: int | None, head: Head,
+                       updates: tuple[SignedEnvelope, ...]) -> HeadProposal:
+        rejected = set(head.rejected)
+        return HeadProposal(revision=self.engine.revision.id, window=window, round=round_, valid_round=valid_round,
+                            head=head, updates=tuple(u for u in updates if u.id not in rejected),
+                            rejected=tuple(u for u in updates if u.id in rejected))
 
     def schedule(self, timeout: str, round_: int, delay_s: float) -> None:
         self.engine.set_timer(("agreement", self.window, timeout, round_), self.engine.now + delay_s)
@@ -450,9 +551,14 @@ class ValidatorRole:
         if key in self.vote_of:
             if self.vote_of[key] != head_id:
                 e.stats["equivocations"] += 1
-                e.reject(peer, "equivocation", f"{vote.signer} {vote_step} window {window} round {round_}")
+                e.reject(vote.signer, "equivocation", f"{vote.signer} {vote_step} window {window} round {round_}")
+                if vote.signer not in self.evidence and vote.signer != e.me:
+                    # Transferable evidence: the next head this validator proposes quarantines the signer.
+                    self.evidence[vote.signer] = make_evidence(self.vote_envelopes[key], vote)
+                    e.log("evidence", validator=str(vote.signer), window=window, round=round_, step=vote_step)
             return
         self.vote_of[key] = head_id
+        self.vote_envelopes[key] = vote
         assert self.agreement is not None
         self.agreement.on_vote(vote.signer, vote_step, round_, head_id, vote.signature)
 
@@ -475,8 +581,8 @@ class ValidatorRole:
         self.proposal_of[key] = proposal.head.id
         self.proposal_signer[proposal.head.id] = envelope.signer
         assert self.agreement is not None
-        self.agreement.on_proposal(proposal.round, proposal.head, proposal.updates, proposal.valid_round,
-                                   envelope.signer)
+        self.agreement.on_proposal(proposal.round, proposal.head, proposal.updates + proposal.rejected,
+                                   proposal.valid_round, envelope.signer)
 
     def on_signed(self, peer: PeerId, envelope: SignedEnvelope) -> None:
         e = self.engine

@@ -36,7 +36,7 @@ def ident(n: int) -> Identity:
 
 
 def build(tmp_path: Path, workload, *, trainers=2, min_updates=1, window_s=5.0, validators=1, quorum=1,
-          rule="mean"):
+          rule="mean", **manifest_fields):
     wl, shards = workload
     params = wl.initial_params(SEED)
     genesis = to_safetensors(params)
@@ -48,7 +48,8 @@ def build(tmp_path: Path, workload, *, trainers=2, min_updates=1, window_s=5.0, 
         experiment="pair", workload="digits-mlp", workload_seed=SEED, schema=_schema(params),
         shards=tuple(len(s) for s in shards), validators=tuple(v.peer_id for v in vals), quorum=quorum,
         window_s=window_s,
-        min_updates=min_updates, max_capacity=4, aggregation=rule, outer_optimizer="fedavg", outer_lr=1.0,
+        min_updates=min_updates, max_capacity=4, aggregation=rule,
+        **dict({"outer_optimizer": "fedavg", "outer_lr": 1.0}, **manifest_fields),
         chunk_size=16 * 1024, genesis_params=make_artifact_ref(genesis, 16 * 1024),
         genesis_params_digest=tensor_digest(params), roster=tuple(sorted((t.peer_id, 1) for t in tr)))
     revision = Revision.verify(manifest.seal(authority), authority.peer_id)
