@@ -17,14 +17,16 @@ Endpoints (binary ids are lowercase hex of the 34-byte content id; peer ids are 
 ``GET /v1/chain``           200 page of heads, ``?from=<window>&limit=<1..256>``; 400 on bad parameters
 ``GET /v1/certificates/{id}``  200 / 400 / 404 (genesis has no certificate)
 ``GET /v1/artifacts/{digest}``  200 whole artifact, 206 one byte range (``Range: bytes=a-b``, ``a-``, ``-n``),
-                            416 unsatisfiable range (with ``Content-Range: bytes */size``), 400, 404.
+                            416 unsatisfiable range (with ``Content-Range: bytes */size``), 304 when
+                            ``If-None-Match`` names the ETag (the digest), 400, 404.
                             Several ranges in one header are ignored (200), as RFC 9110 §14.2 allows.
 ``GET /v1/leases/{peer}``   200 the peer's shards for the next window; 400 bad peer id
 ``POST /v1/updates``        application/cbor ``{"envelope": <SignedEnvelope bytes>, "artifact": <delta bytes>}``
 ``POST /v1/join``           application/cbor: the bytes of a signed ``join`` envelope
 ``GET /v1/peers``           200 peers the node knows
 ``GET /v1/history``         200 per-window statistics for the dashboard
-``GET /v1/events``          text/event-stream; one ``head`` event now and one per head promotion; 503 when
+``GET /v1/events``          text/event-stream; one ``head`` event now (or, with ``Last-Event-ID: <window>``,
+                            every head after that window) and one per head promotion; 503 when
                             `EdgeLimits.max_sse_clients` streams are open
 ==========================  ====================================================================================
 
@@ -385,10 +387,13 @@ class HttpEdge:
         path = self.view.artifact_path(digest)
         if path is None:
             raise ApiError(404, "unknown-artifact", "no such artifact here")
+        etag = f'"{digest.hex()}"'
+        if request.headers.get("If-None-Match", "") in (etag, "*"):
+            return web.Response(status=304, headers={"ETag": etag})  # content-addressed: never changes
         size = Path(path).stat().st_size
         rng = parse_range(request.headers.get("Range", ""), size) if "Range" in request.headers else None
         start, end = rng if rng is not None else (0, size - 1)
-        headers = {"Accept-Ranges": "bytes", "ETag": f'"{digest.hex()}"', "Content-Type": "application/octet-stream",
+        headers = {"Accept-Ranges": "bytes", "ETag": etag, "Content-Type": "application/octet-stream",
                    "Cache-Control": "public, max-age=31536000, immutable"}
         response = web.StreamResponse(status=206 if rng is not None else 200, headers=headers)
         if rng is not None:
@@ -418,7 +423,14 @@ class HttpEdge:
         self._streams.add(queue)
         self.sse_clients.inc()
         try:
-            await response.write(_sse(head_json(self.view.latest())))
+            # A reconnecting client (Last-Event-ID = the last window it saw) first gets the heads it missed.
+            last_seen = request.headers.get("Last-Event-ID", "")
+            if last_seen.isascii() and last_seen.isdigit() and len(last_seen) <= 12:
+                missed = self.view.chain(int(last_seen) + 1, MAX_PAGE)
+            else:
+                missed = [self.view.latest()]
+            for entry in missed:
+                await response.write(_sse(head_json(entry)))
             while queue in self._streams:
                 try:
                     payload = await asyncio.wait_for(queue.get(), self.limits.sse_keepalive_s)
@@ -695,12 +707,15 @@ def openapi_document() -> dict[str, Any]:
         "/v1/artifacts/{digest}": {"get": {
             "summary": "Artifact bytes by content id; supports one byte range", "operationId": "artifact",
             "parameters": [{"name": "digest", "in": "path", "required": True, "schema": _CID},
-                           {"name": "Range", "in": "header", "required": False, "schema": {"type": "string"}}],
+                           {"name": "Range", "in": "header", "required": False, "schema": {"type": "string"}},
+                           {"name": "If-None-Match", "in": "header", "required": False,
+                            "schema": {"type": "string"}}],
             "responses": {
                 "200": {"description": "Whole artifact",
                         "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
                 "206": {"description": "One range",
                         "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
+                "304": {"description": "Not modified (If-None-Match matched the ETag, the digest)"},
                 "400": _err("Malformed digest"), "404": _err("Unknown artifact"),
                 "416": _err("Range not satisfiable"), **_RATE}}},
         "/v1/leases/{peer}": {"get": {"summary": "A peer's leases for the next window", "operationId": "leases",

@@ -133,6 +133,9 @@ def test_artifact_ranges(world):
         status, _, body = fetch(url, headers={"Range": ignored})
         assert status == 200 and body == data, ignored
     assert fetch(server.url + f"/v1/artifacts/{content_id(b'nope').hex()}")[0] == 404
+    status, headers, body = fetch(url, headers={"If-None-Match": f'"{content_id(data).hex()}"'})
+    assert status == 304 and body == b""
+    assert fetch(url, headers={"If-None-Match": '"other"'})[0] == 200
 
 
 def test_parse_range_edges():
@@ -287,6 +290,12 @@ def test_server_sent_events_follow_promotions(world):
     assert next_event()["id"] == heads[-1].id.hex()
     new = advance(view, 2)
     assert [next_event()["id"], next_event()["id"]] == [h.id.hex() for h in new]
+    conn.close()
+    # Reconnecting with Last-Event-ID replays the heads after that window, then follows.
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    conn.request("GET", "/v1/events", headers={"Last-Event-ID": "4"})
+    resp = conn.getresponse()
+    assert [next_event()["window"] for _ in range(3)] == [5, 6, 7]
     conn.close()
 
 
