@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -46,26 +47,42 @@ MAX_JSON_BYTES = 32 << 20
 class EdgeError(Exception):
     """The edge answered with an error status. `code` is the typed error code of its JSON body."""
 
-    def __init__(self, status: int, code: str, message: str = "") -> None:
+    def __init__(self, status: int, code: str, message: str = "", *, retry_after: float = 0.0) -> None:
         super().__init__(f"HTTP {status} {code}: {message}")
-        self.status, self.code, self.message = status, code, message
+        self.status, self.code, self.message, self.retry_after = status, code, message, retry_after
 
 
 class EdgeClient:
     """Blocking client of one HTTP edge at `base_url` (e.g. ``http://127.0.0.1:8080``).
 
     Raises `EdgeError` for error statuses, `VerificationError` for anything that fails verification, and
-    `OSError` (urllib's URLError) when the edge cannot be reached. `timeout_s` applies to every request.
+    `OSError` (urllib's URLError) when the edge cannot be reached. `timeout_s` applies to every request;
+    429 answers (the edge's per-client rate limit) are retried after their Retry-After.
     """
 
-    def __init__(self, base_url: str, *, timeout_s: float = 30.0) -> None:
+    def __init__(self, base_url: str, *, timeout_s: float = 30.0, max_retries: int = 5,
+                 max_wait_s: float = 10.0) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self.max_retries, self.max_wait_s = max_retries, max_wait_s
 
     # --- plumbing ---
 
     def _request(self, path: str, *, data: bytes | None = None, headers: dict[str, str] | None = None,
                  max_bytes: int = MAX_JSON_BYTES) -> tuple[int, dict[str, str], bytes]:
+        """One request; a 429 is retried after its Retry-After (at most `max_retries` times, each wait capped
+        at `max_wait_s`)."""
+        for attempt in range(self.max_retries + 1):
+            try:
+                return self._request_once(path, data=data, headers=headers, max_bytes=max_bytes)
+            except EdgeError as exc:
+                if exc.status != 429 or attempt == self.max_retries:
+                    raise
+                time.sleep(min(self.max_wait_s, max(0.05, exc.retry_after)))
+        raise AssertionError("unreachable")
+
+    def _request_once(self, path: str, *, data: bytes | None, headers: dict[str, str] | None,
+                      max_bytes: int) -> tuple[int, dict[str, str], bytes]:
         req = urllib.request.Request(self.base_url + path, data=data, headers=headers or {},
                                      method="POST" if data is not None else "GET")
         try:
@@ -76,11 +93,14 @@ class EdgeClient:
                 return resp.status, dict(resp.headers), body
         except urllib.error.HTTPError as exc:
             raw = exc.read(65536)
+            retry = exc.headers.get("Retry-After", "")
+            retry_after = float(retry) if retry.isdigit() else 1.0
             try:
                 err = json.loads(raw)["error"]
-                raise EdgeError(exc.code, str(err["code"]), str(err["message"])) from None
+                code, message = str(err["code"]), str(err["message"])
             except (ValueError, KeyError, TypeError):
-                raise EdgeError(exc.code, "http-error", raw[:200].decode(errors="replace")) from None
+                code, message = "http-error", raw[:200].decode(errors="replace")
+            raise EdgeError(exc.code, code, message, retry_after=retry_after) from None
 
     def get_json(self, path: str) -> Any:
         return json.loads(self._request(path)[2])
@@ -115,10 +135,11 @@ class EdgeClient:
         """The edge's view of `peer`'s leases: ``{"window", "base", "shards"}`` (not trusted by itself)."""
         return dict(self.get_json(f"/v1/leases/{peer.to_text()}"))
 
-    def artifact(self, ref: ArtifactRef, *, chunks_per_request: int = 16) -> bytes:
-        """The bytes of `ref`, fetched with Range requests and verified chunk by chunk, then as a whole."""
+    def artifact(self, ref: ArtifactRef, *, range_bytes: int = 8 << 20) -> bytes:
+        """The bytes of `ref`, fetched in Range requests of about `range_bytes` (a whole number of chunks)
+        and verified chunk by chunk, then as a whole. VerificationError names the first bad chunk."""
         out = bytearray(ref.size)
-        step = ref.chunk_size * max(1, chunks_per_request)
+        step = ref.chunk_size * max(1, range_bytes // ref.chunk_size)
         for start in range(0, ref.size, step):
             end = min(ref.size, start + step) - 1
             status, _, body = self._request(f"/v1/artifacts/{ref.digest.hex()}",

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from peerloom.adapters.http_client import EdgeClient, EdgeError, LightTrainer
-from peerloom.adapters.http_edge import EdgeServer
+from peerloom.adapters.http_edge import EdgeLimits, EdgeServer
 from peerloom.backends.numpy.screening import screen_delta
 from peerloom.backends.numpy.tensors import from_safetensors, schema_of, tensor_digest, to_safetensors
 from peerloom.backends.registry import build_workload
@@ -118,7 +118,7 @@ def test_client_refuses_what_does_not_verify(tmp_path, digits):
         data[CHUNK + 5] ^= 0xFF
         path.write_bytes(bytes(data))
         with pytest.raises(VerificationError, match="bad-chunk"):
-            client.artifact(revision.manifest.genesis_params)
+            client.artifact(revision.manifest.genesis_params, range_bytes=2 * CHUNK)
         # A head certified by someone who is not a validator is refused.
         parent = view.latest().head
         forged = Head(revision=revision.id, parent=parent.id, window=1, skipped=False, params=parent.params,
@@ -129,3 +129,19 @@ def test_client_refuses_what_does_not_verify(tmp_path, digits):
         with pytest.raises(EdgeError) as info:
             client.get_json("/v1/heads/" + "12" * 34)
         assert info.value.status == 400 and info.value.code == "bad-id"
+
+
+def test_ranged_fetch_rides_out_the_rate_limit(tmp_path, digits):
+    workload, shards = digits
+    revision, genesis = digits_revision(workload, shards)
+    view = make_view(tmp_path, revision=revision, genesis=genesis, trainers=())
+    with EdgeServer(view, limits=EdgeLimits(rate=10, burst=2)) as server:
+        ref = revision.manifest.genesis_params
+        client = EdgeClient(server.url, max_wait_s=0.1)
+        assert ref.num_chunks >= 6
+        assert client.artifact(ref, range_bytes=CHUNK) == genesis  # one request per chunk: many 429s retried
+        impatient = EdgeClient(server.url, max_retries=0)
+        with pytest.raises(EdgeError) as info:
+            for _ in range(5):
+                impatient.get_json("/healthz")
+        assert info.value.status == 429 and info.value.retry_after >= 1
