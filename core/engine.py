@@ -27,6 +27,7 @@ import attrs
 from . import effects as fx
 from . import events as ev
 from .chain import decode_chain_entry, encode_chain_entry
+from .encoding import decode, encode
 from .errors import DecodeError, LocalProtocolError, VerificationError
 from .identity import Identity, PeerId
 from .messages import (
@@ -44,6 +45,7 @@ from .messages import (
 from .objects import ArtifactRef, Head, QuorumCertificate, Revision
 
 HEAD_RECORD = "head"
+SNAPSHOT_VERSION = 1
 
 
 @attrs.frozen(kw_only=True)
@@ -211,6 +213,58 @@ class Engine:
 
     def is_stored(self, digest: bytes) -> bool:
         return digest in self._stored
+
+    def snapshot(self) -> bytes:
+        """The engine's durable state as canonical CBOR (DESIGN §2): its records (certified head, votes,
+        locks, proposals, claims), the artifacts it holds, counters, replay digests, and the validator's
+        joins and undelivered equivocation evidence.
+
+        In-flight work (fetches, compute tasks, held sends, connections) is not part of it: a restored
+        engine is a node restarted from this state, which re-fetches and recomputes what it needs.
+        """
+        state: dict[str, Any] = {
+            "version": SNAPSHOT_VERSION, "revision": self.revision.id,
+            "now": self.now if self.now != float("-inf") else None,
+            "records": dict(sorted(self.records.items())),
+            "stored": [r.to_cbor() for _, r in sorted(self._stored.items())],
+            "stats": dict(sorted(self.stats.items())), "rejected": dict(sorted(self.rejected_by_reason.items())),
+            "seen_deltas": sorted([d, w] for d, w in self.seen_deltas.items()),
+            "joins": [], "evidence": [],
+        }
+        for role in self.roles:
+            if hasattr(role, "joins"):
+                state["joins"] = [[p.to_bytes(), c] for p, c in sorted(role.joins.items())]
+                state["evidence"] = [[a.to_cbor(), b.to_cbor()] for _, (a, b) in sorted(role.evidence.items())]
+        return encode(state)
+
+    @classmethod
+    def restore(cls, data: bytes, config: EngineConfig, identity: Identity, rng: random.Random) -> Engine:
+        """Rebuild an engine from `snapshot()` bytes; feed it `Start` (with `now` not before the snapshot's)
+        as after a restart. Raises DecodeError/VerificationError for bytes that are not a snapshot of this
+        revision, LocalProtocolError for a snapshot of another revision."""
+        from .envelope import SignedEnvelope
+
+        state = decode(data, max_bytes=1 << 30)
+        keys = {"version", "revision", "now", "records", "stored", "stats", "rejected", "seen_deltas", "joins",
+                "evidence"}
+        if not isinstance(state, dict) or set(state) != keys or state["version"] != SNAPSHOT_VERSION:
+            raise DecodeError("bad-snapshot", "not an engine snapshot")
+        if state["revision"] != config.revision.id:
+            raise LocalProtocolError("snapshot of another revision")
+        engine = cls(config, identity, rng, stored=[ArtifactRef.from_cbor(r) for r in state["stored"]],
+                     records=state["records"])
+        if state["now"] is not None:
+            engine.now = float(state["now"])
+        engine.stats.update(state["stats"])
+        engine.rejected_by_reason.update(state["rejected"])
+        engine.seen_deltas = {d: w for d, w in state["seen_deltas"]}
+        for role in engine.roles:
+            if hasattr(role, "joins"):
+                role.joins = {PeerId.from_bytes(p): c for p, c in state["joins"]}
+                for a, b in state["evidence"]:
+                    pair = (SignedEnvelope.from_cbor(a), SignedEnvelope.from_cbor(b))
+                    role.evidence[pair[0].signer] = pair
+        return engine
 
     # --- services for the role state machines ----------------------------------------------------
 
