@@ -34,7 +34,8 @@ Posting: the edge decodes the body (at most `EdgeLimits.max_upload_bytes`, check
 before reading; 411 without one, 413 above it, 415 for another content type), checks the envelope's kind
 and Ed25519 signature (400 malformed or wrong kind, 403 bad signature) and that the artifact matches the
 announced delta (400), then hands it to the node, which verifies everything again: 202 accepted, 422
-rejected by the node (the error code is the node's reason), 503 when the node does not answer in time.
+rejected by the node (the error code is the node's reason), 503 when the node does not answer in time or
+`EdgeLimits.max_concurrent_uploads` uploads are already being read (so memory stays bounded).
 Nothing changes state without a signature that verifies.
 
 Every client IP has a token bucket of `EdgeLimits.burst` requests refilled at `EdgeLimits.rate` requests per
@@ -89,6 +90,7 @@ class EdgeLimits:
     max_sse_clients: int = 64
     sse_keepalive_s: float = 15.0
     submit_timeout_s: float = 15.0
+    max_concurrent_uploads: int = 4  # bodies held in memory at once: at most this many x max_upload_bytes
 
 
 class ApiError(Exception):
@@ -233,6 +235,7 @@ class HttpEdge:
         self.submissions = Counter("peerloom_http_submissions", "Signed submissions by kind and outcome",
                                    ("kind", "outcome"), registry=self.registry)
         self._streams: set[asyncio.Queue[dict[str, Any] | None]] = set()
+        self._uploads = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._unsubscribe: Callable[[], None] | None = None
 
@@ -455,10 +458,17 @@ class HttpEdge:
         return await request.read()
 
     async def post_update(self, request: web.Request) -> web.Response:
-        body = await self._read_cbor(request)
-        loop = asyncio.get_running_loop()
-        envelope, artifact = await loop.run_in_executor(None, self._check_update, body)
-        return await self._submit(UpdateAnnouncement.KIND, envelope, artifact)
+        if self._uploads >= self.limits.max_concurrent_uploads:
+            raise ApiError(503, "busy", f"{self._uploads} uploads in progress", {"Retry-After": "1"})
+        self._uploads += 1
+        try:
+            body = await self._read_cbor(request)
+            loop = asyncio.get_running_loop()
+            envelope, artifact = await loop.run_in_executor(None, self._check_update, body)
+            del body
+            return await self._submit(UpdateAnnouncement.KIND, envelope, artifact)
+        finally:
+            self._uploads -= 1
 
     async def post_join(self, request: web.Request) -> web.Response:
         body = await self._read_cbor(request)
@@ -627,7 +637,7 @@ def openapi_document() -> dict[str, Any]:
         "403": _err("Envelope signature does not verify"),
         "411": _err("No Content-Length"), "413": _err("Body over the limit"),
         "415": _err("Not application/cbor"), "422": _err("The node rejected it (code = reason)"),
-        "503": _err("The node did not answer in time"), **_RATE,
+        "503": _err("The node did not answer in time, or too many uploads at once"), **_RATE,
     }
     schemas: dict[str, Any] = {
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import time
 import urllib.error
 import urllib.request
 
@@ -240,6 +241,20 @@ def test_size_limits_are_checked_before_reading(tmp_path):
         assert status == 411
         status, _, body = post(server, "/v1/join", b"\x00" * 5000)
         assert status == 413 and error_code(body) == "too-large"
+    with EdgeServer(view, limits=EdgeLimits(max_concurrent_uploads=1)) as server:
+        # One upload that sends its headers and then stalls holds the only upload slot: the next gets 503.
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as stalled:
+            stalled.sendall(b"POST /v1/updates HTTP/1.1\r\nHost: x\r\nContent-Type: application/cbor\r\n"
+                            b"Content-Length: 100\r\n\r\n")
+            deadline = time.monotonic() + 5
+            while server.edge._uploads == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            status, headers, body = post(server, "/v1/updates", b"\x00")
+            assert status == 503 and error_code(body) == "busy" and headers["Retry-After"] == "1"
+        deadline = time.monotonic() + 5
+        while server.edge._uploads and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert post(server, "/v1/updates", b"\x00")[0] == 400
 
 
 def test_rate_limit_per_client(tmp_path):
