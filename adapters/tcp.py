@@ -8,15 +8,18 @@ Wire format, bottom up (spec/transport.md has the byte layouts):
 2. Each transport plaintext is exactly one *frame*: a 1-byte header ``kind << 4 | lane`` then a body.
    ``START`` opens an application message on a lane (4-byte big-endian total length, then the first
    fragment), ``CONTINUE`` carries the next fragment of the lane's open message, ``PING``/``PONG`` are
-   keep-alives (8 opaque bytes). Two lanes: 0 (control) and 1 (bulk). Frames of different lanes interleave,
-   so a small control message overtakes a large bulk message already on its way; within a lane messages
-   arrive whole and in order.
+   keep-alives (8 opaque bytes), ``CREDIT`` grants the peer more bytes on a lane (flow control). Two lanes:
+   0 (control) and 1 (bulk). Frames of different lanes interleave, so a small control message overtakes a
+   large bulk message already on its way; within a lane messages arrive whole and in order. Each lane has
+   its own credit window (`LANE_WINDOW`), returned only while the application keeps up with that lane, so a
+   receiver that stops reading bulk stalls only bulk (spec/transport.md §4).
 
 Decoding is sans-IO (`FrameDecoder`, `MessageAssembler`) so it can be fuzzed byte by byte; `SecureConnection`
 adds the socket, the locks and the timers.
 
 Errors are `TransportError` with a stable ``reason``: ``connect-failed``, ``handshake-timeout``,
-``message-too-large``, ``bad-frame`` (a frame breaking the rules of spec/transport.md §3), ``truncated``
+``message-too-large``, ``bad-frame`` (a frame breaking the rules of spec/transport.md §3), ``flow-control``
+(the peer sent more than its credit), ``truncated``
 (EOF inside a Noise message or an application message), ``idle-timeout``, ``broken`` (after an earlier
 receive error), any `NoiseError` reason of the handshake (``bad-identity-signature``, ``peer-mismatch``,
 ``decrypt-failed``, ...) or of the transport (``decrypt-failed``, ``nonce-exhausted``). `ConnectionClosed`
@@ -28,7 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 
 import attrs
@@ -56,14 +59,21 @@ DEFAULT_KEEPALIVE_INTERVAL = 15.0  # seconds without receiving anything before w
 DEFAULT_IDLE_TIMEOUT = 60.0  # seconds without receiving anything before the connection is dropped
 DEFAULT_MAX_HANDSHAKES = 64  # concurrent inbound handshakes per `serve`
 DEFAULT_MAX_HANDSHAKES_PER_IP = 8  # concurrent inbound handshakes per remote IP address
+DEFAULT_MAX_CONNECTIONS = 256  # inbound connections (handshake or handler running) per `serve`
+DEFAULT_MAX_CONNECTIONS_PER_IP = 64  # the same, per remote IP address (loopback demos share one IP)
 
 APP_LENGTH_PREFIX_BYTES = 4
 LANE_CONTROL = 0
 LANE_BULK = 1
 LANES = (LANE_CONTROL, LANE_BULK)
 AUTO_CONTROL_MAX_BYTES = 64 * 1024  # send_message(lane=None): messages up to this size go on the control lane
-KIND_START, KIND_CONTINUE, KIND_PING, KIND_PONG = 1, 2, 3, 4
+KIND_START, KIND_CONTINUE, KIND_PING, KIND_PONG, KIND_CREDIT = 1, 2, 3, 4, 5
 PING_BYTES = 8
+CREDIT_BYTES = 4
+# Flow control (spec/transport.md §4): each end may send this many bytes of message data per lane before the
+# receiver grants more with CREDIT frames. A protocol constant: both ends start from it.
+LANE_WINDOW = 4 * 2**20
+MAX_CREDIT = 2**32 - 1  # a sender's credit on a lane may never exceed this (a CREDIT that would is bad-frame)
 START_OVERHEAD = 1 + APP_LENGTH_PREFIX_BYTES  # header byte + total length
 MAX_FRAGMENT = MAX_TRANSPORT_PLAINTEXT - 1  # 65518 bytes of message per CONTINUE frame
 _WIRE_FRAME = LENGTH_PREFIX_BYTES + MAX_MESSAGE_BYTES  # 65537: the largest Noise message on the wire
@@ -173,19 +183,29 @@ class PongReceived:
     opaque: bytes
 
 
-FrameEvent = MessageReceived | PingReceived | PongReceived
+@attrs.frozen(kw_only=True)
+class CreditReceived:
+    """The peer lets us send `increment` more bytes of message data on `lane`."""
+
+    lane: int
+    increment: int
+
+
+FrameEvent = MessageReceived | PingReceived | PongReceived | CreditReceived
 
 
 class MessageAssembler:
     """Reassembles application messages from decrypted frames, sans-IO (spec/transport.md §3).
 
     `handle(plaintext)` takes one transport plaintext and returns a `MessageReceived` when it completes a
-    message, a `PingReceived`/`PongReceived` for keep-alives, or None. Raises TransportError ``bad-frame``
-    (empty frame, unknown kind or lane, START on a lane with an open message, CONTINUE without one or
-    empty, a fragment longer than the rest of the message, a PING/PONG body that is not 8 bytes or not on
-    lane 0) or ``message-too-large`` (the announced length exceeds `max_message_bytes`; checked before any
-    buffer is sized for it). Memory: one reassembly buffer per lane, sized to the open message and kept
-    between messages up to 2 MiB.
+    message, a `PingReceived`/`PongReceived` for keep-alives, a `CreditReceived` for a CREDIT frame, or
+    None. Raises TransportError ``bad-frame`` (empty frame, unknown kind or lane, START on a lane with an
+    open message, CONTINUE without one or empty, a fragment longer than the rest of the message, a
+    PING/PONG body that is not 8 bytes or not on lane 0, a CREDIT body that is not 4 bytes or is 0),
+    ``message-too-large`` (the announced length exceeds `max_message_bytes`; checked before any buffer is
+    sized for it) or ``flow-control`` (more message bytes on a lane than the window granted: `window`
+    at start, plus every `grant`). `received[lane]` counts the message bytes taken on each lane. Memory:
+    one reassembly buffer per lane, sized to the open message and kept between messages up to 2 MiB.
 
     Zero-copy path for the hot loop: `window(n)` offers a place inside the open bulk message where a
     plaintext of `n` bytes can be decrypted directly (its header byte lands on the byte before the
@@ -194,12 +214,24 @@ class MessageAssembler:
 
     _KEEP_BYTES = 2 * 2**20  # reassembly buffers larger than this are released after their message
 
-    def __init__(self, max_message_bytes: int) -> None:
+    def __init__(self, max_message_bytes: int, window: int = LANE_WINDOW) -> None:
         self.max_message_bytes = max_message_bytes
+        self.received = [0, 0]  # message bytes taken per lane, ever
+        self._allowance = [window, window]  # message bytes the peer may still send per lane
         self._length = [-1, -1]  # per lane: total length of the open message, -1 when none
         self._buffer = [bytearray(), bytearray()]
         self._have = [0, 0]
         self._saved = -1  # the byte under the window's header position
+
+    def grant(self, lane: int, n: int) -> None:
+        """We sent the peer a CREDIT of `n` bytes on `lane`: accept that many more."""
+        self._allowance[lane] += n
+
+    def _take(self, lane: int, n: int) -> None:
+        if n > self._allowance[lane]:
+            raise TransportError("flow-control", f"{n} bytes on lane {lane}, {self._allowance[lane]} allowed")
+        self._allowance[lane] -= n
+        self.received[lane] += n
 
     @property
     def at_boundary(self) -> bool:
@@ -231,6 +263,7 @@ class MessageAssembler:
         header = buffer[have - 1]
         buffer[have - 1] = self._saved
         if header == KIND_CONTINUE << 4 | lane:
+            self._take(lane, n - 1)
             self._have[lane] = have + n - 1
             return self._complete(lane) if self._have[lane] == self._length[lane] else None
         plaintext = bytes([header]) + bytes(buffer[have:have + n - 1])
@@ -248,6 +281,11 @@ class MessageAssembler:
             return PingReceived(opaque=bytes(body)) if kind == KIND_PING else PongReceived(opaque=bytes(body))
         if lane not in LANES:
             raise TransportError("bad-frame", f"lane {lane}")
+        if kind == KIND_CREDIT:
+            increment = int.from_bytes(body, "big")
+            if len(body) != CREDIT_BYTES or increment == 0:
+                raise TransportError("bad-frame", f"CREDIT of {len(body)} bytes, increment {increment}")
+            return CreditReceived(lane=lane, increment=increment)
         if kind == KIND_START:
             if self._length[lane] >= 0:
                 raise TransportError("bad-frame", f"START on lane {lane} inside a message")
@@ -259,6 +297,7 @@ class MessageAssembler:
             fragment = body[APP_LENGTH_PREFIX_BYTES:]
             if len(fragment) > length:
                 raise TransportError("bad-frame", f"fragment of {len(fragment)} bytes for a {length}-byte message")
+            self._take(lane, len(fragment))
             if len(fragment) == length:
                 return MessageReceived(lane=lane, data=bytes(fragment))
             if len(self._buffer[lane]) < length:
@@ -272,6 +311,7 @@ class MessageAssembler:
                 raise TransportError("bad-frame", f"CONTINUE on lane {lane} without a message")
             if not body or len(body) > length - have:
                 raise TransportError("bad-frame", f"fragment of {len(body)} bytes, {length - have} left")
+            self._take(lane, len(body))
             self._buffer[lane][have:have + len(body)] = body
             self._have[lane] = have + len(body)
             return self._complete(lane) if self._have[lane] == length else None
@@ -300,13 +340,23 @@ class SecureConnection:
 
     Sending: `send_message` may be called from several tasks at once. Messages of one lane go out whole and
     in call order (a lock per lane); the socket is shared turn by turn, a bulk message yielding it every
-    few Noise messages (about 256 KiB), so a control message waits at most one such turn. Backpressure is
-    TCP's: `send_message` blocks while the peer does not read, which slows only this connection.
+    few Noise messages (about 256 KiB), so a control message waits at most one such turn.
 
-    Receiving: one reader (`receive_message`) at a time. Keep-alive: after `keepalive_interval` seconds
-    with nothing received we send a PING (answered by the peer's reader with a PONG); after `idle_timeout`
-    seconds with nothing received the connection is dropped with TransportError("idle-timeout"). After a
-    receive error the connection is closed and every later `receive_message` raises.
+    Flow control (spec/transport.md §4): per lane, the sender may have at most `LANE_WINDOW` bytes of
+    message data that the receiver has not credited back; the receiver credits bytes back (CREDIT frames)
+    only while the application keeps up with that lane (its queue of whole, unread messages is empty). So a
+    receiver that stops reading the bulk lane stalls only the bulk lane of this connection: control
+    messages keep flowing both ways, other connections are untouched, and what it buffers stays under
+    ``LANE_WINDOW + max_message_bytes`` per lane.
+
+    Receiving: `receive_message(lane)` returns the next message of one lane, or (lane None) of either lane
+    in the order they completed; several tasks may receive at once (e.g. one per lane). Whoever needs
+    bytes from the socket (a receiver, or a sender waiting for credit) reads for everybody, so a
+    connection that is only sent on still reads its peer's credits. Keep-alive: after
+    `keepalive_interval` seconds with nothing received we send a PING (answered by the peer with a PONG);
+    after `idle_timeout` seconds with nothing received the connection is dropped with
+    TransportError("idle-timeout"). After a receive error the connection is closed; queued messages are
+    still delivered, then every `receive_message` raises.
     """
 
     def __init__(self, stream: trio.SocketStream, transport: NoiseTransport, remote_peer: PeerId, *,
@@ -329,14 +379,41 @@ class SecureConnection:
         self._send_buffer = bytearray(_BULK_BATCH_FRAMES * _WIRE_FRAME)  # encrypt in place, reused
         self._lane_locks = (trio.Lock(), trio.Lock())
         self._wire_lock = trio.Lock()  # held while encrypting and writing: nonces must follow wire order
-        self._receive_lock = trio.Lock()
+        self._receive_lock = trio.Lock()  # held by whoever reads the socket
         self._closed = False
+        self._eof = False
         self._broken: TransportError | None = None
+        self._broken_reported = False
         self._last_received = trio.current_time()
         self._last_ping = -math.inf
+        # receiving side of flow control
+        self._queues: tuple[deque[tuple[int, bytes]], deque[tuple[int, bytes]]] = (deque(), deque())
+        self._queued_bytes = [0, 0]
+        self._seq = 0
+        self._credited = [0, 0]  # message bytes credited back to the peer per lane, ever
+        # sending side of flow control
+        self._credit = [LANE_WINDOW, LANE_WINDOW]
+        # control frames waiting for the wire: credits per lane, a PONG, a PING
+        self._pending_credit = [0, 0]
+        self._pending_pong: bytes | None = None
+        self._pending_ping: bytes | None = None
+        self._recv_scope: trio.CancelScope | None = None
+        self._changed = trio.Event()
 
     def __repr__(self) -> str:
         return f"SecureConnection({self.remote_peer.short()})"
+
+    def queued_bytes(self, lane: int) -> int:
+        """Bytes of whole messages received on `lane` that no `receive_message` has taken yet."""
+        return self._queued_bytes[lane]
+
+    def send_credit(self, lane: int) -> int:
+        """Bytes of message data we may still send on `lane` before the peer credits more."""
+        return self._credit[lane]
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
 
     # -- sending --
 
@@ -344,8 +421,10 @@ class SecureConnection:
         """Send one application message of at most `max_message_bytes` bytes on `lane`.
 
         lane: LANE_CONTROL (0), LANE_BULK (1), or None: control if ``len(data) <= 65536`` else bulk.
-        Raises TransportError("message-too-large") before sending anything, ConnectionClosed ("closed",
-        "reset") if the connection is gone, TransportError("nonce-exhausted") after 2^64-1 Noise messages.
+        Blocks while the lane has no credit (the peer's application is not reading that lane) or TCP is
+        full. Raises TransportError("message-too-large") before sending anything, ConnectionClosed
+        ("closed", "reset") if the connection is gone, TransportError("nonce-exhausted") after 2^64-1 Noise
+        messages, or the receive error that broke the connection while waiting for credit.
         Cancelled part-way, a message may be half on the wire: the connection is then closed.
         """
         size = len(data)
@@ -363,6 +442,8 @@ class SecureConnection:
             try:
                 pos = -1  # -1: START not written yet
                 while pos < size:
+                    if size and self._credit[lane] <= 0:
+                        await self._wait_for_credit(lane)
                     async with self._wire_lock:
                         pos = await self._send_turn(view, lane, pos, batch)
             except NoiseError as exc:
@@ -372,50 +453,86 @@ class SecureConnection:
                 await self._abort()
                 raise
 
+    async def _wait_for_credit(self, lane: int) -> None:
+        """Read the socket (or wait for whoever is reading it) until `lane` has credit."""
+        while self._credit[lane] <= 0:
+            if self._closed or self._broken is not None:
+                raise ConnectionClosed("closed") if self._broken is None else self._broken
+            if self._receive_lock.locked():
+                await self._changed.wait()
+            else:
+                await self._pump_once()
+
     async def _send_turn(self, view: memoryview, lane: int, pos: int, max_frames: int) -> int:
-        """Encrypt up to `max_frames` frames of the message from `pos` into the send buffer and write them;
-        returns the new position. Called with the wire lock held."""
+        """Encrypt up to `max_frames` frames of the message from `pos` (as far as the lane's credit goes)
+        into the send buffer and write them, after any pending control frames; returns the new position.
+        Called with the wire lock held."""
         if self._closed:
             raise ConnectionClosed("closed")
+        control = self._encode_control()
+        if control:
+            await self._send_raw(control)
         buffer, out = self._send_buffer, 0
         size = len(view)
         for _ in range(max_frames):
-            if pos >= size:
+            credit = self._credit[lane]
+            if pos >= size or (pos >= 0 and credit <= 0):
                 break
             start = out + LENGTH_PREFIX_BYTES
             if pos < 0:
                 buffer[start] = KIND_START << 4 | lane
                 buffer[start + 1:start + START_OVERHEAD] = size.to_bytes(4, "big")
-                take = min(size, MAX_TRANSPORT_PLAINTEXT - START_OVERHEAD)
+                take = min(size, MAX_TRANSPORT_PLAINTEXT - START_OVERHEAD, credit)
                 body, pos = start + START_OVERHEAD, 0
             else:
                 buffer[start] = KIND_CONTINUE << 4 | lane
-                take = min(size - pos, MAX_FRAGMENT)
+                take = min(size - pos, MAX_FRAGMENT, credit)
                 body = start + 1
             buffer[body:body + take] = view[pos:pos + take]
             pos += take
+            self._credit[lane] = credit - take
             length = self._transport.encrypt_in_place(buffer, start, body + take - start)
             buffer[out] = length >> 8
             buffer[out + 1] = length & 0xFF
             out = start + length
-        await self._send_raw(memoryview(buffer)[:out])
+        if out:
+            await self._send_raw(memoryview(buffer)[:out])
         return pos
 
-    async def _send_control_frame(self, kind: int, opaque: bytes) -> None:
-        """PING or PONG, sent only if the socket is free right now (any bytes we send keep the peer alive)."""
-        if self._closed or self._wire_lock.locked():
-            return
-        async with self._wire_lock:
-            plaintext = bytes([kind << 4 | LANE_CONTROL]) + opaque
-            try:
-                data = frame(self._transport.encrypt(plaintext))
-            except NoiseError as exc:
-                raise TransportError(exc.reason, exc.detail) from exc
-            with trio.fail_after(self.idle_timeout):
-                try:
-                    await self._send_raw(data)
-                except trio.TooSlowError:  # pragma: no cover - the peer stopped reading entirely
-                    raise TransportError("idle-timeout", "keep-alive could not be sent") from None
+    def _encode_control(self) -> bytes:
+        """Encrypt the pending CREDIT/PONG/PING frames (call with the wire lock held, then write them)."""
+        plaintexts = []
+        for lane in LANES:
+            while self._pending_credit[lane]:
+                n = min(self._pending_credit[lane], MAX_CREDIT)
+                self._pending_credit[lane] -= n
+                plaintexts.append(bytes([KIND_CREDIT << 4 | lane]) + n.to_bytes(CREDIT_BYTES, "big"))
+        if self._pending_pong is not None:
+            plaintexts.append(bytes([KIND_PONG << 4 | LANE_CONTROL]) + self._pending_pong)
+            self._pending_pong = None
+        if self._pending_ping is not None:
+            plaintexts.append(bytes([KIND_PING << 4 | LANE_CONTROL]) + self._pending_ping)
+            self._pending_ping = None
+        return b"".join(frame(self._transport.encrypt(p)) for p in plaintexts)
+
+    def _control_pending(self) -> bool:
+        return bool(self._pending_credit[0] or self._pending_credit[1] or self._pending_pong is not None
+                    or self._pending_ping is not None)
+
+    async def _flush_control(self, done: trio.Event) -> None:
+        """Write pending control frames; then stop the concurrent read that kept the socket drained."""
+        try:
+            async with self._wire_lock:
+                if not self._closed:
+                    data = self._encode_control()
+                    if data:
+                        await self._send_raw(data)
+        except (TransportError, NoiseError) as exc:
+            log.debug("control frames to %s not sent: %s", self.remote_peer.short(), exc)  # the reader sees why
+        finally:
+            done.set()
+            if self._recv_scope is not None:
+                self._recv_scope.cancel()
 
     async def _send_raw(self, data: bytes | memoryview) -> None:
         try:
@@ -428,39 +545,126 @@ class SecureConnection:
 
     # -- receiving --
 
-    async def receive_message(self) -> bytes:
-        """The next whole application message (bytes), from either lane, in the order they complete.
+    async def receive_message(self, lane: int | None = None) -> bytes:
+        """The next whole application message (bytes) of `lane`, or of either lane in the order they
+        completed when `lane` is None.
 
         Raises ConnectionClosed("eof") when the peer closed cleanly between messages, ConnectionClosed
         ("closed"/"reset"), TransportError "message-too-large" (announced length over `max_message_bytes`,
-        refused before the body is read), "bad-frame", "truncated" (EOF inside a Noise message or an
-        application message), "decrypt-failed" (a tampered Noise message), "idle-timeout", or "broken" after
-        an earlier error. A clean EOF stays ConnectionClosed("eof") on every later call. Cancel-safe: a
-        cancelled call loses nothing and the next one resumes.
+        refused before the body is read), "bad-frame", "flow-control" (the peer sent more than its credit),
+        "truncated" (EOF inside a Noise message or an application message), "decrypt-failed" (a tampered
+        Noise message), "idle-timeout", or "broken" after an earlier error. Messages that arrived before
+        an error are delivered first; a clean EOF stays ConnectionClosed("eof") on every later call.
+        Cancel-safe: a cancelled call loses nothing and the next one resumes.
         """
-        async with self._receive_lock:
-            if self._broken is not None:
-                if isinstance(self._broken, ConnectionClosed):
-                    raise ConnectionClosed(self._broken.reason, "earlier")
-                raise TransportError("broken", self._broken.reason) from self._broken
-            try:
-                return await self._receive_message()
-            except TransportError as exc:
-                if not (isinstance(exc, ConnectionClosed) and exc.reason == "closed"):
-                    self._broken = exc
-                    await self._abort()
-                raise
-
-    async def _receive_message(self) -> bytes:
-        decoder, assembler = self._decoder, self._assembler
+        if lane is not None and lane not in LANES:
+            raise ValueError(f"lane must be 0, 1 or None, not {lane}")
         while True:
-            ciphertext = decoder.next_frame()
-            if ciphertext is None:
-                if not await self._read_more():
-                    if decoder.pending or not assembler.at_boundary:
-                        raise TransportError("truncated", "EOF inside a Noise or application message")
-                    raise ConnectionClosed("eof")
-                continue
+            taken = self._peek(lane)
+            if taken is not None:
+                # Credit what the application has now caught up with before handing the message over.
+                self._grant_credit(emptied=taken)
+                if self._control_pending() and not self._receive_lock.locked() and not self._closed:
+                    try:
+                        await self._pump_once(flush_only=True)
+                    except TransportError:
+                        pass  # recorded in _broken: raised once the queued messages are taken
+                return self._pop(taken)
+            if self._broken is not None:
+                self._raise_broken()
+            if self._closed:
+                raise ConnectionClosed("closed")
+            if self._receive_lock.locked():
+                await self._changed.wait()
+            else:
+                await self._pump_once()
+
+    def _peek(self, lane: int | None) -> int | None:
+        """The lane whose head message `receive_message(lane)` would take, or None."""
+        queues = self._queues
+        if lane is not None:
+            return lane if queues[lane] else None
+        if queues[0] and queues[1]:
+            return 0 if queues[0][0][0] < queues[1][0][0] else 1
+        return 0 if queues[0] else 1 if queues[1] else None
+
+    def _pop(self, lane: int) -> bytes:
+        data = self._queues[lane].popleft()[1]
+        self._queued_bytes[lane] -= len(data)
+        return data
+
+    def _raise_broken(self) -> None:
+        exc = self._broken
+        assert exc is not None
+        if not self._broken_reported:
+            self._broken_reported = True
+            raise exc
+        if isinstance(exc, ConnectionClosed):
+            raise ConnectionClosed(exc.reason, "earlier")
+        raise TransportError("broken", exc.reason) from exc
+
+    def _grant_credit(self, emptied: int | None = None) -> None:
+        """Credit back received bytes on each lane whose queue is empty (or is about to be: `emptied` is a
+        lane whose one queued message is being taken), in steps of at least half a window."""
+        assembler = self._assembler
+        for lane in LANES:
+            queued = len(self._queues[lane]) - (1 if lane == emptied else 0)
+            owed = assembler.received[lane] - self._credited[lane]
+            if queued == 0 and owed >= LANE_WINDOW // 2:
+                self._credited[lane] += owed
+                assembler.grant(lane, owed)
+                self._pending_credit[lane] += owed
+                if self._recv_scope is not None:  # a reader is blocked in recv: let it flush the credit
+                    self._recv_scope.cancel()
+
+    async def _pump_once(self, *, flush_only: bool = False) -> None:
+        """Read for everybody until at least one Noise message is processed, or (`flush_only`) until the
+        pending control frames are written (takes the receive lock)."""
+        try:
+            async with self._receive_lock:
+                if flush_only:
+                    await self._flush_while_reading()
+                else:
+                    await self._pump()
+        except TransportError as exc:
+            if not (isinstance(exc, ConnectionClosed) and exc.reason == "closed"):
+                self._broken = exc
+            await self._abort()
+            raise
+        finally:
+            self._notify()
+
+    async def _pump(self) -> None:
+        while True:
+            if self._process_buffered():
+                return
+            if self._eof:
+                if self._decoder.pending or not self._assembler.at_boundary:
+                    raise TransportError("truncated", "EOF inside a Noise or application message")
+                raise ConnectionClosed("eof")
+            if self._control_pending() and not self._wire_lock.locked():
+                if await self._flush_while_reading():
+                    return
+            elif await self._recv_more() is False:
+                self._eof = True
+
+    async def _flush_while_reading(self) -> int:
+        """Write pending control frames while draining the socket, so two peers that both wait to write
+        can never deadlock; returns the number of Noise messages processed meanwhile."""
+        processed = 0
+        async with trio.open_nursery() as nursery:
+            done = trio.Event()
+            nursery.start_soon(self._flush_control, done)
+            while not done.is_set() and not self._eof:
+                if await self._recv_more() is False:
+                    self._eof = True
+                processed += self._process_buffered()
+        return processed
+
+    def _process_buffered(self) -> int:
+        """Decrypt and dispatch every complete Noise message in the decoder; returns how many."""
+        decoder, assembler, count = self._decoder, self._assembler, 0
+        while (ciphertext := decoder.next_frame()) is not None:
             window = assembler.window(len(ciphertext) - TAGLEN)
             try:
                 n = self._transport.decrypt_into(ciphertext, self._plain if window is None else window)
@@ -470,48 +674,67 @@ class SecureConnection:
                 event = assembler.handle(memoryview(self._plain)[:n])
             else:
                 event = assembler.handle_window(n)
+            count += 1
             if isinstance(event, MessageReceived):
-                return event.data
-            if isinstance(event, PingReceived):
-                await self._send_control_frame(KIND_PONG, event.opaque)
+                self._queues[event.lane].append((self._seq, event.data))
+                self._queued_bytes[event.lane] += len(event.data)
+                self._seq += 1
+            elif isinstance(event, CreditReceived):
+                credit = self._credit[event.lane] + event.increment
+                if credit > MAX_CREDIT:
+                    raise TransportError("bad-frame", f"credit on lane {event.lane} over {MAX_CREDIT}")
+                self._credit[event.lane] = credit
+            elif isinstance(event, PingReceived):
+                self._pending_pong = event.opaque  # at most one PONG owed: a PING flood costs one frame
             elif isinstance(event, PongReceived):
                 self.pongs_received += 1
+        if count:
+            self._grant_credit()
+            self._notify()
+        return count
 
-    async def _read_more(self) -> bool:
-        """Receive more bytes into the decoder; False on EOF. Sends keep-alives and enforces the idle timeout."""
-        while True:
-            idle_deadline = self._last_received + self.idle_timeout
-            if trio.current_time() >= idle_deadline:
-                raise TransportError("idle-timeout", f"nothing received for {self.idle_timeout} s")
-            ping_deadline = max(self._last_received, self._last_ping) + self.keepalive_interval
-            with trio.move_on_at(min(idle_deadline, ping_deadline)):
-                try:
-                    n = await self._stream.socket.recv_into(self._decoder.writable())
-                except trio.ClosedResourceError as exc:
+    async def _recv_more(self) -> bool | None:
+        """Receive bytes into the decoder: True if some arrived, False on EOF, None if interrupted (control
+        frames to write, or a PING came due). Enforces the idle timeout."""
+        now = trio.current_time()
+        idle_deadline = self._last_received + self.idle_timeout
+        if now >= idle_deadline:
+            raise TransportError("idle-timeout", f"nothing received for {self.idle_timeout} s")
+        ping_deadline = max(self._last_received, self._last_ping) + self.keepalive_interval
+        if now >= ping_deadline:
+            self._last_ping = now
+            self.pings_sent += 1
+            self._pending_ping = os.urandom(PING_BYTES)
+            return None
+        with trio.move_on_at(min(idle_deadline, ping_deadline)) as scope:
+            self._recv_scope = scope
+            try:
+                n = await self._stream.socket.recv_into(self._decoder.writable())
+            except trio.ClosedResourceError as exc:
+                raise ConnectionClosed("closed") from exc
+            except OSError as exc:
+                if self._closed:
                     raise ConnectionClosed("closed") from exc
-                except OSError as exc:
-                    if self._closed:
-                        raise ConnectionClosed("closed") from exc
-                    raise ConnectionClosed("reset", str(exc)) from exc
-                if n:
-                    self._decoder.commit(n)
-                    self.bytes_received += n
-                    self._last_received = trio.current_time()
-                return n > 0
-            now = trio.current_time()
-            if ping_deadline <= now < idle_deadline:
-                self._last_ping = now
-                self.pings_sent += 1
-                await self._send_control_frame(KIND_PING, os.urandom(PING_BYTES))
+                raise ConnectionClosed("reset", str(exc)) from exc
+            finally:
+                self._recv_scope = None
+            if n:
+                self._decoder.commit(n)
+                self.bytes_received += n
+                self._last_received = trio.current_time()
+            return n > 0
+        return None
 
     async def _abort(self) -> None:
         self._closed = True
+        self._notify()
         with trio.CancelScope(shield=True):
             await self._stream.aclose()
 
     async def aclose(self) -> None:
         """Close the socket. Idempotent; pending and later sends/receives raise ConnectionClosed."""
         self._closed = True
+        self._notify()
         await self._stream.aclose()
 
 
@@ -598,6 +821,9 @@ async def serve(host: str, port: int, identity: Identity, handler: Handler, *,
                 handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
                 max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
                 max_handshakes_per_ip: int = DEFAULT_MAX_HANDSHAKES_PER_IP,
+                max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                max_connections_per_ip: int = DEFAULT_MAX_CONNECTIONS_PER_IP,
+                admit: Callable[[str], bool] | None = None,
                 keepalive_interval: float = DEFAULT_KEEPALIVE_INTERVAL,
                 idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
                 task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
@@ -608,12 +834,16 @@ async def serve(host: str, port: int, identity: Identity, handler: Handler, *,
     ``await handler(conn)``, then the connection is closed. At most `max_handshakes` handshakes run at once,
     and at most `max_handshakes_per_ip` from one remote address; a connection over either cap is closed at
     once, before any byte is read (slowloris defence: a flood costs the attacker a socket each and us
-    nothing beyond the cap). A failed handshake, or a `TransportError` escaping the handler, is logged and
-    ends that connection only; any other exception from the handler is a bug and propagates.
+    nothing beyond the cap). Likewise at most `max_connections` inbound connections are open at once
+    (handshaking or in the handler), at most `max_connections_per_ip` from one address, and `admit(ip)`
+    (e.g. an `AddressBook`'s ban list) may refuse an address. A failed handshake, or a `TransportError`
+    escaping the handler, is logged and ends that connection only; any other exception from the handler
+    is a bug and propagates.
     """
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound_port = listeners[0].socket.getsockname()[1]
     in_handshake: Counter[str] = Counter()
+    open_now: Counter[str] = Counter()
 
     async def serve_one(stream: trio.SocketStream) -> None:
         try:
@@ -625,6 +855,23 @@ async def serve(host: str, port: int, identity: Identity, handler: Handler, *,
             log.info("refused a connection from %s: handshake cap reached", ip)
             await stream.aclose()
             return
+        if open_now.total() >= max_connections or open_now[ip] >= max_connections_per_ip:
+            log.info("refused a connection from %s: connection cap reached", ip)
+            await stream.aclose()
+            return
+        if admit is not None and not admit(ip):
+            log.info("refused a connection from %s: not admitted", ip)
+            await stream.aclose()
+            return
+        open_now[ip] += 1
+        try:
+            await _serve_admitted(stream, ip)
+        finally:
+            open_now[ip] -= 1
+            if not open_now[ip]:
+                del open_now[ip]
+
+    async def _serve_admitted(stream: trio.SocketStream, ip: str) -> None:
         in_handshake[ip] += 1
         try:
             conn = await _secure(stream, identity, initiator=False, expected_peer=None,

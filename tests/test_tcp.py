@@ -24,6 +24,7 @@ from peerloom.adapters.noise import (
 )
 from peerloom.adapters.tcp import (
     KIND_CONTINUE,
+    KIND_CREDIT,
     KIND_PING,
     KIND_START,
     LANE_BULK,
@@ -444,8 +445,11 @@ def test_length_over_limit_is_refused_before_the_body() -> None:
     ([bytes([KIND_PING << 4]) + b"123"], "bad-frame"),  # short ping
     ([bytes([KIND_START << 4]) + b"\0\0"], "bad-frame"),  # truncated 4-byte length
     ([bytes([KIND_START << 4]) + (5).to_bytes(4, "big") + b"ab"], "truncated"),  # EOF inside a message
+    ([bytes([KIND_CREDIT << 4 | 1]) + b"\xff\xff\xff\xff"], "bad-frame"),  # credit past 2^32 - 1
+    ([bytes([KIND_CREDIT << 4 | 1]) + b"\0\0\0\0"], "bad-frame"),  # zero credit
+    ([bytes([KIND_CREDIT << 4 | 2]) + b"\0\0\0\1"], "bad-frame"),  # credit for lane 2
 ], ids=["empty", "orphan-continue", "nested-start", "long-fragment", "overrun", "bad-lane", "bad-kind",
-        "short-ping", "short-length", "eof-in-message"])
+        "short-ping", "short-length", "eof-in-message", "credit-overflow", "credit-zero", "credit-lane"])
 def test_malformed_frames_are_refused(plaintexts: list[bytes], reason: str) -> None:
     errors: list[TransportError] = []
 
@@ -682,6 +686,32 @@ def test_handshake_flood_is_capped_and_recovers(cap: str) -> None:
         await conn.aclose()
 
     run_with_server(body, handshake_timeout=20, **kwargs)
+
+
+@pytest.mark.parametrize("cap", ["per-ip", "global", "admit"])
+def test_established_connections_are_capped_and_recover(cap: str) -> None:
+    """Authenticated connections count too: over the cap (or refused by `admit`) a dial is closed at once."""
+    held: list[SecureConnection] = []
+    kwargs = {"per-ip": {"max_connections_per_ip": 2}, "global": {"max_connections": 2},
+              "admit": {"admit": lambda ip: ip == HOST and len(held) < 2}}[cap]
+
+    async def body(port: int) -> None:
+        for _ in range(2):
+            conn = await connect(HOST, port, CLIENT)
+            await conn.send_message(b"hi")
+            assert await conn.receive_message() == b"hi"  # the handler is running: the slot is taken
+            held.append(conn)
+        with pytest.raises(TransportError):
+            await connect(HOST, port, CLIENT)
+        await held.pop().aclose()
+        await trio.sleep(0.1)
+        conn = await connect(HOST, port, CLIENT)
+        await conn.send_message(b"ok")
+        assert await conn.receive_message() == b"ok"
+        for c in (conn, *held):
+            await c.aclose()
+
+    run_with_server(body, **kwargs)
 
 
 def test_handshake_timeout_frees_the_slot() -> None:

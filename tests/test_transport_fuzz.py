@@ -30,6 +30,7 @@ from peerloom.adapters.noise import (
 )
 from peerloom.adapters.tcp import (
     KIND_CONTINUE,
+    KIND_CREDIT,
     KIND_PING,
     KIND_PONG,
     KIND_START,
@@ -119,7 +120,7 @@ def test_frame_decoder_round_trips_any_noise_messages(messages: list[bytes]) -> 
 
 frame_headers = st.integers(0, 255) | st.sampled_from(
     [KIND_START << 4, KIND_START << 4 | 1, KIND_CONTINUE << 4, KIND_CONTINUE << 4 | 1, KIND_PING << 4,
-     KIND_PONG << 4])
+     KIND_PONG << 4, KIND_CREDIT << 4, KIND_CREDIT << 4 | 1])
 plaintexts = st.one_of(
     st.binary(max_size=40),
     st.builds(lambda h, n, body: bytes([h]) + n.to_bytes(4, "big") + body, frame_headers,
@@ -137,13 +138,14 @@ def _apply(assembler: MessageAssembler, plaintext: bytes, *, use_window: bool) -
         window[:] = plaintext
         return assembler.handle_window(len(plaintext))
     except TransportError as exc:
-        assert exc.reason in ("bad-frame", "message-too-large")
+        assert exc.reason in ("bad-frame", "message-too-large", "flow-control")
         return ("error", exc.reason)
 
 
 @given(st.lists(plaintexts, max_size=30))
 def test_assembler_raises_only_transport_error_and_window_path_agrees(frames: list[bytes]) -> None:
-    plain, windowed = MessageAssembler(50), MessageAssembler(50)
+    # A small window so fuzzed frames reach the flow-control check too.
+    plain, windowed = MessageAssembler(50, window=120), MessageAssembler(50, window=120)
     for plaintext in frames:
         a = _apply(plain, plaintext, use_window=False)
         b = _apply(windowed, plaintext, use_window=True)
