@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from peerloom import simulate
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="peerloom", description=__doc__)
@@ -33,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
 
     keygen = sub.add_parser("keygen", help="create an identity key file (mode 0600) and print its peer id")
     keygen.add_argument("path", type=Path)
+    simulate.add_parser(sub)
 
     args = parser.parse_args(argv)
     if args.command == "demo":
@@ -51,6 +54,8 @@ def main(argv: list[str] | None = None) -> None:
         from peerloom.verify import run_verify
 
         sys.exit(run_verify(args.chain, args.authority))
+    elif args.command == "sim":
+        sys.exit(simulate.run(args))
     elif args.command == "keygen":
         from peerloom.adapters.keys import generate_identity, save_identity
 

@@ -115,6 +115,7 @@ class SimNode:
     armed: float | None = None
     incarnation: int = 0
     compute_free_at: float = 0.0
+    left: bool = False  # left for good: never restarted
     speed: float = 1.0
     heads: list[tuple[float, int, bytes]] = attrs.Factory(list)  # (time, window, head id)
     engine_factory: Callable[..., Engine] | None = None
@@ -430,10 +431,8 @@ class Simulation:
 
     def restart(self, name: str) -> None:
         node = self.nodes[name]
-        if node.up:
+        if node.up or node.left:
             return
-        if node.role in ("validator", "reducer") and not node.disk.has(self.manifest.genesis_params.digest):
-            pass  # a wiped validator fetches genesis params from its peers like anyone else
         self.record(name, "restart")
         self.boot(name)
 
@@ -444,7 +443,7 @@ class Simulation:
             return
         for other in self.links_of(name):
             self._disconnect(name, other, delay=0.0)
-        node.up, node.engine = False, None
+        node.up, node.engine, node.left = False, None, True
         node.incarnation += 1
         self.record(name, "leave")
 
