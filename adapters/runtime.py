@@ -30,9 +30,11 @@ from peerloom.core.objects import Head, QuorumCertificate, Revision
 from . import tcp
 from .compute import ComputeExecutor
 from .host import apply_storage_effect, chunk_message
+from .metrics import NodeMetrics
 from .storage import ArtifactStore
 
 log = logging.getLogger("peerloom.runtime")
+engine_log = logging.getLogger("peerloom.engine")
 
 
 @attrs.frozen(kw_only=True)
@@ -42,6 +44,8 @@ class RuntimeOptions:
     bootstrap: tuple[tuple[str, int], ...] = ()
     redial_s: float = 0.5
     max_message_bytes: int = 16 << 20
+    http_listen: tuple[str, int] | None = None  # serve the HTTP edge here (None: no edge)
+    mdns: bool = False  # advertise and browse `_peerloom._tcp.local.` on 127.0.0.1 (adapters.discovery)
 
 
 class NodeRuntime:
@@ -69,6 +73,8 @@ class NodeRuntime:
         self._compute_limiter = trio.CapacityLimiter(1)
         self.bytes_sent = 0
         self.bytes_received = 0
+        self._closed_bytes: dict[PeerId, tuple[int, int]] = {}  # wire bytes of closed connections, per peer
+        self.metrics = NodeMetrics(peer_bytes=self._peer_bytes)
         self.port: int | None = None
         self._nursery: trio.Nursery | None = None
 
@@ -124,12 +130,15 @@ class NodeRuntime:
                     if conn is not None:
                         await conn.aclose()
                 case fx.HeadPromoted():
+                    self.metrics.on_effect(effect)
                     if self.on_head is not None:
                         self.on_head(effect.head, effect.certificate)
                     sent, received = self.wire_bytes()
                     self._emit_line("wire", {"window": effect.head.window, "sent": sent, "received": received})
                 case fx.Log():
+                    self.metrics.on_effect(effect)
                     self._emit_line(effect.event, effect.fields)
+                    engine_log.info(effect.event, extra={"fields": effect.fields})
 
     def _enqueue(self, peer: PeerId, data: bytes) -> None:
         outboxes = self._outboxes.get(peer)
@@ -182,6 +191,8 @@ class NodeRuntime:
         finally:
             self.bytes_sent += conn.bytes_sent
             self.bytes_received += conn.bytes_received
+            old_sent, old_received = self._closed_bytes.get(peer, (0, 0))
+            self._closed_bytes[peer] = (old_sent + conn.bytes_sent, old_received + conn.bytes_received)
             del self._conns[peer], self._outboxes[peer]
             with trio.CancelScope(shield=True):
                 await conn.aclose()
@@ -194,6 +205,21 @@ class NodeRuntime:
                 await conn.send_message(data, lane=lane)
         except (tcp.TransportError, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             scope.cancel()
+
+    def _peer_bytes(self) -> list[tuple[str, int, int]]:
+        """(peer id text, sent, received) wire bytes per peer ever connected; safe from any thread."""
+        totals = dict(self._closed_bytes)
+        for peer, conn in list(self._conns.items()):
+            sent, received = totals.get(peer, (0, 0))
+            totals[peer] = (sent + conn.bytes_sent, received + conn.bytes_received)
+        return [(peer.to_text(), sent, received) for peer, (sent, received) in totals.items()]
+
+    def close(self) -> None:
+        """Release files after `run` returned (the store's database, the event log)."""
+        if self._events_file is not None:
+            self._events_file.close()
+            self._events_file = None
+        self.store.close()
 
     def wire_bytes(self) -> tuple[int, int]:
         """(sent, received) bytes on the wire over all connections so far, open ones included."""

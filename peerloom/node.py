@@ -16,15 +16,33 @@ Config keys (TOML)::
     stats = "trainer-1/stats.json"     # optional: counters written at shutdown
     threads = 1                        # compute threads (torch)
     stop_after_window = 20             # optional: open no window after this one
+    workload = "mypkg.train:factory"   # optional: a user's workload factory (module:function) or a registry
+                                       # name; default: the manifest's workload from the registry
+    log_format = "auto"                # auto (JSON lines unless stderr is a TTY), json or text
+    log_level = "info"
 
-Relative paths are relative to the config file's directory.
+    [http]                             # optional HTTP edge (aiohttp) for light peers and dashboards
+    enabled = true
+    listen = "127.0.0.1:8080"
+
+    [discovery]                        # optional zeroconf (mDNS) on 127.0.0.1 only
+    mdns = true
+
+A workload factory is called as ``factory(seed, num_shards)`` with the manifest's ``workload_seed`` and
+shard count, and returns ``(workload, shards)`` like `peerloom.backends.registry.build_workload`; every peer
+of a revision must build the same model and shard contents. Relative paths are relative to the config
+file's directory. `load_config` checks every key and type and raises ConfigError naming the problem.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
+import logging
 import signal
+import sys
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +50,25 @@ import trio
 
 from peerloom.adapters.compute import ComputeExecutor
 from peerloom.adapters.keys import load_or_create_identity
+from peerloom.adapters.logs import setup_logging
 from peerloom.adapters.runtime import NodeRuntime, RuntimeOptions
 from peerloom.adapters.storage import ArtifactStore, atomic_write
-from peerloom.backends.registry import build_workload
 from peerloom.core.chain import encode_chain_entry
 from peerloom.core.envelope import SignedEnvelope
+from peerloom.core.errors import PeerloomError
 from peerloom.core.identity import PeerId
 from peerloom.core.objects import Head, QuorumCertificate, Revision
 
 REQUIRED = ("name", "roles", "key", "manifest", "authority", "store")
+ROLES = frozenset({"trainer", "reducer", "validator"})
+# key -> accepted types; ``behaviour`` is read by the demo's Byzantine trainers.
+KEYS: dict[str, tuple[type, ...]] = {
+    "name": (str,), "roles": (list,), "key": (str,), "manifest": (str,), "authority": (str,), "store": (str,),
+    "listen": (str,), "bootstrap": (list,), "capacity": (int,), "port_file": (str,), "events": (str,),
+    "stats": (str,), "threads": (int,), "stop_after_window": (int,), "workload": (str,), "log_format": (str,),
+    "log_level": (str,), "http": (dict,), "discovery": (dict,), "behaviour": (str,),
+}
+log = logging.getLogger("peerloom.node")
 
 
 class ConfigError(ValueError):
@@ -55,6 +83,7 @@ def _address(text: str) -> tuple[str, int]:
 
 
 def load_config(path: Path) -> dict[str, Any]:
+    """Read and check a node config (see the module docstring). ConfigError names the file and the key."""
     try:
         config = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
@@ -62,11 +91,91 @@ def load_config(path: Path) -> dict[str, Any]:
     missing = [k for k in REQUIRED if k not in config]
     if missing:
         raise ConfigError(f"{path}: missing {', '.join(missing)}")
+    try:
+        _check(config)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     base = path.parent
     for key in ("key", "manifest", "store", "port_file", "events", "stats"):
         if key in config:
             config[key] = base / config[key]
     return config
+
+
+def _check(config: dict[str, Any]) -> None:
+    unknown = sorted(set(config) - set(KEYS))
+    if unknown:
+        raise ConfigError(f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}")
+    for key, types in KEYS.items():
+        value = config.get(key)
+        if key in config and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
+            raise ConfigError(f"{key} must be a {' or '.join(t.__name__ for t in types)}, got {value!r}")
+    roles = config["roles"]
+    if not roles or not all(isinstance(r, str) and r in ROLES for r in roles):
+        raise ConfigError(f"roles must be a non-empty list of {', '.join(sorted(ROLES))}; got {roles!r}")
+    _address(config.get("listen", "127.0.0.1:0"))
+    for address in config.get("bootstrap", []):
+        if not isinstance(address, str):
+            raise ConfigError(f"bootstrap entries must be host:port strings, got {address!r}")
+        _address(address)
+    for key in ("capacity", "threads"):
+        if key in config and config[key] < 1:
+            raise ConfigError(f"{key} must be at least 1, got {config[key]}")
+    try:
+        PeerId.from_text(config["authority"])
+    except Exception:
+        raise ConfigError(f"authority {config['authority']!r} is not a peer id") from None
+    if config.get("log_format", "auto") not in ("auto", "json", "text"):
+        raise ConfigError(f"log_format must be auto, json or text, got {config['log_format']!r}")
+    if config.get("log_level", "info").upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ConfigError(f"log_level must be debug, info, warning or error, got {config['log_level']!r}")
+    http = config.get("http", {})
+    if set(http) - {"enabled", "listen"}:
+        raise ConfigError(f"http: unknown keys {', '.join(sorted(set(http) - {'enabled', 'listen'}))}")
+    if not isinstance(http.get("enabled", False), bool):
+        raise ConfigError("http.enabled must be true or false")
+    if "listen" in http:
+        if not isinstance(http["listen"], str):
+            raise ConfigError("http.listen must be a host:port string")
+        _address(http["listen"])
+    discovery = config.get("discovery", {})
+    if set(discovery) - {"mdns"} or not isinstance(discovery.get("mdns", False), bool):
+        raise ConfigError("discovery takes one key, mdns = true or false")
+    if "workload" in config:
+        _workload_factory(config["workload"])  # importable and callable, checked before anything starts
+
+
+def _workload_factory(spec: str) -> Callable[[int, int], tuple[Any, Any]]:
+    """A workload factory from ``module:function`` or a registry name. ConfigError if it cannot be used."""
+    from peerloom.backends.registry import WORKLOADS, build_workload
+
+    if ":" not in spec:
+        if spec not in WORKLOADS:
+            raise ConfigError(f"workload {spec!r} is not a registry name ({', '.join(WORKLOADS)}) "
+                              "nor a module:function import path")
+        return lambda seed, num_shards: build_workload(spec, seed, num_shards)
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"workload {spec!r}: cannot import {module_name}: {exc}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ConfigError(f"workload {spec!r}: {module_name} has no callable {attr!r}")
+    return factory  # type: ignore[no-any-return]
+
+
+def build_node_workload(config: dict[str, Any], manifest_workload: str, seed: int,
+                        num_shards: int) -> tuple[Any, Any]:
+    """(workload, shards) for this node: the config's factory if it names one, else the manifest's name."""
+    spec = config.get("workload", manifest_workload)
+    if ":" not in spec and spec != manifest_workload:
+        raise ConfigError(f"workload {spec!r} differs from the manifest's {manifest_workload!r}; every peer "
+                          "of a revision must train the same model")
+    workload, shards = _workload_factory(spec)(seed, num_shards)
+    if len(shards) != num_shards:
+        raise ConfigError(f"workload {spec!r} returned {len(shards)} shards, the manifest has {num_shards}")
+    return workload, shards
 
 
 def write_chain_entry(chain_dir: Path, head: Head, cert: QuorumCertificate) -> None:
@@ -75,45 +184,76 @@ def write_chain_entry(chain_dir: Path, head: Head, cert: QuorumCertificate) -> N
     atomic_write(chain_dir / f"{head.window:06d}.cbor", encode_chain_entry(head, cert))
 
 
-def run_node(config_path: Path) -> None:
-    config = load_config(config_path)
-    threads = int(config.get("threads", 1))
-    import torch
+def _load_revision(config: dict[str, Any]) -> tuple[SignedEnvelope, Revision]:
+    try:
+        envelope = SignedEnvelope.from_bytes(Path(config["manifest"]).read_bytes())
+        return envelope, Revision.verify(envelope, PeerId.from_text(config["authority"]))
+    except OSError as exc:
+        raise ConfigError(f"manifest: {exc}") from None
+    except PeerloomError as exc:
+        raise ConfigError(f"manifest {config['manifest']}: not a revision signed by {config['authority']}: "
+                          f"{exc}") from None
 
-    torch.set_num_threads(threads)
-    identity = load_or_create_identity(config["key"])
-    envelope = SignedEnvelope.from_bytes(Path(config["manifest"]).read_bytes())
-    revision = Revision.verify(envelope, PeerId.from_text(config["authority"]))
+
+def build_runtime(config: dict[str, Any]) -> NodeRuntime:
+    """Everything `peerloom node` builds before it runs: identity, store, workload, runtime."""
+    try:
+        identity = load_or_create_identity(config["key"])
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"key: {exc}") from None
+    envelope, revision = _load_revision(config)
     manifest = revision.manifest
-    store = ArtifactStore(config["store"], chunk_size=manifest.chunk_size)
-    workload, shards = build_workload(manifest.workload, manifest.workload_seed, len(manifest.shards))
+    try:
+        store = ArtifactStore(config["store"], chunk_size=manifest.chunk_size)
+    except OSError as exc:
+        raise ConfigError(f"store: {exc}") from None
+    workload, shards = build_node_workload(config, manifest.workload, manifest.workload_seed, len(manifest.shards))
+    if "torch" in sys.modules:  # only workloads that use torch pay for importing it
+        sys.modules["torch"].set_num_threads(int(config.get("threads", 1)))
     executor = ComputeExecutor(store, manifest, workload, shards)
     host, port = _address(config.get("listen", "127.0.0.1:0"))
+    http = config.get("http", {})
+    http_listen = _address(http.get("listen", "127.0.0.1:0")) if http.get("enabled", False) else None
     options = RuntimeOptions(listen_host=host, listen_port=port,
-                             bootstrap=tuple(_address(a) for a in config.get("bootstrap", [])))
+                             bootstrap=tuple(_address(a) for a in config.get("bootstrap", [])),
+                             http_listen=http_listen, mdns=bool(config.get("discovery", {}).get("mdns", False)))
     chain_dir = Path(config["store"]) / "chain"
     atomic_write(Path(config["store"]) / "manifest.cbor", envelope.to_bytes())
-    runtime = NodeRuntime(name=config["name"], identity=identity, revision=revision, roles=set(config["roles"]),
-                          store=store, executor=executor, options=options, events_path=config.get("events"),
-                          capacity=int(config.get("capacity", 1)), stop_after_window=config.get("stop_after_window"),
-                          on_head=lambda h, c: write_chain_entry(chain_dir, h, c))
+    return NodeRuntime(name=config["name"], identity=identity, revision=revision, roles=set(config["roles"]),
+                       store=store, executor=executor, options=options, events_path=config.get("events"),
+                       capacity=int(config.get("capacity", 1)), stop_after_window=config.get("stop_after_window"),
+                       on_head=lambda h, c: write_chain_entry(chain_dir, h, c))
+
+
+def run_node(config_path: Path) -> None:
+    """Run a node until SIGTERM or SIGINT, then shut down cleanly (connections closed, stats written).
+
+    Raises ConfigError before starting anything if the config, key, manifest or workload is unusable.
+    """
+    config = load_config(config_path)
+    setup_logging(config.get("log_format", "auto"), config.get("log_level", "info"), name=config["name"])
+    runtime = build_runtime(config)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             port = await nursery.start(runtime.run)
             if "port_file" in config:
                 atomic_write(Path(config["port_file"]), f"{port}\n".encode())
+            log.info("node started", extra={"fields": {"peer": runtime.identity.peer_id.to_text(), "port": port,
+                                                       "roles": sorted(config["roles"])}})
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async for _ in signals:
+                async for signum in signals:
+                    log.info("shutting down", extra={"fields": {"signal": signal.Signals(signum).name}})
                     nursery.cancel_scope.cancel()
                     break
 
     try:
         trio.run(main)
     finally:
+        runtime.close()
         if "stats" in config:
             sent, received = runtime.wire_bytes()
-            stats = {"name": config["name"], "peer_id": identity.peer_id.to_text(), "bytes_sent": sent,
+            stats = {"name": config["name"], "peer_id": runtime.identity.peer_id.to_text(), "bytes_sent": sent,
                      "bytes_received": received, "head_window": runtime.engine.head.window,
                      "counters": dict(runtime.engine.stats),
                      "rejected_by_reason": dict(runtime.engine.rejected_by_reason)}

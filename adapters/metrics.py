@@ -1,0 +1,102 @@
+"""Prometheus metrics of one node, fed from the engine's effects by the runtime (issue 7 observability).
+
+Each node owns a `prometheus_client.CollectorRegistry` (several nodes may share a process in tests); the
+HTTP edge exposes it at ``/metrics``. The runtime calls `on_effect` for every `HeadPromoted` and `Log`
+effect; wire bytes per peer and head age are read at scrape time from a callback.
+
+==================================================== =======================================================
+metric                                               meaning
+==================================================== =======================================================
+``peerloom_windows_total{outcome}``                  windows closed: ``certified`` or ``skipped``
+``peerloom_updates_accepted_total``                  updates in promoted heads' cohorts
+``peerloom_updates_rejected_total{reason}``          updates rejected by screening (``screen-*``, cohort
+                                                     outliers), by reason
+``peerloom_rejections_total{reason}``                every rejection the engine charged to a peer, by reason
+``peerloom_votes_total{step}``                       votes this validator signed and sent
+``peerloom_head_window``                             window of the latest certified head
+``peerloom_head_lag_windows``                        highest head window announced by a peer minus ours
+``peerloom_head_age_seconds``                        seconds since this node promoted its latest head
+``peerloom_peer_bytes_total{peer,direction}``        wire bytes per peer (``sent``/``received``)
+``peerloom_peers``                                   connected peers
+==================================================== =======================================================
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from peerloom.core import effects as fx
+
+# Rejections that name an update that failed screening (spec/protocol.md §6) rather than a bad message.
+_UPDATE_REASON_PREFIXES = ("screen-", "outlier", "cohort-")
+
+PeerBytes = Callable[[], Iterable[tuple[str, int, int]]]
+
+
+class _WireCollector(Collector):
+    def __init__(self, peer_bytes: PeerBytes, metrics: NodeMetrics) -> None:
+        self._peer_bytes = peer_bytes
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Any]:
+        wire = CounterMetricFamily("peerloom_peer_bytes", "Wire bytes per peer", labels=["peer", "direction"])
+        peers = 0
+        for peer, sent, received in self._peer_bytes():
+            peers += 1
+            wire.add_metric([peer, "sent"], sent)
+            wire.add_metric([peer, "received"], received)
+        yield wire
+        yield GaugeMetricFamily("peerloom_peers", "Connected peers", value=peers)
+        promoted = self._metrics.promoted_at
+        age = time.time() - promoted if promoted is not None else float("nan")
+        yield GaugeMetricFamily("peerloom_head_age_seconds", "Seconds since the latest head promotion", value=age)
+
+
+class NodeMetrics:
+    """The metrics of one node. `on_effect` is called from the engine loop; scrapes from any thread."""
+
+    def __init__(self, peer_bytes: PeerBytes = lambda: ()) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.windows = Counter("peerloom_windows", "Windows closed by outcome", ["outcome"], registry=r)
+        self.accepted = Counter("peerloom_updates_accepted", "Updates in certified cohorts", registry=r)
+        self.rejected = Counter("peerloom_updates_rejected", "Updates rejected by screening", ["reason"],
+                                registry=r)
+        self.rejections = Counter("peerloom_rejections", "Rejections charged to peers", ["reason"], registry=r)
+        self.votes = Counter("peerloom_votes", "Votes signed and sent", ["step"], registry=r)
+        self.head_window = Gauge("peerloom_head_window", "Window of the latest certified head", registry=r)
+        self.head_lag = Gauge("peerloom_head_lag_windows", "Best peer head window minus ours", registry=r)
+        self.promoted_at: float | None = None
+        self._best_peer_window = 0
+        r.register(_WireCollector(peer_bytes, self))
+
+    def on_effect(self, effect: fx.Effect) -> None:
+        """Count what a HeadPromoted or Log effect says; other effects are ignored."""
+        match effect:
+            case fx.HeadPromoted():
+                head = effect.head
+                self.windows.labels(outcome="skipped" if head.skipped else "certified").inc()
+                self.accepted.inc(len(head.cohort))
+                self.head_window.set(head.window)
+                self.promoted_at = time.time()
+                self.head_lag.set(max(0, self._best_peer_window - head.window))
+            case fx.Log(event="reject"):
+                reason = str(effect.fields.get("reason", ""))
+                self.rejections.labels(reason=reason).inc()
+                if reason.startswith(_UPDATE_REASON_PREFIXES):
+                    self.rejected.labels(reason=reason).inc()
+            case fx.Log(event="vote"):
+                self.votes.labels(step=str(effect.fields.get("step", ""))).inc()
+            case _:
+                pass
+
+    def note_peer_head(self, window: int, own_window: int) -> None:
+        """A peer announced its head window (Hello); updates the head lag."""
+        self._best_peer_window = max(self._best_peer_window, window)
+        self.head_lag.set(max(0, self._best_peer_window - own_window))

@@ -1,0 +1,150 @@
+"""Build and run small fleets of `peerloom node` OS processes on 127.0.0.1 for end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from peerloom.adapters.keys import generate_identity, save_identity
+from peerloom.adapters.storage import ArtifactStore, atomic_write
+from peerloom.backends.numpy.tensors import schema_of, tensor_digest, to_safetensors
+from peerloom.core.identity import Identity
+from peerloom.core.objects import Manifest, Revision
+
+
+def numpy_digits(seed: int, num_shards: int) -> tuple[Any, list[list[int]]]:
+    """Workload factory (`workload = "tests.node_cluster:numpy_digits"`): the digits MLP in numpy, one local
+    epoch; the same schema as ``digits-mlp`` without importing torch, so node processes start faster."""
+    from peerloom.backends.datasets import load_digits_split, shard_indices
+    from peerloom.backends.numpy.workload import make_digits_numpy_workload
+
+    workload = make_digits_numpy_workload(seed=seed, local_epochs=1)
+    return workload, shard_indices(len(load_digits_split(seed)[0]), num_shards, seed)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Node:
+    name: str
+    role: str
+    identity: Identity
+    directory: Path
+    port: int = 0
+    config: dict[str, Any] = field(default_factory=dict)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def config_path(self) -> Path:
+        return self.directory / "node.toml"
+
+    def write_config(self, **extra: Any) -> Path:
+        self.config.update(extra)
+        self.config_path.write_text(tomli_w.dumps(self.config))
+        return self.config_path
+
+    def start(self) -> None:
+        (self.directory / "port").unlink(missing_ok=True)
+        log = open(self.directory / "node.log", "ab")
+        self.process = subprocess.Popen([sys.executable, "-m", "peerloom", "node", "--config", str(self.config_path)],
+                                        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONHASHSEED": "0"})
+        log.close()
+
+    def wait_port(self, timeout_s: float = 30.0) -> int:
+        deadline = time.monotonic() + timeout_s
+        path = self.directory / "port"
+        while time.monotonic() < deadline:
+            if path.exists() and path.read_text().strip():
+                return int(path.read_text())
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: {(self.directory / 'node.log').read_text()[-3000:]}")
+            time.sleep(0.02)
+        raise TimeoutError(f"{self.name} did not start: {(self.directory / 'node.log').read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait()
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        """SIGTERM and wait; SIGKILL if it does not exit in time. Returns the exit status."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def events(self) -> list[dict[str, Any]]:
+        path = self.directory / "events.jsonl"
+        if not path.exists():
+            return []
+        out = []
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a line cut by SIGKILL
+        return out
+
+
+def make_fleet(root: Path, *, validators: int, trainers: int, quorum: int, window_s: float = 1.0,
+               min_updates: int = 1, shards: int = 4, stop_after_window: int | None = None) -> list[Node]:
+    """Write keys, a signed manifest (digits workload) and one node.toml per node; start nothing."""
+    model, shard_lists = numpy_digits(0, shards)
+    authority = generate_identity()
+    nodes = [Node(f"validator-{i}", "validator", generate_identity(), root / f"validator-{i}")
+             for i in range(1, validators + 1)]
+    nodes += [Node(f"trainer-{i}", "trainer", generate_identity(), root / f"trainer-{i}")
+              for i in range(1, trainers + 1)]
+    params = model.initial_params(0)
+    genesis = to_safetensors(params)
+    refs = []
+    for node in nodes:
+        node.directory.mkdir(parents=True)
+        save_identity(node.identity, node.directory / "key")
+        node.port = free_port()
+        if node.role == "validator":
+            refs.append(ArtifactStore(node.directory / "store", chunk_size=64 * 1024).put(genesis))
+    manifest = Manifest(
+        experiment="test-fleet", workload="digits-mlp", workload_seed=0, schema=schema_of(params),
+        shards=tuple(len(s) for s in shard_lists), validators=tuple(n.identity.peer_id for n in nodes[:validators]),
+        quorum=quorum, window_s=window_s, min_updates=min_updates, max_capacity=4, aggregation="mean",
+        outer_optimizer="fedavg", outer_lr=1.0, chunk_size=64 * 1024, genesis_params=refs[0],
+        genesis_params_digest=tensor_digest(params),
+        roster=tuple(sorted((n.identity.peer_id, 1) for n in nodes if n.role == "trainer")))
+    envelope = manifest.seal(authority)
+    Revision.verify(envelope, authority.peer_id)
+    atomic_write(root / "manifest.cbor", envelope.to_bytes())
+    servers = nodes[:validators]
+    for node in nodes:
+        targets = servers if node.role == "trainer" else servers[:servers.index(node)]
+        node.config = {
+            "name": node.name, "roles": [node.role], "key": "key", "manifest": str(root / "manifest.cbor"),
+            "authority": authority.peer_id.to_text(), "store": "store", "listen": f"127.0.0.1:{node.port}",
+            "bootstrap": [f"127.0.0.1:{t.port}" for t in targets], "port_file": "port",
+            "events": "events.jsonl", "stats": "stats.json", "threads": 1,
+            "workload": "tests.node_cluster:numpy_digits",
+        }
+        if stop_after_window is not None:
+            node.config["stop_after_window"] = stop_after_window
+        node.write_config()
+    return nodes

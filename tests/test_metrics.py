@@ -1,0 +1,50 @@
+"""Prometheus metrics fed from engine effects: windows, updates by reason, votes, bytes per peer, head lag."""
+
+import attrs
+from prometheus_client import generate_latest
+
+from peerloom.adapters.metrics import NodeMetrics
+from peerloom.core import effects as fx
+from peerloom.core.objects import QuorumCertificate
+from tests.helpers import ident, make_revision
+
+
+def _value(metrics, name, labels=None):
+    return metrics.registry.get_sample_value(name, labels or {})
+
+
+def test_effects_drive_the_counters():
+    metrics = NodeMetrics(peer_bytes=lambda: [("12D3KooWpeer", 100, 250)])
+    genesis = make_revision().genesis()
+    cert = QuorumCertificate(head=genesis.id, window=0, round=0, votes=())
+
+    certified = attrs.evolve(genesis, window=4, skipped=False, cohort=(b"u1", b"u2", b"u3"))
+    metrics.on_effect(fx.HeadPromoted(head=certified, certificate=cert))
+    metrics.on_effect(fx.HeadPromoted(head=attrs.evolve(genesis, window=5, skipped=True), certificate=cert))
+    metrics.on_effect(fx.Log(event="reject", fields={"peer": "p", "reason": "screen-norm-bound"}))
+    metrics.on_effect(fx.Log(event="reject", fields={"peer": "p", "reason": "bad-signature"}))
+    for step in ("prevote", "precommit", "prevote"):
+        metrics.on_effect(fx.Log(event="vote", fields={"window": 4, "step": step}))
+    metrics.on_effect(fx.HangUp(peer=ident(1).peer_id, reason="penalty-limit"))  # not a metric: ignored
+    assert _value(metrics, "peerloom_windows_total", {"outcome": "certified"}) == 1
+    assert _value(metrics, "peerloom_windows_total", {"outcome": "skipped"}) == 1
+    assert _value(metrics, "peerloom_updates_accepted_total") == 3
+    assert _value(metrics, "peerloom_updates_rejected_total", {"reason": "screen-norm-bound"}) == 1
+    assert _value(metrics, "peerloom_updates_rejected_total", {"reason": "bad-signature"}) is None
+    assert _value(metrics, "peerloom_rejections_total", {"reason": "bad-signature"}) == 1
+    assert _value(metrics, "peerloom_votes_total", {"step": "prevote"}) == 2
+    assert _value(metrics, "peerloom_head_window") == 5
+    assert _value(metrics, "peerloom_peer_bytes_total", {"peer": "12D3KooWpeer", "direction": "received"}) == 250
+    assert _value(metrics, "peerloom_peers") == 1
+    assert 0 <= _value(metrics, "peerloom_head_age_seconds") < 60
+    metrics.note_peer_head(9, own_window=5)
+    assert _value(metrics, "peerloom_head_lag_windows") == 4
+    text = generate_latest(metrics.registry).decode()
+    assert "peerloom_votes_total" in text and "peerloom_peer_bytes_total" in text
+
+
+def test_two_nodes_in_one_process_have_separate_registries():
+    a, b = NodeMetrics(), NodeMetrics()
+    a.on_effect(fx.Log(event="vote", fields={"step": "prevote"}))
+    assert _value(a, "peerloom_votes_total", {"step": "prevote"}) == 1
+    assert _value(b, "peerloom_votes_total", {"step": "prevote"}) is None
