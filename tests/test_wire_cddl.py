@@ -252,3 +252,47 @@ def test_body_validation_catches_a_bad_body_inside_a_good_envelope():
     bad_body = SignedEnvelope.seal(ident(3), "join", 1, {"revision": content_id(b"r"), "capacity": -1})
     with pytest.raises(pycddl.ValidationError):
         validate("message", encode_message(Signed(envelope=bad_body)))
+
+
+# --- closed maps: the code's field sets are exactly the CDDL's -------------------------------------------
+
+
+def rule_map_keys(rule: str) -> set[str]:
+    """Top-level keys of the map that `rule` defines (comments stripped; nested groups ignored)."""
+    text = re.sub(r";[^\n]*", "", spec_cddl())
+    match = re.search(rf"^{re.escape(rule)}\s*=\s*(\{{.*?)(?=^\S)", text + "\nEND", re.MULTILINE | re.DOTALL)
+    assert match is not None, rule
+    keys, depth, token = set(), 0, ""
+    for ch in match.group(1):
+        if ch in "{[(":
+            depth += 1
+        elif ch in "}])":
+            depth -= 1
+        elif depth == 1 and ch == ":" and token.strip():
+            keys.add(token.strip())
+        if depth == 1 and (ch.isalnum() or ch == "_"):
+            token += ch
+        elif ch != ":":
+            token = ""
+    return keys
+
+
+def test_code_maps_have_exactly_the_cddl_keys():
+    """cddl-rs does not reject unknown keys, so compare the field sets directly: a field added in core
+    without its CDDL (or the reverse) fails here."""
+    checked = set()
+    for _, data, _ in instances():
+        value = cbor2.loads(data)
+        for kind, _, body, _, _ in envelopes_in(value):
+            assert set(cbor2.loads(body)) == rule_map_keys(f"signed-{kind}"), kind
+            checked.add(f"signed-{kind}")
+        heads = [v["head"] for v in [value, value[1] if isinstance(value, list) else None]
+                 if isinstance(v, dict) and "head" in v and isinstance(v["head"], dict)]
+        for head in heads:
+            assert set(head) == rule_map_keys("head")
+            assert set(head["params"]) == rule_map_keys("artifact")
+            checked.update({"head", "artifact"})
+        if isinstance(value, list) and value[0] == "head":
+            assert set(value[1]["certificate"]) == rule_map_keys("certificate")
+            checked.add("certificate")
+    assert checked >= {f"signed-{k}" for k in envelope_kinds()} | {"head", "artifact", "certificate"}
