@@ -66,6 +66,11 @@ class Ops(Protocol):
     def gram(self, x: Any, out: Any) -> None: ...  # out = x @ x.T (float64)
     def sort0(self, x: Any) -> Any: ...  # sorted along axis 0 (a new array)
     def item(self, a: Any, i: int) -> float: ...
+    def column(self, values: Sequence[float]) -> Any: ...  # [len, 1] float64
+    def reshape(self, a: Any, shape: tuple[int, ...]) -> Any: ...  # a view of a contiguous buffer
+    def stack(self, out: Any, parts: Sequence[Any]) -> None: ...  # out[i] = parts[i] (one call)
+    def absmax_rows(self, x: Any, scratch: Any) -> list[float]: ...  # max |x[i]| per row; scratch like x
+    def rint(self, a: Any) -> None: ...  # a = round half to even (in place)
     def errstate(self) -> Any: ...  # context manager silencing overflow on the final rounding
 
 
@@ -410,6 +415,52 @@ def median_of(values: Sequence[float]) -> float:
     return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
 
 
+CC_BLOCK = 1 << 14
+"""Coordinates per block of `centered_clip`'s quantized Gram matrix (a power of two)."""
+
+CC_QUANT_BITS = 19
+"""Each member's block is scaled by a power of two and rounded to integers of magnitude <= 2^19, so every
+partial sum of one block's inner products is an integer of magnitude <= ``CC_BLOCK * 2^38 = 2^52``: exact
+in float64 whatever order a BLAS sums them in."""
+
+
+def quantized_gram(ops: Ops, ws: Workspace, schema: Schema, rows: dict[str, list[Any]]) -> list[list[float]]:
+    """Inner products ``G[i][j] ~ <x_i, x_j>`` that every machine and BLAS computes to the same bits.
+
+    Per block of `CC_BLOCK` coordinates and per row i: ``s_i = 2^(CC_QUANT_BITS - e_i)`` with ``e_i`` the
+    binary exponent of ``max |x_i|`` over the block (``frexp``; 1 for an all-zero block), ``q_i =
+    rint(float64(x_i) * s_i)`` (exact scaling, round half to even), so ``|q_i| <= 2^CC_QUANT_BITS``. The
+    block's ``Q Q^T`` (one BLAS call) is exact (integers below 2^53, see `CC_QUANT_BITS`); it is scaled by
+    ``1 / (s_i s_j)`` (powers of two: exact) and added to the float64 total, block after block in schema
+    order (elementwise adds, identical on every backend). Relative to the true inner products the error is
+    about ``2^-CC_QUANT_BITS`` of the block maxima.
+    """
+    n = len(next(iter(rows.values())))
+    total = ws.get("cc_gram", 0, n * n)
+    ops.fill(total, 0.0)
+    total2 = ops.reshape(total, (n, n))
+    part = ops.reshape(ws.get("cc_part", 0, n * n), (n, n))
+    smat = ops.reshape(ws.get("cc_smat", 0, n * n), (n, n))
+    for name, dtype, shape in schema:
+        size = numel(shape)
+        for start in range(0, size, CC_BLOCK):
+            m = min(size, start + CC_BLOCK) - start
+            x = ops.reshape(ws.get("cc_x", 0, n * CC_BLOCK, dtype)[: n * m], (n, m))
+            ops.stack(x, [r[start : start + m] for r in rows[name]])
+            scratch = ops.reshape(ws.get("cc_abs", 0, n * CC_BLOCK, dtype)[: n * m], (n, m))
+            exps = [math.frexp(a)[1] if a > 0.0 else 0 for a in ops.absmax_rows(x, scratch)]
+            q = ops.reshape(ws.get("cc_q", 0, n * CC_BLOCK)[: n * m], (n, m))
+            ops.copy(q, x)  # widening is exact, and so is scaling by a power of two
+            ops.mul(q, ops.column([math.ldexp(1.0, CC_QUANT_BITS - e) for e in exps]))
+            ops.rint(q)
+            ops.gram(q, part)
+            inv = ops.column([math.ldexp(1.0, e - CC_QUANT_BITS) for e in exps])
+            ops.mul_into(smat, inv, ops.reshape(inv, (1, n)))
+            ops.mul(part, smat)
+            ops.add(total2, part)
+    return [[ops.item(total, i * n + j) for j in range(n)] for i in range(n)]
+
+
 def centered_clip(
     ops: Ops,
     ws: Workspace,
@@ -424,79 +475,36 @@ def centered_clip(
     """Centered clipping (Karimireddy, He, Jaggi 2021, arXiv 2012.10333, eq. 2):
     ``v <- v + sum_i a_i (x_i - v) min(1, tau / |x_i - v|)``, `iterations` times, from `centre` (default 0).
 
-    Evaluated as ``v <- (1 - C) v + sum_i c_i x_i`` with the Python floats ``c_i = a_i min(1, tau/|x_i - v|)``
-    and ``C = sum_i c_i`` (the same value in exact arithmetic). `v` stays float64 for the whole run (one
-    rounding at the end). Per block: ``acc = +0.0; acc += float64(x_i) * c_i`` in member order; ``v *= 1 - C``;
-    ``v += acc``. The distances only set the clipping factors and are cheaper: ``|x_i - v|^2 = |x_i|^2 -
-    2<x_i, v> + |v|^2`` (clamped at 0) with the products ``x_i * v`` taken in the input dtype (v rounded to it
-    per block; float32: ~1e-7 relative error, deterministic) and summed in float64 lanes. ``tau=None`` uses the
-    median distance of the current iteration.
+    Every iterate is a linear combination ``v_t = b_t centre + sum_j w_j^t x_j``: with the Python floats
+    ``c_i = a_i min(1, tau / |x_i - v_t|)`` and ``C = sum_i c_i``, ``w <- (1 - C) w + c`` and ``b <- (1 - C) b``
+    (``v <- (1 - C) v + sum_i c_i x_i``, equal to eq. 2 in exact arithmetic). So the distances come from one
+    Gram matrix of the members (and the centre), ``|x_i - v|^2 = G_ii - 2 (sum_j w_j G_ij + b G_ic) +
+    (w^T G w + 2 b sum_j w_j G_jc + b^2 G_cc)`` in Python floats (clamped at 0), and the cohort is read
+    twice in all: once for `quantized_gram` (exact on every machine and BLAS, ~2^-19 relative to the block
+    maxima — the distances only set the clipping factors) and once for the final ``v = sum_j w_j x_j +
+    b centre`` with the `weighted_sum` recipe (float64, member order, the centre last, rounded once).
+    ``tau=None`` uses the median distance of the current iteration.
     """
-    total = sum(numel(shape) for _, _, shape in schema)
-    v = ws.get("cc_v", 0, max(total, 1))
-    vv: dict[str, Any] = {}
-    off = 0
-    for name, _, shape in schema:
-        vv[name] = v[off : off + numel(shape)]
-        off += numel(shape)
     n = len(coeffs)
-    segs = segments(schema)
-    dtypes = {name: dtype for name, dtype, _ in schema}
-    acc = ws.get("acc", 0, BLOCK)
-    s = ws.get("s", 0, BLOCK)
-
-    def light_dots(with_v: bool) -> list[float]:
-        """Per member ``<x_i, y>`` (y = v rounded to the input dtype per block, or x_i itself), products in
-        the input dtype, lanes in float64; then ``|v|^2`` (float64 products) in the last row."""
-        lanes = ws.get("lanes", n + 1, BLOCK)
-        ops.fill(lanes, 0.0)
-        for name, start, end, _ in segs:
-            m = end - start
-            q = ws.get("cc_q", 0, BLOCK, dtypes[name])[:m]
-            vq = ws.get("cc_vq", 0, BLOCK, dtypes[name])[:m]
-            vb = vv[name][start:end]
-            if with_v:
-                ops.copy(vq, vb)
-            for i, x in enumerate(fl[name]):
-                xb = x[start:end]
-                ops.product(q, xb, vq if with_v else xb)
-                ops.add(lanes[i, :m], q)
-            if with_v:
-                ops.mul_into(s[:m], vb, vb)
-                ops.add(lanes[n, :m], s[:m])
-        folded = fold_lanes(ops, lanes)
-        return folded
-
-    sq = light_dots(False)[:n]
-    if centre is None:
-        ops.fill(v, 0.0)
-        cross, vsq = [0.0] * n, 0.0
-    else:
-        for name, _, _ in schema:
-            ops.copy(vv[name], centre[name][0])
-        folded = light_dots(True)
-        cross, vsq = folded[:n], folded[n]
-    for it in range(iterations):
-        dist = [math.sqrt(max(q - 2.0 * p + vsq, 0.0)) for q, p in zip(sq, cross, strict=True)]
+    rows = fl if centre is None else {name: [*fl[name], centre[name][0]] for name in fl}
+    g = quantized_gram(ops, ws, schema, rows)
+    w = [0.0] * n
+    b = 0.0 if centre is None else 1.0
+    for _ in range(iterations):
+        gw = [sum(w[j] * g[i][j] for j in range(n)) for i in range(n)]  # <x_i, sum_j w_j x_j>
+        vsq = sum(w[i] * gw[i] for i in range(n))
+        if centre is None:
+            cross = gw
+        else:
+            cross = [gw[i] + b * g[i][n] for i in range(n)]
+            vsq += 2.0 * b * sum(w[j] * g[j][n] for j in range(n)) + b * b * g[n][n]
+        dist = [math.sqrt(max(g[i][i] - 2.0 * cross[i] + vsq, 0.0)) for i in range(n)]
         radius = median_of(dist) if tau is None else float(tau)
         cs = [a * clip_factor(d, radius) for a, d in zip(coeffs, dist, strict=True)]
         keep = 1.0 - sum(cs)
-        for name, start, end, _ in segs:
-            m = end - start
-            a, sb, vb = acc[:m], s[:m], vv[name][start:end]
-            ops.fill(a, 0.0)
-            for x, c in zip(fl[name], cs, strict=True):
-                ops.scale_into(sb, x[start:end], c)
-                ops.add(a, sb)
-            ops.scale(vb, keep)
-            ops.add(vb, a)
-        if it < iterations - 1:
-            folded = light_dots(True)
-            cross, vsq = folded[:n], folded[n]
-    with ops.errstate():
-        for name, _, _ in schema:
-            ops.copy(ops.flat(out[name]), vv[name])
-    return out
+        w = [keep * wi + ci for wi, ci in zip(w, cs, strict=True)]
+        b *= keep
+    return weighted_sum(ops, ws, schema, rows, w if centre is None else [*w, b], out)
 
 
 # ---------------------------------------------------------------- outer optimizers

@@ -156,3 +156,40 @@ def test_screening_stats_numpy_equals_torch_and_values() -> None:
     assert np_stats(d, centre=d)["distance"] == 0.0
     bad = {"w": np.array([np.nan], np.float32)}
     assert not np_stats(bad)["finite"] and not torch_stats(to_torch(bad))["finite"]
+
+
+def test_quantized_gram_does_not_depend_on_the_blas_order(monkeypatch) -> None:
+    """Centered clipping's Gram is exact per block, so a BLAS that sums in another order gives the same bits."""
+    from peerloom.backends.numpy import aggregate as npa
+
+    rng = np.random.default_rng(5)
+    deltas = [{"w": (rng.standard_normal(_robust.CC_BLOCK * 2 + 3) * 10.0 ** rng.integers(-3, 3)).astype(np.float32)}
+              for _ in range(6)]
+    weights = [3, 1, 4, 1, 5, 9]
+    schema = (("w", "float32", (_robust.CC_BLOCK * 2 + 3,)),)
+    rows = {"w": [d["w"] for d in deltas]}
+    ws = npa.workspace()
+    g = _robust.quantized_gram(npa.NUMPY_OPS, ws, schema, rows)
+    exact = np.array([[float(np.dot(a["w"].astype(np.float64), b["w"].astype(np.float64))) for b in deltas]
+                      for a in deltas])
+    np.testing.assert_allclose(np.array(g), exact, rtol=1e-4, atol=1e-5 * np.abs(exact).max())
+    expected = np_agg("centered_clip", deltas, weights)
+
+    def reversed_gram(self, x, out) -> None:  # another summation order: columns reversed, float64 pairwise
+        y = np.ascontiguousarray(x[:, ::-1])
+        out[...] = np.einsum("ik,jk->ij", y, y)
+
+    monkeypatch.setattr(type(npa.NUMPY_OPS), "gram", reversed_gram)
+    assert _robust.quantized_gram(npa.NUMPY_OPS, ws, schema, rows) == g
+    assert raw(np_agg("centered_clip", deltas, weights)) == raw(expected)
+
+
+def test_centered_clip_with_a_large_radius_is_the_weighted_mean() -> None:
+    rng = np.random.default_rng(2)
+    deltas = [{"w": rng.standard_normal(1000, dtype=np.float32)} for _ in range(5)]
+    weights = [1, 2, 3, 4, 5]
+    cc = np_agg("centered_clip", deltas, weights, tau=1e9)["w"]
+    np.testing.assert_allclose(cc, np_agg("mean", deltas, weights)["w"], rtol=0, atol=1e-6)
+    centre = {"w": rng.standard_normal(1000, dtype=np.float32)}
+    tiny = np_agg("centered_clip", deltas, weights, tau=1e-9, center=centre)["w"]  # clipped: barely moves
+    np.testing.assert_allclose(tiny, centre["w"], rtol=0, atol=1e-6)

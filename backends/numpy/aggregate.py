@@ -20,9 +20,10 @@ krum            the member with the smallest sum of squared           (n - 2) / 
                 et al. 2017, NeurIPS)
 multi_krum      weighted mean of the `m` best Krum scores             as krum        as krum + O(mK)
                 (default ``m = n - f``; Blanchard et al. 2017)
-centered_clip   ``v += sum_i a_i (x_i - v) min(1, tau/|x_i - v|)``,   ~0.1 - 0.2     O(iterations * nK)
-                `iterations` times (Karimireddy et al. 2021,          (paper's
-                arXiv 2012.10333)                                     analysis)
+centered_clip   ``v += sum_i a_i (x_i - v) min(1, tau/|x_i - v|)``,   ~0.1 - 0.2     O(n^2 K) flops (one
+                `iterations` times (Karimireddy et al. 2021,          (paper's       exact quantized BLAS
+                arXiv 2012.10333)                                     analysis)      Gram) + O(nK), any
+                                                                                     iteration count
 norm_clip       weighted mean of ``x_i min(1, tau / |x_i|)``           0 (bounds      O(nK)
                 (clipping as in DP-FedAvg, arXiv 1710.06963)          influence)
 =============== ===================================================== ============== =====================
@@ -128,6 +129,22 @@ class NumpyOps:
 
     def item(self, a: np.ndarray, i: int) -> float:
         return float(a[i])
+
+    def column(self, values: Sequence[float]) -> np.ndarray:
+        return np.array(values, dtype=np.float64).reshape(-1, 1)
+
+    def reshape(self, a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        return a.reshape(shape)
+
+    def stack(self, out: np.ndarray, parts: Sequence[np.ndarray]) -> None:
+        np.stack(parts, out=out)
+
+    def absmax_rows(self, x: np.ndarray, scratch: np.ndarray) -> list[float]:
+        np.abs(x, out=scratch)
+        return [float(v) for v in scratch.max(axis=1)]
+
+    def rint(self, a: np.ndarray) -> None:
+        np.rint(a, out=a)
 
     def errstate(self) -> contextlib.AbstractContextManager[Any]:
         return np.errstate(over="ignore", invalid="ignore")
