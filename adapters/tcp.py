@@ -824,6 +824,7 @@ async def serve(host: str, port: int, identity: Identity, handler: Handler, *,
                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
                 max_connections_per_ip: int = DEFAULT_MAX_CONNECTIONS_PER_IP,
                 admit: Callable[[str], bool] | None = None,
+                on_handshake_failed: Callable[[str, TransportError], object] | None = None,
                 keepalive_interval: float = DEFAULT_KEEPALIVE_INTERVAL,
                 idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
                 task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
@@ -836,8 +837,9 @@ async def serve(host: str, port: int, identity: Identity, handler: Handler, *,
     once, before any byte is read (slowloris defence: a flood costs the attacker a socket each and us
     nothing beyond the cap). Likewise at most `max_connections` inbound connections are open at once
     (handshaking or in the handler), at most `max_connections_per_ip` from one address, and `admit(ip)`
-    (e.g. an `AddressBook`'s ban list) may refuse an address. A failed handshake, or a `TransportError`
-    escaping the handler, is logged and ends that connection only; any other exception from the handler
+    (e.g. an `AddressBook`'s ban list) may refuse an address. A failed handshake is reported to
+    `on_handshake_failed(ip, error)` (e.g. `AddressBook.inbound_handshake_failed`) and logged; it, or a
+    `TransportError` escaping the handler, ends that connection only; any other exception from the handler
     is a bug and propagates.
     """
     listeners = await trio.open_tcp_listeners(port, host=host)
@@ -878,7 +880,9 @@ async def serve(host: str, port: int, identity: Identity, handler: Handler, *,
                                  max_message_bytes=max_message_bytes, handshake_timeout=handshake_timeout,
                                  keepalive_interval=keepalive_interval, idle_timeout=idle_timeout)
         except TransportError as exc:
-            log.info("inbound handshake failed: %s", exc)
+            log.info("inbound handshake from %s failed: %s", ip, exc)
+            if on_handshake_failed is not None:
+                on_handshake_failed(ip, exc)
             return
         finally:
             in_handshake[ip] -= 1

@@ -714,6 +714,22 @@ def test_established_connections_are_capped_and_recover(cap: str) -> None:
     run_with_server(body, **kwargs)
 
 
+def test_failed_inbound_handshakes_are_reported_with_the_address() -> None:
+    failures: list[tuple[str, str]] = []
+
+    async def body(port: int) -> None:
+        silent = await trio.open_tcp_stream(HOST, port)
+        await silent.send_all(b"\x00\x05hello")  # a message 1 shorter than an ephemeral key
+        await silent.send_eof()
+        with trio.fail_after(5):
+            while not failures:
+                await trio.sleep(0.01)
+        await silent.aclose()
+
+    run_with_server(body, on_handshake_failed=lambda ip, exc: failures.append((ip, exc.reason)))
+    assert failures == [(HOST, "bad-message-length")]
+
+
 def test_handshake_timeout_frees_the_slot() -> None:
     async def body(port: int) -> None:
         silent = await trio.open_tcp_stream(HOST, port)
