@@ -23,7 +23,8 @@ __all__ = ["CODECS", "ErrorFeedback", "decode", "encode", "zeros_state"]
 ErrorFeedback = _codecs.ErrorFeedback
 
 _BIT_WEIGHTS = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8)
-_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()
+"""[256, 8]: bit j (LSB first) of each byte value."""
 
 
 def zeros_state(tensors: TorchTensorDict) -> ErrorFeedback:
@@ -165,11 +166,10 @@ def _decode_one(codec: str, name: str, enc: TorchTensorDict, shape: tuple[int, .
     s = scale[0]
     if not bool(torch.isfinite(s) & (s >= 0)):
         raise DecodeError("bad-codec-value", f"{name}/scale must be finite and >= 0")
-    bits = ((signs[:, None] >> _BIT_SHIFTS) & 1).reshape(-1)
-    if bool(bits[n:].any()):
+    if n % 8 and int(signs[-1]) >> (n % 8):
         raise DecodeError("bad-codec-value", f"{name}/signs has padding bits set")
-    out = s.expand(n).clone()
-    out[bits[:n].bool()] = -s
+    table = torch.where(_BYTE_BITS, -s, s)
+    out = table[signs.to(torch.int64)].reshape(-1)[:n]
     return out.reshape(shape)
 
 

@@ -1,0 +1,126 @@
+"""Update codecs: compression ratio, encode/decode speed, and what they cost in accuracy (issue 5).
+
+Speed: one float32 tensor of `--size` elements (standard normal, seeded), every codec on the numpy and
+torch backends; GB/s = input float32 bytes / seconds, median of `--repeats` timed calls after a warm-up.
+Compression ratio = input bytes / encoded bytes (sum of the encoded tensors' raw bytes; the safetensors
+header adds ~100 bytes per tensor on the wire). The `none` codec (a copy) is the baseline measured in the
+same run.
+
+Accuracy: in-process FedAvg on the bundled digits (`make_digits_workload`, the numpy backend's codecs and
+weighted mean): `--trainers` trainers on fixed shards, `--windows` windows; every window each trainer
+trains from the global params, encodes its pseudo-gradient (top-k and sign with error feedback: the trainer
+keeps its residual across windows), the reducer decodes every delta and takes the shard-size-weighted
+mean, and the outer step is SGD lr 1 (FedAvg). Same seeds for every codec, so `none` is the baseline.
+
+Prints one JSON object on its last line:
+``{"size", "codecs": [{"codec", "ratio", "error_feedback", "encode_gbps": {"numpy", "torch"},
+"decode_gbps": {...}, "accuracy"}], "baseline_accuracy", "topk_within_2_points": bool, ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from peerloom.backends.datasets import shard_indices
+from peerloom.backends.numpy import codecs as nc
+from peerloom.backends.numpy.aggregate import aggregate
+from peerloom.backends.torch import codecs as tc
+from peerloom.backends.torch.models import make_digits_workload
+
+FEEDBACK = ("topk", "sign")
+"""Codecs that keep an error-feedback residual in the accuracy run (biased compressors need it)."""
+
+
+def timed(fn: Callable[[], Any], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def speed(codec: str, x: np.ndarray, repeats: int, fraction: float) -> dict[str, Any]:
+    gb = x.nbytes / 1e9
+    tx = torch.from_numpy(x)
+    enc, _ = nc.encode(codec, {"w": x}, fraction=fraction)
+    tenc = {k: torch.from_numpy(v) for k, v in enc.items()}
+    return {
+        "ratio": x.nbytes / sum(v.nbytes for v in enc.values()),
+        "encode_gbps": {
+            "numpy": gb / timed(lambda: nc.encode(codec, {"w": x}, fraction=fraction), repeats),
+            "torch": gb / timed(lambda: tc.encode(codec, {"w": tx}, fraction=fraction), repeats),
+        },
+        "decode_gbps": {
+            "numpy": gb / timed(lambda: nc.decode(codec, enc), repeats),
+            "torch": gb / timed(lambda: tc.decode(codec, tenc), repeats),
+        },
+    }
+
+
+def fedavg_accuracy(codec: str, windows: int, trainers: int, fraction: float, seed: int) -> float:
+    workload = make_digits_workload(seed=seed, num_threads=1)
+    shards = shard_indices(workload.num_train, trainers, seed)
+    params = workload.initial_params(seed)
+    feedback = codec in FEEDBACK
+    states: list[Any] = [nc.zeros_state(params) if feedback else None for _ in range(trainers)]
+    schema = tuple((n, "float32", p.shape) for n, p in sorted(params.items()))
+    for window in range(windows):
+        decoded = []
+        for t, shard in enumerate(shards):
+            delta, _ = workload.train(params, shard, seed * 1_000_003 + window * 1009 + t)
+            enc, states[t] = nc.encode(codec, delta, states[t], fraction=fraction)
+            decoded.append(nc.decode(codec, enc, schema=schema))
+        mean = aggregate("mean", decoded, [len(s) for s in shards])
+        params = {n: np.subtract(p, mean[n], dtype=np.float32) for n, p in params.items()}
+    return float(workload.evaluate(params)["accuracy"])
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (for tests)")
+    parser.add_argument("--size", type=int, default=4_000_000, help="float32 elements of the speed tensor")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--windows", type=int, default=10)
+    parser.add_argument("--trainers", type=int, default=6)
+    parser.add_argument("--fraction", type=float, default=0.01, help="top-k kept share")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.size, args.repeats, args.windows, args.trainers = 50_000, 2, 2, 2
+    torch.set_num_threads(1)
+    x = np.random.default_rng(args.seed).standard_normal(args.size, dtype=np.float32)
+    rows = []
+    for codec in nc.CODECS:
+        row = {"codec": codec, **speed(codec, x, args.repeats, args.fraction), "error_feedback": codec in FEEDBACK}
+        row["accuracy"] = fedavg_accuracy(codec, args.windows, args.trainers, args.fraction, args.seed)
+        rows.append(row)
+        print(f"{codec:5s} ratio {row['ratio']:6.1f}  encode np {row['encode_gbps']['numpy']:6.2f} "
+              f"torch {row['encode_gbps']['torch']:6.2f} GB/s  decode np {row['decode_gbps']['numpy']:6.2f} "
+              f"torch {row['decode_gbps']['torch']:6.2f} GB/s  accuracy {row['accuracy']:.4f}", flush=True)
+    base = rows[0]["accuracy"]
+    topk = next(r for r in rows if r["codec"] == "topk")["accuracy"]
+    report = {
+        "size": args.size,
+        "windows": args.windows,
+        "trainers": args.trainers,
+        "topk_fraction": args.fraction,
+        "codecs": rows,
+        "baseline_accuracy": base,
+        "topk_within_2_points": bool(topk >= base - 0.02),
+    }
+    print(json.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()
