@@ -5,6 +5,11 @@ One main task owns the engine: it waits for the next event (or the engine's next
 `Engine.handle`, and executes the effects in order. Each connection has a reader task (messages become
 events) and a writer task with its own queue, so a slow peer never blocks the engine. Compute tasks run
 on a worker thread, one at a time per node. Persist effects are fsynced before `Persisted` is fed back.
+
+With `RuntimeOptions.http_listen` set, the node also serves the HTTP edge (`adapters.http_edge`, aiohttp on
+its own thread and asyncio loop) over a `NodeEdgeView`: reads come from thread-safe snapshots, and a light
+trainer's signed submission crosses into trio through the trio token and reaches the engine as a message
+from its signer (its artifact stored first), handled by the main loop like any other event.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +28,16 @@ import trio
 
 from peerloom.core import effects as fx
 from peerloom.core import events as ev
+from peerloom.core.chain import decode_chain_entry
 from peerloom.core.engine import Engine, EngineConfig
+from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.identity import Identity, PeerId
+from peerloom.core.messages import Hello, Signed, encode_message
 from peerloom.core.objects import Head, QuorumCertificate, Revision
 
 from . import tcp
 from .compute import ComputeExecutor
+from .edge_view import SUBMIT_TIMEOUT_S, NodeEdgeView, PeerInfo, SubmitResult
 from .host import apply_storage_effect, chunk_message
 from .metrics import NodeMetrics
 from .storage import ArtifactStore
@@ -48,6 +57,16 @@ class RuntimeOptions:
     mdns: bool = False  # advertise and browse `_peerloom._tcp.local.` on 127.0.0.1 (adapters.discovery)
 
 
+@attrs.define
+class _Submit:
+    """A light peer's signed envelope from the HTTP edge, waiting for the main loop (not an engine event)."""
+
+    envelope: SignedEnvelope
+    artifact: bytes | None
+    done: trio.Event = attrs.Factory(trio.Event)
+    result: SubmitResult | None = None
+
+
 class NodeRuntime:
     """Runs one node until cancelled. `events_path` receives one JSON line per engine Log effect."""
 
@@ -65,7 +84,7 @@ class NodeRuntime:
                               max_message_bytes=options.max_message_bytes, stop_after_window=stop_after_window)
         self.engine = Engine(config, identity, random.Random(), stored=store.refs(), records=store.records())
         self._events_file = open(events_path, "a", buffering=1) if events_path else None
-        self._send_events, self._receive_events = trio.open_memory_channel[ev.Event](math.inf)
+        self._send_events, self._receive_events = trio.open_memory_channel[ev.Event | _Submit](math.inf)
         self._conns: dict[PeerId, tcp.SecureConnection] = {}
         # Two outboxes per peer (control, bulk), each with its own writer task, so a vote or a chunk request
         # never waits behind a large artifact message queued before it (the transport interleaves lanes).
@@ -77,6 +96,16 @@ class NodeRuntime:
         self.metrics = NodeMetrics(peer_bytes=self._peer_bytes)
         self.port: int | None = None
         self._nursery: trio.Nursery | None = None
+        self._trio_token: trio.lowlevel.TrioToken | None = None
+        self._rejected_in_window = 0
+        # Rejections per (peer, reason), written to the database once per window: an attacker's flood of
+        # bad messages must not become a flood of fsyncs.
+        self._reputation: dict[tuple[str, str], int] = {}
+        self.edge_view = NodeEdgeView(peer_id=identity.peer_id, roles=roles, revision=revision,
+                                      registry=self.metrics.registry, artifact_path=self._artifact_path,
+                                      relay=self._relay, peers=self.peer_infos, entries=self._stored_chain())
+        self.edge: Any = None  # adapters.http_edge.EdgeServer while the edge runs
+        self.http_port: int | None = None
 
     def _emit_line(self, event: str, fields: dict[str, Any]) -> None:
         if self._events_file is not None:
@@ -84,24 +113,42 @@ class NodeRuntime:
             self._events_file.write(json.dumps(line, default=str) + "\n")
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            self.port = await nursery.start(tcp.serve, self.options.listen_host, self.options.listen_port,
-                                            self.identity, self._adopt_connection)
-            self.engine.handle(ev.Start(now=trio.current_time()))
-            await self._drain()
-            for host, port in self.options.bootstrap:
-                nursery.start_soon(self._dial_loop, host, port)
-            task_status.started(self.port)
-            await self._main_loop()
+        self._trio_token = trio.lowlevel.current_trio_token()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self.port = await nursery.start(tcp.serve, self.options.listen_host, self.options.listen_port,
+                                                self.identity, self._adopt_connection)
+                if self.options.http_listen is not None:
+                    await trio.to_thread.run_sync(self._start_edge, *self.options.http_listen)
+                self.engine.handle(ev.Start(now=trio.current_time()))
+                await self._drain()
+                for host, port in self.options.bootstrap:
+                    nursery.start_soon(self._dial_loop, host, port)
+                task_status.started(self.port)
+                await self._main_loop()
+        finally:
+            if self.edge is not None:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(self.edge.stop)
+                self.edge = None
+
+    def _start_edge(self, host: str, port: int) -> None:
+        from .http_edge import EdgeServer  # aiohttp only when the edge is on
+
+        self.edge = EdgeServer(self.edge_view, host=host, port=port).start()
+        self.http_port = self.edge.port
+        log.info("http edge listening", extra={"fields": {"url": self.edge.url}})
 
     async def _main_loop(self) -> None:
         while True:
             deadline = self.engine.next_deadline()
-            event: ev.Event
             with trio.move_on_at(deadline if deadline is not None else math.inf):
-                event = await self._receive_events.receive()
-                self.engine.handle(_with_now(event, trio.current_time()))
+                item = await self._receive_events.receive()
+                if isinstance(item, _Submit):
+                    self._submit(item)
+                else:
+                    self.engine.handle(_with_now(item, trio.current_time()))
                 await self._drain()
                 continue
             self.engine.handle(ev.TimerDue(now=trio.current_time()))
@@ -134,9 +181,21 @@ class NodeRuntime:
                     if self.on_head is not None:
                         self.on_head(effect.head, effect.certificate)
                     sent, received = self.wire_bytes()
+                    self.edge_view.promote(effect.head, effect.certificate, accepted=len(effect.head.cohort),
+                                           rejected=self._rejected_in_window, bytes_sent=sent,
+                                           bytes_received=received, time=time.time())
+                    self._rejected_in_window = 0
+                    self._flush_reputation()
+                    self.store.pin("head", effect.head.params.digest)  # what `ArtifactStore.gc` must keep
                     self._emit_line("wire", {"window": effect.head.window, "sent": sent, "received": received})
                 case fx.Log():
                     self.metrics.on_effect(effect)
+                    if effect.event == "reject":
+                        self._rejected_in_window += 1
+                        peer = effect.fields.get("peer")
+                        if peer:
+                            key = (str(peer), str(effect.fields.get("reason", "")))
+                            self._reputation[key] = self._reputation.get(key, 0) + 1
                     self._emit_line(effect.event, effect.fields)
                     engine_log.info(effect.event, extra={"fields": effect.fields})
 
@@ -164,10 +223,10 @@ class NodeRuntime:
                 log.debug("dial %s:%s failed: %s", host, port, exc)
                 await trio.sleep(self.options.redial_s)
                 continue
-            await self._adopt_connection(conn)
+            await self._adopt_connection(conn, f"{host}:{port}")
             await trio.sleep(self.options.redial_s)
 
-    async def _adopt_connection(self, conn: tcp.SecureConnection) -> None:
+    async def _adopt_connection(self, conn: tcp.SecureConnection, address: str | None = None) -> None:
         """Own a connection until it closes: one reader loop here, one writer task."""
         peer = conn.remote_peer
         if peer in self._conns or peer == self.identity.peer_id:
@@ -176,6 +235,7 @@ class NodeRuntime:
         control_out, control_in = trio.open_memory_channel[bytes](math.inf)
         bulk_out, bulk_in = trio.open_memory_channel[bytes](math.inf)
         self._conns[peer], self._outboxes[peer] = conn, (control_out, bulk_out)
+        self.store.db.note_peer(peer.to_text(), address=address)
         await self._send_events.send(ev.PeerConnected(now=0.0, peer=peer))
         try:
             async with trio.open_nursery() as nursery:
@@ -206,6 +266,81 @@ class NodeRuntime:
         except (tcp.TransportError, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             scope.cancel()
 
+    # --- HTTP edge (EdgeView callables; called from the edge's thread unless noted) ------------------
+
+    def _stored_chain(self) -> list[tuple[Head, QuorumCertificate]]:
+        entries = []
+        for _, _, entry in self.store.db.heads():
+            try:
+                entries.append(decode_chain_entry(entry))
+            except Exception:  # a record the engine would refuse too; the edge serves what verifies
+                continue
+        return [(h, c) for h, c in entries if h.window > 0]
+
+    def _artifact_path(self, digest: bytes) -> Path | None:
+        return self.store.path_of(digest) if self.store.has(digest) else None
+
+    def peer_infos(self) -> Sequence[PeerInfo]:
+        """Connected peers with roles and wire bytes (a snapshot taken on the trio thread)."""
+        def snapshot() -> list[PeerInfo]:
+            out = []
+            for peer, conn in self._conns.items():
+                state = self.engine.peers.get(peer)
+                out.append(PeerInfo(peer_id=peer, roles=tuple(state.roles) if state else (),
+                                    bytes_sent=conn.bytes_sent, bytes_received=conn.bytes_received))
+            return out
+
+        if self._trio_token is None:
+            return []
+        try:
+            return trio.from_thread.run_sync(snapshot, trio_token=self._trio_token)
+        except (trio.RunFinishedError, RuntimeError):
+            return []  # the node is shutting down (RuntimeError: called from the trio thread itself)
+
+    def _relay(self, envelope: SignedEnvelope, artifact: bytes | None) -> SubmitResult:
+        """Hand a checked submission to the main loop and wait (at most SUBMIT_TIMEOUT_S) for the verdict."""
+        async def submit() -> SubmitResult:
+            item = _Submit(envelope=envelope, artifact=artifact)
+            await self._send_events.send(item)
+            with trio.move_on_after(SUBMIT_TIMEOUT_S):
+                await item.done.wait()
+            return item.result or SubmitResult(accepted=False, reason="timeout")
+
+        if self._trio_token is None:
+            return SubmitResult(accepted=False, reason="not-running")
+        try:
+            return trio.from_thread.run(submit, trio_token=self._trio_token)
+        except trio.RunFinishedError:
+            return SubmitResult(accepted=False, reason="not-running")
+
+    def _submit(self, item: _Submit) -> None:
+        """On the trio thread: store the artifact, then feed the envelope as a message from its signer.
+
+        A signer with no open connection gets a short virtual session (connected, Hello as a trainer, the
+        message, disconnected), so the engine applies the same checks and charges as for any peer.
+        """
+        engine, signer, now = self.engine, item.envelope.signer, trio.current_time()
+        if item.artifact is not None:
+            engine.note_stored(self.store.put(item.artifact))
+        before = dict(engine.rejected_by_reason)
+        virtual = signer not in self._conns and signer not in engine.peers
+        if virtual:
+            engine.handle(ev.PeerConnected(now=now, peer=signer))
+            hello = Hello(revision=engine.revision.id, roles=("trainer",), head_window=engine.head.window)
+            engine.handle(ev.MessageReceived(now=now, peer=signer, data=encode_message(hello)))
+        engine.handle(ev.MessageReceived(now=now, peer=signer, data=encode_message(Signed(envelope=item.envelope))))
+        if virtual:
+            engine.handle(ev.PeerDisconnected(now=now, peer=signer))
+        grown = [r for r, n in engine.rejected_by_reason.items() if n > before.get(r, 0)]
+        item.result = SubmitResult(accepted=not grown, reason=grown[0] if grown else "",
+                                   envelope_id=item.envelope.id)
+        item.done.set()
+
+    def _flush_reputation(self) -> None:
+        for (peer, reason), count in self._reputation.items():
+            self.store.db.charge(peer, reason, count)
+        self._reputation.clear()
+
     def _peer_bytes(self) -> list[tuple[str, int, int]]:
         """(peer id text, sent, received) wire bytes per peer ever connected; safe from any thread."""
         totals = dict(self._closed_bytes)
@@ -216,6 +351,7 @@ class NodeRuntime:
 
     def close(self) -> None:
         """Release files after `run` returned (the store's database, the event log)."""
+        self._flush_reputation()
         if self._events_file is not None:
             self._events_file.close()
             self._events_file = None

@@ -83,6 +83,10 @@ class ArtifactStore:
     def _path(self, digest: bytes) -> Path:
         return self._artifacts / digest[2:].hex()
 
+    def path_of(self, digest: bytes) -> Path:
+        """The file holding a complete artifact (immutable once visible; verified when it was stored)."""
+        return self._path(digest)
+
     def refs(self) -> list[ArtifactRef]:
         """Every complete artifact in the store."""
         return list(self._refs.values())

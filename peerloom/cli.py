@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from peerloom import inspect as inspect_cmd
 from peerloom import simulate
 
 
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     keygen = sub.add_parser("keygen", help="create an identity key file (mode 0600) and print its peer id")
     keygen.add_argument("path", type=Path)
     simulate.add_parser(sub)
+    inspect_cmd.add_parser(sub)
 
     args = parser.parse_args(argv)
     if args.command == "demo":
@@ -56,6 +58,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(run_verify(args.chain, args.authority))
     elif args.command == "sim":
         sys.exit(simulate.run(args))
+    elif args.command == "inspect":
+        sys.exit(inspect_cmd.run(args))
     elif args.command == "keygen":
         from peerloom.adapters.keys import generate_identity, save_identity
 

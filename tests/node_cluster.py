@@ -107,7 +107,8 @@ class Node:
 
 
 def make_fleet(root: Path, *, validators: int, trainers: int, quorum: int, window_s: float = 1.0,
-               min_updates: int = 1, shards: int = 4, stop_after_window: int | None = None) -> list[Node]:
+               min_updates: int = 1, shards: int = 4, stop_after_window: int | None = None,
+               extra_roster: tuple[Identity, ...] = ()) -> list[Node]:
     """Write keys, a signed manifest (digits workload) and one node.toml per node; start nothing."""
     model, shard_lists = numpy_digits(0, shards)
     authority = generate_identity()
@@ -130,10 +131,12 @@ def make_fleet(root: Path, *, validators: int, trainers: int, quorum: int, windo
         quorum=quorum, window_s=window_s, min_updates=min_updates, max_capacity=4, aggregation="mean",
         outer_optimizer="fedavg", outer_lr=1.0, chunk_size=64 * 1024, genesis_params=refs[0],
         genesis_params_digest=tensor_digest(params),
-        roster=tuple(sorted((n.identity.peer_id, 1) for n in nodes if n.role == "trainer")))
+        roster=tuple(sorted([(n.identity.peer_id, 1) for n in nodes if n.role == "trainer"]
+                            + [(i.peer_id, 1) for i in extra_roster])))
     envelope = manifest.seal(authority)
     Revision.verify(envelope, authority.peer_id)
     atomic_write(root / "manifest.cbor", envelope.to_bytes())
+    (root / "authority").write_text(authority.peer_id.to_text())
     servers = nodes[:validators]
     for node in nodes:
         targets = servers if node.role == "trainer" else servers[:servers.index(node)]
