@@ -403,6 +403,15 @@ class SecureConnection:
     def __repr__(self) -> str:
         return f"SecureConnection({self.remote_peer.short()})"
 
+    @property
+    def remote_address(self) -> tuple[str, int] | None:
+        """(ip, port) of the other end, or None once the socket is gone (for `AddressBook` accounting)."""
+        try:
+            host, port = self._stream.socket.getpeername()[:2]
+        except OSError:
+            return None
+        return str(host), int(port)
+
     def queued_bytes(self, lane: int) -> int:
         """Bytes of whole messages received on `lane` that no `receive_message` has taken yet."""
         return self._queued_bytes[lane]

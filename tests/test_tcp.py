@@ -208,14 +208,16 @@ def test_handshake_gives_each_side_the_other_peer_id() -> None:
 
     async def handler(conn: SecureConnection) -> None:
         seen.append(conn.remote_peer)
+        seen.append(conn.remote_address)
         await conn.send_message(b"hi")
 
     async def body(port: int) -> None:
         conn = await connect(HOST, port, CLIENT, expected_peer=SERVER.peer_id)
-        assert conn.remote_peer == SERVER.peer_id
+        assert conn.remote_peer == SERVER.peer_id and conn.remote_address == (HOST, port)
         assert await conn.receive_message() == b"hi"
-        assert seen == [CLIENT.peer_id]
+        assert seen[0] == CLIENT.peer_id and seen[1][0] == HOST and seen[1][1] != port
         await conn.aclose()
+        assert conn.remote_address is None
 
     run_with_server(body, handler)
 
