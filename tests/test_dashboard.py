@@ -53,3 +53,43 @@ def test_dashboard_renders_chain_and_curve_and_follows_new_heads(tmp_path):
             assert errors == []
         finally:
             browser.close()
+
+
+@pytest.mark.slow
+def test_dashboard_of_a_running_node_sees_the_chain_advance(tmp_path):
+    """`peerloom node` processes (a validator with the edge on, two trainers): the page shows the certified
+    chain growing and the accuracy curve gaining points, from the node's own JSON endpoints."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    from .node_cluster import free_port, make_fleet
+
+    nodes = make_fleet(tmp_path, validators=1, trainers=2, quorum=1, window_s=1.0, min_updates=1)
+    http_port = free_port()
+    nodes[0].write_config(http={"enabled": True, "listen": f"127.0.0.1:{http_port}"})
+    for node in nodes:
+        node.start()
+    try:
+        for node in nodes:
+            node.wait_port()
+        with sync_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+            try:
+                page = browser.new_page()
+                errors: list[str] = []
+                page.on("pageerror", lambda exc: errors.append(str(exc)))
+                page.goto(f"http://127.0.0.1:{http_port}/", wait_until="load")
+                rows = page.locator("#chain-rows tr")
+                sync_api.expect(rows).not_to_have_count(0, timeout=15_000)
+                # Window 2 certified (rows for windows 0..2), then two more windows later.
+                sync_api.expect(page.locator("#chain-rows tr[data-window='2']")).to_have_count(1, timeout=40_000)
+                seen = int(page.text_content("#latest-window") or "0")
+                sync_api.expect(page.locator(f"#chain-rows tr[data-window='{seen + 2}']")).to_have_count(
+                    1, timeout=40_000)
+                assert int(page.text_content("#latest-window") or "0") >= seen + 2
+                assert page.locator("#curve circle.acc").count() >= seen + 1
+                assert page.locator("#peer-rows tr").count() >= 2  # the two trainers, with their roles
+                assert errors == []
+            finally:
+                browser.close()
+    finally:
+        for node in nodes:
+            node.stop()
