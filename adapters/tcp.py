@@ -531,11 +531,17 @@ class SecureConnection:
     async def _flush_control(self, done: trio.Event) -> None:
         """Write pending control frames; then stop the concurrent read that kept the socket drained."""
         try:
-            async with self._wire_lock:
+            async with self._wire_lock:  # waiting for the socket may be cancelled: nothing is written yet
                 if not self._closed:
                     data = self._encode_control()
                     if data:
-                        await self._send_raw(data)
+                        # Once encrypted, the frames must go out whole (nonces are spent): a cancelled
+                        # receive must not cut them, so only the idle timeout may, and then we hang up.
+                        with trio.CancelScope(shield=True, deadline=trio.current_time() + self.idle_timeout) \
+                                as scope:
+                            await self._send_raw(data)
+                        if scope.cancelled_caught:
+                            await self._abort()
         except (TransportError, NoiseError) as exc:
             log.debug("control frames to %s not sent: %s", self.remote_peer.short(), exc)  # the reader sees why
         finally:

@@ -207,3 +207,36 @@ def test_credit_frame_parsing(body: bytes, ok: bool) -> None:
         with pytest.raises(TransportError) as info:
             assembler.handle(plaintext)
         assert info.value.reason == "bad-frame"
+
+
+def test_cancelled_receives_never_cut_a_control_frame() -> None:
+    """Receives cancelled at random moments while PONGs and credits are owed; the wire stays intact."""
+    echoed: list[int] = []
+
+    async def handler(conn: SecureConnection) -> None:
+        from peerloom.adapters.tcp import KIND_PING
+        for i in range(300):  # PINGs written by hand: each one makes the client owe a PONG
+            await conn._stream.send_all(frame(conn._transport.encrypt(bytes([KIND_PING << 4]) + bytes(8))))
+            if i % 30 == 0:
+                await conn.send_message(b"x" * (LANE_WINDOW // 2 + 1), lane=LANE_BULK)  # credit owed too
+        await conn.send_message(b"end", lane=LANE_CONTROL)
+        while True:
+            echoed.append(len(await conn.receive_message()))
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(functools.partial(serve, HOST, 0, SERVER_A, handler))
+            conn = await connect(HOST, port, CLIENT)
+            got = []
+            with trio.fail_after(20):
+                while not got or got[-1] != b"end":
+                    with trio.move_on_after(0.0005):
+                        got.append(await conn.receive_message())
+                await conn.send_message(b"y" * 100_000)
+                while not echoed:
+                    await trio.sleep(0.01)
+            assert echoed == [100_000] and conn.pongs_received == 0
+            await conn.aclose()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
