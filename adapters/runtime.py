@@ -36,6 +36,7 @@ from peerloom.core.messages import Hello, Signed, encode_message
 from peerloom.core.objects import Head, QuorumCertificate, Revision
 
 from . import tcp
+from .addressbook import AddressBook
 from .compute import ComputeExecutor
 from .edge_view import SUBMIT_TIMEOUT_S, NodeEdgeView, PeerInfo, SubmitResult
 from .host import apply_storage_effect, chunk_message
@@ -51,7 +52,10 @@ class RuntimeOptions:
     listen_host: str = "127.0.0.1"
     listen_port: int = 0
     bootstrap: tuple[tuple[str, int], ...] = ()
-    redial_s: float = 0.5
+    redial_s: float = 0.5  # base dial backoff (AddressBook: doubles per failure, with jitter)
+    max_redial_s: float = 30.0
+    max_connections: int = 64
+    max_connections_per_ip: int = 64  # a whole fleet on one machine shares 127.0.0.1
     max_message_bytes: int = 16 << 20
     http_listen: tuple[str, int] | None = None  # serve the HTTP edge here (None: no edge)
     mdns: bool = False  # advertise and browse `_peerloom._tcp.local.` on 127.0.0.1 (adapters.discovery)
@@ -105,6 +109,12 @@ class NodeRuntime:
                                       registry=self.metrics.registry, artifact_path=self._artifact_path,
                                       relay=self._relay, peers=self.peer_infos, entries=self._stored_chain())
         self.edge: Any = None  # adapters.http_edge.EdgeServer while the edge runs
+        self.discovery: Any = None  # adapters.discovery.MdnsDiscovery while it runs
+        self.book = AddressBook(random.Random(), base_backoff_s=options.redial_s,
+                                max_backoff_s=max(options.redial_s, options.max_redial_s),
+                                max_connections=options.max_connections,
+                                max_connections_per_ip=options.max_connections_per_ip)
+        self._book_changed = trio.Event()
         self.http_port: int | None = None
 
     def _emit_line(self, event: str, fields: dict[str, Any]) -> None:
@@ -123,15 +133,43 @@ class NodeRuntime:
                     await trio.to_thread.run_sync(self._start_edge, *self.options.http_listen)
                 self.engine.handle(ev.Start(now=trio.current_time()))
                 await self._drain()
-                for host, port in self.options.bootstrap:
-                    nursery.start_soon(self._dial_loop, host, port)
+                now = trio.current_time()
+                for address in self.options.bootstrap:
+                    self.book.add(address, now=now)
+                nursery.start_soon(self._dialer)
+                if self.options.mdns:
+                    await trio.to_thread.run_sync(self._start_discovery)
                 task_status.started(self.port)
                 await self._main_loop()
         finally:
+            if self.discovery is not None:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(self.discovery.close)
+                self.discovery = None
             if self.edge is not None:
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(self.edge.stop)
                 self.edge = None
+
+    def _start_discovery(self) -> None:
+        from .discovery import MdnsDiscovery  # zeroconf only when discovery is on
+
+        self.discovery = MdnsDiscovery(self.identity.peer_id, self.port or 0, self.engine.revision.id,
+                                       self._on_discovered, interface=self.options.listen_host).start()
+
+    def _on_discovered(self, peer: PeerId, address: tuple[str, int]) -> None:
+        """From zeroconf's thread. Of two nodes that find each other, the smaller peer id dials, so they
+        do not race two connections into one slot."""
+        if self._trio_token is None or not self.identity.peer_id.to_bytes() < peer.to_bytes():
+            return
+        try:
+            trio.from_thread.run_sync(self._learn_address, address, peer, trio_token=self._trio_token)
+        except trio.RunFinishedError:
+            pass
+
+    def _learn_address(self, address: tuple[str, int], peer: PeerId | None = None) -> None:
+        self.book.add(address, peer, now=trio.current_time())
+        self._book_changed.set()
 
     def _start_edge(self, host: str, port: int) -> None:
         from .http_edge import EdgeServer  # aiohttp only when the edge is on
@@ -214,17 +252,37 @@ class NodeRuntime:
             return
         await self._send_events.send(ev.TaskFinished(now=0.0, task_id=effect.task_id, result=result))
 
-    async def _dial_loop(self, host: str, port: int) -> None:
+    async def _dialer(self) -> None:
+        """Dial what the address book says is due (bootstrap and discovered addresses, with backoff)."""
         while True:
-            try:
-                conn = await tcp.connect(host, port, self.identity,
-                                         max_message_bytes=self.options.max_message_bytes)
-            except (OSError, tcp.TransportError) as exc:
-                log.debug("dial %s:%s failed: %s", host, port, exc)
-                await trio.sleep(self.options.redial_s)
-                continue
+            now = trio.current_time()
+            for address in self.book.due(now):
+                self.book.dial_started(address, now=now)
+                assert self._nursery is not None
+                self._nursery.start_soon(self._dial_once, address)
+            wake = self.book.next_due(trio.current_time())
+            self._book_changed = trio.Event()
+            with trio.move_on_at(wake if wake is not None else math.inf):
+                await self._book_changed.wait()
+
+    async def _dial_once(self, address: tuple[str, int]) -> None:
+        host, port = address
+        try:
+            conn = await tcp.connect(host, port, self.identity, max_message_bytes=self.options.max_message_bytes)
+        except (OSError, tcp.TransportError) as exc:
+            log.debug("dial %s:%s failed: %s", host, port, exc)
+            self.book.dial_failed(address, now=trio.current_time(), handshake=isinstance(exc, tcp.TransportError))
+            self._book_changed.set()
+            return
+        if not self.book.connected(address, conn.remote_peer, now=trio.current_time()):
+            await conn.aclose()  # banned, or over the connection limits
+            self._book_changed.set()
+            return
+        try:
             await self._adopt_connection(conn, f"{host}:{port}")
-            await trio.sleep(self.options.redial_s)
+        finally:
+            self.book.disconnected(address, now=trio.current_time())
+            self._book_changed.set()
 
     async def _adopt_connection(self, conn: tcp.SecureConnection, address: str | None = None) -> None:
         """Own a connection until it closes: one reader loop here, one writer task."""
