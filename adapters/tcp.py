@@ -378,6 +378,8 @@ class SecureConnection:
         self._plain = bytearray(MAX_TRANSPORT_PLAINTEXT)  # decrypt target, reused
         self._send_buffer = bytearray(_BULK_BATCH_FRAMES * _WIRE_FRAME)  # encrypt in place, reused
         self._lane_locks = (trio.Lock(), trio.Lock())
+        self._open_send = [False, False]  # per lane: part of a message is on the wire
+        self._writing = False  # a socket write is in progress (cancelling it would cut a Noise message)
         self._wire_lock = trio.Lock()  # held while encrypting and writing: nonces must follow wire order
         self._receive_lock = trio.Lock()  # held by whoever reads the socket
         self._closed = False
@@ -434,7 +436,8 @@ class SecureConnection:
         full. Raises TransportError("message-too-large") before sending anything, ConnectionClosed
         ("closed", "reset") if the connection is gone, TransportError("nonce-exhausted") after 2^64-1 Noise
         messages, or the receive error that broke the connection while waiting for credit.
-        Cancelled part-way, a message may be half on the wire: the connection is then closed.
+        Cancelled before any of its bytes were written (e.g. waiting for credit), the connection is intact;
+        cancelled part-way, the message is half on the wire and the connection is closed.
         """
         size = len(data)
         if size > self.max_message_bytes:
@@ -455,11 +458,15 @@ class SecureConnection:
                         await self._wait_for_credit(lane)
                     async with self._wire_lock:
                         pos = await self._send_turn(view, lane, pos, batch)
+                self._open_send[lane] = False
             except NoiseError as exc:
                 await self._abort()
                 raise TransportError(exc.reason, exc.detail) from exc
             except BaseException:
-                await self._abort()
+                # Half a message or half a Noise message on the wire cannot be taken back: hang up. A send
+                # cancelled before writing anything (waiting for credit or the socket) leaves no trace.
+                if self._open_send[lane] or self._writing:
+                    await self._abort()
                 raise
 
     async def _wait_for_credit(self, lane: int) -> None:
@@ -505,6 +512,7 @@ class SecureConnection:
             buffer[out + 1] = length & 0xFF
             out = start + length
         if out:
+            self._open_send[lane] = True
             await self._send_raw(memoryview(buffer)[:out])
         return pos
 
@@ -550,12 +558,14 @@ class SecureConnection:
                 self._recv_scope.cancel()
 
     async def _send_raw(self, data: bytes | memoryview) -> None:
+        self._writing = True
         try:
             await self._stream.send_all(data)
         except trio.ClosedResourceError as exc:
             raise ConnectionClosed("closed") from exc
         except trio.BrokenResourceError as exc:
             raise ConnectionClosed("reset", str(exc)) from exc
+        self._writing = False
         self.bytes_sent += len(data)
 
     # -- receiving --

@@ -240,3 +240,33 @@ def test_cancelled_receives_never_cut_a_control_frame() -> None:
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_send_cancelled_while_waiting_for_credit_keeps_the_connection() -> None:
+    """Nothing of the message was written, so cancelling it must not cost the connection."""
+    control: list[bytes] = []
+
+    async def handler(conn: SecureConnection) -> None:
+        while True:  # reads only the control lane: bulk credit is never returned
+            message = await conn.receive_message(LANE_CONTROL)
+            control.append(message)
+            await conn.send_message(message, lane=LANE_CONTROL)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(functools.partial(serve, HOST, 0, SERVER_A, handler))
+            conn = await connect(HOST, port, CLIENT)
+            with trio.fail_after(10):
+                for _ in range(2):  # exactly one window: credit ends at a message boundary
+                    await conn.send_message(b"b" * (LANE_WINDOW // 2), lane=LANE_BULK)
+                assert conn.send_credit(LANE_BULK) == 0
+                with trio.move_on_after(0.3) as scope:
+                    await conn.send_message(b"c" * 10, lane=LANE_BULK)
+                assert scope.cancelled_caught
+                await conn.send_message(b"ping", lane=LANE_CONTROL)
+                assert await conn.receive_message(LANE_CONTROL) == b"ping"
+            await conn.aclose()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert control == [b"ping"]
