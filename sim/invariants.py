@@ -52,9 +52,9 @@ class Checkers:
                  stop_on_violation: bool = True) -> None:
         self.verdicts = {name: Verdict() for name in (*self.SAFETY, "liveness")}
         self.final: dict[int, Head] = {}  # window -> the final head
+        self.final_ids: dict[int, bytes] = {}
         self.final_at: dict[int, float] = {}
-        self.by_id: dict[bytes, Head] = {}
-        self.verified: set[bytes] = set()
+        self.by_id: dict[bytes, Head] = {}  # verified heads by id
         self.checked_cohorts: set[bytes] = set()
         self.heal_at = heal_at
         self.bound_s = bound_s
@@ -63,6 +63,7 @@ class Checkers:
         self.height_at_heal: int | None = None
         self.quarantine_seen = False
         self.first_violation: tuple[float, str, str] | None = None
+        self._genesis_id: bytes | None = None
 
     @property
     def ok(self) -> bool:
@@ -93,53 +94,60 @@ class Checkers:
             return
         one = self.verdicts["one-final-head"]
         one.checked += 1
-        if head.id not in self.verified:
-            try:
+        hid = cert.head
+        seen = self.by_id.get(hid)
+        if seen is None or (seen is not head and seen != head):
+            try:  # verifies cert.head == head.id too
                 cert.verify(sim.revision, head)
             except VerificationError as exc:
                 self._fail(sim, "one-final-head", f"{node.name} promoted window {head.window} with a bad "
                                                   f"certificate: {exc.reason}")
                 return
-            self.verified.add(head.id)
+            self.by_id[hid] = head
         known = self.final.get(head.window)
         if known is None:
             self.final[head.window] = head
+            self.final_ids[head.window] = hid
             self.final_at[head.window] = sim.now
-            self.by_id[head.id] = head
-        elif known.id != head.id:
-            self._fail(sim, "one-final-head", f"window {head.window}: two final heads {known.id.hex()[:16]} and "
-                                              f"{head.id.hex()[:16]} (second at {node.name})")
+        elif self.final_ids[head.window] != hid:
+            self._fail(sim, "one-final-head", f"window {head.window}: two final heads "
+                                              f"{self.final_ids[head.window].hex()[:16]} and {hid.hex()[:16]} "
+                                              f"(second at {node.name})")
             return
-        self._check_prefix(sim, head)
-        self._check_cohort(sim, head)
+        self._check_prefix(sim, head, hid)
+        self._check_cohort(sim, head, hid)
 
-    def _check_prefix(self, sim: Simulation, head: Head) -> None:
+    def _check_prefix(self, sim: Simulation, head: Head, hid: bytes) -> None:
         verdict = self.verdicts["prefix-consistent"]
         verdict.checked += 1
-        expected = sim.revision.genesis().id if head.window == 1 else None
-        parent = self.final.get(head.window - 1)
-        if parent is not None:
-            expected = parent.id
+        expected = self.genesis_id(sim) if head.window == 1 else self.final_ids.get(head.window - 1)
         if expected is not None and head.parent != expected:
             self._fail(sim, "prefix-consistent", f"window {head.window}: parent {head.parent!r:.20} is not the "
                                                  f"final head of window {head.window - 1}")
         child = self.final.get(head.window + 1)
-        if child is not None and child.parent != head.id:
+        if child is not None and child.parent != hid:
             self._fail(sim, "prefix-consistent", f"window {head.window + 1} does not extend window {head.window}")
 
-    def _parent_head(self, sim: Simulation, head: Head) -> Head | None:
-        if head.window == 1:
-            return sim.revision.genesis()
-        parent = self.final.get(head.window - 1)
-        return parent if parent is not None and parent.id == head.parent else None
+    def genesis_id(self, sim: Simulation) -> bytes:
+        if self._genesis_id is None:
+            self._genesis_id = sim.revision.genesis().id
+        return self._genesis_id
 
-    def _check_cohort(self, sim: Simulation, head: Head) -> None:
-        if head.id in self.checked_cohorts:
+    def _parent_head(self, sim: Simulation, head: Head) -> tuple[Head, bytes] | None:
+        if head.window == 1:
+            return sim.revision.genesis(), self.genesis_id(sim)
+        parent = self.final.get(head.window - 1)
+        pid = self.final_ids.get(head.window - 1)
+        return (parent, pid) if parent is not None and pid == head.parent else None
+
+    def _check_cohort(self, sim: Simulation, head: Head, hid: bytes) -> None:
+        if hid in self.checked_cohorts:
             return
-        parent = self._parent_head(sim, head)
-        if parent is None:
-            return  # checked when the parent is known (a node jumped ahead); rare and re-tried below
-        self.checked_cohorts.add(head.id)
+        found = self._parent_head(sim, head)
+        if found is None:
+            return  # checked when the parent is known (a node jumped ahead); re-tried below
+        parent, pid = found
+        self.checked_cohorts.add(hid)
         if head.quarantine or parent.quarantine:
             self.quarantine_seen = True
         leases = sim.leases(parent)
@@ -159,12 +167,12 @@ class Checkers:
             signer, ann = known
             if signer in quarantined:
                 self._fail(sim, "no-quarantined-cohort", f"window {head.window}: update of quarantined {signer}")
-            if ann.window != head.window or ann.base != parent.id or leases.get(signer) != ann.shards:
+            if ann.window != head.window or ann.base != pid or leases.get(signer) != ann.shards:
                 self._fail(sim, "valid-leases", f"window {head.window}: update {update_id.hex()[:16]} of {signer} "
                                                 f"for shards {list(ann.shards)} has no valid lease")
         child = self.final.get(head.window + 1)
         if child is not None:
-            self._check_cohort(sim, child)
+            self._check_cohort(sim, child, self.final_ids[head.window + 1])
 
     # --- liveness ----------------------------------------------------------------------------------
 
