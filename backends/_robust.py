@@ -70,7 +70,8 @@ class Ops(Protocol):
     def reshape(self, a: Any, shape: tuple[int, ...]) -> Any: ...  # a view of a contiguous buffer
     def stack(self, out: Any, parts: Sequence[Any]) -> None: ...  # out[i] = parts[i] (one call)
     def absmax_rows(self, x: Any, scratch: Any) -> list[float]: ...  # max |x[i]| per row; scratch like x
-    def rint(self, a: Any) -> None: ...  # a = round half to even (in place)
+    def quantize_rows(self, out: Any, x: Any, scales: Sequence[float]) -> None: ...
+    # out[i] = rint(float64(x[i]) * scales[i]), scales powers of two, rint half to even (all exact)
     def errstate(self) -> Any: ...  # context manager silencing overflow on the final rounding
 
 
@@ -450,9 +451,7 @@ def quantized_gram(ops: Ops, ws: Workspace, schema: Schema, rows: dict[str, list
             scratch = ops.reshape(ws.get("cc_abs", 0, n * CC_BLOCK, dtype)[: n * m], (n, m))
             exps = [math.frexp(a)[1] if a > 0.0 else 0 for a in ops.absmax_rows(x, scratch)]
             q = ops.reshape(ws.get("cc_q", 0, n * CC_BLOCK)[: n * m], (n, m))
-            ops.copy(q, x)  # widening is exact, and so is scaling by a power of two
-            ops.mul(q, ops.column([math.ldexp(1.0, CC_QUANT_BITS - e) for e in exps]))
-            ops.rint(q)
+            ops.quantize_rows(q, x, [math.ldexp(1.0, CC_QUANT_BITS - e) for e in exps])
             ops.gram(q, part)
             inv = ops.column([math.ldexp(1.0, e - CC_QUANT_BITS) for e in exps])
             ops.mul_into(smat, inv, ops.reshape(inv, (1, n)))

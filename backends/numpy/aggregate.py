@@ -143,8 +143,9 @@ class NumpyOps:
         np.abs(x, out=scratch)
         return [float(v) for v in scratch.max(axis=1)]
 
-    def rint(self, a: np.ndarray) -> None:
-        np.rint(a, out=a)
+    def quantize_rows(self, out: np.ndarray, x: np.ndarray, scales: Sequence[float]) -> None:
+        np.multiply(x, np.array(scales, dtype=np.float64).reshape(-1, 1), out=out, dtype=np.float64)
+        np.rint(out, out=out)
 
     def errstate(self) -> contextlib.AbstractContextManager[Any]:
         return np.errstate(over="ignore", invalid="ignore")

@@ -109,15 +109,24 @@ class TorchOps:
     def reshape(self, a: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         return a.view(shape)
 
+    # The next three serve centered clipping's quantized Gram (`_robust.quantized_gram`). They are exact
+    # operations (copies, |x|, max, scaling by powers of two, rounding to integers), so running numpy's
+    # kernels on the tensors' memory (zero-copy) changes no bit. torch's versions of these [n, CC_BLOCK]
+    # broadcasting/casting kernels ran 10x slower with 2 intra-op threads on the shared 2-core target
+    # (centered clipping at 22-44x the baseline instead of ~4x); with 1 thread they were on par.
+
     def stack(self, out: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
-        torch.stack(list(parts), out=out)
+        np.stack([p.numpy() for p in parts], out=out.numpy())
 
     def absmax_rows(self, x: torch.Tensor, scratch: torch.Tensor) -> list[float]:
-        torch.abs(x, out=scratch)  # torch.aminmax(dim=1) was 25x slower here
-        return [float(v) for v in scratch.amax(dim=1).tolist()]
+        s = scratch.numpy()
+        np.abs(x.numpy(), out=s)
+        return [float(v) for v in s.max(axis=1)]
 
-    def rint(self, a: torch.Tensor) -> None:
-        torch.round(a, out=a)  # half to even, as np.rint
+    def quantize_rows(self, out: torch.Tensor, x: torch.Tensor, scales: Sequence[float]) -> None:
+        o = out.numpy()
+        np.multiply(x.numpy(), np.array(scales, dtype=np.float64).reshape(-1, 1), out=o, dtype=np.float64)
+        np.rint(o, out=o)
 
     def errstate(self) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
