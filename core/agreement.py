@@ -70,6 +70,8 @@ class WindowAgreement:
         self.seen: dict[int, set[PeerId]] = {}
         self._once: set[tuple[str, int]] = set()
         self._proposed: set[int] = set()
+        self._busy = False
+        self._again = False
 
     def _step(self, event: str) -> None:
         self.step = step("agreement", TABLE, self.step, event)
@@ -110,10 +112,22 @@ class WindowAgreement:
     # --- the upon-rules of Algorithm 1 -----------------------------------------------------------
 
     def progress(self) -> None:
-        """Apply every rule whose condition holds now; call again after any new input or verdict."""
-        changed = True
-        while changed and not self.decided:
-            changed = self._rules()
+        """Apply every rule whose condition holds now; call again after any new input or verdict.
+
+        Re-entrant calls (a verdict reached synchronously while a rule asks the host for validity) only
+        mark that another pass is due: the rules never run nested, so no step is taken twice.
+        """
+        if self._busy:
+            self._again = True
+            return
+        self._busy = True
+        try:
+            changed = True
+            while (changed or self._again) and not self.decided:
+                self._again = False
+                changed = self._rules()
+        finally:
+            self._busy = False
 
     def _count(self, votes: dict[PeerId, bytes | None], head_id: bytes | None) -> int:
         return sum(1 for v in votes.values() if v == head_id)
