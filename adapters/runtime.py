@@ -53,7 +53,7 @@ class RuntimeOptions:
     listen_port: int = 0
     bootstrap: tuple[tuple[str, int], ...] = ()
     redial_s: float = 0.5  # base dial backoff (AddressBook: doubles per failure, with jitter)
-    max_redial_s: float = 30.0
+    max_redial_s: float = 5.0  # cap: a restarted seed is found again within seconds
     max_connections: int = 64
     max_connections_per_ip: int = 64  # a whole fleet on one machine shares 127.0.0.1
     max_message_bytes: int = 16 << 20

@@ -18,6 +18,8 @@ Config keys (TOML)::
     stop_after_window = 20             # optional: open no window after this one
     workload = "mypkg.train:factory"   # optional: a user's workload factory (module:function) or a registry
                                        # name; default: the manifest's workload from the registry
+    behaviour = "alie"                 # optional, trainers only: a Byzantine attack from backends.attacks.ATTACKS
+                                       # (for demos and tests of the defences; default honest)
     log_format = "auto"                # auto (JSON lines unless stderr is a TTY), json or text
     log_level = "info"
 
@@ -143,6 +145,13 @@ def _check(config: dict[str, Any]) -> None:
         raise ConfigError("discovery takes one key, mdns = true or false")
     if "workload" in config:
         _workload_factory(config["workload"])  # importable and callable, checked before anything starts
+    if "behaviour" in config:
+        from peerloom.backends.attacks import ATTACKS
+
+        if config["behaviour"] not in (*ATTACKS, "honest"):
+            raise ConfigError(f"behaviour must be honest or one of {', '.join(ATTACKS)}; got {config['behaviour']!r}")
+        if config["behaviour"] != "honest" and roles != ["trainer"]:
+            raise ConfigError("behaviour applies to nodes whose only role is trainer")
 
 
 def _workload_factory(spec: str) -> Callable[[int, int], tuple[Any, Any]]:
@@ -178,6 +187,35 @@ def build_node_workload(config: dict[str, Any], manifest_workload: str, seed: in
     return workload, shards
 
 
+class ByzantineWorkload:
+    """A trainer's workload that sends `attack`'s update instead of its honest delta (backends/attacks.py).
+
+    ``alie`` and ``ipm`` estimate the cohort from the attacker's own lease (`local_references`);
+    ``label-flip`` trains honestly on flipped labels. Everything else is the wrapped workload's.
+    """
+
+    def __init__(self, inner: Any, attack: str) -> None:
+        from peerloom.backends.attacks import DATA_ATTACKS, label_flipped
+
+        self.inner = label_flipped(inner) if attack in DATA_ATTACKS else inner
+        self.attack = attack
+
+    def train(self, params: Any, indices: Any, seed: int, **kwargs: Any) -> tuple[Any, Any]:
+        import numpy as np
+
+        from peerloom.backends.attacks import DATA_ATTACKS, NEEDS_REFERENCES, craft_update, local_references
+
+        honest, metrics = self.inner.train(params, indices, seed, **kwargs)
+        if self.attack in DATA_ATTACKS:
+            return honest, metrics
+        references = (local_references(self.inner, params, indices, seed, parts=min(4, len(indices)))
+                      if self.attack in NEEDS_REFERENCES else [])
+        return craft_update(self.attack, honest, references, np.random.default_rng(seed)), metrics
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
 def write_chain_entry(chain_dir: Path, head: Head, cert: QuorumCertificate) -> None:
     """Append a certified head to a chain directory as ``<window>.cbor`` (canonical CBOR)."""
     chain_dir.mkdir(parents=True, exist_ok=True)
@@ -208,6 +246,9 @@ def build_runtime(config: dict[str, Any]) -> NodeRuntime:
     except OSError as exc:
         raise ConfigError(f"store: {exc}") from None
     workload, shards = build_node_workload(config, manifest.workload, manifest.workload_seed, len(manifest.shards))
+    if config.get("behaviour", "honest") != "honest":
+        workload = ByzantineWorkload(workload, config["behaviour"])
+        log.warning("byzantine trainer", extra={"fields": {"behaviour": config["behaviour"]}})
     if "torch" in sys.modules:  # only workloads that use torch pay for importing it
         sys.modules["torch"].set_num_threads(int(config.get("threads", 1)))
     executor = ComputeExecutor(store, manifest, workload, shards)

@@ -109,3 +109,31 @@ def test_keygen_prints_peer_id_and_refuses_overwrite(tmp_path):
     assert oct(key.stat().st_mode & 0o777) == "0o600"
     again = subprocess.run([sys.executable, "-m", "peerloom", "keygen", str(key)], capture_output=True, text=True)
     assert again.returncode != 0 and "refusing to overwrite" in again.stderr
+
+
+def test_behaviour_is_checked_and_applies_to_trainers_only(tmp_path):
+    with pytest.raises(ConfigError, match="behaviour must be honest or one of"):
+        load_config(_config(tmp_path, 'behaviour = "nice"\n'))
+    path = tmp_path / "node.toml"
+    path.write_text(BASE.replace('["trainer"]', '["validator"]') + 'behaviour = "alie"\n')
+    with pytest.raises(ConfigError, match="only role is trainer"):
+        load_config(path)
+    assert load_config(_config(tmp_path, 'behaviour = "sign-flip-scale"\n'))["behaviour"] == "sign-flip-scale"
+
+
+def test_byzantine_workload_sends_the_attack_update():
+    import numpy as np
+
+    from peerloom.node import ByzantineWorkload
+    from tests.node_cluster import numpy_digits
+
+    honest, shards = numpy_digits(0, 4)
+    params = honest.initial_params(0)
+    good, _ = honest.train(params, shards[0], 5)
+    flipped, metrics = ByzantineWorkload(honest, "sign-flip-scale").train(params, shards[0], 5)
+    assert set(flipped) == set(good) and "train_loss" in metrics
+    for name in good:
+        np.testing.assert_allclose(flipped[name], -10.0 * good[name], rtol=1e-6)
+    alie, _ = ByzantineWorkload(honest, "alie").train(params, shards[0], 5)
+    assert any(not np.allclose(alie[n], good[n]) for n in good)
+    assert ByzantineWorkload(honest, "alie").evaluate(params) == honest.evaluate(params)  # the rest is honest
