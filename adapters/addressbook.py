@@ -108,8 +108,9 @@ class AddressBook:
         """Addresses to dial now, sorted: known, not connected or being dialed, not banned (nor their
         peer), backoff over, and a connection to them would fit under both limits."""
         out = []
-        per_ip = Counter(self._per_ip)
-        total = per_ip.total() + sum(e.dialing for e in self._entries.values())
+        per_ip = Counter(self._per_ip)  # open connections plus dials in progress, per IP
+        per_ip.update(a[0] for a, e in self._entries.items() if e.dialing)
+        total = per_ip.total()
         for address in sorted(self._entries):
             entry = self._entries[address]
             if entry.dialing or entry.connected or entry.next_attempt > now or self._banned(entry, now):

@@ -118,6 +118,18 @@ def test_connection_limits_total_and_per_ip() -> None:
     assert b.connections == 2
 
 
+def test_dials_in_progress_count_toward_the_limits_across_calls() -> None:
+    b = book(max_connections=10, max_connections_per_ip=2)
+    addresses = [("127.0.0.1", 5000 + i) for i in range(4)]
+    for a in addresses:
+        b.add(a, now=0.0)
+    first = b.due(0.0)[0]
+    b.dial_started(first, now=0.0)
+    assert b.due(0.0) == [addresses[1]]  # one dial in flight + one more = the per-IP cap
+    b.dial_failed(first, now=0.0)
+    assert b.due(0.0) == addresses[1:3]
+
+
 def test_inbound_ip_bans_are_opt_in() -> None:
     off, on = book(ban_after_failures=2, ban_s=10.0), book(ban_after_failures=2, ban_s=10.0, ban_inbound_ips=True)
     for b in (off, on):
