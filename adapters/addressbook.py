@@ -14,14 +14,17 @@ Typical dial loop (the runtime's)::
             book.dial_started(address, now=now)             #   backoff over, under the limits
             ... connect ...
             book.connected(address, peer, now=now)          # False: over a limit or banned: hang up
-            book.dial_failed(address, now=now, handshake=True)   # a handshake/identity failure counts
-        ...                                                 #   toward a ban; connect-failed does not
+            book.dial_failed(address, now=now,                   # on TransportError `exc`: identity and
+                             handshake=exc.reason in HANDSHAKE_FAILURES)  # crypto failures count toward
+        ...                                                 #   a ban; connect-failed/timeouts do not
         book.disconnected(address, now=now)                 # when that connection ends
         await sleep_until(book.next_due(now))               # None: nothing to dial until something changes
 
-Inbound: ``serve(..., admit=lambda ip: book.admit_inbound(ip, now=trio.current_time()))`` refuses banned
-and over-limit IPs before the handshake; call `book.inbound_opened(ip)` / `book.inbound_closed(ip)` around
-a served connection so both directions count toward `max_connections` and `max_connections_per_ip`.
+Inbound: ``serve(..., admit=lambda ip: book.admit_inbound(ip, now=trio.current_time()),
+on_handshake_failed=lambda ip, exc: book.inbound_handshake_failed(ip, now=trio.current_time()))`` refuses
+banned and over-limit IPs before the handshake; call `book.inbound_opened(ip)` / `book.inbound_closed(ip)`
+(``ip = conn.remote_address[0]``) around a served connection so both directions count toward
+`max_connections` and `max_connections_per_ip`.
 (`serve` also has its own `max_connections` / `max_connections_per_ip` caps for nodes without a book.)
 
 Backoff after the n-th consecutive failure of an address: ``min(max_backoff_s, base_backoff_s * 2**(n-1))``
@@ -42,6 +45,12 @@ import attrs
 from peerloom.core.identity import PeerId
 
 Address = tuple[str, int]  # (host, port); the host is an IP address literal
+
+# TransportError reasons that mean "someone answered but could not prove the identity we expect, or spoke
+# garbage" (spec/transport.md §1, §6): these count toward a ban. connect-failed, handshake-timeout, truncated
+# and reset do not (the peer may just be down or slow).
+HANDSHAKE_FAILURES = frozenset({"bad-payload", "bad-identity-key", "bad-identity-signature", "peer-mismatch",
+                                "decrypt-failed", "bad-message-length", "bad-dh-key"})
 
 
 @attrs.define

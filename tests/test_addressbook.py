@@ -163,3 +163,30 @@ def test_addresses_of_a_peer() -> None:
     b.add(C, PEER_B, now=0.0)
     assert b.addresses(PEER_A) == [A, B]
     assert b.peer_of(C) == PEER_B
+
+
+def test_real_dial_failures_classify_as_the_book_expects() -> None:
+    """peer-mismatch (someone else answers) counts toward a ban; a closed port does not."""
+    import functools
+
+    import trio
+
+    from peerloom.adapters.addressbook import HANDSHAKE_FAILURES
+    from peerloom.adapters.tcp import TransportError, connect, serve
+
+    reasons = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(functools.partial(serve, "127.0.0.1", 0, Identity(bytes([7]) * 32),
+                                                         lambda conn: trio.sleep(0)))
+            for target, expected in ((port, PEER_A), (1, None)):  # port 1: nothing listens there
+                try:
+                    await connect("127.0.0.1", target, Identity(bytes([8]) * 32), expected_peer=expected)
+                except TransportError as exc:
+                    reasons.append(exc.reason)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert reasons == ["peer-mismatch", "connect-failed"]
+    assert reasons[0] in HANDSHAKE_FAILURES and reasons[1] not in HANDSHAKE_FAILURES
