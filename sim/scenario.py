@@ -159,7 +159,8 @@ def run_scenario(scenario: Mapping[str, Any], *, seed: int, trace_out: IO[str] |
         pool = names[role]
         count = int(adv["count"]) if "count" in adv else round(float(adv.get("fraction", 0.0)) * len(pool))
         if behaviour == "sybil":
-            sybils.extend((f"s{len(sybils) + i}", adv) for i in range(count))
+            base = len(sybils)
+            sybils.extend((f"s{base + i}", adv) for i in range(count))
             continue
         chosen = list(adv.get("nodes", [])) or [n for n in pool if n not in assigned][-count:] if count else []
         for name in chosen:
