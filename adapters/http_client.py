@@ -14,11 +14,14 @@ fetch the params, train on the leased shards with the manifest's workload (throu
 
 from __future__ import annotations
 
+import http.client
 import json
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +172,41 @@ class EdgeClient:
         return str(json.loads(self._request("/v1/join", data=envelope.to_bytes(),
                                             headers={"Content-Type": "application/cbor"})[2])["id"])
 
+    def follow(self, revision: Revision, *, last_window: int | None = None,
+               max_event_bytes: int = 1 << 22) -> Iterator[tuple[Head, QuorumCertificate | None]]:
+        """Yield certified heads as the edge promotes them (server-sent events from ``/v1/events``), each
+        verified against `revision`. With `last_window`, heads after it are replayed first. Blocks between
+        events; ends when the edge closes the stream. Raises like the other reads."""
+        parts = urllib.parse.urlsplit(self.base_url)
+        conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=None)
+        headers = {"Accept": "text/event-stream"}
+        if last_window is not None:
+            headers["Last-Event-ID"] = str(last_window)
+        try:
+            conn.request("GET", "/v1/events", headers=headers)
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise EdgeError(resp.status, "no-event-stream", resp.read(200).decode(errors="replace"))
+            data: list[str] = []
+            size = 0
+            while True:
+                raw = resp.readline(max_event_bytes + 1)
+                if not raw:
+                    return
+                size += len(raw)
+                if size > max_event_bytes:
+                    raise VerificationError("too-large", f"event over {max_event_bytes} bytes")
+                line = raw.decode().rstrip("\r\n")
+                if line.startswith("data:"):
+                    data.append(line[5:].lstrip(" "))
+                elif line == "" and data:
+                    yield self._entry(json.loads("\n".join(data)), revision)
+                    data, size = [], 0
+                elif line == "":
+                    size = 0
+        finally:
+            conn.close()
+
 
 @attrs.frozen(kw_only=True)
 class StepResult:
@@ -238,6 +276,18 @@ class LightTrainer:
         self.last_window = window
         return StepResult(window=window, shards=shards, joined=joined, update_id=update_id,
                           train_loss=ann.train_loss)
+
+    def run(self, *, updates: int, timeout_s: float = 300.0, poll_s: float = 0.5) -> list[StepResult]:
+        """Step until `updates` updates were uploaded or `timeout_s` seconds passed; returns the steps that
+        uploaded or joined. Polls the latest head every `poll_s` seconds (a step per window at most)."""
+        results: list[StepResult] = []
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and sum(1 for r in results if r.update_id) < updates:
+            result = self.step()
+            if result.update_id or result.joined:
+                results.append(result)
+            time.sleep(poll_s)
+        return results
 
     def close(self) -> None:
         if self._tmp is not None:

@@ -89,6 +89,10 @@ def test_light_trainer_contributes_accepted_updates_over_http_only(tmp_path, dig
             windows.append(result.window)
             certify_update(view, ann)
         assert windows == [1, 2, 3] and view.rejected == []
+        # `run` steps until it has uploaded the asked number of updates (window 4 here).
+        assert leases_of(view.latest().head, revision.manifest).get(LIGHT.peer_id)
+        results = trainer.run(updates=1, timeout_s=30, poll_s=0.05)
+        assert [r.window for r in results if r.update_id] == [4] and len(view.updates) == 4
         trainer.close()
 
 
@@ -145,3 +149,29 @@ def test_ranged_fetch_rides_out_the_rate_limit(tmp_path, digits):
             for _ in range(5):
                 impatient.get_json("/healthz")
         assert info.value.status == 429 and info.value.retry_after >= 1
+
+
+def test_follow_verifies_heads_as_they_are_promoted(tmp_path):
+    import threading
+
+    from .edge_fixtures import advance
+
+    view = make_view(tmp_path)
+    heads = advance(view, 3)
+    with EdgeServer(view) as server:
+        client = EdgeClient(server.url)
+        stream = client.follow(view.revision, last_window=1)
+        assert [next(stream)[0].id for _ in range(2)] == [h.id for h in heads[1:]]
+        timer = threading.Timer(0.2, advance, (view, 1))
+        timer.start()
+        head, cert = next(stream)
+        assert head.window == 4 and cert is not None and cert.window == 4
+        stream.close()
+        timer.join()
+        # A head certified by a non-validator breaks the stream with a VerificationError.
+        parent = view.latest().head
+        forged = Head(revision=view.revision.id, parent=parent.id, window=5, skipped=False, params=parent.params,
+                      params_digest=parent.params_digest, cohort=(parent.id,), roster=parent.roster)
+        view.promote(forged, certify(view.revision, forged, validators=(ident(99),)))
+        with pytest.raises(VerificationError, match="not-a-validator"):
+            next(client.follow(view.revision))
