@@ -31,8 +31,11 @@ from .encoding import decode, encode
 from .errors import DecodeError, LocalProtocolError, VerificationError
 from .identity import Identity, PeerId
 from .messages import (
+    MAX_CHAIN_ENTRIES,
     ROLES,
     CertifiedHead,
+    ChainEntries,
+    ChainRequest,
     Chunk,
     ChunkMissing,
     ChunkRequest,
@@ -45,6 +48,12 @@ from .messages import (
 from .objects import ArtifactRef, Head, QuorumCertificate, Revision
 
 HEAD_RECORD = "head"
+
+
+def chain_key(window: int) -> str:
+    """Record key of the archived certified head of `window`."""
+    return f"chain/{window}"
+
 SNAPSHOT_VERSION = 1
 
 
@@ -66,6 +75,12 @@ class EngineConfig:
     announcement_slack: int = 4  # offers a sender may make per window beyond the number of leases
     stop_after_window: int | None = None  # local policy: open no window after this one
     agreement_timeout_s: float = 2.0  # Tendermint base timeout; grows linearly with the round
+    keep_chain: bool | None = None  # store and serve every certified head (`chain/<w>`); None = validators do
+    max_chain_reply_bytes: int = 512 << 10  # bound on one ChainEntries reply
+
+    @property
+    def keeps_chain(self) -> bool:
+        return "validator" in self.roles if self.keep_chain is None else self.keep_chain
 
     def __attrs_post_init__(self) -> None:
         if not self.roles or not self.roles <= set(ROLES):
@@ -134,6 +149,7 @@ class Engine:
         self.seen_deltas: dict[bytes, int] = {}  # accepted delta digest -> window (replay screening)
         records = dict(records or {})
         self.records = records
+        self._chain_requests: dict[PeerId, tuple[int, int]] = {}
         self.head, self.certificate = self.revision.genesis(), QuorumCertificate(
             head=self.revision.genesis().id, window=0, round=0, votes=())
         if HEAD_RECORD in records:
@@ -361,6 +377,8 @@ class Engine:
         if head.window <= self.head.window:
             return
         record = encode_chain_entry(head, cert)
+        if self.config.keeps_chain:  # the chain archive first: a promoted head is always served
+            self.persist_then(chain_key(head.window), record, lambda: None)
 
         def promote() -> None:
             if head.window <= self.head.window:
@@ -420,9 +438,20 @@ class Engine:
                 if message.head.window <= self.head.window:
                     return
                 self.verify_certified(message.head, message.certificate)
+                gap = (self.head.window + 1, message.head.window - 1)
                 self.adopt(message.head, message.certificate)
                 for role in self.roles:
                     role.on_head_source(peer, message.head)
+                if self.config.keeps_chain and gap[0] <= gap[1] and peer not in self._chain_requests:
+                    # We jumped ahead on the strength of one certificate; fetch and verify what we skipped.
+                    self._request_chain(peer, *gap)
+            case ChainRequest():
+                if not self._take_chunk_token(state):
+                    self.reject(peer, "chain-quota")
+                    return
+                self._serve_chain(peer, message)
+            case ChainEntries():
+                self._on_chain_entries(peer, message)
             case Signed():
                 for role in self.roles:
                     role.on_signed(peer, message.envelope)
@@ -444,6 +473,74 @@ class Engine:
                     if peer in fetch.providers:
                         fetch.providers.remove(peer)
                     self._requeue(fetch, peer)
+
+    # --- chain sync (spec/protocol.md §8) -----------------------------------------------------------
+
+    def chain_entry(self, window: int) -> tuple[Head, QuorumCertificate] | None:
+        """The certified head of `window` if this node holds it (genesis, archive or current head)."""
+        if window == 0:
+            genesis = self.revision.genesis()
+            return genesis, QuorumCertificate(head=genesis.id, window=0, round=0, votes=())
+        if window == self.head.window:
+            return self.head, self.certificate
+        record = self.records.get(chain_key(window))
+        return None if record is None else decode_chain_entry(record)
+
+    def _request_chain(self, peer: PeerId, first: int, last: int) -> None:
+        last = min(last, first + MAX_CHAIN_ENTRIES - 1)
+        self._chain_requests[peer] = (first, last)
+        self.send(peer, ChainRequest(from_window=first, to_window=last))
+
+    def _serve_chain(self, peer: PeerId, request: ChainRequest) -> None:
+        entries: list[tuple[Head, QuorumCertificate]] = []
+        size = 0
+        for window in range(request.from_window, min(request.to_window, self.head.window) + 1):
+            entry = self.chain_entry(window)
+            if entry is None or len(entries) == MAX_CHAIN_ENTRIES:
+                break
+            size += len(entry[0].to_bytes()) + 128 * len(entry[1].votes)
+            if entries and size > self.config.max_chain_reply_bytes:
+                break
+            entries.append(entry)
+        self.send(peer, ChainEntries(entries=tuple(entries)))
+
+    def _on_chain_entries(self, peer: PeerId, message: ChainEntries) -> None:
+        """Verify a chain segment link by link - window, parent id, quorum certificate - from the head we
+        hold before it; archive what verifies. The first bad entry is charged to the sender."""
+        wanted = self._chain_requests.pop(peer, None)
+        if wanted is None:
+            self.reject(peer, "unsolicited-chain")
+            return
+        first, last = wanted
+        previous = self.chain_entry(first - 1)
+        if previous is None:
+            return
+        prev = previous[0]
+        for head, cert in message.entries:
+            if head.window != prev.window + 1 or not first <= head.window <= last:
+                self.reject(peer, "chain-window", f"window {head.window} after {prev.window}")
+                return
+            if head.parent != prev.id:
+                self.reject(peer, "chain-parent", f"window {head.window}")
+                return
+            self.verify_certified(head, cert)  # VerificationError -> rejection charged to the sender
+            ours = self.chain_entry(head.window)
+            if ours is not None and ours[0].id != head.id:
+                # Two certified heads for one window would break safety: keep ours, say so loudly.
+                self.reject(peer, "chain-conflict", f"window {head.window}")
+                return
+            if ours is None:
+                self.persist_then(chain_key(head.window), encode_chain_entry(head, cert), lambda: None)
+            prev = head
+        after = self.chain_entry(prev.window + 1)
+        if after is not None and after[0].parent != prev.id:
+            self.reject(peer, "chain-parent", f"window {prev.window + 1}")
+            return
+        self.stats["chain_entries_verified"] += len(message.entries)
+        if message.entries and prev.window < self.head.window - 1:
+            missing = [w for w in range(prev.window + 1, self.head.window) if self.chain_entry(w) is None]
+            if missing:
+                self._request_chain(peer, missing[0], missing[-1])
 
     def _take_chunk_token(self, state: PeerState) -> bool:
         """Token bucket per peer: an honest fetcher keeps at most `max_chunks_in_flight` requests out, so

@@ -118,8 +118,53 @@ class ChunkMissing:
         return cls(artifact=f.cid(b, "artifact"), index=f.uint(b, "index", maximum=1 << 24))
 
 
-Message = Hello | CertifiedHead | Signed | ChunkRequest | Chunk | ChunkMissing
-MESSAGE_TYPES: dict[str, Any] = {m.KIND: m for m in (Hello, CertifiedHead, Signed, ChunkRequest, Chunk, ChunkMissing)}
+MAX_CHAIN_ENTRIES = 64
+
+
+@attrs.frozen(kw_only=True)
+class ChainRequest:
+    """Ask a peer for the certified heads of windows `from_window`..`to_window` (inclusive), to fill the
+    gap a node skipped when it adopted a later certified head (spec/protocol.md §8)."""
+
+    KIND = "chain-get"
+    from_window: int
+    to_window: int
+
+    def body(self) -> Any:
+        return {"from_window": self.from_window, "to_window": self.to_window}
+
+    @classmethod
+    def parse(cls, body: Any) -> ChainRequest:
+        b = f.exact_keys(body, frozenset({"from_window", "to_window"}), "chain-get")
+        req = cls(from_window=f.uint(b, "from_window"), to_window=f.uint(b, "to_window"))
+        if not 1 <= req.from_window <= req.to_window:
+            raise DecodeError("bad-field", "chain-get needs 1 <= from_window <= to_window")
+        return req
+
+
+@attrs.frozen(kw_only=True)
+class ChainEntries:
+    """Consecutive certified heads (window order) answering a ChainRequest; possibly fewer than asked."""
+
+    KIND = "chain"
+    entries: tuple[tuple[Head, QuorumCertificate], ...]
+
+    def body(self) -> Any:
+        return {"entries": [{"head": h.to_cbor(), "certificate": c.to_cbor()} for h, c in self.entries]}
+
+    @classmethod
+    def parse(cls, body: Any) -> ChainEntries:
+        b = f.exact_keys(body, frozenset({"entries"}), "chain")
+        entries = []
+        for item in f.array(b, "entries", max_len=MAX_CHAIN_ENTRIES):
+            e = f.exact_keys(item, frozenset({"head", "certificate"}), "chain entry")
+            entries.append((Head.from_cbor(e["head"]), QuorumCertificate.from_cbor(e["certificate"])))
+        return cls(entries=tuple(entries))
+
+
+Message = Hello | CertifiedHead | Signed | ChunkRequest | Chunk | ChunkMissing | ChainRequest | ChainEntries
+MESSAGE_TYPES: dict[str, Any] = {m.KIND: m for m in (Hello, CertifiedHead, Signed, ChunkRequest, Chunk, ChunkMissing,
+                                                     ChainRequest, ChainEntries)}
 ROLES = ("trainer", "reducer", "validator")
 
 
