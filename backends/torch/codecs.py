@@ -183,8 +183,8 @@ def decode(
         raise DecodeError("bad-codec-layout", "encoded form must be a dict of tensors")
     meta: dict[str, tuple[str, tuple[int, ...]]] = {}
     for key, t in encoded.items():
-        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
-            raise DecodeError("bad-codec-layout", f"{key!r} is not a CPU tensor")
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.layout != torch.strided:
+            raise DecodeError("bad-codec-layout", f"{key!r} is not a dense CPU tensor")
         meta[key] = (dtype_name(t.dtype), tuple(int(d) for d in t.shape))
 
     def read_shape(key: str) -> list[int]:
