@@ -14,7 +14,8 @@ mean, and the outer step is SGD lr 1 (FedAvg). Same seeds for every codec, so `n
 
 Prints one JSON object on its last line:
 ``{"size", "codecs": [{"codec", "ratio", "error_feedback", "encode_gbps": {"numpy", "torch"},
-"decode_gbps": {...}, "accuracy"}], "baseline_accuracy", "topk_within_2_points": bool, ...}``.
+"decode_gbps": {...}, "accuracy", "curve": [[windows done, accuracy], ...]}], "baseline_accuracy",
+"topk_within_2_points": bool, ...}``.
 """
 
 from __future__ import annotations
@@ -67,13 +68,17 @@ def speed(codec: str, x: np.ndarray, repeats: int, fraction: float) -> dict[str,
     }
 
 
-def fedavg_accuracy(codec: str, windows: int, trainers: int, fraction: float, seed: int) -> float:
+def fedavg_accuracy(
+    codec: str, windows: int, trainers: int, fraction: float, seed: int
+) -> tuple[float, list[tuple[int, float]]]:
+    """Final test accuracy and the curve ``[(windows done, accuracy), ...]`` (8 points)."""
     workload = make_digits_workload(seed=seed, num_threads=1)
     shards = shard_indices(workload.num_train, trainers, seed)
     params = workload.initial_params(seed)
     feedback = codec in FEEDBACK
     states: list[Any] = [nc.zeros_state(params) if feedback else None for _ in range(trainers)]
     schema = tuple((n, "float32", p.shape) for n, p in sorted(params.items()))
+    curve: list[tuple[int, float]] = []
     for window in range(windows):
         decoded = []
         for t, shard in enumerate(shards):
@@ -82,7 +87,9 @@ def fedavg_accuracy(codec: str, windows: int, trainers: int, fraction: float, se
             decoded.append(nc.decode(codec, enc, schema=schema))
         mean = aggregate("mean", decoded, [len(s) for s in shards])
         params = {n: np.subtract(p, mean[n], dtype=np.float32) for n, p in params.items()}
-    return float(workload.evaluate(params)["accuracy"])
+        if (window + 1) % max(1, windows // 8) == 0 or window == windows - 1:
+            curve.append((window + 1, float(workload.evaluate(params)["accuracy"])))
+    return curve[-1][1], curve
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -90,7 +97,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="tiny sizes (for tests)")
     parser.add_argument("--size", type=int, default=4_000_000, help="float32 elements of the speed tensor")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--windows", type=int, default=10)
+    parser.add_argument("--windows", type=int, default=80,
+                        help="FedAvg windows (top-k 1%% + error feedback trails ~15 points after 10, ~3 after 20-40)")
     parser.add_argument("--trainers", type=int, default=6)
     parser.add_argument("--fraction", type=float, default=0.01, help="top-k kept share")
     parser.add_argument("--seed", type=int, default=0)
@@ -102,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     for codec in nc.CODECS:
         row = {"codec": codec, **speed(codec, x, args.repeats, args.fraction), "error_feedback": codec in FEEDBACK}
-        row["accuracy"] = fedavg_accuracy(codec, args.windows, args.trainers, args.fraction, args.seed)
+        row["accuracy"], row["curve"] = fedavg_accuracy(codec, args.windows, args.trainers, args.fraction, args.seed)
         rows.append(row)
         print(f"{codec:5s} ratio {row['ratio']:6.1f}  encode np {row['encode_gbps']['numpy']:6.2f} "
               f"torch {row['encode_gbps']['torch']:6.2f} GB/s  decode np {row['decode_gbps']['numpy']:6.2f} "

@@ -16,7 +16,8 @@ def test_codecs_bench_quick_schema() -> None:
     report = json.loads(out.strip().splitlines()[-1])
     assert [r["codec"] for r in report["codecs"]] == ["none", "fp16", "bf16", "int8", "topk", "sign"]
     for row in report["codecs"]:
-        assert set(row) == {"codec", "ratio", "encode_gbps", "decode_gbps", "error_feedback", "accuracy"}
+        assert set(row) == {"codec", "ratio", "encode_gbps", "decode_gbps", "error_feedback", "accuracy", "curve"}
+        assert row["curve"][-1] == [report["windows"], row["accuracy"]]
         assert set(row["encode_gbps"]) == set(row["decode_gbps"]) == {"numpy", "torch"}
         assert all(v > 0 for v in (*row["encode_gbps"].values(), *row["decode_gbps"].values()))
         assert 0.0 <= row["accuracy"] <= 1.0
