@@ -22,7 +22,9 @@ produce the same bytes. The rules:
   but their bits (NaN payloads, which of several infinities wins) are not part of the guarantee.
 
 Krum's distances come from the Gram matrix (one float64 BLAS product per block) whose rounding depends
-on the BLAS; see `krum_select` for how the selection is nevertheless made identical everywhere.
+on the BLAS; see `krum_select` for how the selection is nevertheless made identical everywhere. Centered
+clipping's distances come from a Gram matrix of members quantized to 19-bit integers per block, whose BLAS
+product is exact and therefore the same everywhere (`quantized_gram`).
 """
 
 from __future__ import annotations
