@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -176,14 +176,16 @@ class EdgeView(Protocol):
         ...
 
 
-def check_submission(revision: Revision, head: Head, envelope: bytes,
-                     artifact: bytes | None) -> tuple[SignedEnvelope, JoinRequest | UpdateAnnouncement]:
+def check_submission(revision: Revision, head: Head, envelope: bytes, artifact: bytes | None, *,
+                     leases: Mapping[PeerId, tuple[int, ...]] | None = None,
+                     ) -> tuple[SignedEnvelope, JoinRequest | UpdateAnnouncement]:
     """Verify a submission the way the node's collector does, against the latest certified `head`.
 
     Joins: signature and revision. Updates: signature, revision, window and base (``wrong-base``), a lease
     in the window after `head` (``no-lease``; quarantined peers hold none), the leased shards
-    (``bad-lease``), and `artifact` matching the announced delta (``bad-artifact``). Raises DecodeError or
-    VerificationError with the collector's reason codes (core/collector.py).
+    (``bad-lease``), and `artifact` matching the announced delta (``bad-artifact``). `leases` is the lease
+    table of the window after `head` when the caller has it cached. Raises DecodeError or VerificationError
+    with the collector's reason codes (core/collector.py).
     """
     env = SignedEnvelope.from_bytes(envelope)
     if env.kind == JoinRequest.KIND:
@@ -192,7 +194,7 @@ def check_submission(revision: Revision, head: Head, envelope: bytes,
             raise VerificationError("wrong-revision", "join")
         return env, join
     ann = UpdateAnnouncement.from_cbor(env.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
-    shards = leases_of(head, revision.manifest).get(env.signer, ())
+    shards = (leases if leases is not None else leases_of(head, revision.manifest)).get(env.signer, ())
     if ann.revision != revision.id:
         raise VerificationError("wrong-revision", "update")
     if ann.window != head.window + 1 or ann.base != head.id:
@@ -217,6 +219,7 @@ class ChainIndex:
         self._by_id: dict[bytes, CertifiedEntry] = {genesis.head.id: genesis}
         self._history: list[WindowStats] = []
         self._subscribers: list[HeadCallback] = []
+        self._leases: tuple[bytes, dict[PeerId, tuple[int, ...]]] | None = None
         for head, cert in sorted(entries, key=lambda e: e[0].window):
             self._add(head, cert, {})
 
@@ -275,6 +278,24 @@ class ChainIndex:
         with self._lock:
             return list(self._history)
 
+    def lease_table(self, revision: Revision) -> tuple[Head, Mapping[PeerId, tuple[int, ...]]]:
+        """The latest head and the leases of the window after it. Computed once per head, not per request:
+        a request (even a signed one) must not cost the node a full lease computation (shards x roster
+        hashes)."""
+        head = self.latest().head
+        with self._lock:
+            cached = self._leases if self._leases is not None and self._leases[0] == head.id else None
+        if cached is None:
+            cached = (head.id, leases_of(head, revision.manifest))
+            with self._lock:
+                self._leases = cached
+        return head, cached[1]
+
+    def lease_info(self, revision: Revision, peer: PeerId) -> LeaseInfo:
+        """`peer`'s leases in the window after the latest head (empty if it holds none)."""
+        head, table = self.lease_table(revision)
+        return LeaseInfo(peer=peer, window=head.window + 1, base=head.id, shards=table.get(peer, ()))
+
 
 class InMemoryEdgeView(ChainIndex):
     """A thread-safe in-memory `EdgeView` for tests: heads are added with `promote`, submissions are
@@ -330,11 +351,12 @@ class InMemoryEdgeView(ChainIndex):
         return path if path.exists() else None
 
     def leases(self, peer: PeerId) -> LeaseInfo:
-        return lease_info(self._revision, self.latest().head, peer)
+        return self.lease_info(self._revision, peer)
 
     def submit(self, envelope: bytes, artifact: bytes | None) -> SubmitResult:
         try:
-            env, obj = check_submission(self._revision, self.latest().head, envelope, artifact)
+            head, table = self.lease_table(self._revision)
+            env, obj = check_submission(self._revision, head, envelope, artifact, leases=table)
         except (DecodeError, VerificationError) as exc:
             with self._lock:
                 self.rejected.append(exc.reason)
@@ -352,12 +374,6 @@ class InMemoryEdgeView(ChainIndex):
     def peers(self) -> Sequence[PeerInfo]:
         with self._lock:
             return list(self._peers)
-
-
-def lease_info(revision: Revision, head: Head, peer: PeerId) -> LeaseInfo:
-    """`peer`'s leases in the window after `head` (the lease function every peer computes)."""
-    shards = leases_of(head, revision.manifest).get(peer, ())
-    return LeaseInfo(peer=peer, window=head.window + 1, base=head.id, shards=shards)
 
 
 class NodeEdgeView(ChainIndex):
@@ -402,11 +418,12 @@ class NodeEdgeView(ChainIndex):
         return self._artifact_path(digest)
 
     def leases(self, peer: PeerId) -> LeaseInfo:
-        return lease_info(self._revision, self.latest().head, peer)
+        return self.lease_info(self._revision, peer)
 
     def submit(self, envelope: bytes, artifact: bytes | None) -> SubmitResult:
         try:
-            env, _ = check_submission(self._revision, self.latest().head, envelope, artifact)
+            head, table = self.lease_table(self._revision)
+            env, _ = check_submission(self._revision, head, envelope, artifact, leases=table)
         except (DecodeError, VerificationError) as exc:
             return SubmitResult(accepted=False, reason=exc.reason)
         return self._relay(env, artifact)

@@ -354,3 +354,21 @@ def test_node_edge_view_relays_only_checked_submissions(tmp_path):
         good = signed_update(source, trainer, artifact)
         status, _, _ = post(server, "/v1/updates", encode({"envelope": good, "artifact": artifact}))
         assert status == 202 and relayed == [(trainer.peer_id, artifact)]
+
+
+def test_lease_table_is_computed_once_per_head(world, monkeypatch):
+    import peerloom.adapters.edge_view as edge_view
+
+    view, _, server = world
+    calls = []
+    real = edge_view.leases_of
+    monkeypatch.setattr(edge_view, "leases_of",
+                        lambda head, manifest: calls.append(head.window) or real(head, manifest))
+    trainer = leaseholder(view)
+    for _ in range(5):
+        assert fetch(server.url + f"/v1/leases/{trainer.peer_id.to_text()}")[0] == 200
+    bad = signed_update(view, trainer, b"x", shards=(99,))
+    assert post(server, "/v1/updates", encode({"envelope": bad, "artifact": b"x"}))[0] == 422
+    advance(view, 1)
+    assert fetch(server.url + f"/v1/leases/{trainer.peer_id.to_text()}")[0] == 200
+    assert calls == [5, 6]
