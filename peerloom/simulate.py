@@ -12,6 +12,10 @@ import json
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from peerloom.sim.scenario import Result
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
@@ -44,8 +48,6 @@ def run(args: argparse.Namespace) -> int:
     summary = result.summary
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     if not args.no_plots:
-        from peerloom.sim.report import write_plots
-
         write_plots(result, out / "plots")
     w = summary["windows"]
     print(f"{summary['scenario']} seed {args.seed}: {w['certified']} windows certified, {w['skipped']} skipped "
@@ -61,3 +63,63 @@ def run(args: argparse.Namespace) -> int:
           f"  peerloom sim {shlex.quote(str(args.scenario))} --seed {args.seed} --out {shlex.quote(str(out))}",
           file=sys.stderr)
     return 1
+
+
+# --- plots (matplotlib, Agg): loss vs time, head height per node, bytes per link --------------------
+
+MAX_NODES_PLOTTED = 24
+MAX_LINKS_PLOTTED = 30
+
+
+def write_plots(result: Result, out: Path) -> list[Path]:
+    """Write loss.png, heights.png and link_bytes.png under `out`; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    sim = result.sim
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if result.loss:
+        ts, _, losses = zip(*result.loss, strict=True)
+        ax.plot(ts, losses, marker="o")
+    ax.set_xlabel("virtual time (s)")
+    ax.set_ylabel("test loss of the certified head")
+    ax.set_title(f"{result.summary['scenario']} seed {result.summary['seed']}: loss vs time")
+    paths.append(_save(fig, out / "loss.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = [n for n in sim.nodes if sim.nodes[n].role != "trainer"]
+    names += [n for n in sim.nodes if sim.nodes[n].role == "trainer"][:max(0, MAX_NODES_PLOTTED - len(names))]
+    for name in names:
+        heads = sim.nodes[name].heads
+        if heads:
+            ts = [0.0] + [t for t, _, _ in heads]
+            ws = [0] + [w for _, w, _ in heads]
+            ax.step([*ts, sim.now], [*ws, ws[-1]], where="post", label=name, alpha=0.8)
+    ax.set_xlabel("virtual time (s)")
+    ax.set_ylabel("head window")
+    ax.set_title("certified head height per node")
+    if len(names) <= 12:
+        ax.legend(fontsize="small")
+    paths.append(_save(fig, out / "heights.png"))
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    top = sorted(sim.network.bytes.items(), key=lambda kv: (-kv[1], kv[0]))[:MAX_LINKS_PLOTTED]
+    ax.barh([f"{a}->{b}" for (a, b), _ in top][::-1], [v / 1e6 for _, v in top][::-1])
+    ax.set_xlabel("MB sent")
+    ax.set_title(f"bytes per link (top {len(top)} of {len(sim.network.bytes)})")
+    paths.append(_save(fig, out / "link_bytes.png"))
+    return paths
+
+
+def _save(fig: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
