@@ -20,9 +20,12 @@ RULES = {
              {"socket", "asyncio", "threading", "multiprocessing", "secrets", "subprocess", "selectors"}),
     "backends": ({"numpy", "torch", "safetensors", "sklearn", "attrs"}, {"core", "backends"},
                  {"socket", "asyncio"}),
-    "adapters": ({"trio", "aiohttp", "zeroconf", "numpy", "attrs", "nacl", "cbor2", "torch"},
+    # Adapters talk to the outside world through well-kept libraries: cryptography's ChaCha20-Poly1305 for
+    # Noise, aiohttp for the HTTP edge, prometheus-client for metrics, zeroconf for LAN discovery.
+    "adapters": ({"trio", "aiohttp", "zeroconf", "numpy", "attrs", "nacl", "cbor2", "torch", "cryptography",
+                  "prometheus_client"},
                  {"core", "backends", "adapters"}, set()),
-    "sim": ({"numpy", "attrs", "torch"}, {"core", "backends", "adapters", "sim"}, set()),
+    "sim": ({"numpy", "attrs", "torch", "matplotlib"}, {"core", "backends", "adapters", "sim"}, set()),
 }
 CORE_FORBIDDEN_CALLS = [
     r"\btime\.(time|monotonic|perf_counter|sleep)\(",
