@@ -26,7 +26,7 @@ from .envelope import SignedEnvelope
 from .errors import DecodeError, VerificationError
 from .fsm import Table, step
 from .identity import PeerId
-from .leases import lease_weight, leases_of
+from .leases import claims_of, lease_weight, leases_of
 from .objects import PROTOCOL_VERSION, Head, UpdateAnnouncement
 
 if TYPE_CHECKING:
@@ -51,6 +51,18 @@ class Entry:
     state: str = "announced"
     reason: str = ""
 
+    @property
+    def slot(self) -> Slot:
+        return slot_of(self.envelope.signer, self.announcement)
+
+
+Slot = PeerId | tuple[PeerId, PeerId]  # a lease: its holder, or (claimant, leaseholder) for a claim
+
+
+def slot_of(author: PeerId, ann: UpdateAnnouncement) -> Slot:
+    """The lease an update fills: one update per slot."""
+    return author if ann.claim is None else (author, ann.claim)
+
 
 class Collector:
     """Collects the updates of window `head.window + 1`; `on_change` runs after every state change."""
@@ -60,26 +72,36 @@ class Collector:
         self.head = head
         self.window = head.window + 1
         self.leases = leases_of(head, engine.manifest)
-        self.entries: dict[PeerId, Entry] = {}
+        self.claims = claims_of(head, engine.manifest)
+        self.entries: dict[Slot, Entry] = {}
+        self.by_id: dict[bytes, Entry] = {}
         self.on_change = on_change
         self.closed = False
+        self.claims_open = False  # set by the host role when the window's leases expire (`lease_s`)
         self.offers: dict[PeerId, int] = {}
         self.digests: dict[bytes, PeerId] = {}  # delta digest -> first author announcing it this window
-        quarantined = head.quarantined
-        self.quarantined = quarantined
+        self.quarantined = head.quarantined
+        # One update per lease and per possible claim, plus slack for honest retries.
+        claim_slots = sum(len(v) for v in self.claims.values()) if engine.manifest.lease_s > 0 else 0
+        self.max_offers = len(self.leases) + claim_slots + engine.config.announcement_slack
+
+    def entry_for(self, envelope: SignedEnvelope) -> Entry | None:
+        """This collector's entry for exactly `envelope`, if it took it."""
+        return self.by_id.get(envelope.id)
 
     def offer(self, sender: PeerId, envelope: SignedEnvelope, *, force: bool = False) -> None:
         """Take one signed update announcement from `sender` (who may relay someone else's).
 
         `force` is for updates named by a head proposal: checked the same way, but after the window
-        closed and outside the sender's quota (a proposal's size is bounded by the cohort limit).
+        closed and outside the sender's quota (a proposal's size is bounded by the cohort limit); a
+        leaseholder's update and a claim on its lease may then both be held - a cohort takes one of them.
         """
         e = self.engine
         if not force:
             # Quota before any signature check: a sender may offer one update per lease plus slack.
             offers = self.offers.get(sender, 0) + 1
             self.offers[sender] = offers
-            if offers > len(self.leases) + e.config.announcement_slack:
+            if offers > self.max_offers:
                 e.reject(sender, "announce-quota")
                 return
         try:
@@ -88,6 +110,7 @@ class Collector:
             e.reject(sender, exc.reason, exc.detail)
             return
         author = envelope.signer
+        slot = slot_of(author, ann)
         if ann.revision != e.revision.id:
             e.reject(sender, "wrong-revision")
         elif ann.window < self.window:
@@ -100,24 +123,39 @@ class Collector:
             e.reject(sender, "wrong-base")
         elif author in self.quarantined:
             e.reject(sender, "quarantined")
-        elif author not in self.leases:
+        elif ann.claim is None and author not in self.leases:
             e.reject(sender, "no-lease")
-        elif ann.shards != self.leases[author]:
+        elif ann.claim is None and ann.shards != self.leases[author]:
             e.reject(sender, "bad-lease")
-        elif author in self.entries:
-            if self.entries[author].envelope.id != envelope.id:
+        elif ann.claim is not None and self.claims.get(author, {}).get(ann.claim) != ann.shards:
+            e.reject(sender, "bad-claim")
+        elif ann.claim is not None and not (self.claims_open or force):
+            e.rejected_by_reason["claim-early"] += 1  # the lease has not expired here (yet)
+        elif not force and self._taken(ann, author):
+            e.rejected_by_reason["lease-taken"] += 1  # one update per lease: the other one came first
+        elif slot in self.entries:
+            if self.entries[slot].envelope.id != envelope.id:
                 e.reject(sender, "duplicate-update", str(author))
         else:
             entry = Entry(envelope=envelope, announcement=ann)
-            self.entries[author] = entry
+            self.entries[slot] = entry
+            self.by_id[envelope.id] = entry
             window = self.window
             first = self.digests.setdefault(ann.delta_digest, author)
             seen = e.seen_deltas.get(ann.delta_digest)
             if first != author or (seen is not None and seen < window):
                 self._move(entry, "replay", "screen-replay")
                 return
-            e.fetch(ann.delta, [author, sender], lambda: self._fetched(window, author),
-                    lambda reason: self._fetch_failed(window, author, reason))
+            e.fetch(ann.delta, [author, sender], lambda: self._fetched(window, slot),
+                    lambda reason: self._fetch_failed(window, slot, reason))
+
+    def _taken(self, ann: UpdateAnnouncement, author: PeerId) -> bool:
+        """A live update already fills this lease: the holder's own for a claim, any claim for the holder."""
+        live = ("announced", "screening", "accepted")
+        if ann.claim is not None:
+            own = self.entries.get(ann.claim)
+            return own is not None and own.state in live
+        return any(isinstance(k, tuple) and k[1] == author and x.state in live for k, x in self.entries.items())
 
     def _move(self, entry: Entry, event: str, reason: str = "") -> None:
         entry.state = step("collector", TABLE, entry.state, event)
@@ -126,23 +164,23 @@ class Collector:
             self.engine.reject(entry.envelope.signer, reason)
         self.on_change()
 
-    def _fetched(self, window: int, author: PeerId) -> None:
-        entry = self.entries.get(author)
+    def _fetched(self, window: int, slot: Slot) -> None:
+        entry = self.entries.get(slot)
         if window != self.window or entry is None or entry.state != "announced":
             return
         entry.state = step("collector", TABLE, entry.state, "fetched")
         ann = entry.announcement
         self.engine.run_task("screen", {"delta": ann.delta, "delta_digest": ann.delta_digest,
                                         "max_norm": self.engine.manifest.max_update_norm},
-                             lambda r: self._screened(author, r), lambda why: self._screen_failed(author, why))
+                             lambda r: self._screened(slot, r), lambda why: self._screen_failed(slot, why))
 
-    def _fetch_failed(self, window: int, author: PeerId, reason: str) -> None:
-        entry = self.entries.get(author)
+    def _fetch_failed(self, window: int, slot: Slot, reason: str) -> None:
+        entry = self.entries.get(slot)
         if window == self.window and entry is not None and entry.state == "announced":
             self._move(entry, "fetch-failed", f"fetch-{reason}")
 
-    def _screened(self, author: PeerId, result: dict[str, Any]) -> None:
-        entry = self.entries[author]
+    def _screened(self, slot: Slot, result: dict[str, Any]) -> None:
+        entry = self.entries[slot]
         if entry.state != "screening":
             return
         if result["ok"]:
@@ -152,14 +190,14 @@ class Collector:
         else:
             self._move(entry, "screened-bad", f"screen-{result['reason']}")
 
-    def _screen_failed(self, author: PeerId, reason: str) -> None:
-        if self.entries[author].state == "screening":
-            self._move(self.entries[author], "screen-failed", "screen-error")
+    def _screen_failed(self, slot: Slot, reason: str) -> None:
+        if self.entries[slot].state == "screening":
+            self._move(self.entries[slot], "screen-failed", "screen-error")
 
-    def reject_outlier(self, author: PeerId, reason: str) -> None:
-        """Cohort screening found `author`'s accepted update an outlier (`reason` a ``screen-*`` code)."""
-        entry = self.entries[author]
-        if entry.state == "accepted":
+    def reject_outlier(self, update_id: bytes, reason: str) -> None:
+        """Cohort screening found this accepted update an outlier (`reason` a ``screen-*`` code)."""
+        entry = self.by_id.get(update_id)
+        if entry is not None and entry.state == "accepted":
             self._move(entry, "outlier", reason)
 
     def struck(self) -> list[Entry]:
@@ -169,13 +207,27 @@ class Collector:
                       key=lambda x: x.envelope.id)
 
     def complete(self) -> bool:
-        """Every leased trainer has an update that is accepted or rejected."""
-        return all(a in self.entries and self.entries[a].state in ("accepted", "rejected") for a in self.leases)
+        """Every lease has an update that is accepted or rejected - its holder's, or once leases expired,
+        claims covering all its shards."""
+        final = ("accepted", "rejected")
+        covered: dict[PeerId, set[int]] = {}
+        for slot, x in self.entries.items():
+            if isinstance(slot, tuple) and x.state in final:
+                covered.setdefault(slot[1], set()).update(x.announcement.shards)
+        for holder, shards in self.leases.items():
+            own = self.entries.get(holder)
+            if own is not None and own.state in final:
+                continue
+            if not (self.claims_open and covered.get(holder, set()) >= set(shards)):
+                return False
+        return True
 
     def cohort(self) -> list[Entry]:
-        """Accepted updates in canonical order (by update id), the order every reducer must use."""
+        """Accepted updates in canonical order (by update id), the order every reducer must use. A claim
+        is left out when its leaseholder's own update was accepted (one update per lease)."""
         accepted = [x for x in self.entries.values() if x.state == "accepted"]
-        return sorted(accepted, key=lambda x: x.envelope.id)
+        own = {x.envelope.signer for x in accepted if x.announcement.claim is None}
+        return sorted((x for x in accepted if x.announcement.claim not in own), key=lambda x: x.envelope.id)
 
     def weights(self, cohort: list[Entry]) -> tuple[int, ...]:
         return tuple(lease_weight(self.engine.manifest, x.announcement.shards) for x in cohort)

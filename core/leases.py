@@ -35,16 +35,33 @@ def assign_shards(head_id: bytes, window: int, num_shards: int,
 
     Returns {} when no eligible trainer exists. Ties (equal 32-byte hashes) break by peer id.
     """
+    return {s: ranked[0] for s, ranked in rank_shards(head_id, window, num_shards, roster, max_capacity,
+                                                      excluded).items()}
+
+
+def rank_shards(head_id: bytes, window: int, num_shards: int, roster: Sequence[tuple[PeerId, int]],
+                max_capacity: int, excluded: frozenset[PeerId] = frozenset()) -> dict[int, tuple[PeerId, ...]]:
+    """The two best-ranked trainers of every shard: (owner,) or (owner, next-ranked), one pass each."""
     eligible = [(p, max(1, min(c, max_capacity))) for p, c in roster if p not in excluded]
-    leases: dict[int, PeerId] = {}
+    ranked: dict[int, tuple[PeerId, ...]] = {}
     if not eligible:
-        return leases
+        return ranked
     for shard in range(num_shards):
-        leases[shard] = max(eligible, key=lambda e: (_score(head_id, window, shard, e[0], e[1]), e[0]))[0]
-    return leases
+        best: list[tuple[bytes, PeerId]] = []
+        for peer, capacity in eligible:
+            key = (_score(head_id, window, shard, peer, capacity), peer)
+            if len(best) < 2:
+                best.append(key)
+                best.sort(reverse=True)
+            elif key > best[1]:
+                best[1] = key
+                best.sort(reverse=True)
+        ranked[shard] = tuple(p for _, p in best)
+    return ranked
 
 
 _CACHE: dict[bytes, dict[PeerId, tuple[int, ...]]] = {}
+_CLAIMS: dict[bytes, dict[PeerId, dict[PeerId, tuple[int, ...]]]] = {}
 _CACHE_SIZE = 16
 
 
@@ -64,12 +81,27 @@ def leases_of(head: Head, manifest: Manifest) -> dict[PeerId, tuple[int, ...]]:
     return cached
 
 
+def claims_of(head: Head, manifest: Manifest) -> dict[PeerId, dict[PeerId, tuple[int, ...]]]:
+    """Next-ranked claims of window `head.window + 1`: claimant -> {leaseholder: the leaseholder's shards
+    the claimant ranks second for}. A claim is valid only after the lease expired (spec/protocol.md §4)."""
+    key = head.id
+    if key not in _CLAIMS:
+        _compute_leases(head, manifest)
+    return _CLAIMS[key]
+
+
 def _compute_leases(head: Head, manifest: Manifest) -> dict[PeerId, tuple[int, ...]]:
-    owners = assign_shards(head.id, head.window + 1, len(manifest.shards), head.roster, manifest.max_capacity,
-                           head.quarantined)
+    ranked = rank_shards(head.id, head.window + 1, len(manifest.shards), head.roster, manifest.max_capacity,
+                         head.quarantined)
     by_peer: dict[PeerId, list[int]] = {}
-    for shard, peer in owners.items():
-        by_peer.setdefault(peer, []).append(shard)
+    claims: dict[PeerId, dict[PeerId, list[int]]] = {}
+    for shard, peers in ranked.items():
+        by_peer.setdefault(peers[0], []).append(shard)
+        if len(peers) > 1:
+            claims.setdefault(peers[1], {}).setdefault(peers[0], []).append(shard)
+    if len(_CLAIMS) >= _CACHE_SIZE:
+        _CLAIMS.pop(next(iter(_CLAIMS)))
+    _CLAIMS[head.id] = {c: {p: tuple(sorted(s)) for p, s in by.items()} for c, by in claims.items()}
     return {p: tuple(sorted(s)) for p, s in by_peer.items()}
 
 

@@ -158,6 +158,9 @@ class Manifest:
         default=attrs.Factory(lambda self: DILOCO_MOMENTUM if self.outer_optimizer == "diloco" else 0.0,
                               takes_self=True))
     inner_steps: int = 0
+    # Lease expiry (spec/protocol.md §4): `lease_s` seconds after a window opens, a lease with no update
+    # may be claimed by the trainer ranked second for its shards. 0 disables claims.
+    lease_s: float = 0.0
 
     def __attrs_post_init__(self) -> None:
         n = len(self.validators)
@@ -174,6 +177,8 @@ class Manifest:
         if not (self.max_update_norm >= 0 and self.norm_ratio >= 0 and -1.0 <= self.min_cosine <= 1.0
                 and 0.0 <= self.outer_momentum < 1.0 and self.outer_lr > 0):
             raise DecodeError("bad-field", "screening thresholds or outer optimizer settings out of range")
+        if not 0.0 <= self.lease_s < self.window_s:
+            raise DecodeError("bad-field", "lease_s must be in [0, window_s)")
         if self.quarantine_strikes < 1 or self.strike_windows < 1 or self.quarantine_windows < 1:
             raise DecodeError("bad-field", "quarantine thresholds must be positive")
         if self.outer_optimizer == "fedavg" and self.outer_momentum != 0.0:
@@ -192,7 +197,7 @@ class Manifest:
             "max_update_norm": self.max_update_norm, "norm_ratio": self.norm_ratio, "min_cosine": self.min_cosine,
             "quarantine_strikes": self.quarantine_strikes, "strike_windows": self.strike_windows,
             "quarantine_windows": self.quarantine_windows, "outer_momentum": self.outer_momentum,
-            "inner_steps": self.inner_steps,
+            "inner_steps": self.inner_steps, "lease_s": self.lease_s,
         }
 
     @classmethod
@@ -227,6 +232,7 @@ class Manifest:
             strike_windows=f.uint(body, "strike_windows", maximum=1 << 16),
             quarantine_windows=f.uint(body, "quarantine_windows", maximum=1 << 20),
             outer_momentum=f.number(body, "outer_momentum"), inner_steps=f.uint(body, "inner_steps", maximum=1 << 24),
+            lease_s=f.number(body, "lease_s"),
         )
 
     def seal(self, authority: Identity) -> SignedEnvelope:
@@ -238,6 +244,7 @@ _MANIFEST_KEYS = frozenset({
     "min_updates", "max_capacity", "aggregation", "outer_optimizer", "outer_lr", "chunk_size",
     "genesis_params", "genesis_params_digest", "roster", "max_update_norm", "norm_ratio", "min_cosine",
     "quarantine_strikes", "strike_windows", "quarantine_windows", "outer_momentum", "inner_steps",
+    "lease_s",
 })
 
 
@@ -468,6 +475,8 @@ class UpdateAnnouncement:
 
     `delta` is the safetensors artifact of the pseudo-gradient (base params minus trained params, DiLoCo
     convention); `delta_digest` its canonical tensor digest. `train_loss` is informational only.
+    `claim` names the leaseholder whose expired lease this update claims as next-ranked trainer (None for
+    an update on the author's own lease; the key is then absent from the encoding).
     """
 
     KIND: ClassVar[str] = "update"
@@ -479,22 +488,27 @@ class UpdateAnnouncement:
     delta: ArtifactRef
     delta_digest: bytes
     train_loss: float
+    claim: PeerId | None = None
 
     def to_cbor(self) -> dict[str, Any]:
-        return {"revision": self.revision, "window": self.window, "base": self.base, "shards": list(self.shards),
+        body = {"revision": self.revision, "window": self.window, "base": self.base, "shards": list(self.shards),
                 "delta": self.delta.to_cbor(), "delta_digest": self.delta_digest, "train_loss": self.train_loss}
+        if self.claim is not None:
+            body["claim"] = self.claim.to_bytes()
+        return body
 
     @classmethod
     def from_cbor(cls, obj: Any) -> UpdateAnnouncement:
-        body = f.exact_keys(obj, frozenset({"revision", "window", "base", "shards", "delta", "delta_digest",
-                                            "train_loss"}), "update")
+        keys = frozenset({"revision", "window", "base", "shards", "delta", "delta_digest", "train_loss"})
+        body = f.exact_keys(obj, keys | {"claim"} if isinstance(obj, dict) and "claim" in obj else keys, "update")
         shards = f.array(body, "shards", max_len=MAX_SHARDS)
         if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shards) or \
                 shards != sorted(set(shards)):
             raise DecodeError("bad-field", "shards must be sorted distinct shard numbers")
         return cls(revision=f.cid(body, "revision"), window=f.uint(body, "window"), base=f.cid(body, "base"),
                    shards=tuple(shards), delta=ArtifactRef.from_cbor(body["delta"]),
-                   delta_digest=f.cid(body, "delta_digest"), train_loss=f.number(body, "train_loss"))
+                   delta_digest=f.cid(body, "delta_digest"), train_loss=f.number(body, "train_loss"),
+                   claim=f.peer(body, "claim") if "claim" in body else None)
 
 
 @attrs.frozen(kw_only=True)

@@ -47,6 +47,8 @@ class ReducerRole:
         self.collector = Collector(e, head, self._maybe_close)
         deadline = e.now + e.manifest.window_s * e.config.reducer_close_fraction
         e.set_timer(("close", "reducer", self.collector.window), deadline)
+        if e.manifest.lease_s > 0:
+            e.set_timer(("claims", "reducer", self.collector.window), e.now + e.manifest.lease_s)
 
     def _maybe_close(self) -> None:
         if self.collector is not None and self.state == "collecting" and self.collector.complete():
@@ -54,6 +56,10 @@ class ReducerRole:
 
     def on_timer(self, key: tuple[Any, ...]) -> None:
         c = self.collector
+        if key[:2] == ("claims", "reducer") and c is not None and key[2] == c.window:
+            c.claims_open = True
+            self._maybe_close()
+            return
         if key[:2] == ("close", "reducer") and c is not None and key[2] == c.window and self.state == "collecting":
             self._close()
 
@@ -75,7 +81,7 @@ class ReducerRole:
             if c is not self.collector or self.state != "reducing":
                 return
             for i, reason in result["outliers"]:
-                c.reject_outlier(cohort[i].envelope.signer, f"screen-{reason}")
+                c.reject_outlier(cohort[i].envelope.id, f"screen-{reason}")
             ids = tuple(cohort[i].envelope.id for i in result["kept"])
             if len(ids) < e.manifest.min_updates:
                 self._step("reduce-failed")

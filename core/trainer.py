@@ -1,5 +1,10 @@
 """Trainer role: lease -> fetch params -> train -> persist claim -> announce (spec/protocol.md §5).
 
+Next-ranked claims (spec/protocol.md §4) run beside the own-lease pass, one job per leaseholder whose
+shards this trainer ranks second for: `lease_s` after the head arrived the lease has expired and the
+trainer trains those shards and announces an update naming the leaseholder (`claim`). Validators take
+it only if the leaseholder's own update has not arrived; a cohort holds one update per lease.
+
 One pass of this machine per window. A new certified head resets it to ``idle`` for the next window;
 results that arrive for an old window are dropped. The claim (the signed announcement) is persisted
 before it is sent, so a restarted trainer re-announces the same update instead of a different one.
@@ -12,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from .envelope import SignedEnvelope
 from .fsm import Table, step
 from .identity import PeerId
-from .leases import leases_of
+from .leases import claims_of, leases_of
 from .messages import Signed
 from .objects import PROTOCOL_VERSION, ArtifactRef, Head, JoinRequest, UpdateAnnouncement, seal
 
@@ -31,8 +36,20 @@ TABLE: Table = {
 }
 
 
-def claim_key(window: int) -> str:
-    return f"claim/{window}"
+CLAIM_TABLE: Table = {
+    ("waiting", "lease-expired"): "fetching",
+    ("waiting", "reclaim"): "announced",
+    ("fetching", "params-stored"): "training",
+    ("fetching", "fetch-failed"): "failed",
+    ("training", "trained"): "persisting",
+    ("training", "train-failed"): "failed",
+    ("persisting", "persisted"): "announced",
+}
+
+
+def claim_key(window: int, holder: PeerId | None = None) -> str:
+    """Record of the update announced for `window` (on our own lease, or claiming `holder`'s)."""
+    return f"claim/{window}" if holder is None else f"claim/{window}/{holder}"
 
 
 class TrainerRole:
@@ -45,6 +62,9 @@ class TrainerRole:
         self.announcement: SignedEnvelope | None = None
         self.head_sources: set[PeerId] = set()
         self.joined_window = -1
+        self.claims: dict[PeerId, tuple[int, ...]] = {}
+        self.claim_state: dict[PeerId, str] = {}
+        self.claim_announcements: dict[PeerId, SignedEnvelope] = {}
 
     def _step(self, event: str) -> None:
         self.state = step("trainer", TABLE, self.state, event)
@@ -53,6 +73,11 @@ class TrainerRole:
         e = self.engine
         self.head, self.window, self.state, self.announcement = head, head.window + 1, "idle", None
         self.shards = leases_of(head, e.manifest).get(e.me, ())
+        self.claims = claims_of(head, e.manifest).get(e.me, {}) if e.manifest.lease_s > 0 else {}
+        self.claim_state = {holder: "waiting" for holder in self.claims}
+        self.claim_announcements = {}
+        if self.claims:
+            e.set_timer(("claim", self.window), e.now + e.manifest.lease_s)
         if e.me not in {p for p, _ in head.roster}:
             self._join()
         if not self.shards:
@@ -142,6 +167,8 @@ class TrainerRole:
             self._join()
         if not {"validator", "reducer"} & set(roles):
             return
+        for envelope in self.claim_announcements.values():
+            e.send(peer, Signed(envelope=envelope))
         if self.announcement is not None:
             e.send(peer, Signed(envelope=self.announcement))
         elif self.state == "idle" and self.shards:
@@ -154,4 +181,65 @@ class TrainerRole:
         pass
 
     def on_timer(self, key: tuple[Any, ...]) -> None:
-        pass
+        if key[0] == "claim" and key[1] == self.window:
+            for holder in sorted(self.claims):
+                self._claim(holder)
+
+    # --- next-ranked claims ----------------------------------------------------------------------
+
+    def _claim_step(self, holder: PeerId, event: str) -> None:
+        self.claim_state[holder] = step("trainer-claim", CLAIM_TABLE, self.claim_state[holder], event)
+
+    def _claim(self, holder: PeerId) -> None:
+        e, head, window = self.engine, self.head, self.window
+        assert head is not None
+        old = e.records.get(claim_key(window, holder))
+        if old is not None:  # restarted: stand by the claim we announced
+            envelope = SignedEnvelope.from_bytes(old)
+            ann = UpdateAnnouncement.from_cbor(envelope.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
+            if ann.base == head.id and e.is_stored(ann.delta.digest):
+                self._claim_step(holder, "reclaim")
+                self.claim_announcements[holder] = envelope
+                e.broadcast(Signed(envelope=envelope), roles=("validator", "reducer"))
+                return
+        self._claim_step(holder, "lease-expired")
+        e.log("lease-claim", window=window, holder=str(holder), shards=list(self.claims[holder]))
+        providers = sorted(self.head_sources) + e.peers_with("validator") + e.peers_with("reducer")
+        e.fetch(head.params, providers, lambda: self._claim_params(window, holder),
+                lambda reason: self._claim_failed(window, holder, "fetch-failed"))
+
+    def _claim_failed(self, window: int, holder: PeerId, event: str) -> None:
+        if window == self.window and self.claim_state.get(holder) in ("fetching", "training"):
+            self._claim_step(holder, event)
+
+    def _claim_params(self, window: int, holder: PeerId) -> None:
+        if window != self.window or self.claim_state.get(holder) != "fetching" or self.head is None:
+            return
+        self._claim_step(holder, "params-stored")
+        e = self.engine
+        args = {"params": self.head.params, "shards": self.claims[holder], "seed": e.rng.getrandbits(32),
+                "window": window, "inner_steps": e.manifest.inner_steps}
+        e.run_task("train", args, lambda r: self._claim_trained(window, holder, r),
+                   lambda why: self._claim_failed(window, holder, "train-failed"))
+
+    def _claim_trained(self, window: int, holder: PeerId, result: dict[str, Any]) -> None:
+        e = self.engine
+        e.note_stored(result["delta"])
+        if window != self.window or self.claim_state.get(holder) != "training" or self.head is None:
+            return
+        self._claim_step(holder, "trained")
+        envelope = seal(e.identity, UpdateAnnouncement(
+            revision=e.revision.id, window=window, base=self.head.id, shards=self.claims[holder],
+            delta=result["delta"], delta_digest=result["delta_digest"], train_loss=float(result["train_loss"]),
+            claim=holder))
+
+        def announce() -> None:
+            if window != self.window:
+                return
+            self._claim_step(holder, "persisted")
+            self.claim_announcements[holder] = envelope
+            e.stats["claims_announced"] += 1
+            e.log("announce-claim", window=window, holder=str(holder), update=envelope.id.hex())
+            e.broadcast(Signed(envelope=envelope), roles=("validator", "reducer"))
+
+        e.persist_then(claim_key(window, holder), envelope.to_bytes(), announce)

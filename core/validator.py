@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from .agreement import WindowAgreement
-from .collector import Collector
+from .collector import Collector, slot_of
 from .encoding import decode, encode
 from .envelope import SignedEnvelope
 from .errors import DecodeError, VerificationError
@@ -39,6 +39,7 @@ from .objects import (
     JoinRequest,
     QuorumCertificate,
     ReductionProposal,
+    UpdateAnnouncement,
     seal,
     sign_vote,
 )
@@ -173,6 +174,8 @@ class ValidatorRole:
             return
         self.deadline_armed = True
         e.set_timer(("close", "validator", c.window), e.now + e.manifest.window_s)
+        if e.manifest.lease_s > 0:
+            e.set_timer(("claims", "validator", c.window), e.now + e.manifest.lease_s)
 
     def _on_collector_change(self) -> None:
         c = self.collector
@@ -186,7 +189,11 @@ class ValidatorRole:
         c = self.collector
         if c is None:
             return
-        if key[:2] == ("close", "validator") and key[2] == c.window and self.state == "collecting":
+        if key[:2] == ("claims", "validator") and key[2] == c.window:
+            c.claims_open = True  # leases without an update may now be claimed by the next-ranked trainer
+            self.engine.log("leases-expired", window=c.window)
+            self._on_collector_change()
+        elif key[:2] == ("close", "validator") and key[2] == c.window and self.state == "collecting":
             self.engine.log("window-deadline", window=c.window, reported=len(c.entries), leases=len(c.leases))
             self._close()
         elif key[0] == "agreement" and key[1] == c.window and self.agreement is not None:
@@ -235,14 +242,14 @@ class ValidatorRole:
         e, c = self.engine, self.collector
         if result is None or c is None or result["window"] != c.window:
             return
-        for author, reason in result["outliers"]:
-            c.reject_outlier(author, reason)
+        for update_id, reason in result["outliers"]:
+            c.reject_outlier(update_id, reason)
         if len(result["kept"]) < e.manifest.min_updates:
             self._own_skip(len(result["kept"]))
         else:
             struck = tuple(x.envelope for x in c.struck())
             head = self._make_head(result, struck, self._pending_evidence(c.head))
-            kept = {u.id for u in result["candidates"] if u.signer in result["kept"]}
+            kept = set(result["kept"])
             self.own = (head, tuple(u for u in result["candidates"] if u.id in kept) + struck)
             self.verdicts[head.id] = True
             self.results[head.window] = (head.cohort, head.params_digest)
@@ -270,7 +277,7 @@ class ValidatorRole:
                                            (a.signer for a, _ in evidence), e.manifest)
         return Head(revision=e.revision.id, parent=parent.id, window=window, skipped=False,
                     params=result["params"], params_digest=result["params_digest"],
-                    cohort=tuple(sorted(u.id for u in result["candidates"] if u.signer in result["kept"])),
+                    cohort=tuple(sorted(result["kept"])),
                     roster=self._next_roster(parent, quarantine), quarantine=quarantine,
                     metrics=result["metrics"], strikes=strikes, rejected=tuple(sorted(u.id for u in rejected)),
                     evidence=evidence, outer_state=result["outer_state"],
@@ -279,11 +286,12 @@ class ValidatorRole:
     def _compute(self, candidates: tuple[SignedEnvelope, ...], check: _Check | None, done: Any) -> None:
         """Screen the candidates against each other, reduce the rest onto the parent (canonical order),
         evaluate, and call ``done(result)`` with the task results (or None on failure). The result names
-        outliers and kept members by author."""
+        outliers and kept members by update id."""
         e, c = self.engine, self.collector
         assert c is not None
         candidates = tuple(sorted(candidates, key=lambda u: u.id))
-        entries = [c.entries[u.signer] for u in candidates]
+        entries = [c.entry_for(u) for u in candidates]
+        assert all(x is not None for x in entries)
         window = c.window
         args = c.reduce_args(entries)
 
@@ -291,8 +299,8 @@ class ValidatorRole:
             e.note_stored(result["params"])
             if result.get("outer_state") is not None:
                 e.note_stored(result["outer_state"])
-            outliers = [(candidates[i].signer, f"screen-{reason}") for i, reason in result["outliers"]]
-            kept = [candidates[i].signer for i in result["kept"]]
+            outliers = [(candidates[i].id, f"screen-{reason}") for i, reason in result["outliers"]]
+            kept = [candidates[i].id for i in result["kept"]]
             if not kept:
                 done({"window": window, "outliers": outliers, "kept": kept, "candidates": candidates})
                 return
@@ -382,7 +390,17 @@ class ValidatorRole:
         if len(cohort) + len(rejected) != len(updates) or head.cohort != tuple(sorted(ids)) or \
                 len(set(ids)) != len(ids) or head.rejected != tuple(sorted(u.id for u in rejected)):
             return "cohort-mismatch"
-        if len({u.signer for u in updates}) != len(updates) or len(cohort) < e.manifest.min_updates:
+        try:
+            anns = {u.id: UpdateAnnouncement.from_cbor(u.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
+                    for u in updates}
+        except (DecodeError, VerificationError):
+            return "cohort-update-rejected"
+        if len({slot_of(u.signer, anns[u.id]) for u in updates}) != len(updates):
+            return "cohort-duplicate-lease"
+        shards = [s for u in cohort for s in anns[u.id].shards]
+        if len(shards) != len(set(shards)):
+            return "cohort-duplicate-lease"  # a leaseholder's update and a claim on it: one update per lease
+        if len(cohort) < e.manifest.min_updates:
             return "cohort-too-small"
         if {u.signer for u in cohort} & parent.quarantined:
             return "cohort-quarantined"
@@ -398,8 +416,8 @@ class ValidatorRole:
         head = check.head
         cohort_ids, candidates, outliers, pending = set(head.cohort), [], set(), False
         for u in check.updates:
-            entry = c.entries.get(u.signer)
-            if entry is None or entry.envelope.id != u.id:
+            entry = c.entry_for(u)
+            if entry is None:
                 state = "bad"
             elif entry.state == "accepted" or (entry.state == "rejected" and entry.reason in OUTLIER_REASONS):
                 state = "ok"
@@ -414,13 +432,13 @@ class ValidatorRole:
             if state == "ok":
                 candidates.append(u)
                 if u.id not in cohort_ids:
-                    outliers.add(u.signer)
+                    outliers.add(u.id)
         if pending:
             return
         check.stage = "computing"
         self._compute(tuple(candidates), check, lambda mine: self._compared(check, mine, outliers))
 
-    def _compared(self, check: _Check, mine: dict[str, Any] | None, outliers: set[PeerId]) -> None:
+    def _compared(self, check: _Check, mine: dict[str, Any] | None, outliers: set[bytes]) -> None:
         check.stage = "done"
         head = check.head
         if mine is None or "params" not in mine:
