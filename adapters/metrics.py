@@ -14,7 +14,8 @@ metric                                               meaning
 ``peerloom_rejections_total{reason}``                every rejection the engine charged to a peer, by reason
 ``peerloom_votes_total{step}``                       votes this validator signed and sent
 ``peerloom_head_window``                             window of the latest certified head
-``peerloom_head_lag_windows``                        highest head window announced by a peer minus ours
+``peerloom_head_lag_windows``                        highest head window a peer announced (its Hello) minus
+                                                     ours
 ``peerloom_head_age_seconds``                        seconds since this node promoted its latest head
 ``peerloom_peer_bytes_total{peer,direction}``        wire bytes per peer (``sent``/``received``)
 ``peerloom_peers``                                   connected peers

@@ -31,8 +31,9 @@ from peerloom.core import events as ev
 from peerloom.core.chain import decode_chain_entry
 from peerloom.core.engine import Engine, EngineConfig
 from peerloom.core.envelope import SignedEnvelope
+from peerloom.core.errors import PeerloomError
 from peerloom.core.identity import Identity, PeerId
-from peerloom.core.messages import Hello, Signed, encode_message
+from peerloom.core.messages import Hello, Signed, decode_message, encode_message
 from peerloom.core.objects import Head, QuorumCertificate, Revision
 
 from . import tcp
@@ -300,8 +301,12 @@ class NodeRuntime:
                 nursery.start_soon(self._writer, conn, control_in, tcp.LANE_CONTROL, nursery.cancel_scope)
                 nursery.start_soon(self._writer, conn, bulk_in, tcp.LANE_BULK, nursery.cancel_scope)
                 try:
+                    first = True
                     while True:
                         data = await conn.receive_message()
+                        if first:  # a Hello says how far the peer's chain is: the head-lag metric
+                            self._note_hello(data)
+                            first = False
                         await self._send_events.send(ev.MessageReceived(now=0.0, peer=peer, data=data))
                 except (tcp.TransportError, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                     pass
@@ -393,6 +398,16 @@ class NodeRuntime:
         item.result = SubmitResult(accepted=not grown, reason=grown[0] if grown else "",
                                    envelope_id=item.envelope.id)
         item.done.set()
+
+    def _note_hello(self, data: bytes) -> None:
+        if len(data) > 4096:
+            return  # a Hello is small; the engine judges anything else
+        try:
+            message = decode_message(data, max_bytes=4096)
+        except PeerloomError:
+            return  # the engine rejects and charges it
+        if isinstance(message, Hello):
+            self.metrics.note_peer_head(message.head_window, self.engine.head.window)
 
     def _flush_reputation(self) -> None:
         for (peer, reason), count in self._reputation.items():

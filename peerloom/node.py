@@ -41,6 +41,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import os
 import signal
 import sys
 import tomllib
@@ -272,7 +273,8 @@ def run_node(config_path: Path) -> None:
     Raises ConfigError before starting anything if the config, key, manifest or workload is unusable.
     """
     config = load_config(config_path)
-    setup_logging(config.get("log_format", "auto"), config.get("log_level", "info"), name=config["name"])
+    level = config.get("log_level", os.environ.get("PEERLOOM_LOG_LEVEL", "info"))
+    setup_logging(config.get("log_format", "auto"), level, name=config["name"])
     runtime = build_runtime(config)
 
     async def main() -> None:

@@ -4,6 +4,7 @@ into certified heads; /metrics serves the node's registry; SIGTERM and SIGINT sh
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 import urllib.request
@@ -50,7 +51,8 @@ def test_light_trainer_over_http_contributes_to_certified_heads(tmp_path):
         assert cert is not None and cert.window == head.window  # verified against the manifest by the client
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10).read().decode()
         assert "peerloom_windows_total" in metrics and "peerloom_head_window" in metrics
-        assert "peerloom_updates_accepted_total" in metrics
+        assert "peerloom_updates_accepted_total" in metrics and "peerloom_head_lag_windows 0.0" in metrics
+        assert re.search(r'peerloom_peer_bytes_total\{direction="sent",peer="12D3KooW\w+"\} [1-9]', metrics)
     finally:
         validator.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
         trainer.process.send_signal(signal.SIGINT)  # type: ignore[union-attr]
