@@ -280,10 +280,12 @@ def _schedule_faults(sim: Simulation, faults: list[Mapping[str, Any]], names: Ma
 def _schedule_churn(sim: Simulation, churn: Mapping[str, Any], names: Mapping[str, list[str]],
                     heal_at: float | None) -> None:
     """Random crashes at `crash_rate_per_s` (Poisson, across the chosen roles) until `until` (default:
-    the heal), each restarting `restart_after_s` later; a `disk_loss` fraction lose their disk."""
+    the heal), each restarting `restart_after_s` later; a `disk_loss` fraction lose their disk. Random
+    partitions of the validators and reducers at `partition_rate_per_s`, each healed `partition_s` later."""
     if not churn:
         return
-    _check_keys(churn, {"crash_rate_per_s", "restart_after_s", "disk_loss", "roles", "until", "start"}, "churn")
+    _check_keys(churn, {"crash_rate_per_s", "restart_after_s", "disk_loss", "roles", "until", "start",
+                        "partition_rate_per_s", "partition_s"}, "churn")
     rng = sim.rngs["churn"]
     rate = float(churn.get("crash_rate_per_s", 0.0))
     until = float(churn.get("until", heal_at if heal_at is not None else 0.0))
@@ -297,6 +299,17 @@ def _schedule_churn(sim: Simulation, churn: Mapping[str, Any], names: Mapping[st
         keep = rng.random() >= float(churn.get("disk_loss", 0.0))
         sim.at(t, lambda n=victim, k=keep: sim.crash(n, keep_disk=k))
         sim.at(t + float(churn.get("restart_after_s", 5.0)), lambda n=victim: sim.restart(n))
+    # random partitions: a random split of the validators and reducers, healed `partition_s` later
+    servers = names["validator"] + names["reducer"]
+    rate, t = float(churn.get("partition_rate_per_s", 0.0)), float(churn.get("start", 0.0))
+    while rate > 0 and len(servers) > 1:
+        t += rng.expovariate(rate)
+        if t >= until:
+            break
+        side = rng.sample(servers, rng.randrange(1, len(servers)))
+        groups = [sorted(side), [n for n in servers if n not in side]]
+        sim.at(t, lambda g=groups: sim.partition(g))
+        sim.at(min(until, t + float(churn.get("partition_s", 5.0))), sim.heal)
 
 
 def _summary(scenario: Mapping[str, Any], sim: Simulation, checkers: Checkers, seed: int,

@@ -119,3 +119,16 @@ def test_trace_is_identical_across_processes_with_different_hash_seeds(tmp_path)
         assert proc.returncode == 0, proc.stderr
         shas.append((tmp_path / hash_seed / "trace.jsonl").read_bytes())
     assert shas[0] == shas[1]
+
+
+def test_random_partitions_keep_safety():
+    import io
+
+    scenario = load_scenario(SCENARIOS / "happy.toml")
+    scenario.update(duration_s=40.0, stop_window=None, liveness={},
+                    churn={"partition_rate_per_s": 0.2, "partition_s": 3.0, "until": 30.0})
+    out = io.StringIO()
+    result = run_scenario(scenario, seed=3, trace_out=out)
+    assert out.getvalue().count('"kind":"partition"') >= 3
+    for name in result.checkers.SAFETY:
+        assert result.summary["invariants"][name]["ok"], result.summary["invariants"]
