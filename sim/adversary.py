@@ -20,7 +20,7 @@ import numpy as np
 from peerloom.backends import attacks
 from peerloom.backends.numpy.tensors import from_safetensors, tensor_digest, to_safetensors
 from peerloom.core.envelope import SignedEnvelope
-from peerloom.core.leases import lease_weight, leases_of
+from peerloom.core.leases import leases_of
 from peerloom.core.messages import Signed, decode_message, encode_message
 from peerloom.core.objects import (
     PROTOCOL_VERSION,
@@ -246,7 +246,8 @@ class Equivocation(Behaviour):
             if fork is None:
                 return [(0.0, data)]
             forks[proposal.head.id] = fork
-            other = seal(node.identity, attrs.evolve(proposal, head=fork[0], updates=fork[1], valid_round=None))
+            other = seal(node.identity, attrs.evolve(proposal, head=fork[0], updates=fork[1], valid_round=None,
+                                                     rejected=proposal.rejected))
             sim.record(node.name, "adversary", behaviour=self.name, window=proposal.window, to=dst, fork=True)
             return [(0.0, encode_message(Signed(envelope=other)))]
         body = envelope.open(VOTE_KIND, PROTOCOL_VERSION)
@@ -259,27 +260,41 @@ class Equivocation(Behaviour):
 
     def _fork(self, sim: Simulation, node: SimNode,
               proposal: HeadProposal) -> tuple[Head, tuple[SignedEnvelope, ...]] | None:
-        """A second valid head for the proposal's window: its cohort less the last update."""
+        """A second valid head for the proposal's window: its cohort less the last update, built with the
+        node's own validator code (reduce arguments, head records) so that it passes recomputation."""
         head, m = proposal.head, sim.manifest
         engine = node.engine
-        if head.skipped or len(proposal.updates) <= m.min_updates or engine is None or engine.head.id != head.parent:
+        if head.skipped or len(head.cohort) <= m.min_updates or engine is None or engine.head.id != head.parent:
             return None
-        updates = tuple(sorted(proposal.updates, key=lambda u: u.id))[:-1]
-        anns = [UpdateAnnouncement.from_cbor(u.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION)) for u in updates]
-        args = {"params": engine.head.params, "deltas": tuple(a.delta for a in anns),
-                "weights": tuple(lease_weight(m, a.shards) for a in anns), "rule": m.aggregation,
-                "outer_optimizer": m.outer_optimizer, "outer_lr": m.outer_lr}
+        role = next((r for r in engine.roles if hasattr(r, "_make_head")), None)
+        collector = getattr(role, "collector", None)
+        if role is None or collector is None:
+            return None
+        cohort = set(head.cohort)
+        members = sorted((u for u in proposal.updates if u.id in cohort), key=lambda u: u.id)[:-1]
+        entries = [collector.entry_for(u) for u in members]
+        if any(x is None for x in entries):
+            return None
         try:
-            reduced = node.executor.run("reduce", args)
+            reduced = node.executor.run("reduce", collector.reduce_args(entries))
+            if reduced.get("outliers"):
+                return None
             metrics = node.executor.run("evaluate", {"params": reduced["params"]})
         except (KeyError, ValueError):
             return None
         engine.note_stored(reduced["params"])
-        other = attrs.evolve(head, cohort=tuple(u.id for u in updates), params=reduced["params"],
-                             params_digest=reduced["params_digest"],
-                             metrics={"test_loss": float(metrics["loss"]), "test_accuracy": float(metrics["accuracy"]),
-                                      "train_loss": float(sum(a.train_loss for a in anns) / len(anns))})
-        return other, updates
+        if reduced.get("outer_state") is not None:
+            engine.note_stored(reduced["outer_state"])
+        kept = [members[i] for i in reduced["kept"]]
+        result = {"params": reduced["params"], "params_digest": reduced["params_digest"],
+                  "kept": [u.id for u in kept], "outer_state": reduced.get("outer_state"),
+                  "outer_state_digest": reduced.get("outer_state_digest"),
+                  "metrics": {"test_loss": float(metrics["loss"]), "test_accuracy": float(metrics["accuracy"]),
+                              "train_loss": float(sum(entries[i].announcement.train_loss for i in reduced["kept"])
+                                                  / len(kept))}}
+        other = role._make_head(result, proposal.rejected, head.evidence)
+        fork = role._head_proposal(proposal.window, proposal.round, None, other, tuple(kept) + proposal.rejected)
+        return other, fork.updates
 
 
 def make_behaviour(name: str, **params: Any) -> Behaviour:

@@ -7,9 +7,13 @@ Safety (checked on every head an honest node promotes):
 - ``prefix-consistent``: honest final chains agree: every final head's parent is the final head of the
   window before it.
 - ``valid-leases``: every update in a final head's cohort was announced for that window, on that head's
-  parent, for exactly the shards the signer leased from the parent (`leases_of`).
+  parent, for shards the signer leased from the parent (`leases_of`), or - for a next-ranked claim -
+  for shards of the named leaseholder that the signer ranks second for (`claims_of`). (Whether the
+  claimed lease had expired is a timing question the engine decides; it is not re-checked here.)
 - ``no-quarantined-cohort``: no cohort slot and no lease for a peer in the parent's quarantine set
   (trivially true while heads carry no quarantine).
+- ``no-double-vote``: an honest validator never signs two different votes for one (window, round, step),
+  across crashes and restarts (DESIGN §2, durable before visible). Checked on what it sends.
 
 Liveness (checked as virtual time passes): ``liveness``: once the faults end (`heal_at`), honest
 validators certify at least `min_windows` new windows within `bound_s` seconds.
@@ -21,9 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from peerloom.core.errors import VerificationError
+from peerloom.core.errors import DecodeError, VerificationError
 from peerloom.core.identity import PeerId
-from peerloom.core.objects import Head, QuorumCertificate
+from peerloom.core.leases import claims_of
+from peerloom.core.messages import Signed, decode_message
+from peerloom.core.objects import PROTOCOL_VERSION, VOTE_KIND, Head, QuorumCertificate
 
 if TYPE_CHECKING:
     from .kernel import SimNode, Simulation
@@ -46,7 +52,7 @@ class Verdict:
 class Checkers:
     """All invariants over one simulation. Register with `sim.observers.append(checkers)`."""
 
-    SAFETY = ("one-final-head", "prefix-consistent", "valid-leases", "no-quarantined-cohort")
+    SAFETY = ("one-final-head", "prefix-consistent", "valid-leases", "no-quarantined-cohort", "no-double-vote")
 
     def __init__(self, *, heal_at: float | None = None, bound_s: float | None = None, min_windows: int = 1,
                  stop_on_violation: bool = True) -> None:
@@ -64,6 +70,7 @@ class Checkers:
         self.quarantine_seen = False
         self.first_violation: tuple[float, str, str] | None = None
         self._genesis_id: bytes | None = None
+        self.votes: dict[tuple[Any, ...], bytes | None] = {}
 
     @property
     def ok(self) -> bool:
@@ -151,7 +158,8 @@ class Checkers:
         if head.quarantine or parent.quarantine:
             self.quarantine_seen = True
         leases = sim.leases(parent)
-        quarantined: set[PeerId] = set(parent.quarantine)
+        claims = claims_of(parent, sim.manifest)
+        quarantined: set[PeerId] = set(parent.quarantined)
         lease_v, quar_v = self.verdicts["valid-leases"], self.verdicts["no-quarantined-cohort"]
         for peer in leases:
             quar_v.checked += 1
@@ -167,12 +175,36 @@ class Checkers:
             signer, ann = known
             if signer in quarantined:
                 self._fail(sim, "no-quarantined-cohort", f"window {head.window}: update of quarantined {signer}")
-            if ann.window != head.window or ann.base != pid or leases.get(signer) != ann.shards:
+            claim = getattr(ann, "claim", None)
+            lease = leases.get(signer) if claim is None else claims.get(signer, {}).get(claim)
+            if ann.window != head.window or ann.base != pid or lease is None or not set(ann.shards) <= set(lease):
                 self._fail(sim, "valid-leases", f"window {head.window}: update {update_id.hex()[:16]} of {signer} "
                                                 f"for shards {list(ann.shards)} has no valid lease")
         child = self.final.get(head.window + 1)
         if child is not None:
             self._check_cohort(sim, child, self.final_ids[head.window + 1])
+
+    def on_validator_message(self, sim: Simulation, node: SimNode, data: bytes) -> None:
+        if not node.honest or b"signed" not in data[:16]:
+            return
+        try:
+            message = decode_message(data, max_bytes=1 << 24)
+        except DecodeError:
+            return
+        if not isinstance(message, Signed) or message.envelope.kind != VOTE_KIND:
+            return
+        envelope = message.envelope
+        if envelope.signer != node.peer_id:
+            return  # a relayed vote of someone else
+        body = envelope.open(VOTE_KIND, PROTOCOL_VERSION)
+        key = (node.name, body["window"], body["round"], body["step"])
+        verdict = self.verdicts["no-double-vote"]
+        if key not in self.votes:
+            verdict.checked += 1
+            self.votes[key] = body["head"]
+        elif self.votes[key] != body["head"]:
+            self._fail(sim, "no-double-vote", f"{node.name} signed two {body['step']}s for window {body['window']} "
+                                              f"round {body['round']}")
 
     # --- liveness ----------------------------------------------------------------------------------
 

@@ -19,7 +19,6 @@ import hashlib
 import heapq
 import json
 import random
-import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import IO, Any
@@ -28,10 +27,8 @@ import attrs
 
 from peerloom.adapters.compute import ComputeExecutor
 from peerloom.adapters.host import apply_storage_effect, chunk_message
-from peerloom.core import collector as _collector
 from peerloom.core import effects as fx
 from peerloom.core import events as ev
-from peerloom.core import trainer as _trainer
 from peerloom.core.engine import Engine, EngineConfig
 from peerloom.core.identity import Identity, PeerId
 from peerloom.core.leases import leases_of
@@ -176,9 +173,8 @@ class Simulation:
         self.stopped = False
         self._heap: list[tuple[float, int, str, int, Any]] = []
         self._seq = 0
-        self._lease_cache: dict[bytes, dict[PeerId, tuple[int, ...]]] = {}
-        self._head_ids: dict[int, tuple[Any, bytes]] = {}
         self._seen_ann: dict[str, bytes] = {}
+        self._last_vote_data: bytes | None = None
 
     # --- building ----------------------------------------------------------------------------------
 
@@ -245,26 +241,25 @@ class Simulation:
     def run(self, *, until: float, stop: Callable[[Simulation], bool] | None = None) -> bool:
         """Process events in order until virtual time `until`, `stop(self)` or an observer stops the run.
         Returns True iff `stop` became true."""
-        with _shared_lease_cache(self):
-            while self._heap and not self.stopped:
-                if stop is not None and stop(self):
-                    return True
-                t, _seq, name, incarnation, item = self._heap[0]
-                if t > until:
-                    break
-                heapq.heappop(self._heap)
-                self.now = t
-                self.events += 1
-                if not name:
-                    item()
-                else:
-                    self._deliver(name, incarnation, item)
-                for obs in self.observers:
-                    obs.on_tick(self)
-            if not self.stopped and (not self._heap or self._heap[0][0] > until):
-                self.now = max(self.now, until)
-                for obs in self.observers:
-                    obs.on_tick(self)
+        while self._heap and not self.stopped:
+            if stop is not None and stop(self):
+                return True
+            t, _seq, name, incarnation, item = self._heap[0]
+            if t > until:
+                break
+            heapq.heappop(self._heap)
+            self.now = t
+            self.events += 1
+            if not name:
+                item()
+            else:
+                self._deliver(name, incarnation, item)
+            for obs in self.observers:
+                obs.on_tick(self)
+        if not self.stopped and (not self._heap or self._heap[0][0] > until):
+            self.now = max(self.now, until)
+            for obs in self.observers:
+                obs.on_tick(self)
         return stop is not None and stop(self)
 
     def _deliver(self, name: str, incarnation: int, event: Any) -> None:
@@ -384,6 +379,10 @@ class Simulation:
         epoch = self.epoch[link]
         target = self.nodes[dst]
         for extra, payload in outgoing:
+            if node.role == "validator" and payload is not self._last_vote_data:
+                self._last_vote_data = payload  # a broadcast sends one bytes object to every peer: look once
+                for obs in self.observers:
+                    obs.on_validator_message(self, node, payload)
             for t in self.network.plan(src, dst, len(payload), self.now + extra):
                 self._push(t, dst, target.incarnation, ("msg", src, epoch, payload))
 
@@ -512,7 +511,8 @@ class Simulation:
     # --- views -------------------------------------------------------------------------------------
 
     def leases(self, head: Head) -> dict[PeerId, tuple[int, ...]]:
-        return _cached_leases(self, head, self.manifest)
+        """The leases of window `head.window + 1` (core caches them per head; do not mutate)."""
+        return leases_of(head, self.manifest)
 
     def honest_delta_bytes(self, entry: tuple[str, Any]) -> bytes:
         name, ref = entry
@@ -525,47 +525,3 @@ class Simulation:
 
 def _key(a: str, b: str) -> tuple[str, str]:
     return (a, b) if a < b else (b, a)
-
-
-def _cached_leases(sim: Simulation, head: Head, manifest: Any) -> dict[PeerId, tuple[int, ...]]:
-    memo = sim._head_ids.get(id(head))
-    if memo is None or memo[0]() is not head:
-        memo = (weakref.ref(head), head.id)  # Head.id re-encodes the whole head on every call
-        sim._head_ids[id(head)] = memo
-        if len(sim._head_ids) > 100_000:
-            sim._head_ids = {k: v for k, v in sim._head_ids.items() if v[0]() is not None}
-    key = memo[1]
-    cached = sim._lease_cache.get(key)
-    if cached is None or manifest is not sim.manifest:
-        cached = leases_of(head, manifest)
-        if manifest is sim.manifest:
-            if len(sim._lease_cache) > 64:
-                sim._lease_cache.clear()
-            sim._lease_cache[key] = cached
-    return dict(cached)
-
-
-class _shared_lease_cache:
-    """Memoise `leases_of` across the simulated nodes while the simulation runs.
-
-    Lease assignment is a pure function of public data (the certified head and the manifest), so every
-    node computing it gets the same answer; computing it once per head instead of once per node changes
-    no outcome and skips no check (nothing is verified by it). It only saves CPU: rendezvous hashing is
-    O(shards x roster) SHA-256 calls per node (spec/simulator.md §9).
-    """
-
-    def __init__(self, sim: Simulation) -> None:
-        self.sim = sim
-
-    def __enter__(self) -> None:
-        sim = self.sim
-        self.saved = (_trainer.leases_of, _collector.leases_of)
-
-        def cached(head: Head, manifest: Any) -> dict[PeerId, tuple[int, ...]]:
-            return _cached_leases(sim, head, manifest)
-
-        _trainer.leases_of = cached  # type: ignore[assignment]
-        _collector.leases_of = cached  # type: ignore[assignment]
-
-    def __exit__(self, *exc: object) -> None:
-        _trainer.leases_of, _collector.leases_of = self.saved
