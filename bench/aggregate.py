@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
         "members": args.members,
         "size": args.size,
         "targets": TARGETS,
+        "torch_threads": torch.get_num_threads(),
         "met": all(r["ratio"] <= TARGETS[r["rule"]] for r in results),
     }
     print(json.dumps(report))
