@@ -34,6 +34,10 @@ VOCAB = "\n" + "".join(chr(c) for c in range(32, 127))
 VOCAB_SIZE = len(VOCAB) + 1
 VALIDATION_FRACTION = 0.1
 
+# Measured with the defaults (seed 0, 1 torch thread, shared 2-core machine): at init 6.62 bits/char (uniform:
+# log2(97) = 6.60); FedAvg over 8 shards (818 windows each), 1 local epoch, outer SGD lr 1: 3.85 / 3.44 / 3.31 /
+# 3.25 bits/char after windows 1-4 (next-char accuracy 40.6%), ~3-4 s per trainer window; the centralized
+# baseline, 4 epochs over all 6539 windows: 2.17 bits/char, 59.5% (90 s).
 CHARLM_LR = 3e-3
 CHARLM_BATCH_SIZE = 32
 CHARLM_CONTEXT = 64
