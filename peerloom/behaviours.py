@@ -15,7 +15,15 @@ from typing import Any
 
 import numpy as np
 
-from peerloom.backends.attacks import ATTACKS, DATA_ATTACKS, alie_z, craft_update, label_flipped, local_references
+from peerloom.backends.attacks import (
+    ATTACKS,
+    DATA_ATTACKS,
+    NEEDS_REFERENCES,
+    alie_z,
+    craft_update,
+    label_flipped,
+    local_references,
+)
 
 # Attack parameters for the demo fleet (8 trainers, 2 of them Byzantine): ALIE's z from Baruch et al. for
 # n = 8, f = 2; sign-flip-scale at the ×10 the robustness table uses.
@@ -45,11 +53,12 @@ class ByzantineWorkload:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def train(self, params: dict[str, np.ndarray], indices: Sequence[int], seed: int) -> tuple[dict, dict]:
-        delta, metrics = self.inner.train(params, indices, seed)
+    def train(self, params: dict[str, np.ndarray], indices: Sequence[int], seed: int,
+              **options: Any) -> tuple[dict, dict]:
+        delta, metrics = self.inner.train(params, indices, seed, **options)
         honest = {k: np.array(v, dtype=np.float32, copy=True) for k, v in delta.items()}
         references: list[dict[str, np.ndarray]] = []
-        if self.attack in ("alie", "ipm") and len(indices) >= 2:
+        if self.attack in NEEDS_REFERENCES and len(indices) >= 2:
             references = local_references(self.inner, params, indices, seed, parts=min(4, len(indices)))
         rng = np.random.default_rng([self.seed, seed])
         if self.attack in DATA_ATTACKS:

@@ -73,7 +73,7 @@ PROFILES = {
     "smoke": Profile(validators=1, trainers=(HONEST,) * 4, windows=3, shards=8, window_s=8.0, min_updates=2,
                      time_limit_s=80.0, rule="mean"),
     "default": Profile(validators=4, trainers=(HONEST,) * 4 + (KILLED_RESTARTED, *BYZANTINE), windows=20,
-                       shards=16, window_s=10.0, min_updates=3, time_limit_s=340.0, rule="trimmed_mean",
+                       shards=16, window_s=10.0, min_updates=3, time_limit_s=340.0, rule="centered_clip",
                        late_joiners=1, join_at=6, kill_at=5, restart_at=8),
 }
 
@@ -86,6 +86,7 @@ class NodeProc:
     directory: Path
     behaviour: str = "honest"
     port: int = 0
+    http_port: int = 0  # the seed's HTTP edge and dashboard; 0 = no edge
     process: subprocess.Popen[bytes] | None = None
 
 
@@ -127,6 +128,8 @@ def _write_config(node: NodeProc, manifest_path: Path, authority: Identity, boot
     }
     if node.behaviour in BYZANTINE:
         config["behaviour"] = node.behaviour
+    if node.http_port:
+        config["http"] = {"enabled": True, "listen": f"127.0.0.1:{node.http_port}"}
     path = d / "node.toml"
     path.write_text(tomli_w.dumps(config))
     return path
@@ -284,6 +287,8 @@ def run_demo(*, profile: str = "default", out: Path = Path("peerloom-demo"), see
         validator = nodes[0]
         for node in nodes:
             node.port = _free_port()
+        # The first validator is the fleet's seed: everyone dials it, and it serves the HTTP edge.
+        validator.http_port = _free_port()
         servers = [n for n in nodes if n.role in ("validator", "reducer")]
         for node in nodes:
             # Trainers dial every validator and the reducer; servers dial the servers listed before them.
@@ -299,6 +304,8 @@ def run_demo(*, profile: str = "default", out: Path = Path("peerloom-demo"), see
              f"{manifest.quorum}), 1 reducer, {len(first) - p.validators - 1} trainers "
              f"({', '.join(f'{n.name} {n.behaviour}' for n in first if n.behaviour != HONEST)}); pids "
              f"{', '.join(str(n.process.pid) for n in first if n.process)}")
+        _say(f"dashboard: [bold]http://127.0.0.1:{validator.http_port}/[/] (served by {validator.name}'s HTTP edge; "
+             "also /openapi.json, /metrics)", markup=True)
         tail = EventTail(validator.directory / "events.jsonl")
         wire_tails = {n.name: EventTail(n.directory / "events.jsonl") for n in nodes}
         wire_sent: dict[str, int] = {}

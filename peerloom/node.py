@@ -56,6 +56,7 @@ from peerloom.adapters.keys import load_or_create_identity
 from peerloom.adapters.logs import setup_logging
 from peerloom.adapters.runtime import NodeRuntime, RuntimeOptions
 from peerloom.adapters.storage import ArtifactStore, atomic_write
+from peerloom.behaviours import wrap_workload
 from peerloom.core.chain import encode_chain_entry
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.errors import PeerloomError
@@ -188,35 +189,6 @@ def build_node_workload(config: dict[str, Any], manifest_workload: str, seed: in
     return workload, shards
 
 
-class ByzantineWorkload:
-    """A trainer's workload that sends `attack`'s update instead of its honest delta (backends/attacks.py).
-
-    ``alie`` and ``ipm`` estimate the cohort from the attacker's own lease (`local_references`);
-    ``label-flip`` trains honestly on flipped labels. Everything else is the wrapped workload's.
-    """
-
-    def __init__(self, inner: Any, attack: str) -> None:
-        from peerloom.backends.attacks import DATA_ATTACKS, label_flipped
-
-        self.inner = label_flipped(inner) if attack in DATA_ATTACKS else inner
-        self.attack = attack
-
-    def train(self, params: Any, indices: Any, seed: int, **kwargs: Any) -> tuple[Any, Any]:
-        import numpy as np
-
-        from peerloom.backends.attacks import DATA_ATTACKS, NEEDS_REFERENCES, craft_update, local_references
-
-        honest, metrics = self.inner.train(params, indices, seed, **kwargs)
-        if self.attack in DATA_ATTACKS:
-            return honest, metrics
-        references = (local_references(self.inner, params, indices, seed, parts=min(4, len(indices)))
-                      if self.attack in NEEDS_REFERENCES else [])
-        return craft_update(self.attack, honest, references, np.random.default_rng(seed)), metrics
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
 def write_chain_entry(chain_dir: Path, head: Head, cert: QuorumCertificate) -> None:
     """Append a certified head to a chain directory as ``<window>.cbor`` (canonical CBOR)."""
     chain_dir.mkdir(parents=True, exist_ok=True)
@@ -248,7 +220,7 @@ def build_runtime(config: dict[str, Any]) -> NodeRuntime:
         raise ConfigError(f"store: {exc}") from None
     workload, shards = build_node_workload(config, manifest.workload, manifest.workload_seed, len(manifest.shards))
     if config.get("behaviour", "honest") != "honest":
-        workload = ByzantineWorkload(workload, config["behaviour"])
+        workload = wrap_workload(workload, config["behaviour"], seed=manifest.workload_seed)
         log.warning("byzantine trainer", extra={"fields": {"behaviour": config["behaviour"]}})
     if "torch" in sys.modules:  # only workloads that use torch pay for importing it
         sys.modules["torch"].set_num_threads(int(config.get("threads", 1)))
