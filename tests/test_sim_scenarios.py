@@ -42,10 +42,14 @@ def test_lossy_wan_really_loses_and_duplicates():
     assert net["dropped"] > 0 and net["duplicated"] > 0
 
 
-def test_byzantine_trainers_do_not_stop_learning():
+def test_byzantine_trainers_do_not_stop_learning_and_get_quarantined():
     result = _run("byzantine-trainers")
     losses = [loss for _, _, loss in result.loss]
     assert losses[-1] < losses[0] / 2, losses  # the median keeps the quadratic going down
+    quarantined = set().union(*(h.quarantined for h in result.checkers.final.values()))
+    attackers = {result.sim.nodes[n].peer_id for n in ("t8", "t9")}
+    assert quarantined and quarantined <= attackers  # only attackers, and the checker saw real records
+    assert "no head carried" not in result.summary["invariants"]["no-quarantined-cohort"]["detail"]
 
 
 def test_churn_crashes_restarts_leaves_and_joins():
