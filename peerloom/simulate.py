@@ -99,7 +99,8 @@ def write_plots(result: Result, out: Path) -> list[Path]:
         if heads:
             ts = [0.0] + [t for t, _, _ in heads]
             ws = [0] + [w for _, w, _ in heads]
-            ax.step([*ts, sim.now], [*ws, ws[-1]], where="post", label=name, alpha=0.8)
+            end = sim.now if sim.nodes[name].up else ts[-1]  # a node that is down stops where it fell
+            ax.step([*ts, end], [*ws, ws[-1]], where="post", label=name, alpha=0.8)
     ax.set_xlabel("virtual time (s)")
     ax.set_ylabel("head window")
     ax.set_title("certified head height per node")
