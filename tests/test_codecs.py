@@ -295,3 +295,16 @@ def test_corrupted_safetensors_bytes_raise_only_decode_error(codec, junk, pos) -
         return
     a, b = decode_both(codec, {k: np.array(v) for k, v in enc.items()})
     assert a == b
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_torch_encoded_form_round_trips_through_safetensors(codec) -> None:
+    import safetensors.torch
+
+    x = {"a.w": torch.randn(7, 300, generator=torch.Generator().manual_seed(0)), "b": torch.zeros(0)}
+    enc, _ = tc.encode(codec, x)
+    loaded = safetensors.torch.load(safetensors.torch.save(enc))
+    assert same_bytes({k: v.numpy() for k, v in loaded.items()}, enc)
+    # and the numpy backend decodes the very same bytes to the same tensors
+    from_np = nc.decode(codec, from_safetensors(safetensors.torch.save(enc)))
+    assert same_bytes(from_np, tc.decode(codec, loaded))
