@@ -11,6 +11,8 @@ name            workload
                 in pure numpy (peers without torch, the simulator, the robustness bench)
 ``quadratic``   `peerloom.backends.synthetic.QuadraticWorkload`: noisy quadratic for 10,000-node
                 simulations; shards cut from its ``num_train`` (default 1,000,000) samples
+``charlm``      `peerloom.backends.torch.charlm.make_charlm_workload`: tiny causal character transformer on
+                the Python documentation that ships with CPython (``pydoc_data.topics``)
 =============== ========================================================================================
 
 `options` are passed to the factory (e.g. ``local_epochs``, ``inner_steps``, ``keep_optimizer_state`` for
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-WORKLOADS = ("digits-mlp", "digits-numpy", "quadratic")
+WORKLOADS = ("digits-mlp", "digits-numpy", "quadratic", "charlm")
 
 
 def _contiguous_shards(n: int, num_shards: int) -> list[list[int]]:
@@ -51,6 +53,12 @@ def build_workload(name: str, seed: int, num_shards: int, **options: Any) -> tup
             from .numpy.workload import make_digits_numpy_workload
 
             workload = make_digits_numpy_workload(seed=seed, **options)
+        return workload, shard_indices(workload.num_train, num_shards, seed)
+    if name == "charlm":
+        from .datasets import shard_indices
+        from .torch.charlm import make_charlm_workload
+
+        workload = make_charlm_workload(seed=seed, **options)
         return workload, shard_indices(workload.num_train, num_shards, seed)
     if name == "quadratic":
         from .synthetic import QuadraticWorkload

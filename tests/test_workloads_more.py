@@ -162,7 +162,7 @@ def test_quadratic_is_fast_deterministic_and_converges_under_fedavg() -> None:
 
 
 def test_registry_builds_every_workload() -> None:
-    assert set(WORKLOADS) >= {"digits-mlp", "digits-numpy", "quadratic"}
+    assert set(WORKLOADS) >= {"digits-mlp", "digits-numpy", "quadratic", "charlm"}
     for name in WORKLOADS:
         wl, shards = build_workload(name, 0, 8)
         assert len(shards) == 8
