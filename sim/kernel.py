@@ -6,7 +6,8 @@ events at the same virtual time run in the order they were scheduled. One master
 separate `random.Random` per subsystem (network, churn, compute, adversaries) and per engine, so adding
 a fault does not shift the randomness of the network, and the same seed replays the same run exactly.
 
-The kernel executes every effect of every engine: `Send` goes through the `Network` model, `Persist`
+The kernel executes every effect of every engine: `Send` goes over the memory transport
+(`adapters/memory.py`, which holds the links and counts bytes per peer) and then through the `Network` model, `Persist`
 goes to the node's `SimDisk` and is fed back as `Persisted` only after the modelled fsync time (a crash
 in between loses it), `RunTask` runs the real compute synchronously and reports back after a modelled
 duration on the node's single compute queue. Faults (partitions, clogging, crashes, joins, leaves) are
@@ -27,6 +28,7 @@ import attrs
 
 from peerloom.adapters.compute import ComputeExecutor
 from peerloom.adapters.host import apply_storage_effect, chunk_message
+from peerloom.adapters.memory import MemoryTransport
 from peerloom.core import effects as fx
 from peerloom.core import events as ev
 from peerloom.core.engine import Engine, EngineConfig
@@ -161,7 +163,8 @@ class Simulation:
         self.nodes: dict[str, SimNode] = {}
         self.by_peer: dict[PeerId, SimNode] = {}
         self.adjacent: dict[str, set[str]] = {}
-        self.connected: set[tuple[str, str]] = set()
+        self.connected: set[tuple[str, str]] = set()  # links up (by node name); epochs tag connections
+        self.transport = MemoryTransport()
         self.epoch: dict[tuple[str, str], int] = {}
         self.cut: set[tuple[str, str]] = set()  # links held down by a partition
         self.down_at: dict[tuple[str, str], float] = {}
@@ -383,6 +386,11 @@ class Simulation:
                 self._last_vote_data = payload  # a broadcast sends one bytes object to every peer: look once
                 for obs in self.observers:
                     obs.on_validator_message(self, node, payload)
+            # The memory transport carries the message (and counts bytes per peer); the network model
+            # then decides when, whether and how often it arrives.
+            if not self.transport.send(node.peer_id, target.peer_id, payload):
+                continue
+            self.transport.pop()
             for t in self.network.plan(src, dst, len(payload), self.now + extra):
                 self._push(t, dst, target.incarnation, ("msg", src, epoch, payload))
 
@@ -394,6 +402,7 @@ class Simulation:
         if link in self.connected or link in self.cut or not (na.up and nb.up) or b not in self.adjacent[a]:
             return
         self.connected.add(link)
+        self.transport.connect(na.peer_id, nb.peer_id)
         self.epoch[link] = self.epoch.get(link, 0) + 1
         t = max(self.now, self.down_at.get(link, self.now))  # never before the old connection's drop
         self._push(t, a, na.incarnation, ev.PeerConnected(now=t, peer=nb.peer_id))
@@ -404,6 +413,7 @@ class Simulation:
         if link not in self.connected:
             return
         self.connected.discard(link)
+        self.transport.disconnect(self.nodes[a].peer_id, self.nodes[b].peer_id)
         self.epoch[link] += 1
         t = self.now + (self.detect_s if delay is None else delay)
         self.down_at[link] = t
