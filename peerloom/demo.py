@@ -67,6 +67,17 @@ class Profile:
     join_at: int = 0
     kill_at: int = 0
     restart_at: int = 0
+    # Screening thresholds for the manifest (spec/protocol.md §6): reject an update whose norm is more
+    # than `norm_ratio` times the cohort median, or whose cosine to the cohort's robust centre is below
+    # `min_cosine`. Honest digits updates sit at 0.8-0.9 cosine and within 2x of the median norm.
+    norm_ratio: float = 3.0
+    min_cosine: float = 0.2
+    inner_steps: int = 0
+
+
+# `--rule mean` is the undefended baseline: the plain mean with outlier screening off, so the report
+# shows what the defences are worth (issue 8). Schema, finiteness and signature checks always stay on.
+UNDEFENDED_RULE = "mean"
 
 
 PROFILES = {
@@ -74,6 +85,7 @@ PROFILES = {
                      time_limit_s=80.0, rule="mean"),
     "default": Profile(validators=4, trainers=(HONEST,) * 4 + (KILLED_RESTARTED, *BYZANTINE), windows=20,
                        shards=16, window_s=10.0, min_updates=3, time_limit_s=340.0, rule="centered_clip",
+                       outer_optimizer="diloco", outer_lr=0.7, inner_steps=8,
                        late_joiners=1, join_at=6, kill_at=5, restart_at=8),
 }
 
@@ -271,6 +283,9 @@ def run_demo(*, profile: str = "default", out: Path = Path("peerloom-demo"), see
         validators=tuple(n.identity.peer_id for n in nodes if n.role == "validator"),
         quorum=byzantine_quorum(p.validators), window_s=p.window_s, min_updates=p.min_updates,
         max_capacity=4, aggregation=rule, outer_optimizer=p.outer_optimizer, outer_lr=p.outer_lr,
+        inner_steps=p.inner_steps,
+        norm_ratio=0.0 if rule == UNDEFENDED_RULE else p.norm_ratio,
+        min_cosine=-1.0 if rule == UNDEFENDED_RULE else p.min_cosine,
         chunk_size=chunk_size, genesis_params=genesis_refs[0], genesis_params_digest=tensor_digest(params),
         # Late joiners are not in the genesis roster: they must ask to join (spec/protocol.md).
         roster=tuple(sorted((t.identity.peer_id, 1) for t in trainers if t.behaviour != LATE_JOINER)),
@@ -410,6 +425,7 @@ def _finish(out: Path, profile: str, seed: int, p: Profile, nodes: list[NodeProc
         "quarantined": details["quarantined"],
         "quarantine_over_time": details["quarantine_over_time"],
         "head_lag_s": details["head_lag_s"],
+        "double_votes": details["double_votes"],
         "bytes_by_role": details["bytes_by_role"],
         "bytes_on_wire": sum(details["bytes_by_role"].values()),
         "wall_s": round(time.monotonic() - started, 3),

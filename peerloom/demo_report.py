@@ -52,7 +52,7 @@ def build_report(*, nodes: Sequence[dict[str, Any]], entries: Sequence[tuple[Hea
     `nodes` are dicts with ``name``, ``role``, ``peer_id`` (text), ``behaviour`` and ``directory`` (Path);
     `observer` names the validator whose logs stand for "the network's view" of rejections and head times.
     Returns the keys ``per_node``, ``per_window``, ``quarantine_over_time``, ``quarantined``,
-    ``bytes_by_role``, ``head_lag_s`` and ``chain``.
+    ``bytes_by_role``, ``double_votes`` (conflicting votes a validator logged), ``head_lag_s`` and ``chain``.
     """
     events = {n["name"]: read_events(n["directory"] / "events.jsonl") for n in nodes}
     stats = {}
@@ -113,8 +113,23 @@ def build_report(*, nodes: Sequence[dict[str, Any]], entries: Sequence[tuple[Hea
     for n in nodes:
         bytes_by_role[n["role"]] += int(stats.get(n["name"], {}).get("bytes_sent", 0))
 
+    # A head's quarantine set is the peers barred from window + 1 (records expire at their release window).
+    # No validator may sign two different values for one (window, round, step), across all its lives.
+    double_votes = []
+    for n in nodes:
+        if n["role"] != "validator":
+            continue
+        cast: dict[tuple[int, int, str], Any] = {}
+        for e in events[n["name"]]:
+            if e["event"] != "vote":
+                continue
+            slot = (e["window"], e["round"], e["step"])
+            if slot in cast and cast[slot] != e["head"]:
+                double_votes.append({"validator": n["name"], "window": slot[0], "round": slot[1], "step": slot[2]})
+            cast.setdefault(slot, e["head"])
+
     quarantine_over_time = [{"window": h.window, "quarantined": sorted(by_peer.get(str(p), str(p))
-                                                                      for p in h.quarantine)}
+                                                                      for p in h.quarantined)}
                             for h, _ in entries]
     per_node = []
     for n in nodes:
@@ -133,8 +148,9 @@ def build_report(*, nodes: Sequence[dict[str, Any]], entries: Sequence[tuple[Hea
         "per_node": per_node,
         "per_window": per_window,
         "quarantine_over_time": quarantine_over_time,
-        "quarantined": [str(p) for p in entries[-1][0].quarantine] if entries else [],
+        "quarantined": sorted(str(p) for p in entries[-1][0].quarantined) if entries else [],
         "bytes_by_role": dict(sorted(bytes_by_role.items())),
+        "double_votes": double_votes,
         "head_lag_s": head_lag,
         "chain": [{"window": h.window, "head": h.id.hex(), "skipped": h.skipped,
                    "signers": [str(p) for p, _ in c.votes]} for h, c in entries],
