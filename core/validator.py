@@ -252,9 +252,10 @@ class ValidatorRole:
             kept = set(result["kept"])
             self.own = (head, tuple(u for u in result["candidates"] if u.id in kept) + struck)
             self.verdicts[head.id] = True
-            self.results[head.window] = (head.cohort, head.params_digest)
-            for reducer, proposal in self.reducer_proposals.get(head.window, {}).items():
-                self._compare(reducer, proposal)
+            if head.window not in self.results:
+                self.results[head.window] = (head.cohort, head.params_digest)
+                for reducer, proposal in self.reducer_proposals.get(head.window, {}).items():
+                    self._compare(reducer, proposal)
         if self.agreement is not None:
             self.agreement.progress()
 
@@ -452,7 +453,11 @@ class ValidatorRole:
                 abs(mine["metrics"][k] - head.metrics[k]) > METRIC_TOLERANCE for k in mine["metrics"]):
             self._verdict(head, False, "metrics-mismatch")
         else:
+            first = head.window not in self.results
             self.results[head.window] = (head.cohort, head.params_digest)
+            if first:  # reducer proposals that arrived before we had a result of our own
+                for reducer, proposal in self.reducer_proposals.get(head.window, {}).items():
+                    self._compare(reducer, proposal)
             self._verdict(head, True, "")
 
     def _verdict(self, head: Head, ok: bool, reason: str) -> None:
