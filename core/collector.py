@@ -75,6 +75,8 @@ class Collector:
         self.claims = claims_of(head, engine.manifest)
         self.entries: dict[Slot, Entry] = {}
         self.by_id: dict[bytes, Entry] = {}
+        self.claims_on: dict[PeerId, list[Entry]] = {}  # leaseholder -> claims on its lease
+        self.final_own = 0  # leaseholders whose own update is accepted or rejected (complete() fast path)
         self.on_change = on_change
         self.closed = False
         self.claims_open = False  # set by the host role when the window's leases expire (`lease_s`)
@@ -140,6 +142,8 @@ class Collector:
             entry = Entry(envelope=envelope, announcement=ann)
             self.entries[slot] = entry
             self.by_id[envelope.id] = entry
+            if ann.claim is not None:
+                self.claims_on.setdefault(ann.claim, []).append(entry)
             window = self.window
             first = self.digests.setdefault(ann.delta_digest, author)
             seen = e.seen_deltas.get(ann.delta_digest)
@@ -155,10 +159,13 @@ class Collector:
         if ann.claim is not None:
             own = self.entries.get(ann.claim)
             return own is not None and own.state in live
-        return any(isinstance(k, tuple) and k[1] == author and x.state in live for k, x in self.entries.items())
+        return any(x.state in live for x in self.claims_on.get(author, ()))
 
     def _move(self, entry: Entry, event: str, reason: str = "") -> None:
+        before = entry.state
         entry.state = step("collector", TABLE, entry.state, event)
+        if entry.announcement.claim is None and before not in ("accepted", "rejected"):
+            self.final_own += 1  # every move of an own-lease update here ends accepted or rejected
         entry.reason = reason
         if entry.state == "rejected":
             self.engine.reject(entry.envelope.signer, reason)
@@ -209,11 +216,16 @@ class Collector:
     def complete(self) -> bool:
         """Every lease has an update that is accepted or rejected - its holder's, or once leases expired,
         claims covering all its shards."""
+        if self.final_own >= len(self.leases):
+            return True
+        if not self.claims_open:
+            return False
         final = ("accepted", "rejected")
         covered: dict[PeerId, set[int]] = {}
-        for slot, x in self.entries.items():
-            if isinstance(slot, tuple) and x.state in final:
-                covered.setdefault(slot[1], set()).update(x.announcement.shards)
+        for holder, claims in self.claims_on.items():
+            for x in claims:
+                if x.state in final:
+                    covered.setdefault(holder, set()).update(x.announcement.shards)
         for holder, shards in self.leases.items():
             own = self.entries.get(holder)
             if own is not None and own.state in final:
