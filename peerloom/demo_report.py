@@ -69,10 +69,14 @@ def build_report(*, nodes: Sequence[dict[str, Any]], entries: Sequence[tuple[Hea
             if e["event"] == "announce":
                 author[e["update"]] = n["name"]
 
+    # Accepted and rejected updates as the chain records them: cohorts, and the ids screening rejected.
     accepted: Counter[str] = Counter()
+    rejected_in_chain: Counter[str] = Counter()
     for head, _ in entries:
         for update in head.cohort:
             accepted[author.get(update.hex(), "unknown")] += 1
+        for update in head.rejected:
+            rejected_in_chain[author.get(update.hex(), "unknown")] += 1
 
     observed = events.get(observer, [])
     opens = sorted((e["t"], e["window"]) for e in observed if e["event"] == "window-open")
@@ -136,12 +140,14 @@ def build_report(*, nodes: Sequence[dict[str, Any]], entries: Sequence[tuple[Hea
         per_node.append({
             "name": n["name"], "role": n["role"], "peer_id": n["peer_id"], "behaviour": n["behaviour"],
             "accepted": accepted.get(n["name"], 0),
-            "rejected": sum(rejected[n["name"]].values()),
+            "rejected": max(rejected_in_chain.get(n["name"], 0), sum(rejected[n["name"]].values())),
+            "rejected_in_chain": rejected_in_chain.get(n["name"], 0),
             "rejected_by_reason": dict(sorted(rejected[n["name"]].items())),
             "bytes_sent": int(stats.get(n["name"], {}).get("bytes_sent", 0)),
         })
     per_window = [{"window": h.window, "skipped": h.skipped, "accepted": len(h.cohort),
-                   "rejected": rejected_per_window.get(h.window, 0), "bytes": bytes_per_window.get(h.window, 0),
+                   "rejected": max(len(h.rejected), rejected_per_window.get(h.window, 0)),
+                   "bytes": bytes_per_window.get(h.window, 0),
                    "roster": len(h.roster), **dict(h.metrics)}
                   for h, _ in entries]
     return {
