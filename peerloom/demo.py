@@ -31,6 +31,7 @@ from rich.console import Console
 import peerloom
 from peerloom.adapters.keys import generate_identity, save_identity
 from peerloom.adapters.storage import ArtifactStore, atomic_write
+from peerloom.backends.attacks import ATTACKS
 from peerloom.backends.numpy.tensors import schema_of, tensor_digest, to_safetensors
 from peerloom.backends.registry import build_workload
 from peerloom.core.chain import decode_chain_entry
@@ -81,8 +82,11 @@ UNDEFENDED_RULE = "mean"
 
 
 PROFILES = {
-    "smoke": Profile(validators=1, trainers=(HONEST,) * 4, windows=3, shards=8, window_s=8.0, min_updates=2,
-                     time_limit_s=80.0, rule="mean"),
+    # Every mechanism of the default fleet, small: one validator, a sign-flip-scale trainer that must end up
+    # quarantined, a trainer killed and restarted from its disk, and a late joiner.
+    "smoke": Profile(validators=1, trainers=(HONEST, HONEST, HONEST, KILLED_RESTARTED, "sign-flip-scale"),
+                     windows=5, shards=10, window_s=6.0, min_updates=2, time_limit_s=150.0, rule="centered_clip",
+                     late_joiners=1, join_at=2, kill_at=2, restart_at=3),
     "default": Profile(validators=4, trainers=(HONEST,) * 4 + (KILLED_RESTARTED, *BYZANTINE), windows=20,
                        shards=16, window_s=10.0, min_updates=3, time_limit_s=340.0, rule="centered_clip",
                        outer_optimizer="diloco", outer_lr=0.7, inner_steps=8,
@@ -138,7 +142,7 @@ def _write_config(node: NodeProc, manifest_path: Path, authority: Identity, boot
         "bootstrap": bootstrap, "port_file": "port", "events": "events.jsonl", "stats": "stats.json",
         "threads": 1, "stop_after_window": windows,
     }
-    if node.behaviour in BYZANTINE:
+    if node.behaviour in ATTACKS:
         config["behaviour"] = node.behaviour
     if node.http_port:
         config["http"] = {"enabled": True, "listen": f"127.0.0.1:{node.http_port}"}
@@ -410,7 +414,8 @@ def _finish(out: Path, profile: str, seed: int, p: Profile, nodes: list[NodeProc
         "rule": rule, "outer_optimizer": p.outer_optimizer, "metric": metric, "transport": "tcp+noise",
         "nodes": [{"name": n.name, "role": n.role, "peer_id": n.identity.peer_id.to_text(),
                    "pid": n.process.pid if n.process else None, "behaviour": n.behaviour,
-                   "accepted": by_name[n.name]["accepted"], "rejected": by_name[n.name]["rejected"],
+                   "accepted": by_name[n.name]["accepted"], "accepted_windows": by_name[n.name]["accepted_windows"],
+                   "rejected": by_name[n.name]["rejected"],
                    "rejected_by_reason": by_name[n.name]["rejected_by_reason"]} for n in nodes],
         "windows": {"certified": certified, "skipped": skipped},
         "final_head": {"id": final.id.hex(), "window": final.window,

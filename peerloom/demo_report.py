@@ -71,10 +71,12 @@ def build_report(*, nodes: Sequence[dict[str, Any]], entries: Sequence[tuple[Hea
 
     # Accepted and rejected updates as the chain records them: cohorts, and the ids screening rejected.
     accepted: Counter[str] = Counter()
+    accepted_windows: dict[str, list[int]] = defaultdict(list)
     rejected_in_chain: Counter[str] = Counter()
     for head, _ in entries:
         for update in head.cohort:
             accepted[author.get(update.hex(), "unknown")] += 1
+            accepted_windows[author.get(update.hex(), "unknown")].append(head.window)
         for update in head.rejected:
             rejected_in_chain[author.get(update.hex(), "unknown")] += 1
 
@@ -140,6 +142,7 @@ def build_report(*, nodes: Sequence[dict[str, Any]], entries: Sequence[tuple[Hea
         per_node.append({
             "name": n["name"], "role": n["role"], "peer_id": n["peer_id"], "behaviour": n["behaviour"],
             "accepted": accepted.get(n["name"], 0),
+            "accepted_windows": sorted(set(accepted_windows.get(n["name"], []))),
             "rejected": max(rejected_in_chain.get(n["name"], 0), sum(rejected[n["name"]].values())),
             "rejected_in_chain": rejected_in_chain.get(n["name"], 0),
             "rejected_by_reason": dict(sorted(rejected[n["name"]].items())),
