@@ -582,6 +582,11 @@ class ValidatorRole:
             return
         self.vote_of[key] = head_id
         self.vote_envelopes[key] = vote
+        if peer == vote.signer and peer != e.me:
+            # Relay votes heard from their signer (Tendermint gossips votes): every honest validator sees
+            # each vote that reached one of them, so a validator that signs different votes for different
+            # recipients is caught with transferable evidence. One hop only: no loops.
+            e.broadcast(Signed(envelope=vote), roles=("validator",))
         assert self.agreement is not None
         self.agreement.on_vote(vote.signer, vote_step, round_, head_id, vote.signature)
 
