@@ -27,7 +27,7 @@ from peerloom.core import events as ev
 from peerloom.core.encoding import content_id
 from peerloom.core.engine import Engine, EngineConfig
 from peerloom.core.envelope import SignedEnvelope
-from peerloom.core.leases import leases_of
+from peerloom.core.leases import claims_of, leases_of
 from peerloom.core.messages import Chunk, ChunkRequest, Hello, Signed, decode_message, encode_message
 from peerloom.core.objects import (
     PRECOMMIT,
@@ -65,13 +65,14 @@ class Host:
 
     def __init__(self, net, identity, roles):
         self.net, self.identity, self.me = net, identity, identity.peer_id
-        self.store = {REVISION.manifest.genesis_params.digest: GENESIS}
+        revision = net.revision
+        self.store = {revision.manifest.genesis_params.digest: GENESIS}
         self.partial = {}
         self.records = {}
         self.heads = []
         self.roles = roles
-        stored = [REVISION.manifest.genesis_params] if "validator" in roles else []
-        self.engine = Engine(EngineConfig(roles=roles, revision=REVISION, agreement_timeout_s=0.5),
+        stored = [revision.manifest.genesis_params] if "validator" in roles else []
+        self.engine = Engine(EngineConfig(roles=roles, revision=revision, agreement_timeout_s=0.5),
                              identity, random.Random(identity.peer_id.to_bytes()), stored=stored)
         self.local = []
 
@@ -143,6 +144,8 @@ class Host:
 
 
 class ClusterMachine(RuleBasedStateMachine):
+    revision = REVISION
+
     @initialize()
     def setup(self):
         self.now = 0.0
@@ -163,7 +166,7 @@ class ClusterMachine(RuleBasedStateMachine):
                 if other != host.me:
                     host.handle(ev.PeerConnected(now=0.0, peer=other))
         for bad, roles in ((BYZ_VALIDATOR, ("validator",)), (MALLORY, ("trainer",))):
-            hello = encode_message(Hello(revision=REVISION.id, roles=roles, head_window=0))
+            hello = encode_message(Hello(revision=self.revision.id, roles=roles, head_window=0))
             for host in self.hosts.values():
                 host.handle(ev.MessageReceived(now=0.0, peer=bad.peer_id, data=hello))
         # Connections are authenticated streams that open with a hello; those arrive first and intact.
@@ -245,7 +248,7 @@ class ClusterMachine(RuleBasedStateMachine):
         choices = [None, b"\x12\x20" + bytes(32), *self.proposed_heads[-4:]]
         for dst in self.hosts:  # equivocate: possibly a different head for each recipient
             head_id = data.draw(st.sampled_from(choices))
-            vote = sign_vote(BYZ_VALIDATOR, REVISION.id, window, round_, step, head_id)
+            vote = sign_vote(BYZ_VALIDATOR, self.revision.id, window, round_, step, head_id)
             self.post(BYZ_VALIDATOR.peer_id, dst, encode_message(Signed(envelope=vote)))
 
     @rule(data=st.data(), own_lease=st.sampled_from([True, True, True, False]),
@@ -254,13 +257,13 @@ class ClusterMachine(RuleBasedStateMachine):
         """Mallory announces an update - for its own lease if it holds one, else for any shards - whose
         delta may fail screening (a wrong tensor digest: a strike)."""
         head = self.hosts[VALIDATORS[data.draw(st.integers(0, 2))].peer_id].engine.head
-        lease = leases_of(head, REVISION.manifest).get(MALLORY.peer_id)
+        lease = leases_of(head, self.revision.manifest).get(MALLORY.peer_id)
         shards = lease if own_lease and lease else tuple(sorted(data.draw(st.sets(st.integers(0, 2), min_size=1))))
         self._forge(head, shards, honest_digest)
 
     def forged_update_direct(self, *, own_lease, honest_digest):
         head = self.hosts[VALIDATORS[0].peer_id].engine.head
-        lease = leases_of(head, REVISION.manifest).get(MALLORY.peer_id)
+        lease = leases_of(head, self.revision.manifest).get(MALLORY.peer_id)
         if own_lease and lease:
             self._forge(head, lease, honest_digest)
 
@@ -269,7 +272,7 @@ class ClusterMachine(RuleBasedStateMachine):
         ref = make_artifact_ref(blob, CHUNK)
         self.mallory_store[ref.digest] = blob
         digest = ref.digest if honest_digest else content_id(b"something else")
-        ann = UpdateAnnouncement(revision=REVISION.id, window=head.window + 1, base=head.id, shards=shards,
+        ann = UpdateAnnouncement(revision=self.revision.id, window=head.window + 1, base=head.id, shards=shards,
                                  delta=ref, delta_digest=digest, train_loss=0.0)
         envelope = seal(MALLORY, ann)
         for dst in self.hosts:
@@ -285,7 +288,7 @@ class ClusterMachine(RuleBasedStateMachine):
     def one_head_per_window_and_prefix_consistent(self):
         by_window = {}
         for chain in self.honest_chains():
-            parent = REVISION.genesis()
+            parent = self.revision.genesis()
             for head in chain:
                 assert by_window.setdefault(head.window, head.id) == head.id, f"two heads for window {head.window}"
                 assert head.window > parent.window
@@ -295,7 +298,7 @@ class ClusterMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_accepted_update_holds_a_valid_lease(self):
-        heads = {REVISION.genesis().id: REVISION.genesis()}
+        heads = {self.revision.genesis().id: self.revision.genesis()}
         for chain in self.honest_chains():
             heads.update((h.id, h) for h in chain)
         for head in heads.values():
@@ -304,20 +307,27 @@ class ClusterMachine(RuleBasedStateMachine):
             parent = heads.get(head.parent)
             if parent is None:
                 continue
-            leases = leases_of(parent, REVISION.manifest)
+            leases = leases_of(parent, self.revision.manifest)
+            claims = claims_of(parent, self.revision.manifest)
+            covered = []
             for update_id in head.cohort:
                 env = self.announcements[update_id]
                 ann = UpdateAnnouncement.from_cbor(env.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
-                assert leases.get(env.signer) == ann.shards and ann.base == parent.id
+                lease = leases.get(env.signer) if ann.claim is None else claims.get(env.signer, {}).get(ann.claim)
+                assert lease == ann.shards and ann.base == parent.id
                 assert env.signer not in parent.quarantined
+                covered += ann.shards
+            assert len(covered) == len(set(covered))  # one update per lease: no shard twice
         for host in self.hosts.values():
             for role in host.engine.roles:
                 c = getattr(role, "collector", None)
                 if c is None:
                     continue
-                for author, entry in c.entries.items():
+                for entry in c.entries.values():
                     if entry.state == "accepted":
-                        assert c.leases.get(author) == entry.announcement.shards
+                        author, ann = entry.envelope.signer, entry.announcement
+                        lease = c.leases.get(author) if ann.claim is None else c.claims.get(author, {}).get(ann.claim)
+                        assert lease == ann.shards
                         assert author not in c.head.quarantined
 
     @invariant()
@@ -333,6 +343,16 @@ class ClusterMachine(RuleBasedStateMachine):
 
 ClusterMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=100, deadline=None)
 TestCluster = ClusterMachine.TestCase
+
+
+class ClaimsMachine(ClusterMachine):
+    """The same, with leases expiring after 0.8 s so next-ranked claims race their leaseholders."""
+
+    revision = Revision.verify(attrs.evolve(REVISION.manifest, lease_s=0.8).seal(ident(200)))
+
+
+ClaimsMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=100, deadline=None)
+TestClaims = ClaimsMachine.TestCase
 
 
 def test_cluster_is_live_on_a_good_network():
