@@ -65,8 +65,10 @@ class WindowAgreement:
         self.valid_round = -1
         self.decided = False
         self.proposals: dict[int, tuple[Head, tuple[SignedEnvelope, ...], int | None]] = {}
-        self.prevotes: dict[int, dict[PeerId, bytes | None]] = {}
-        self.precommits: dict[int, dict[PeerId, tuple[bytes | None, bytes]]] = {}
+        # Votes per round and signer. An honest validator signs one vote per (round, step); an equivocator's
+        # votes all count, each for its own value (see on_vote).
+        self.prevotes: dict[int, dict[PeerId, set[bytes | None]]] = {}
+        self.precommits: dict[int, dict[PeerId, dict[bytes | None, bytes]]] = {}
         self.seen: dict[int, set[PeerId]] = {}
         self._once: set[tuple[str, int]] = set()
         self._proposed: set[int] = set()
@@ -90,11 +92,14 @@ class WindowAgreement:
         self.progress()
 
     def on_vote(self, signer: PeerId, vote_step: str, round_: int, head_id: bytes | None, signature: bytes) -> None:
-        """A verified vote of a validator (equivocation is the host's business; the first vote counts)."""
+        """A verified vote of a validator. Conflicting votes of one signer (equivocation: evidence is the
+        host's business) each count for their own value: a Byzantine validator could have shown either
+        vote to any honest one, so counting both is no weaker than the protocol already assumes, and it
+        lets every honest validator see the polka that others saw (liveness, Tendermint's gossip)."""
         if vote_step == PREVOTE:
-            self.prevotes.setdefault(round_, {}).setdefault(signer, head_id)
+            self.prevotes.setdefault(round_, {}).setdefault(signer, set()).add(head_id)
         else:
-            self.precommits.setdefault(round_, {}).setdefault(signer, (head_id, signature))
+            self.precommits.setdefault(round_, {}).setdefault(signer, {}).setdefault(head_id, signature)
         self.seen.setdefault(round_, set()).add(signer)
         self.progress()
 
@@ -129,14 +134,14 @@ class WindowAgreement:
         finally:
             self._busy = False
 
-    def _count(self, votes: dict[PeerId, bytes | None], head_id: bytes | None) -> int:
-        return sum(1 for v in votes.values() if v == head_id)
+    def _count(self, votes: dict[PeerId, set[bytes | None]], head_id: bytes | None) -> int:
+        return sum(1 for v in votes.values() if head_id in v)
 
     def _rules(self) -> bool:
         r = self.round
         # Decide in any round: a proposal v and a quorum of precommits for id(v) (lines 49-54).
         for round_, (head, updates, _) in sorted(self.proposals.items()):
-            commits = {p: sig for p, (h, sig) in self.precommits.get(round_, {}).items() if h == head.id}
+            commits = {p: votes[head.id] for p, votes in self.precommits.get(round_, {}).items() if head.id in votes}
             if len(commits) >= self.quorum and self.host.validity(head, updates):
                 self._step("decide")
                 self.decided = True

@@ -103,6 +103,7 @@ class ValidatorRole:
         self.reducer_proposals: dict[int, dict[PeerId, ReductionProposal]] = {}
         self.results: dict[int, tuple[tuple[bytes, ...], bytes]] = {}
         self.vote_envelopes: dict[tuple[int, int, str, PeerId], SignedEnvelope] = {}
+        self.extra_votes: set[tuple[tuple[int, int, str, PeerId], bytes | None]] = set()  # equivocators' others
         self.evidence: dict[PeerId, tuple[SignedEnvelope, SignedEnvelope]] = {}  # not yet in a certified head
 
     def _step(self, event: str) -> None:
@@ -126,6 +127,7 @@ class ValidatorRole:
         self.evidence = {p: x for p, x in self.evidence.items() if p not in head.quarantined}
         self.vote_envelopes = {k: v for k, v in self.vote_envelopes.items() if k[0] >= window}
         self.vote_of = {k: v for k, v in self.vote_of.items() if k[0] >= window}
+        self.extra_votes = {x for x in self.extra_votes if x[0][0] >= window}
         e.log("window-open", window=window, leases=len(self.collector.leases))
         m = e.manifest
         self.agreement = WindowAgreement(self, e.me, m.validators, m.quorum, timeout_s=e.config.agreement_timeout_s,
@@ -572,13 +574,21 @@ class ValidatorRole:
             return
         key = (window, round_, vote_step, vote.signer)
         if key in self.vote_of:
-            if self.vote_of[key] != head_id:
+            if self.vote_of[key] == head_id:
+                return  # a duplicate
+            first = (key, head_id) not in self.extra_votes
+            if first:
+                self.extra_votes.add((key, head_id))
                 e.stats["equivocations"] += 1
                 e.reject(vote.signer, "equivocation", f"{vote.signer} {vote_step} window {window} round {round_}")
                 if vote.signer not in self.evidence and vote.signer != e.me:
                     # Transferable evidence: the next head this validator proposes quarantines the signer.
                     self.evidence[vote.signer] = make_evidence(self.vote_envelopes[key], vote)
                     e.log("evidence", validator=str(vote.signer), window=window, round=round_, step=vote_step)
+                if peer == vote.signer:
+                    e.broadcast(Signed(envelope=vote), roles=("validator",))
+                assert self.agreement is not None
+                self.agreement.on_vote(vote.signer, vote_step, round_, head_id, vote.signature)
             return
         self.vote_of[key] = head_id
         self.vote_envelopes[key] = vote
