@@ -37,7 +37,7 @@ from peerloom.core.messages import Hello, Signed, decode_message, encode_message
 from peerloom.core.objects import Head, QuorumCertificate, Revision
 
 from . import tcp
-from .addressbook import AddressBook
+from .addressbook import HANDSHAKE_FAILURES, AddressBook
 from .compute import ComputeExecutor
 from .edge_view import SUBMIT_TIMEOUT_S, NodeEdgeView, PeerInfo, SubmitResult
 from .host import apply_storage_effect, chunk_message
@@ -272,7 +272,9 @@ class NodeRuntime:
             conn = await tcp.connect(host, port, self.identity, max_message_bytes=self.options.max_message_bytes)
         except (OSError, tcp.TransportError) as exc:
             log.debug("dial %s:%s failed: %s", host, port, exc)
-            self.book.dial_failed(address, now=trio.current_time(), handshake=isinstance(exc, tcp.TransportError))
+            # Only a failed handshake counts toward a ban; a refused connection (a peer still starting) never does.
+            handshake = isinstance(exc, tcp.TransportError) and exc.reason in HANDSHAKE_FAILURES
+            self.book.dial_failed(address, now=trio.current_time(), handshake=handshake)
             self._book_changed.set()
             return
         if not self.book.connected(address, conn.remote_peer, now=trio.current_time()):
