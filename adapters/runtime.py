@@ -3,8 +3,11 @@ on-disk store (DESIGN §6).
 
 One main task owns the engine: it waits for the next event (or the engine's next deadline), feeds it to
 `Engine.handle`, and executes the effects in order. Each connection has a reader task (messages become
-events) and a writer task with its own queue, so a slow peer never blocks the engine. Compute tasks run
-on a worker thread, one at a time per node. Persist effects are fsynced before `Persisted` is fed back.
+events) and a writer task per lane with its own queue, so a slow peer never blocks the engine; a peer whose
+queue grows past `MAX_CONTROL_OUTBOX_BYTES` / `MAX_BULK_OUTBOX_BYTES` is hung up on. Inbound connections
+go through the `AddressBook` like dialed ones (limits, bans); a peer the engine hangs up on for penalties
+is banned for `AddressBook.ban_s`. Compute tasks run on a worker thread, one at a time per node. Persist
+effects are fsynced before `Persisted` is fed back.
 
 With `RuntimeOptions.http_listen` set, the node also serves the HTTP edge (`adapters.http_edge`, aiohttp on
 its own thread and asyncio loop) over a `NodeEdgeView`: reads come from thread-safe snapshots, and a light
@@ -47,6 +50,15 @@ from .storage import ArtifactStore
 log = logging.getLogger("peerloom.runtime")
 engine_log = logging.getLogger("peerloom.engine")
 
+MAX_CONTROL_OUTBOX_BYTES = 4 << 20
+"""Bytes queued for one peer on the control lane (not yet handed to the transport) past which the runtime
+hangs up on it. Control messages are at most `tcp.AUTO_CONTROL_MAX_BYTES` each and the transport's lane
+window is `tcp.LANE_WINDOW` (4 MiB), so a peer that keeps reading never comes near this."""
+MAX_BULK_OUTBOX_BYTES = 64 << 20
+"""The same for the bulk lane (artifact chunks). Flow control makes a sender wait per lane, so without a
+cap a peer that stops reading would make its outbox, and this node's memory, grow without limit. Above the
+largest message (`RuntimeOptions.max_message_bytes`, 16 MiB by default), so one whole message always fits."""
+
 
 @attrs.frozen(kw_only=True)
 class RuntimeOptions:
@@ -60,6 +72,19 @@ class RuntimeOptions:
     max_message_bytes: int = 16 << 20
     http_listen: tuple[str, int] | None = None  # serve the HTTP edge here (None: no edge)
     mdns: bool = False  # advertise and browse `_peerloom._tcp.local.` on 127.0.0.1 (adapters.discovery)
+    max_control_outbox_bytes: int = MAX_CONTROL_OUTBOX_BYTES  # per peer; over it: hang up ("outbox-full")
+    max_bulk_outbox_bytes: int = MAX_BULK_OUTBOX_BYTES  # per peer; over it: hang up ("outbox-full")
+
+
+@attrs.define
+class _Outbox:
+    """What the runtime queues for one connected peer: one channel per lane (each drained by its own writer
+    task), the bytes queued per lane (enqueued, not yet sent), and the connection's scope (cancel: hang up)."""
+
+    channels: tuple[trio.MemorySendChannel[bytes], trio.MemorySendChannel[bytes]]
+    scope: trio.CancelScope
+    queued: list[int] = attrs.Factory(lambda: [0, 0])
+    full: bool = False
 
 
 @attrs.define
@@ -93,7 +118,10 @@ class NodeRuntime:
         self._conns: dict[PeerId, tcp.SecureConnection] = {}
         # Two outboxes per peer (control, bulk), each with its own writer task, so a vote or a chunk request
         # never waits behind a large artifact message queued before it (the transport interleaves lanes).
-        self._outboxes: dict[PeerId, tuple[trio.MemorySendChannel[bytes], trio.MemorySendChannel[bytes]]] = {}
+        # Each lane's queued bytes are capped (RuntimeOptions.max_*_outbox_bytes): a peer that stops reading
+        # is hung up on rather than allowed to grow our memory.
+        self._outboxes: dict[PeerId, _Outbox] = {}
+        self.outbox_hangups = 0  # peers hung up on for a full outbox
         self._compute_limiter = trio.CapacityLimiter(1)
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -128,8 +156,7 @@ class NodeRuntime:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                self.port = await nursery.start(tcp.serve, self.options.listen_host, self.options.listen_port,
-                                                self.identity, self._adopt_connection)
+                self.port = await nursery.start(self._serve)
                 if self.options.http_listen is not None:
                     await trio.to_thread.run_sync(self._start_edge, *self.options.http_listen)
                 self.engine.handle(ev.Start(now=trio.current_time()))
@@ -212,6 +239,9 @@ class NodeRuntime:
                     assert self._nursery is not None
                     self._nursery.start_soon(self._run_task, effect)
                 case fx.HangUp():
+                    if effect.reason == "penalty-limit":  # not re-admitted, inbound or dialed, until the ban ends
+                        self.book.ban_peer(effect.peer, now=trio.current_time())
+                        log.info("banned %s: %s", effect.peer.short(), effect.reason)
                     conn = self._conns.get(effect.peer)
                     if conn is not None:
                         await conn.aclose()
@@ -239,9 +269,24 @@ class NodeRuntime:
                     engine_log.info(effect.event, extra={"fields": effect.fields})
 
     def _enqueue(self, peer: PeerId, data: bytes) -> None:
-        outboxes = self._outboxes.get(peer)
-        if outboxes is not None:
-            outboxes[0 if len(data) <= tcp.AUTO_CONTROL_MAX_BYTES else 1].send_nowait(data)
+        outbox = self._outboxes.get(peer)
+        if outbox is None or outbox.full:
+            return
+        lane = tcp.LANE_CONTROL if len(data) <= tcp.AUTO_CONTROL_MAX_BYTES else tcp.LANE_BULK
+        cap = self.options.max_control_outbox_bytes if lane == tcp.LANE_CONTROL else self.options.max_bulk_outbox_bytes
+        if outbox.queued[lane] + len(data) > cap:
+            # The peer does not read fast enough (flow control holds our writer): drop it rather than queue more.
+            outbox.full = True
+            self.outbox_hangups += 1
+            fields = {"peer": str(peer), "reason": "outbox-full", "lane": lane, "queued": outbox.queued[lane],
+                      "cap": cap}
+            log.warning("hanging up on %s: %s lane outbox over %d bytes (%d queued)", peer.short(),
+                        "control" if lane == tcp.LANE_CONTROL else "bulk", cap, outbox.queued[lane])
+            self._emit_line("hangup", fields)
+            outbox.scope.cancel()
+            return
+        outbox.queued[lane] += len(data)
+        outbox.channels[lane].send_nowait(data)
 
     async def _run_task(self, effect: fx.RunTask) -> None:
         try:
@@ -287,32 +332,53 @@ class NodeRuntime:
             self.book.disconnected(address, now=trio.current_time())
             self._book_changed.set()
 
+    async def _serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Accept inbound connections; the address book refuses banned or over-limit IPs before the
+        handshake, and both directions count toward its connection limits."""
+        book = self.book
+        await tcp.serve(self.options.listen_host, self.options.listen_port, self.identity, self._serve_inbound,
+                        max_message_bytes=self.options.max_message_bytes,
+                        max_connections=self.options.max_connections,
+                        max_connections_per_ip=self.options.max_connections_per_ip,
+                        admit=lambda ip: book.admit_inbound(ip, now=trio.current_time()),
+                        on_handshake_failed=lambda ip, exc: book.inbound_handshake_failed(ip, now=trio.current_time()),
+                        task_status=task_status)
+
+    async def _serve_inbound(self, conn: tcp.SecureConnection) -> None:
+        """Own one accepted connection (tcp.serve closes it when this returns)."""
+        address = conn.remote_address
+        if address is None:
+            return  # the socket is already gone
+        ip = address[0]
+        self.book.inbound_handshake_ok(ip)
+        if self.book.is_banned(conn.remote_peer, now=trio.current_time()):
+            log.info("refused %s from %s: banned", conn.remote_peer.short(), ip)
+            return
+        if not self.book.inbound_opened(ip):
+            log.info("refused %s from %s: connection limit", conn.remote_peer.short(), ip)
+            return
+        try:
+            await self._adopt_connection(conn)
+        finally:
+            self.book.inbound_closed(ip)
+            self._book_changed.set()  # a slot is free: the dialer may go on
+
     async def _adopt_connection(self, conn: tcp.SecureConnection, address: str | None = None) -> None:
-        """Own a connection until it closes: one reader loop here, one writer task."""
+        """Own a connection until it closes (or its outbox overflows): a reader loop and a writer per lane."""
         peer = conn.remote_peer
         if peer in self._conns or peer == self.identity.peer_id:
             await conn.aclose()  # one connection per peer pair is enough
             return
         control_out, control_in = trio.open_memory_channel[bytes](math.inf)
         bulk_out, bulk_in = trio.open_memory_channel[bytes](math.inf)
-        self._conns[peer], self._outboxes[peer] = conn, (control_out, bulk_out)
+        scope = trio.CancelScope()
+        outbox = _Outbox(channels=(control_out, bulk_out), scope=scope)
+        self._conns[peer], self._outboxes[peer] = conn, outbox
         self.store.db.note_peer(peer.to_text(), address=address)
         await self._send_events.send(ev.PeerConnected(now=0.0, peer=peer))
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._writer, conn, control_in, tcp.LANE_CONTROL, nursery.cancel_scope)
-                nursery.start_soon(self._writer, conn, bulk_in, tcp.LANE_BULK, nursery.cancel_scope)
-                try:
-                    first = True
-                    while True:
-                        data = await conn.receive_message()
-                        if first:  # a Hello says how far the peer's chain is: the head-lag metric
-                            self._note_hello(data)
-                            first = False
-                        await self._send_events.send(ev.MessageReceived(now=0.0, peer=peer, data=data))
-                except (tcp.TransportError, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                    pass
-                nursery.cancel_scope.cancel()
+            with scope:
+                await self._run_connection(conn, peer, outbox, control_in, bulk_in)
         finally:
             self.bytes_sent += conn.bytes_sent
             self.bytes_received += conn.bytes_received
@@ -323,11 +389,31 @@ class NodeRuntime:
                 await conn.aclose()
                 await self._send_events.send(ev.PeerDisconnected(now=0.0, peer=peer))
 
-    async def _writer(self, conn: tcp.SecureConnection, outbox: trio.MemoryReceiveChannel[bytes], lane: int,
-                      scope: trio.CancelScope) -> None:
+    async def _run_connection(self, conn: tcp.SecureConnection, peer: PeerId, outbox: _Outbox,
+                              control_in: trio.MemoryReceiveChannel[bytes],
+                              bulk_in: trio.MemoryReceiveChannel[bytes]) -> None:
+        """The reader loop here, one writer task per lane; returns when any of them stops."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._writer, conn, outbox, control_in, tcp.LANE_CONTROL, nursery.cancel_scope)
+            nursery.start_soon(self._writer, conn, outbox, bulk_in, tcp.LANE_BULK, nursery.cancel_scope)
+            try:
+                first = True
+                while True:
+                    data = await conn.receive_message()
+                    if first:  # a Hello says how far the peer's chain is: the head-lag metric
+                        self._note_hello(data)
+                        first = False
+                    await self._send_events.send(ev.MessageReceived(now=0.0, peer=peer, data=data))
+            except (tcp.TransportError, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+            nursery.cancel_scope.cancel()
+
+    async def _writer(self, conn: tcp.SecureConnection, outbox: _Outbox,
+                      channel: trio.MemoryReceiveChannel[bytes], lane: int, scope: trio.CancelScope) -> None:
         try:
-            async for data in outbox:
-                await conn.send_message(data, lane=lane)
+            async for data in channel:
+                await conn.send_message(data, lane=lane)  # waits while the peer's credit on `lane` is spent
+                outbox.queued[lane] -= len(data)
         except (tcp.TransportError, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             scope.cancel()
 
