@@ -164,14 +164,16 @@ class ValidatorRole:
         return True
 
     def _arm_deadline(self) -> None:
-        """Start the window's clock once a trainer holding a lease is reachable; until then it waits.
+        """Start the window's clock once a trainer holding a lease (or, with lease expiry, a next-ranked
+        claimant) is reachable; until then it waits.
 
         A window that no leaseholder can reach would only be skipped, so its deadline does not run.
         """
         e, c = self.engine, self.collector
         if c is None or self.state != "collecting" or self.deadline_armed:
             return
-        if not set(c.leases) & set(e.peers_with("trainer")):
+        workers = set(c.leases) | (set(c.claims) if e.manifest.lease_s > 0 else set())
+        if not workers & set(e.peers_with("trainer")):
             e.log("window-waiting", window=c.window)
             return
         self.deadline_armed = True
@@ -637,6 +639,10 @@ class ValidatorRole:
                 raise VerificationError("wrong-revision", "join")
             if envelope.signer not in self.joins:
                 e.log("join", peer=str(envelope.signer), capacity=join.capacity)
+                if peer == envelope.signer:
+                    # Relay a join heard from the joiner itself (one hop), so every validator knows it and
+                    # a proposal that adds the joiner to the roster is not refused as an unknown join.
+                    e.broadcast(Signed(envelope=envelope), roles=("validator",))
             self.joins[envelope.signer] = max(1, join.capacity)
         elif envelope.kind == ReductionProposal.KIND:
             proposal = ReductionProposal.from_cbor(envelope.open(ReductionProposal.KIND, PROTOCOL_VERSION))
