@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from peerloom import inspect as inspect_cmd
+from peerloom import light as light_cmd
 from peerloom import simulate
 
 
@@ -38,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     keygen.add_argument("path", type=Path)
     simulate.add_parser(sub)
     inspect_cmd.add_parser(sub)
+    light_cmd.add_parser(sub)
 
     args = parser.parse_args(argv)
     if args.command == "demo":
@@ -60,6 +62,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(simulate.run(args))
     elif args.command == "inspect":
         sys.exit(inspect_cmd.run(args))
+    elif args.command == "light":
+        sys.exit(light_cmd.run(args))
     elif args.command == "keygen":
         from peerloom.adapters.keys import generate_identity, save_identity
 
