@@ -103,6 +103,27 @@ async def test_peer_hung_up_for_penalties_is_not_readmitted(tmp_path):
 
 
 @trio_test
+async def test_dialed_peer_hung_up_for_penalties_is_not_redialed(tmp_path):
+    accepted = []
+
+    async def garbage(conn):
+        accepted.append(conn.remote_peer)
+        for _ in range(100):
+            await conn.send_message(b"\xff not cbor")
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(functools.partial(tcp.serve, "127.0.0.1", 0, ident(40), garbage))
+        async with running_node(tmp_path, bootstrap=(("127.0.0.1", port),), redial_s=0.05,
+                                max_redial_s=0.1) as runtime:
+            await wait_for(lambda: runtime.book.is_banned(ident(40).peer_id, now=trio.current_time()))
+            await wait_for(lambda: ident(40).peer_id not in runtime._conns)
+            await trio.sleep(1.0)  # ten redial periods: a peer that was not banned would be dialed again
+            assert accepted == [TRAINER.peer_id]
+        nursery.cancel_scope.cancel()
+
+
+@trio_test
 async def test_outbox_over_its_byte_cap_hangs_up_a_slow_peer_only(tmp_path):
     cap = 1 << 20
     async with running_node(tmp_path, max_bulk_outbox_bytes=cap) as runtime:
