@@ -166,16 +166,25 @@ def build_report(*, nodes: Sequence[dict[str, Any]], entries: Sequence[tuple[Hea
     }
 
 
-def defence_verdict(*, rule: str, final: float, baseline: float, higher_is_better: bool = True) -> dict[str, Any]:
+def defence_verdict(*, rule: str, defended: bool, final: float, baseline: float,
+                    higher_is_better: bool = True) -> dict[str, Any]:
     """Did the run keep up with the centralized baseline? `final` and `baseline` are accuracies (or losses
-    when `higher_is_better` is False); the gap is in percentage points for accuracy, in nats for loss."""
+    when `higher_is_better` is False); the gap is in percentage points for accuracy, in nats for loss.
+    `defended` says whether outlier screening and a robust rule were on (the undefended baseline is the
+    plain mean with screening off)."""
     gap = (baseline - final) * 100 if higher_is_better else final - baseline
     degraded = gap > DEGRADED_POINTS if higher_is_better else gap > 0.25
     unit = "points" if higher_is_better else "nats"
-    text = (f"rule {rule!r}: final {final:.4f} vs baseline {baseline:.4f}, {gap:+.2f} {unit} behind; "
-            + ("DEGRADED — the aggregation rule did not hold off the Byzantine trainers" if degraded
-               else "within the bound"))
-    return {"rule": rule, "gap": round(gap, 4), "unit": unit, "degraded": degraded, "summary": text}
+    setting = f"rule {rule!r} with outlier screening" if defended else f"rule {rule!r}, outlier screening off"
+    if not degraded:
+        outcome = "within the bound"
+    elif defended:
+        outcome = "DEGRADED: the defences did not hold off the Byzantine trainers"
+    else:
+        outcome = "DEGRADED, as expected without defences: this is what the robust rule and screening prevent"
+    text = f"{setting}: final {final:.4f} vs baseline {baseline:.4f}, {gap:+.2f} {unit} behind; {outcome}"
+    return {"rule": rule, "defended": defended, "gap": round(gap, 4), "unit": unit, "degraded": degraded,
+            "summary": text}
 
 
 def plot_report(out: Path, report: dict[str, Any]) -> list[Path]:

@@ -101,3 +101,19 @@ def test_peerloom_verify_command_passes_and_fails_on_any_tampered_byte(smoke_run
             result = subprocess.run([sys.executable, "-m", "peerloom", "verify", str(bad)],
                                     capture_output=True, text=True)
             assert result.returncode == 1 and "FAILED" in result.stdout, (name, index, result.stdout)
+
+
+@pytest.mark.slow
+def test_undefended_mean_visibly_degrades_and_the_report_says_so(tmp_path):
+    """--rule mean turns the defences off (plain mean, no outlier screening): the sign-flip-scale trainer
+    is never quarantined and wrecks the model, and the report's defence verdict says so."""
+    out = tmp_path / "mean"
+    proc = subprocess.run([sys.executable, "-m", "peerloom", "demo", "--profile", "smoke", "--out", str(out),
+                           "--seed", "1", "--rule", "mean"], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["rule"] == "mean" and report["verified"] is True
+    assert report["quarantined"] == []
+    assert report["defence"]["defended"] is False and report["defence"]["degraded"] is True
+    assert report["defence"]["gap"] > 10  # points behind the centralized baseline
+    assert "DEGRADED" in proc.stdout
