@@ -104,6 +104,7 @@ class ValidatorRole:
         self.results: dict[int, tuple[tuple[bytes, ...], bytes]] = {}
         self.vote_envelopes: dict[tuple[int, int, str, PeerId], SignedEnvelope] = {}
         self.extra_votes: set[tuple[tuple[int, int, str, PeerId], bytes | None]] = set()  # equivocators' others
+        self.visible: set[str] = set()  # record keys of this window's votes and proposals already sent
         self.evidence: dict[PeerId, tuple[SignedEnvelope, SignedEnvelope]] = {}  # not yet in a certified head
 
     def _step(self, event: str) -> None:
@@ -128,6 +129,7 @@ class ValidatorRole:
         self.vote_envelopes = {k: v for k, v in self.vote_envelopes.items() if k[0] >= window}
         self.vote_of = {k: v for k, v in self.vote_of.items() if k[0] >= window}
         self.extra_votes = {x for x in self.extra_votes if x[0][0] >= window}
+        self.visible = set()
         e.log("window-open", window=window, leases=len(self.collector.leases))
         m = e.manifest
         self.agreement = WindowAgreement(self, e.me, m.validators, m.quorum, timeout_s=e.config.agreement_timeout_s,
@@ -158,6 +160,7 @@ class ValidatorRole:
         self.agreement.restore(round_, PRECOMMIT if PRECOMMIT in steps else PREVOTE, locked, locked_round)
         e.log("resume-agreement", window=window, round=round_)
         for key in sorted(k for k in e.records if k.startswith(prefix)):  # re-announce what we signed
+            self.visible.add(key)
             envelope = SignedEnvelope.from_bytes(e.records[key])
             e.broadcast(Signed(envelope=envelope), roles=("validator",))
             self._on_vote(e.me, envelope)
@@ -499,6 +502,7 @@ class ValidatorRole:
         vote = sign_vote(e.identity, e.revision.id, window, round_, vote_step, head_id)
 
         def send() -> None:
+            self.visible.add(key)
             e.stats["votes_cast"] += 1
             e.log("vote", window=window, round=round_, step=vote_step, head=head_id.hex() if head_id else None)
             e.broadcast(Signed(envelope=vote), roles=("validator",))
@@ -523,6 +527,7 @@ class ValidatorRole:
             envelope = seal(e.identity, self._head_proposal(window, round_, valid_round, head, updates))
 
         def send() -> None:
+            self.visible.add(key)
             e.log("head-proposal", window=window, round=round_, head=head.id.hex(), skipped=head.skipped)
             e.broadcast(Signed(envelope=envelope), roles=("validator",))
             self._on_proposal(e.me, envelope)
@@ -670,6 +675,12 @@ class ValidatorRole:
     def on_peer_ready(self, peer: PeerId, roles: tuple[str, ...]) -> None:
         if "trainer" in roles:
             self._arm_deadline()
+        if "validator" in roles and self.collector is not None:
+            # A validator that (re)connects may have lost what we signed for this window while it was
+            # away: send our proposals and votes again (already persisted; nothing new is signed).
+            e = self.engine
+            for key in sorted(self.visible):  # only what is durable and was already sent once
+                e.send(peer, Signed(envelope=SignedEnvelope.from_bytes(e.records[key])))
 
     def on_head_source(self, peer: PeerId, head: Head) -> None:
         pass
