@@ -149,7 +149,7 @@ class Manifest:
     min_cosine: float = -1.0
     # Quarantine (spec/protocol.md §9): `quarantine_strikes` screening rejections within `strike_windows`
     # windows quarantine a trainer for `quarantine_windows` windows.
-    quarantine_strikes: int = 2
+    quarantine_strikes: int = 3
     strike_windows: int = 5
     quarantine_windows: int = 10
     # Outer optimizer: momentum (DiLoCo: Nesterov 0.9; FedAvg: 0) and trainers' inner steps H (0 = the
