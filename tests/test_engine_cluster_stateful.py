@@ -341,7 +341,7 @@ class ClusterMachine(RuleBasedStateMachine):
                         assert SignedEnvelope.from_bytes(record).open("vote", PROTOCOL_VERSION)["head"] == head_id
 
 
-ClusterMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=100, deadline=None)
+ClusterMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=100, deadline=None)
 TestCluster = ClusterMachine.TestCase
 
 
