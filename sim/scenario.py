@@ -18,6 +18,7 @@ from typing import IO, Any
 import attrs
 
 from peerloom.backends.numpy.tensors import schema_of, tensor_digest, to_safetensors
+from peerloom.core.errors import DecodeError
 from peerloom.core.objects import Manifest, Revision, make_artifact_ref
 
 from .adversary import make_behaviour, role_of_behaviour
@@ -27,6 +28,10 @@ from .network import LinkSpec
 
 ROLE_PREFIX = {"validator": "v", "reducer": "r", "trainer": "t"}
 FAULT_KINDS = ("partition", "block", "heal", "crash", "restart", "leave", "join", "clog", "swizzle")
+# [manifest] keys handed to core Manifest as they are (spec/simulator.md §5), with their types.
+MANIFEST_PASSTHROUGH = {"quarantine_strikes": int, "strike_windows": int, "quarantine_windows": int,
+                        "norm_ratio": float, "min_cosine": float, "max_update_norm": float, "lease_s": float,
+                        "outer_optimizer": str, "outer_momentum": float, "inner_steps": int}
 TOP_KEYS = {"name", "description", "duration_s", "stop_window", "workload", "roles", "manifest", "compute",
             "network", "faults", "churn", "adversaries", "liveness", "engine", "disk", "trace"}
 
@@ -108,7 +113,7 @@ def run_scenario(scenario: Mapping[str, Any], *, seed: int, trace_out: IO[str] |
     n_val, n_red, n_tr = int(roles.get("validators", 4)), int(roles.get("reducers", 1)), int(roles.get("trainers", 4))
     m = scenario.get("manifest", {})
     _check_keys(m, {"window_s", "min_updates", "quorum", "shards", "aggregation", "max_capacity", "chunk_size",
-                    "outer_lr"}, "manifest")
+                    "outer_lr", *MANIFEST_PASSTHROUGH}, "manifest")
     num_shards = int(m.get("shards", n_tr))
     workload, shards, sizes = build_workload(scenario.get("workload", {}), num_shards)
     wl_seed = int(scenario.get("workload", {}).get("seed", 0))
@@ -121,16 +126,22 @@ def run_scenario(scenario: Mapping[str, Any], *, seed: int, trace_out: IO[str] |
     ids = {name: sim_identity(seed, name) for role in names for name in names[role]}
     quorum = int(m.get("quorum", 2 * n_val // 3 + 1))
     authority = sim_identity(seed, "authority")
-    manifest = Manifest(
-        experiment=str(scenario.get("name", "sim")),
-        workload=str(scenario.get("workload", {}).get("name", "synthetic")),
-        workload_seed=wl_seed, schema=schema_of(params), shards=tuple(sizes),
-        validators=tuple(ids[n].peer_id for n in names["validator"]), quorum=quorum,
-        window_s=float(m.get("window_s", 5.0)), min_updates=int(m.get("min_updates", 1)),
-        max_capacity=int(m.get("max_capacity", 4)), aggregation=str(m.get("aggregation", "mean")),
-        outer_optimizer="fedavg", outer_lr=float(m.get("outer_lr", 1.0)), chunk_size=chunk_size,
-        genesis_params=make_artifact_ref(genesis, chunk_size), genesis_params_digest=tensor_digest(params),
-        roster=tuple(sorted((ids[n].peer_id, 1) for n in names["trainer"])))
+    try:
+        passthrough = {k: MANIFEST_PASSTHROUGH[k](m[k]) for k in MANIFEST_PASSTHROUGH if k in m}
+        manifest = Manifest(
+            experiment=str(scenario.get("name", "sim")),
+            workload=str(scenario.get("workload", {}).get("name", "synthetic")),
+            workload_seed=wl_seed, schema=schema_of(params), shards=tuple(sizes),
+            validators=tuple(ids[n].peer_id for n in names["validator"]), quorum=quorum,
+            window_s=float(m.get("window_s", 5.0)), min_updates=int(m.get("min_updates", 1)),
+            max_capacity=int(m.get("max_capacity", 4)), aggregation=str(m.get("aggregation", "mean")),
+            outer_lr=float(m.get("outer_lr", 1.0)), chunk_size=chunk_size,
+            genesis_params=make_artifact_ref(genesis, chunk_size), genesis_params_digest=tensor_digest(params),
+            roster=tuple(sorted((ids[n].peer_id, 1) for n in names["trainer"])),
+            # only the keys the scenario sets, so Manifest's defaults (DiLoCo's momentum...) stay in force
+            **{"outer_optimizer": "fedavg", **passthrough})
+    except (DecodeError, TypeError, ValueError) as exc:
+        raise ScenarioError(f"manifest: {exc}") from exc
     revision = Revision.verify(manifest.seal(authority), authority.peer_id)
 
     compute = dict(scenario.get("compute", {}))

@@ -41,7 +41,10 @@ def test_happy_scenario_certifies_and_passes_every_invariant():
                             "invariants", "trace_sha256"}
 
 
-@pytest.mark.parametrize("seed", [0, 3])
+# Seeds where the fork attempt happens. With one-hop vote relay, seed 3 finishes its windows before
+# the equivocator's turn to propose, so there is no fork attempt to observe there (safety holds on
+# every seed 0-7; the point of this test is the attempted fork).
+@pytest.mark.parametrize("seed", [0, 4])
 def test_one_equivocating_validator_of_four_cannot_fork(seed):
     """f = 1 < n/3: the equivocator does show the two halves different valid heads, yet no two final
     heads appear (liveness is another matter: spec/simulator.md §10)."""

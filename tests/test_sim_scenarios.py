@@ -29,7 +29,7 @@ def test_every_issue_scenario_is_shipped():
             "scale"} <= names
 
 
-@pytest.mark.parametrize("name", ["lossy-wan", "byzantine-trainers", "churn"])
+@pytest.mark.parametrize("name", ["lossy-wan", "byzantine-trainers", "churn", "equivocation"])
 def test_shipped_scenario_passes_its_invariants(name):
     result = _run(name)
     assert result.ok, result.summary["invariants"]
@@ -42,13 +42,15 @@ def test_lossy_wan_really_loses_and_duplicates():
     assert net["dropped"] > 0 and net["duplicated"] > 0
 
 
-def test_byzantine_trainers_do_not_stop_learning_and_get_quarantined():
-    result = _run("byzantine-trainers")
+@pytest.mark.parametrize("seed", [1, 2])
+def test_byzantine_trainers_do_not_stop_learning_and_get_quarantined(seed):
+    result = _run("byzantine-trainers", seed=seed)
     losses = [loss for _, _, loss in result.loss]
     assert losses[-1] < losses[0] / 2, losses  # the median keeps the quadratic going down
     quarantined = set().union(*(h.quarantined for h in result.checkers.final.values()))
-    attackers = {result.sim.nodes[n].peer_id for n in ("t8", "t9")}
-    assert quarantined and quarantined <= attackers  # only attackers, and the checker saw real records
+    # t9 sends 10x sign-flipped updates (norm outliers); t8 (ALIE) hides inside the honest spread, so it
+    # is never struck. The honest eight are never quarantined.
+    assert quarantined == {result.sim.nodes["t9"].peer_id}
     assert "no head carried" not in result.summary["invariants"]["no-quarantined-cohort"]["detail"]
 
 
@@ -62,19 +64,23 @@ def test_churn_crashes_restarts_leaves_and_joins():
 
 
 def test_partition_heal_keeps_safety_during_the_partition():
-    result = _run("partition-heal")
+    result = _run("partition-heal", duration_s=40.0, liveness={})  # the safety phase ends at 30 s
     for name in result.checkers.SAFETY:
         assert result.summary["invariants"][name]["ok"], result.summary["invariants"]
     # no window certified while the validators were split 2|2 (neither side has a quorum of 3)
     during = [w for w, t in result.checkers.final_at.items() if 10.5 < t < 30.0]
-    assert during == []
+    assert during == [] and min(result.checkers.final_at.values()) < 10.0  # and windows before it did
 
 
-@pytest.mark.xfail(reason="core: validators do not re-send their current round's votes after a reconnect, so "
-                          "a round whose votes were lost in the partition never times out (spec/simulator.md §10)",
-                   strict=False)
-def test_partition_heal_is_live_after_the_heal():
-    assert _run("partition-heal").summary["invariants"]["liveness"]["ok"]
+# Live since validators re-send the window's persisted votes and proposals to a validator that
+# reconnects (spec/agreement.md): the votes cast during the partition are no longer lost. Seed 7 is the
+# slowest of seeds 0-9 (11 windows certified in 90 s).
+@pytest.mark.parametrize("seed", [2, 7])
+def test_partition_heal_is_live_after_the_heal(seed):
+    result = _run("partition-heal", seed=seed)
+    assert result.ok, result.summary["invariants"]
+    after = [w for w, t in result.checkers.final_at.items() if t > 30.0]  # healed at 30 s
+    assert len(after) >= 2
 
 
 def test_unknown_keys_are_rejected():
@@ -82,6 +88,31 @@ def test_unknown_keys_are_rejected():
     scenario["netwrok"] = {}
     with pytest.raises(ScenarioError):
         run_scenario(scenario, seed=0)
+
+
+def test_manifest_keys_reach_the_manifest_and_diloco_runs():
+    keys = {"outer_optimizer": "diloco", "outer_lr": 0.7, "outer_momentum": 0.5, "inner_steps": 4, "lease_s": 2.0,
+            "quarantine_strikes": 2, "strike_windows": 4, "quarantine_windows": 6, "norm_ratio": 8.0,
+            "min_cosine": -0.5, "max_update_norm": 100.0}
+    result = _run("happy", seed=3, stop_window=3)
+    default_state = [h.outer_state for h in result.checkers.final.values()]
+    scenario = load_scenario(SCENARIOS / "happy.toml")
+    scenario["stop_window"] = 3
+    scenario["manifest"].update(keys)
+    result = run_scenario(scenario, seed=3)
+    assert result.ok, result.summary["invariants"]
+    assert {k: getattr(result.sim.manifest, k) for k in keys} == keys
+    heads = list(result.checkers.final.values())
+    assert len(heads) >= 3 and all(h.outer_state is not None for h in heads)  # DiLoCo keeps momentum
+    assert all(state is None for state in default_state)  # FedAvg (the default) keeps none
+
+
+def test_manifest_values_core_refuses_are_scenario_errors():
+    for bad in ({"lease_s": 4.0}, {"outer_momentum": 0.9}, {"quarantine_strikes": 0}, {"min_cosine": "x"}):
+        scenario = load_scenario(SCENARIOS / "happy.toml")  # window_s 4, FedAvg
+        scenario["manifest"].update(bad)
+        with pytest.raises(ScenarioError, match="manifest"):
+            run_scenario(scenario, seed=0)
 
 
 def _cli(*args, env=None):
