@@ -11,7 +11,7 @@ Safety (checked on every head an honest node promotes):
   for shards of the named leaseholder that the signer ranks second for (`claims_of`). (Whether the
   claimed lease had expired is a timing question the engine decides; it is not re-checked here.)
 - ``no-quarantined-cohort``: no cohort slot and no lease for a peer in the parent's quarantine set
-  (trivially true while heads carry no quarantine).
+  (`Head.quarantined`; the summary says when no head carried a quarantine set).
 - ``no-double-vote``: an honest validator never signs two different votes for one (window, round, step),
   across crashes and restarts (DESIGN §2, durable before visible). Checked on what it sends.
 
