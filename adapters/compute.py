@@ -41,13 +41,8 @@ class ComputeExecutor:
         """Run one task; raises on failure (the host turns that into TaskFailed)."""
         match kind:
             case "train":
-                params = self.load(args["params"])
-                indices = [i for s in args["shards"] for i in self.shards[s]]
-                epochs = self._epochs_for(int(args.get("inner_steps", 0)), len(indices))
-                if epochs is None:
-                    delta, metrics = self.workload.train(params, indices, args["seed"])
-                else:
-                    delta, metrics = self.workload.train(params, indices, args["seed"], epochs=epochs)
+                delta, metrics = self._train(self.load(args["params"]), args["shards"], args["seed"],
+                                             int(args.get("inner_steps", 0)))
                 ref, digest = self.save(delta)
                 return {"delta": ref, "delta_digest": digest, "train_loss": float(metrics["train_loss"])}
             case "screen":
@@ -61,6 +56,9 @@ class ComputeExecutor:
                 max_norm = float(args.get("max_norm", 0.0))
                 if ok and max_norm > 0.0 and not norm <= max_norm:
                     ok, reason = False, "norm-bound"
+                audit = args.get("audit")
+                if ok and audit is not None:
+                    ok, reason = self._audit(delta, audit)
                 return {"ok": ok, "reason": reason, "norm": norm}
             case "reduce":
                 return self._reduce(args)
@@ -68,6 +66,32 @@ class ComputeExecutor:
                 metrics = self.workload.evaluate(self.load(args["params"]))
                 return {"loss": float(metrics["loss"]), "accuracy": float(metrics["accuracy"])}
         raise ValueError(f"unknown task kind {kind!r}")
+
+    def _train(self, params: dict[str, np.ndarray], shards: Sequence[int], seed: int,
+                inner_steps: int) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """The workload's training on the leased `shards`, exactly as a trainer must run it."""
+        indices = [i for s in shards for i in self.shards[s]]
+        epochs = self._epochs_for(inner_steps, len(indices))
+        if epochs is None:
+            return self.workload.train(params, indices, seed)
+        return self.workload.train(params, indices, seed, epochs=epochs)
+
+    def _audit(self, delta: dict[str, np.ndarray], audit: dict[str, Any]) -> tuple[bool, str]:
+        """Recompute the author's training (core/audit.py) and compare: (ok, reason).
+
+        The cosine between the announced delta and the recomputation (float64, over all tensors) must be
+        at least ``audit["min_cosine"]``; an honest update on the same platform reproduces bit for bit,
+        and on another platform stays within floating-point drift of 1.
+        """
+        expected, _ = self._train(self.load(audit["params"]), audit["shards"], int(audit["seed"]),
+                                  int(audit["inner_steps"]))
+        dot = sum(float(np.dot(delta[k].ravel().astype(np.float64), expected[k].ravel().astype(np.float64)))
+                  for k in expected)
+        norms = (sum(float(np.square(t, dtype=np.float64).sum()) for t in d.values()) ** 0.5
+                 for d in (delta, expected))
+        denominator = np.prod(list(norms))
+        cosine = dot / denominator if denominator > 0 else (1.0 if dot == 0 else 0.0)
+        return (True, "") if cosine >= float(audit["min_cosine"]) else (False, "audit")
 
     def _epochs_for(self, inner_steps: int, samples: int) -> int | None:
         """Local epochs that cover about `inner_steps` mini-batches (DiLoCo's H); None = workload default.

@@ -27,6 +27,7 @@ from typing import Any
 
 import attrs
 
+from peerloom.core.audit import train_seed
 from peerloom.core.encoding import content_id, decode, encode
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.errors import VerificationError
@@ -227,7 +228,7 @@ class LightTrainer:
     """
 
     def __init__(self, client: EdgeClient, identity: Identity, *, authority: PeerId, capacity: int = 1,
-                 workload: Any = None, shards: Any = None, workdir: Path | None = None, seed: int = 0) -> None:
+                 workload: Any = None, shards: Any = None, workdir: Path | None = None) -> None:
         self.client = client
         self.identity = identity
         self.authority = authority
@@ -244,7 +245,6 @@ class LightTrainer:
         root = Path(workdir) if workdir is not None else Path(self._tmp.name)  # type: ignore[union-attr]
         self.store = ArtifactStore(root, chunk_size=manifest.chunk_size)
         self.executor = ComputeExecutor(self.store, manifest, workload, shards)
-        self.seed = seed
         self.last_window = -1
         self.joined_at = -1
 
@@ -265,8 +265,9 @@ class LightTrainer:
             return StepResult(window=window, shards=shards, joined=joined)
         if not self.store.has(head.params.digest):
             self.store.put(self.client.artifact(head.params))
-        args = {"params": head.params, "shards": shards, "seed": (self.seed * 1_000_003 + window) & 0xFFFFFFFF,
-                "window": window, "inner_steps": getattr(self.revision.manifest, "inner_steps", 0)}
+        # The protocol fixes the training seed (core/audit.py), so validators can recompute the update.
+        args = {"params": head.params, "shards": shards, "seed": train_seed(head.id, window, shards, me),
+                "window": window, "inner_steps": self.revision.manifest.inner_steps}
         result = self.executor.run("train", args)
         delta: ArtifactRef = result["delta"]
         ann = UpdateAnnouncement(revision=self.revision.id, window=window, base=head.id, shards=shards,

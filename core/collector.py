@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from .audit import train_seed
 from .envelope import SignedEnvelope
 from .errors import DecodeError, VerificationError
 from .fsm import Table, step
@@ -177,8 +178,15 @@ class Collector:
             return
         entry.state = step("collector", TABLE, entry.state, "fetched")
         ann = entry.announcement
-        self.engine.run_task("screen", {"delta": ann.delta, "delta_digest": ann.delta_digest,
-                                        "max_norm": self.engine.manifest.max_update_norm},
+        manifest = self.engine.manifest
+        args: dict[str, Any] = {"delta": ann.delta, "delta_digest": ann.delta_digest,
+                                "max_norm": manifest.max_update_norm}
+        if manifest.audit:
+            # Re-run the author's training exactly as it had to run it (core/audit.py).
+            args["audit"] = {"params": self.head.params, "shards": ann.shards,
+                             "seed": train_seed(ann.base, ann.window, ann.shards, entry.envelope.signer),
+                             "inner_steps": manifest.inner_steps, "min_cosine": manifest.audit_min_cosine}
+        self.engine.run_task("screen", args,
                              lambda r: self._screened(slot, r), lambda why: self._screen_failed(slot, why))
 
     def _fetch_failed(self, window: int, slot: Slot, reason: str) -> None:

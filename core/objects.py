@@ -161,6 +161,10 @@ class Manifest:
     # Lease expiry (spec/protocol.md §4): `lease_s` seconds after a window opens, a lease with no update
     # may be claimed by the trainer ranked second for its shards. 0 disables claims.
     lease_s: float = 0.0
+    # Recomputation audits (spec/protocol.md §6, core/audit.py): validators and reducers re-run every
+    # update's training and reject one whose cosine to the recomputation is below `audit_min_cosine`.
+    audit: bool = False
+    audit_min_cosine: float = 0.99
 
     def __attrs_post_init__(self) -> None:
         n = len(self.validators)
@@ -181,6 +185,8 @@ class Manifest:
             raise DecodeError("bad-field", "lease_s must be in [0, window_s)")
         if self.quarantine_strikes < 1 or self.strike_windows < 1 or self.quarantine_windows < 1:
             raise DecodeError("bad-field", "quarantine thresholds must be positive")
+        if not -1.0 <= self.audit_min_cosine <= 1.0:
+            raise DecodeError("bad-field", "audit_min_cosine must be in [-1, 1]")
         if self.outer_optimizer == "fedavg" and self.outer_momentum != 0.0:
             raise DecodeError("bad-field", "fedavg has no outer momentum; use diloco")
 
@@ -197,7 +203,8 @@ class Manifest:
             "max_update_norm": self.max_update_norm, "norm_ratio": self.norm_ratio, "min_cosine": self.min_cosine,
             "quarantine_strikes": self.quarantine_strikes, "strike_windows": self.strike_windows,
             "quarantine_windows": self.quarantine_windows, "outer_momentum": self.outer_momentum,
-            "inner_steps": self.inner_steps, "lease_s": self.lease_s,
+            "inner_steps": self.inner_steps, "lease_s": self.lease_s, "audit": self.audit,
+            "audit_min_cosine": self.audit_min_cosine,
         }
 
     @classmethod
@@ -232,7 +239,8 @@ class Manifest:
             strike_windows=f.uint(body, "strike_windows", maximum=1 << 16),
             quarantine_windows=f.uint(body, "quarantine_windows", maximum=1 << 20),
             outer_momentum=f.number(body, "outer_momentum"), inner_steps=f.uint(body, "inner_steps", maximum=1 << 24),
-            lease_s=f.number(body, "lease_s"),
+            lease_s=f.number(body, "lease_s"), audit=f.boolean(body, "audit"),
+            audit_min_cosine=f.number(body, "audit_min_cosine"),
         )
 
     def seal(self, authority: Identity) -> SignedEnvelope:
@@ -244,7 +252,7 @@ _MANIFEST_KEYS = frozenset({
     "min_updates", "max_capacity", "aggregation", "outer_optimizer", "outer_lr", "chunk_size",
     "genesis_params", "genesis_params_digest", "roster", "max_update_norm", "norm_ratio", "min_cosine",
     "quarantine_strikes", "strike_windows", "quarantine_windows", "outer_momentum", "inner_steps",
-    "lease_s",
+    "lease_s", "audit", "audit_min_cosine",
 })
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .audit import train_seed
 from .envelope import SignedEnvelope
 from .fsm import Table, step
 from .identity import PeerId
@@ -124,7 +125,8 @@ class TrainerRole:
             return
         self._step("params-stored")
         e = self.engine
-        args = {"params": self.head.params, "shards": self.shards, "seed": e.rng.getrandbits(32),
+        args = {"params": self.head.params, "shards": self.shards,
+                "seed": train_seed(self.head.id, window, self.shards, e.me),
                 "window": window, "inner_steps": e.manifest.inner_steps}
         e.run_task("train", args, lambda r: self._trained(window, r), lambda why: self._train_failed(window, why))
 
@@ -217,7 +219,8 @@ class TrainerRole:
             return
         self._claim_step(holder, "params-stored")
         e = self.engine
-        args = {"params": self.head.params, "shards": self.claims[holder], "seed": e.rng.getrandbits(32),
+        args = {"params": self.head.params, "shards": self.claims[holder],
+                "seed": train_seed(self.head.id, window, self.claims[holder], e.me),
                 "window": window, "inner_steps": e.manifest.inner_steps}
         e.run_task("train", args, lambda r: self._claim_trained(window, holder, r),
                    lambda why: self._claim_failed(window, holder, "train-failed"))

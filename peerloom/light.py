@@ -36,7 +36,6 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--workdir", type=Path, default=None, help="artifact store directory (default: a temp dir)")
     parser.add_argument("--workload", default=None, metavar="MODULE:FUNCTION",
                         help="workload factory (seed, num_shards) -> (workload, shards); default: the manifest's")
-    parser.add_argument("--seed", type=int, default=0, help="training seed")
 
 
 def _fail(message: str) -> int:
@@ -68,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
             except ConfigError as exc:
                 return _fail(str(exc))
         trainer = LightTrainer(client, identity, authority=authority, capacity=args.capacity, workload=workload,
-                               shards=shards, workdir=args.workdir, seed=args.seed)
+                               shards=shards, workdir=args.workdir)
     except (OSError, EdgeError, PeerloomError) as exc:
         return _fail(f"cannot start from {args.edge}: {exc}")
     if "torch" in sys.modules:  # only workloads that use torch pay for importing it

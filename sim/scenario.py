@@ -31,7 +31,8 @@ FAULT_KINDS = ("partition", "block", "heal", "crash", "restart", "leave", "join"
 # [manifest] keys handed to core Manifest as they are (spec/simulator.md §5), with their types.
 MANIFEST_PASSTHROUGH = {"quarantine_strikes": int, "strike_windows": int, "quarantine_windows": int,
                         "norm_ratio": float, "min_cosine": float, "max_update_norm": float, "lease_s": float,
-                        "outer_optimizer": str, "outer_momentum": float, "inner_steps": int}
+                        "outer_optimizer": str, "outer_momentum": float, "inner_steps": int,
+                        "audit": bool, "audit_min_cosine": float}
 TOP_KEYS = {"name", "description", "duration_s", "stop_window", "workload", "roles", "manifest", "compute",
             "network", "faults", "churn", "adversaries", "liveness", "engine", "disk", "trace"}
 
