@@ -74,6 +74,8 @@ class Profile:
     norm_ratio: float = 3.0
     min_cosine: float = 0.2
     inner_steps: int = 0
+    # How far behind the centralized baseline (accuracy points) still counts as keeping up.
+    max_gap_points: float = 2.0
 
 
 # `--rule mean` is the undefended baseline: the plain mean with outlier screening off, so the report
@@ -82,11 +84,11 @@ UNDEFENDED_RULE = "mean"
 
 
 PROFILES = {
-    # Every mechanism of the default fleet, small: one validator, a sign-flip-scale trainer that must end up
+    # Every mechanism of the default fleet, small: one validator, the two Byzantine trainers that must end up
     # quarantined, a trainer killed and restarted from its disk, and a late joiner.
-    "smoke": Profile(validators=1, trainers=(HONEST, HONEST, HONEST, KILLED_RESTARTED, "sign-flip-scale"),
-                     windows=5, shards=10, window_s=6.0, min_updates=2, time_limit_s=150.0, rule="centered_clip",
-                     late_joiners=1, join_at=2, kill_at=2, restart_at=3),
+    "smoke": Profile(validators=1, trainers=(HONEST, HONEST, HONEST, KILLED_RESTARTED, *BYZANTINE),
+                     windows=5, shards=10, window_s=6.0, min_updates=1, time_limit_s=150.0, rule="centered_clip",
+                     late_joiners=1, join_at=2, kill_at=2, restart_at=3, max_gap_points=5.0),
     "default": Profile(validators=4, trainers=(HONEST,) * 4 + (KILLED_RESTARTED, *BYZANTINE), windows=20,
                        shards=16, window_s=10.0, min_updates=3, time_limit_s=340.0, rule="centered_clip",
                        outer_optimizer="diloco", outer_lr=0.7, inner_steps=8,
@@ -291,6 +293,9 @@ def run_demo(*, profile: str = "default", out: Path = Path("peerloom-demo"), see
         inner_steps=p.inner_steps,
         norm_ratio=0.0 if rule == UNDEFENDED_RULE else p.norm_ratio,
         min_cosine=-1.0 if rule == UNDEFENDED_RULE else p.min_cosine,
+        # Validators and the reducer re-run every update's training (core/audit.py): the only check that
+        # catches an update crafted to look typical, like ALIE's.
+        audit=rule != UNDEFENDED_RULE,
         chunk_size=chunk_size, genesis_params=genesis_refs[0], genesis_params_digest=tensor_digest(params),
         # Late joiners are not in the genesis roster: they must ask to join (spec/protocol.md).
         roster=tuple(sorted((t.identity.peer_id, 1) for t in trainers if t.behaviour != LATE_JOINER)),
@@ -409,6 +414,7 @@ def _finish(out: Path, profile: str, seed: int, p: Profile, nodes: list[NodeProc
     final_metric = final.metrics.get(metric, math.nan)
     defended = rule != UNDEFENDED_RULE
     defence = defence_verdict(rule=rule, defended=defended, final=final_metric, baseline=baseline[metric],
+                              max_gap_points=p.max_gap_points,
                               higher_is_better=metric == "test_accuracy")
     by_name = {n["name"]: n for n in details["per_node"]}
     report = {

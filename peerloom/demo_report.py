@@ -167,13 +167,13 @@ def build_report(*, nodes: Sequence[dict[str, Any]], entries: Sequence[tuple[Hea
 
 
 def defence_verdict(*, rule: str, defended: bool, final: float, baseline: float,
-                    higher_is_better: bool = True) -> dict[str, Any]:
+                    higher_is_better: bool = True, max_gap_points: float = DEGRADED_POINTS) -> dict[str, Any]:
     """Did the run keep up with the centralized baseline? `final` and `baseline` are accuracies (or losses
     when `higher_is_better` is False); the gap is in percentage points for accuracy, in nats for loss.
     `defended` says whether outlier screening and a robust rule were on (the undefended baseline is the
-    plain mean with screening off)."""
+    plain mean with screening off); more than `max_gap_points` behind counts as degraded."""
     gap = (baseline - final) * 100 if higher_is_better else final - baseline
-    degraded = gap > DEGRADED_POINTS if higher_is_better else gap > 0.25
+    degraded = gap > max_gap_points if higher_is_better else gap > 0.25
     unit = "points" if higher_is_better else "nats"
     setting = f"rule {rule!r} with outlier screening" if defended else f"rule {rule!r}, outlier screening off"
     if not degraded:

@@ -25,7 +25,7 @@ def smoke_run(tmp_path_factory):
 @pytest.mark.slow
 def test_smoke_demo_mixed_fleet(smoke_run):
     """The smoke fleet: a leaseholder killed for good, a trainer killed and restarted from its disk, a late
-    joiner and a sign-flip-scale Byzantine trainer, all separate processes over TCP+Noise."""
+    joiner and two Byzantine trainers (sign-flip-scale, ALIE), all separate processes over TCP+Noise."""
     out, proc = smoke_run
     report = json.loads((out / "report.json").read_text())
     assert REPORT_KEYS <= set(report)
@@ -33,14 +33,17 @@ def test_smoke_demo_mixed_fleet(smoke_run):
     assert report["windows"] == {"certified": 5, "skipped": 0}  # stop_after_window holds the fleet at 5
     nodes = {n["behaviour"]: n for n in report["nodes"]}
     roles = sorted(n["role"] for n in report["nodes"])
-    assert roles.count("trainer") == 6 and "validator" in roles and "reducer" in roles
+    assert roles.count("trainer") == 7 and "validator" in roles and "reducer" in roles
     assert len({n["pid"] for n in report["nodes"]}) == len(report["nodes"])  # separate OS processes
     assert [n["behaviour"] for n in report["nodes"]].count("killed") == 1
-    # The Byzantine trainer is screened out every time and quarantined by the chain; nobody else is.
-    byzantine = nodes["sign-flip-scale"]
-    assert byzantine["accepted"] == 0 and byzantine["rejected"] >= 3
-    assert report["quarantined"] == [byzantine["peer_id"]]
-    assert set(byzantine["rejected_by_reason"]) <= {"screen-norm-outlier", "screen-cosine", "screen-norm-bound"}
+    # Both Byzantine trainers are screened out every time and quarantined by the chain; nobody else is.
+    # Sign-flip-scale fails the statistics; ALIE looks typical and fails the recomputation audit.
+    flipper, alie = nodes["sign-flip-scale"], nodes["alie"]
+    assert flipper["accepted"] == 0 and flipper["rejected"] >= 3
+    assert alie["accepted"] == 0 and alie["rejected"] >= 3
+    assert sorted(report["quarantined"]) == sorted([flipper["peer_id"], alie["peer_id"]])
+    assert set(flipper["rejected_by_reason"]) <= {"screen-norm-outlier", "screen-cosine", "screen-audit"}
+    assert set(alie["rejected_by_reason"]) == {"screen-audit"}
     # Killed at window 2, restarted from its disk at 3: it contributes again afterwards.
     assert any(w >= 3 for w in nodes["killed-restarted"]["accepted_windows"])
     # The late joiner was not in the genesis roster, asked to join and then held leases.
