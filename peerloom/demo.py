@@ -321,10 +321,13 @@ def run_demo(*, profile: str = "default", out: Path = Path("peerloom-demo"), see
             configs[node.name] = _write_config(node, manifest_path, authority,
                                                [f"127.0.0.1:{t.port}" for t in targets], p.windows)
         first = [n for n in nodes if n.behaviour != LATE_JOINER]
-        for node in first:
-            _spawn(node, configs[node.name])
-        for node in first:
-            _wait_port(node, deadline)
+        # Trainers first: a validator opens window 1 as soon as it starts, so every trainer should already
+        # be up (importing torch takes seconds on a loaded machine) and dialing it by then.
+        for group in ([n for n in first if n.role == "trainer"], [n for n in first if n.role != "trainer"]):
+            for node in group:
+                _spawn(node, configs[node.name])
+            for node in group:
+                _wait_port(node, deadline)
         _say(f"started {len(first)} node processes on 127.0.0.1: {p.validators} validators (quorum "
              f"{manifest.quorum}), 1 reducer, {len(first) - p.validators - 1} trainers "
              f"({', '.join(f'{n.name} {n.behaviour}' for n in first if n.behaviour != HONEST)}); pids "

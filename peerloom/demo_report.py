@@ -193,6 +193,7 @@ def plot_report(out: Path, report: dict[str, Any]) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     plots = out / "plots"
     plots.mkdir(exist_ok=True)
@@ -222,6 +223,7 @@ def plot_report(out: Path, report: dict[str, Any]) -> list[Path]:
     ax.bar(xs, [w["rejected"] for w in windows], bottom=[w["accepted"] for w in windows], color="tab:red",
            label="rejected by screening")
     ax.set_xlabel("window")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("updates")
     ax.set_title("updates per window")
     ax.legend(loc="upper right")
@@ -233,6 +235,7 @@ def plot_report(out: Path, report: dict[str, Any]) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6.5, 4))
     ax.bar(xs, [w["bytes"] / 1e6 for w in windows], color="tab:blue")
     ax.set_xlabel("window")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("MB sent (all nodes)")
     ax.set_title("bytes on the wire per window")
     fig.tight_layout()
