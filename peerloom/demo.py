@@ -135,6 +135,20 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def for_charlm(p: Profile) -> Profile:
+    """The same fleet for the character transformer: a trainer's lease takes seconds per shard on one core
+    (digits: a fraction of a second), and the centralized baseline trains one epoch per window, so the run
+    has at most 6 windows of 30 s and the fleet's events move to fit."""
+    windows = min(p.windows, 6)
+
+    def fit(w: int) -> int:
+        return min(w, max(1, windows // 2)) if w else 0
+
+    return attrs.evolve(p, windows=windows, window_s=max(p.window_s, 30.0), time_limit_s=240.0 + 60.0 * windows,
+                        kill_at=fit(p.kill_at), restart_at=fit(p.restart_at) + (1 if p.restart_at else 0),
+                        join_at=fit(p.join_at), max_gap_points=p.max_gap_points)
+
+
 def _write_config(node: NodeProc, manifest_path: Path, authority: Identity, bootstrap: list[str],
                   windows: int) -> Path:
     d = node.directory
@@ -251,7 +265,7 @@ def run_demo(*, profile: str = "default", out: Path = Path("peerloom-demo"), see
     import torch
 
     torch.set_num_threads(1)
-    p = PROFILES[profile]
+    p = PROFILES[profile] if workload == "digits" else for_charlm(PROFILES[profile])
     rule = rule or p.rule
     workload_name = WORKLOADS[workload]
     started = time.monotonic()
@@ -457,7 +471,8 @@ def _finish(out: Path, profile: str, seed: int, p: Profile, nodes: list[NodeProc
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     plots = plot_report(out, report)
     # A defended run must also keep up with the baseline; the undefended one is expected to fall behind.
-    ok = certified >= p.windows and verified and (not defence["degraded"] or not defended)
+    # (charlm's gap is federated against centralized training at equal epochs: reported, not judged.)
+    ok = certified >= p.windows and verified and (not defence["degraded"] or not defended or metric != "test_accuracy")
     verdict = "[bold green]OK[/]" if ok else "[bold red]FAILED[/]"
     _say(f"{verdict}: {certified}/{p.windows} windows certified, {skipped} skipped; "
          f"final {metric.replace('_', ' ')} {final_metric:.4f} vs centralized {baseline[metric]:.4f}; "
