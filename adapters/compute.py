@@ -2,6 +2,11 @@
 
 Task kinds and their results are documented on `peerloom.core.effects.RunTask`. Tensors cross the store
 as safetensors bytes (never pickle); results name the artifacts they stored.
+
+Update codecs (spec/protocol.md §6): a trainer's delta artifact is the manifest's `codec` encoding of its
+pseudo-gradient (`peerloom.backends.numpy.codecs`); screening, reduction and audits decode it against the
+manifest's schema. For the biased codecs (`ERROR_FEEDBACK_CODECS`: top-k, sign) the trainer keeps an
+error-feedback residual per trainer across windows, in this executor's memory (lost on restart).
 """
 
 from __future__ import annotations
@@ -11,12 +16,14 @@ from typing import Any
 
 import numpy as np
 
+from peerloom.backends.numpy import codecs as np_codecs
 from peerloom.backends.numpy import reduce as np_reduce
 from peerloom.backends.numpy.aggregate import aggregate, outer_step, screening_stats
 from peerloom.backends.numpy.screening import screen_delta
 from peerloom.backends.numpy.tensors import from_safetensors, tensor_digest, to_safetensors
 from peerloom.core.errors import DecodeError
-from peerloom.core.objects import ArtifactRef, Manifest
+from peerloom.core.identity import PeerId
+from peerloom.core.objects import ERROR_FEEDBACK_CODECS, ArtifactRef, Manifest
 
 from .storage import ArtifactStore
 
@@ -30,6 +37,8 @@ class ComputeExecutor:
         self.manifest = manifest
         self.workload = workload
         self.shards = shards
+        # Error-feedback residual per trainer (its peer id; None when the task names none), across windows.
+        self.residuals: dict[PeerId | None, np_codecs.ErrorFeedback] = {}
 
     def load(self, ref: ArtifactRef) -> dict[str, np.ndarray]:
         return from_safetensors(self.store.get(ref.digest))
@@ -43,15 +52,16 @@ class ComputeExecutor:
             case "train":
                 delta, metrics = self._train(self.load(args["params"]), args["shards"], args["seed"],
                                              int(args.get("inner_steps", 0)))
-                ref, digest = self.save(delta)
+                ref, digest = self.save(self._encode(delta, args.get("author")))
                 return {"delta": ref, "delta_digest": digest, "train_loss": float(metrics["train_loss"])}
             case "screen":
                 try:
-                    delta = self.load(args["delta"])
+                    encoded = self.load(args["delta"])
+                    delta = self._decode(encoded)
                 except DecodeError:
                     return {"ok": False, "reason": "undecodable", "norm": float("nan")}
                 ok, reason, norm = screen_delta(delta, self.manifest.schema)
-                if ok and tensor_digest(delta) != args["delta_digest"]:
+                if ok and tensor_digest(encoded) != args["delta_digest"]:
                     ok, reason = False, "digest-mismatch"
                 max_norm = float(args.get("max_norm", 0.0))
                 if ok and max_norm > 0.0 and not norm <= max_norm:
@@ -68,23 +78,55 @@ class ComputeExecutor:
         raise ValueError(f"unknown task kind {kind!r}")
 
     def _train(self, params: dict[str, np.ndarray], shards: Sequence[int], seed: int,
-                inner_steps: int) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-        """The workload's training on the leased `shards`, exactly as a trainer must run it."""
+               inner_steps: int) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """The workload's training on the leased `shards`, exactly as a trainer must run it.
+
+        `inner_steps` > 0 is the manifest's H: exactly that many optimizer steps (DiLoCo); 0 leaves the
+        workload's own local epochs. Shared by ``train`` and the audit, so audits recompute exactly what
+        trainers ran.
+        """
         indices = [i for s in shards for i in self.shards[s]]
-        epochs = self._epochs_for(inner_steps, len(indices))
-        if epochs is None:
+        if inner_steps <= 0:
             return self.workload.train(params, indices, seed)
-        return self.workload.train(params, indices, seed, epochs=epochs)
+        return self.workload.train(params, indices, seed, inner_steps=inner_steps)
+
+    def _encode(self, delta: dict[str, np.ndarray], author: PeerId | None) -> dict[str, np.ndarray]:
+        """`delta` in the manifest's codec; error feedback (the author's residual) for biased codecs."""
+        codec = self.manifest.codec
+        if codec == "none":
+            return delta
+        state = None
+        if codec in ERROR_FEEDBACK_CODECS:
+            state = self.residuals.get(author)
+            if state is None:
+                state = np_codecs.zeros_state(delta)
+        encoded, new_state = np_codecs.encode(codec, delta, state, fraction=self.manifest.codec_fraction)
+        if new_state is not None:
+            self.residuals[author] = new_state
+        return encoded
+
+    def _decode(self, encoded: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The pseudo-gradient an encoded delta artifact carries (hostile input: DecodeError on anything
+        malformed; the manifest's schema bounds every allocation)."""
+        codec = self.manifest.codec
+        if codec == "none":
+            return encoded
+        return np_codecs.decode(codec, encoded, schema=self.manifest.schema)
 
     def _audit(self, delta: dict[str, np.ndarray], audit: dict[str, Any]) -> tuple[bool, str]:
         """Recompute the author's training (core/audit.py) and compare: (ok, reason).
 
-        The cosine between the announced delta and the recomputation (float64, over all tensors) must be
-        at least ``audit["min_cosine"]``; an honest update on the same platform reproduces bit for bit,
-        and on another platform stays within floating-point drift of 1.
+        `delta` is the announced update, decoded. The recomputation goes through the same codec (encode,
+        decode; no error feedback: a manifest refuses audits with an error-feedback codec), so an honest
+        update reproduces it. The cosine between the two (float64, over all tensors) must be at least
+        ``audit["min_cosine"]``; an honest update on the same platform reproduces bit for bit, and on
+        another platform stays within floating-point drift of 1.
         """
         expected, _ = self._train(self.load(audit["params"]), audit["shards"], int(audit["seed"]),
                                   int(audit["inner_steps"]))
+        if self.manifest.codec != "none":
+            encoded, _ = np_codecs.encode(self.manifest.codec, expected, fraction=self.manifest.codec_fraction)
+            expected = self._decode(encoded)
         dot = sum(float(np.dot(delta[k].ravel().astype(np.float64), expected[k].ravel().astype(np.float64)))
                   for k in expected)
         norms = (sum(float(np.square(t, dtype=np.float64).sum()) for t in d.values()) ** 0.5
@@ -92,17 +134,6 @@ class ComputeExecutor:
         denominator = np.prod(list(norms))
         cosine = dot / denominator if denominator > 0 else (1.0 if dot == 0 else 0.0)
         return (True, "") if cosine >= float(audit["min_cosine"]) else (False, "audit")
-
-    def _epochs_for(self, inner_steps: int, samples: int) -> int | None:
-        """Local epochs that cover about `inner_steps` mini-batches (DiLoCo's H); None = workload default.
-
-        The workloads count local epochs, not steps: H steps of `batch_size` samples is rounded up to
-        whole passes over the leased samples.
-        """
-        batch = getattr(self.workload, "batch_size", None)
-        if inner_steps <= 0 or not batch or samples <= 0:
-            return None
-        return max(1, -(-inner_steps * int(batch) // samples))
 
     def _reduce(self, args: dict[str, Any]) -> dict[str, Any]:
         """Cohort screening, then aggregation and the outer optimizer step (spec/protocol.md §6-7).
@@ -116,7 +147,7 @@ class ComputeExecutor:
         outer_state_digest, outliers ([[candidate index, reason]]) and kept (candidate indices reduced).
         """
         params = self.load(args["params"])
-        deltas = [self.load(ref) for ref in args["deltas"]]
+        deltas = [self._decode(self.load(ref)) for ref in args["deltas"]]
         weights = list(args["weights"])
         outliers = self._outliers(deltas, float(args.get("norm_ratio", 0.0)), float(args.get("min_cosine", -1.0)))
         bad = {i for i, _ in outliers}

@@ -43,8 +43,11 @@ class RunTask:
     """Run heavy compute off the engine; feed back `TaskFinished` or `TaskFailed` with `task_id`.
 
     kinds and args (artifact refs as `ArtifactRef`):
-    - ``train``: params, shards (tuple[int]), seed -> result delta (ArtifactRef), delta_digest, train_loss
-    - ``screen``: delta, delta_digest -> result ok (bool), reason (str), norm (float)
+    - ``train``: params, shards (tuple[int]), seed, inner_steps (manifest H; 0 = workload default), author
+      (PeerId: whose error-feedback residual) -> result delta (ArtifactRef of the delta encoded with the
+      manifest's codec), delta_digest (tensor digest of the encoded tensors), train_loss
+    - ``screen``: delta, delta_digest, max_norm, optional audit -> result ok (bool), reason (str), norm
+      (float); the delta is decoded with the manifest's codec first
     - ``reduce``: params, deltas (tuple[ArtifactRef]), weights (tuple[int]), rule, outer_optimizer,
       outer_lr -> result params (ArtifactRef), params_digest
     - ``evaluate``: params -> result loss, accuracy

@@ -29,6 +29,11 @@ MAX_COHORT = 4096
 # Protocol names of aggregation rules and outer optimizers a manifest may choose (spec/protocol.md §7).
 AGGREGATION_RULES = ("mean", "median", "trimmed_mean", "krum", "multi_krum", "centered_clip", "norm_clip")
 OUTER_OPTIMIZERS = ("fedavg", "diloco")
+# Update codecs a manifest may name (backends' `CODECS`; core cannot import backends, tests check they
+# match) and those whose trainers keep an error-feedback residual: the biased ones (Karimireddy et al.
+# 2019, arXiv 1901.09847). spec/protocol.md §6.
+CODECS = ("none", "fp16", "bf16", "int8", "topk", "sign")
+ERROR_FEEDBACK_CODECS = ("topk", "sign")
 # Screening reasons of cohort-relative outliers (the reduce task's cohort screening).
 OUTLIER_REASONS = frozenset({"screen-norm-outlier", "screen-cosine"})
 # DiLoCo outer Nesterov momentum default (Douillard et al., arXiv 2311.08105); FedAvg has none.
@@ -165,6 +170,10 @@ class Manifest:
     # update's training and reject one whose cosine to the recomputation is below `audit_min_cosine`.
     audit: bool = False
     audit_min_cosine: float = 0.99
+    # Update codec (spec/protocol.md §6): trainers announce their delta encoded with `codec` (one of
+    # `CODECS`); `codec_fraction` is top-k's kept share of each tensor's elements, in (0, 1].
+    codec: str = "none"
+    codec_fraction: float = 0.01
 
     def __attrs_post_init__(self) -> None:
         n = len(self.validators)
@@ -189,6 +198,12 @@ class Manifest:
             raise DecodeError("bad-field", "audit_min_cosine must be in [-1, 1]")
         if self.outer_optimizer == "fedavg" and self.outer_momentum != 0.0:
             raise DecodeError("bad-field", "fedavg has no outer momentum; use diloco")
+        if self.codec not in CODECS or not 0.0 < self.codec_fraction <= 1.0:
+            raise DecodeError("bad-field", f"unknown codec {self.codec!r} or codec_fraction outside (0, 1]")
+        if self.audit and self.codec in ERROR_FEEDBACK_CODECS:
+            # The error-feedback residual is private trainer state no validator can recompute, so an
+            # audit could not tell an honest update from a forged one.
+            raise DecodeError("bad-field", f"audits cannot check updates of error-feedback codec {self.codec!r}")
 
     def to_cbor(self) -> dict[str, Any]:
         return {
@@ -204,7 +219,7 @@ class Manifest:
             "quarantine_strikes": self.quarantine_strikes, "strike_windows": self.strike_windows,
             "quarantine_windows": self.quarantine_windows, "outer_momentum": self.outer_momentum,
             "inner_steps": self.inner_steps, "lease_s": self.lease_s, "audit": self.audit,
-            "audit_min_cosine": self.audit_min_cosine,
+            "audit_min_cosine": self.audit_min_cosine, "codec": self.codec, "codec_fraction": self.codec_fraction,
         }
 
     @classmethod
@@ -240,7 +255,8 @@ class Manifest:
             quarantine_windows=f.uint(body, "quarantine_windows", maximum=1 << 20),
             outer_momentum=f.number(body, "outer_momentum"), inner_steps=f.uint(body, "inner_steps", maximum=1 << 24),
             lease_s=f.number(body, "lease_s"), audit=f.boolean(body, "audit"),
-            audit_min_cosine=f.number(body, "audit_min_cosine"),
+            audit_min_cosine=f.number(body, "audit_min_cosine"), codec=f.text(body, "codec"),
+            codec_fraction=f.number(body, "codec_fraction"),
         )
 
     def seal(self, authority: Identity) -> SignedEnvelope:
@@ -252,7 +268,7 @@ _MANIFEST_KEYS = frozenset({
     "min_updates", "max_capacity", "aggregation", "outer_optimizer", "outer_lr", "chunk_size",
     "genesis_params", "genesis_params_digest", "roster", "max_update_norm", "norm_ratio", "min_cosine",
     "quarantine_strikes", "strike_windows", "quarantine_windows", "outer_momentum", "inner_steps",
-    "lease_s", "audit", "audit_min_cosine",
+    "lease_s", "audit", "audit_min_cosine", "codec", "codec_fraction",
 })
 
 

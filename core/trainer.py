@@ -127,7 +127,7 @@ class TrainerRole:
         e = self.engine
         args = {"params": self.head.params, "shards": self.shards,
                 "seed": train_seed(self.head.id, window, self.shards, e.me),
-                "window": window, "inner_steps": e.manifest.inner_steps}
+                "window": window, "inner_steps": e.manifest.inner_steps, "author": e.me}
         e.run_task("train", args, lambda r: self._trained(window, r), lambda why: self._train_failed(window, why))
 
     def _fetch_failed(self, window: int, reason: str) -> None:
@@ -221,7 +221,7 @@ class TrainerRole:
         e = self.engine
         args = {"params": self.head.params, "shards": self.claims[holder],
                 "seed": train_seed(self.head.id, window, self.claims[holder], e.me),
-                "window": window, "inner_steps": e.manifest.inner_steps}
+                "window": window, "inner_steps": e.manifest.inner_steps, "author": e.me}
         e.run_task("train", args, lambda r: self._claim_trained(window, holder, r),
                    lambda why: self._claim_failed(window, holder, "train-failed"))
 
