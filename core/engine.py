@@ -28,6 +28,7 @@ from . import effects as fx
 from . import events as ev
 from .chain import decode_chain_entry, encode_chain_entry
 from .encoding import decode, encode
+from .envelope import SignedEnvelope
 from .errors import DecodeError, LocalProtocolError, VerificationError
 from .identity import Identity, PeerId
 from .messages import (
@@ -77,6 +78,7 @@ class EngineConfig:
     agreement_timeout_s: float = 2.0  # Tendermint base timeout; grows linearly with the round
     keep_chain: bool | None = None  # store and serve every certified head (`chain/<w>`); None = validators do
     max_chain_reply_bytes: int = 512 << 10  # bound on one ChainEntries reply
+    admission: SignedEnvelope | None = None  # this trainer's admission certificate (policy "certificate")
 
     @property
     def keeps_chain(self) -> bool:
@@ -233,7 +235,7 @@ class Engine:
     def snapshot(self) -> bytes:
         """The engine's durable state as canonical CBOR (DESIGN §2): its records (certified head, votes,
         locks, proposals, claims), the artifacts it holds, counters, replay digests, and the validator's
-        joins and undelivered equivocation evidence.
+        joins (and admissions) and undelivered equivocation evidence.
 
         In-flight work (fetches, compute tasks, held sends, connections) is not part of it: a restored
         engine is a node restarted from this state, which re-fetches and recomputes what it needs.
@@ -245,11 +247,12 @@ class Engine:
             "stored": [r.to_cbor() for _, r in sorted(self._stored.items())],
             "stats": dict(sorted(self.stats.items())), "rejected": dict(sorted(self.rejected_by_reason.items())),
             "seen_deltas": sorted([d, w] for d, w in self.seen_deltas.items()),
-            "joins": [], "evidence": [],
+            "joins": [], "admitted": [], "evidence": [],
         }
         for role in self.roles:
             if hasattr(role, "joins"):
                 state["joins"] = [[p.to_bytes(), c] for p, c in sorted(role.joins.items())]
+                state["admitted"] = [[p.to_bytes(), c] for p, c in sorted(role.admitted.items())]
                 state["evidence"] = [[a.to_cbor(), b.to_cbor()] for _, (a, b) in sorted(role.evidence.items())]
         return encode(state)
 
@@ -262,7 +265,7 @@ class Engine:
 
         state = decode(data, max_bytes=1 << 30)
         keys = {"version", "revision", "now", "records", "stored", "stats", "rejected", "seen_deltas", "joins",
-                "evidence"}
+                "admitted", "evidence"}
         if not isinstance(state, dict) or set(state) != keys or state["version"] != SNAPSHOT_VERSION:
             raise DecodeError("bad-snapshot", "not an engine snapshot")
         if state["revision"] != config.revision.id:
@@ -277,6 +280,7 @@ class Engine:
         for role in engine.roles:
             if hasattr(role, "joins"):
                 role.joins = {PeerId.from_bytes(p): c for p, c in state["joins"]}
+                role.admitted = {PeerId.from_bytes(p): c for p, c in state["admitted"]}
                 for a, b in state["evidence"]:
                     pair = (SignedEnvelope.from_cbor(a), SignedEnvelope.from_cbor(b))
                     role.evidence[pair[0].signer] = pair

@@ -34,6 +34,9 @@ OUTER_OPTIMIZERS = ("fedavg", "diloco")
 # 2019, arXiv 1901.09847). spec/protocol.md §6.
 CODECS = ("none", "fp16", "bf16", "int8", "topk", "sign")
 ERROR_FEEDBACK_CODECS = ("topk", "sign")
+# Admission policies (spec/protocol.md §5): "open" rosters any joiner; "certificate" only joiners carrying
+# an `AdmissionCertificate` signed by the manifest's `admission_authority`.
+ADMISSION_POLICIES = ("open", "certificate")
 # Screening reasons of cohort-relative outliers (the reduce task's cohort screening).
 OUTLIER_REASONS = frozenset({"screen-norm-outlier", "screen-cosine"})
 # DiLoCo outer Nesterov momentum default (Douillard et al., arXiv 2311.08105); FedAvg has none.
@@ -174,6 +177,10 @@ class Manifest:
     # `CODECS`); `codec_fraction` is top-k's kept share of each tensor's elements, in (0, 1].
     codec: str = "none"
     codec_fraction: float = 0.01
+    # Admission (spec/protocol.md §5): with "certificate", a join adds its signer to the roster only with
+    # an `AdmissionCertificate` for that peer signed by `admission_authority`.
+    admission: str = "open"
+    admission_authority: PeerId | None = None
 
     def __attrs_post_init__(self) -> None:
         n = len(self.validators)
@@ -200,6 +207,9 @@ class Manifest:
             raise DecodeError("bad-field", "fedavg has no outer momentum; use diloco")
         if self.codec not in CODECS or not 0.0 < self.codec_fraction <= 1.0:
             raise DecodeError("bad-field", f"unknown codec {self.codec!r} or codec_fraction outside (0, 1]")
+        if self.admission not in ADMISSION_POLICIES or \
+                (self.admission == "certificate") != (self.admission_authority is not None):
+            raise DecodeError("bad-field", "admission must be 'open' (no authority) or 'certificate' (an authority)")
         if self.audit and self.codec in ERROR_FEEDBACK_CODECS:
             # The error-feedback residual is private trainer state no validator can recompute, so an
             # audit could not tell an honest update from a forged one.
@@ -220,6 +230,8 @@ class Manifest:
             "quarantine_windows": self.quarantine_windows, "outer_momentum": self.outer_momentum,
             "inner_steps": self.inner_steps, "lease_s": self.lease_s, "audit": self.audit,
             "audit_min_cosine": self.audit_min_cosine, "codec": self.codec, "codec_fraction": self.codec_fraction,
+            "admission": self.admission,
+            "admission_authority": None if self.admission_authority is None else self.admission_authority.to_bytes(),
         }
 
     @classmethod
@@ -256,7 +268,8 @@ class Manifest:
             outer_momentum=f.number(body, "outer_momentum"), inner_steps=f.uint(body, "inner_steps", maximum=1 << 24),
             lease_s=f.number(body, "lease_s"), audit=f.boolean(body, "audit"),
             audit_min_cosine=f.number(body, "audit_min_cosine"), codec=f.text(body, "codec"),
-            codec_fraction=f.number(body, "codec_fraction"),
+            codec_fraction=f.number(body, "codec_fraction"), admission=f.text(body, "admission"),
+            admission_authority=None if body["admission_authority"] is None else f.peer(body, "admission_authority"),
         )
 
     def seal(self, authority: Identity) -> SignedEnvelope:
@@ -269,6 +282,7 @@ _MANIFEST_KEYS = frozenset({
     "genesis_params", "genesis_params_digest", "roster", "max_update_norm", "norm_ratio", "min_cosine",
     "quarantine_strikes", "strike_windows", "quarantine_windows", "outer_momentum", "inner_steps",
     "lease_s", "audit", "audit_min_cosine", "codec", "codec_fraction",
+    "admission", "admission_authority",
 })
 
 
@@ -536,21 +550,70 @@ class UpdateAnnouncement:
 
 
 @attrs.frozen(kw_only=True)
+class AdmissionCertificate:
+    """The manifest's admission authority admits `peer` to revision `revision` with a declared capacity of
+    at most `max_capacity` (spec/protocol.md §5). Carried, in its envelope, by the peer's `JoinRequest`."""
+
+    KIND: ClassVar[str] = "admission"
+
+    revision: bytes
+    peer: PeerId
+    max_capacity: int
+
+    def to_cbor(self) -> dict[str, Any]:
+        return {"revision": self.revision, "peer": self.peer.to_bytes(), "max_capacity": self.max_capacity}
+
+    @classmethod
+    def from_cbor(cls, obj: Any) -> AdmissionCertificate:
+        body = f.exact_keys(obj, frozenset({"revision", "peer", "max_capacity"}), "admission")
+        return cls(revision=f.cid(body, "revision"), peer=f.peer(body, "peer"),
+                   max_capacity=f.uint(body, "max_capacity", maximum=1 << 16))
+
+
+def check_admission(envelope: SignedEnvelope | None, revision_id: bytes, manifest: Manifest,
+                    peer: PeerId) -> AdmissionCertificate:
+    """The admission certificate `envelope` admits `peer` to revision `revision_id`; raises
+    VerificationError ``join-not-admitted`` (missing, not signed by the manifest's admission authority,
+    bad signature, another revision or peer, capacity 0) or DecodeError (malformed body)."""
+    authority = manifest.admission_authority
+    if envelope is None or authority is None or envelope.signer != authority:
+        raise VerificationError("join-not-admitted", "no certificate of the admission authority")
+    try:
+        cert = AdmissionCertificate.from_cbor(envelope.open(AdmissionCertificate.KIND, PROTOCOL_VERSION))
+    except VerificationError as exc:
+        raise VerificationError("join-not-admitted", f"{exc.reason}: {exc.detail}") from exc
+    if cert.revision != revision_id or cert.peer != peer or cert.max_capacity < 1:
+        raise VerificationError("join-not-admitted", "certificate is for another revision or peer")
+    return cert
+
+
+@attrs.frozen(kw_only=True)
 class JoinRequest:
-    """A trainer asks to be put in the roster of the next head with a declared `capacity` (1..max)."""
+    """A trainer asks to be put in the roster of the next head with a declared `capacity` (1..max).
+
+    `admission` is its admission certificate envelope (`AdmissionCertificate`), needed when the manifest's
+    admission policy is "certificate"; the key is absent from the encoding when None.
+    """
 
     KIND: ClassVar[str] = "join"
 
     revision: bytes
     capacity: int
+    admission: SignedEnvelope | None = None
 
     def to_cbor(self) -> dict[str, Any]:
-        return {"revision": self.revision, "capacity": self.capacity}
+        body: dict[str, Any] = {"revision": self.revision, "capacity": self.capacity}
+        if self.admission is not None:
+            body["admission"] = self.admission.to_cbor()
+        return body
 
     @classmethod
     def from_cbor(cls, obj: Any) -> JoinRequest:
-        body = f.exact_keys(obj, frozenset({"revision", "capacity"}), "join")
-        return cls(revision=f.cid(body, "revision"), capacity=f.uint(body, "capacity", maximum=1 << 16))
+        keys = frozenset({"revision", "capacity"})
+        body = f.exact_keys(obj, keys | {"admission"} if isinstance(obj, dict) and "admission" in obj else keys,
+                            "join")
+        return cls(revision=f.cid(body, "revision"), capacity=f.uint(body, "capacity", maximum=1 << 16),
+                   admission=SignedEnvelope.from_cbor(body["admission"]) if "admission" in body else None)
 
 
 @attrs.frozen(kw_only=True)
@@ -582,7 +645,7 @@ class ReductionProposal:
                    params_digest=f.cid(body, "params_digest"))
 
 
-Sealable = UpdateAnnouncement | JoinRequest | ReductionProposal
+Sealable = UpdateAnnouncement | JoinRequest | ReductionProposal | AdmissionCertificate
 
 
 def seal(identity: Identity, obj: Sealable | HeadProposal) -> SignedEnvelope:

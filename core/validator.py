@@ -40,6 +40,7 @@ from .objects import (
     QuorumCertificate,
     ReductionProposal,
     UpdateAnnouncement,
+    check_admission,
     seal,
     sign_vote,
 )
@@ -92,6 +93,7 @@ class ValidatorRole:
         self.agreement: WindowAgreement | None = None
         self.deadline_armed = False
         self.joins: dict[PeerId, int] = {}
+        self.admitted: dict[PeerId, int] = {}  # admission policy "certificate": peer -> certified max capacity
         self.verdicts: dict[bytes, bool] = {}
         self.checks: dict[bytes, _Check] = {}
         self.own: Value | None = None
@@ -389,6 +391,9 @@ class ValidatorRole:
         if any(p not in self.joins and p not in before for p in roster) or \
                 any(p in head.quarantined for p in roster if p not in before):
             return "roster-unknown-join"
+        if e.manifest.admission == "certificate" and any(
+                p not in self.admitted or cap > self.admitted[p] for p, cap in roster.items() if p not in before):
+            return "roster-not-admitted"
         if head.skipped:
             if updates or head.cohort or head.rejected or head.params != parent.params or \
                     head.metrics != parent.metrics or head.outer_state != parent.outer_state:
@@ -642,13 +647,20 @@ class ValidatorRole:
             join = JoinRequest.from_cbor(envelope.open(JoinRequest.KIND, PROTOCOL_VERSION))
             if join.revision != e.revision.id:
                 raise VerificationError("wrong-revision", "join")
+            capacity = max(1, join.capacity)
+            if e.manifest.admission == "certificate":
+                # Raises join-not-admitted, charged to the sender (an honest validator relays only
+                # admitted joins).
+                cert = check_admission(join.admission, e.revision.id, e.manifest, envelope.signer)
+                self.admitted[envelope.signer] = cert.max_capacity
+                capacity = min(capacity, cert.max_capacity)
             if envelope.signer not in self.joins:
                 e.log("join", peer=str(envelope.signer), capacity=join.capacity)
                 if peer == envelope.signer:
                     # Relay a join heard from the joiner itself (one hop), so every validator knows it and
                     # a proposal that adds the joiner to the roster is not refused as an unknown join.
                     e.broadcast(Signed(envelope=envelope), roles=("validator",))
-            self.joins[envelope.signer] = max(1, join.capacity)
+            self.joins[envelope.signer] = capacity
         elif envelope.kind == ReductionProposal.KIND:
             proposal = ReductionProposal.from_cbor(envelope.open(ReductionProposal.KIND, PROTOCOL_VERSION))
             if proposal.revision != e.revision.id:
