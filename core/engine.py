@@ -216,6 +216,12 @@ class Engine:
                 if then is None:
                     raise LocalProtocolError(f"unknown persist token {event.token}")
                 then()
+            case ev.LeaveRequested() | ev.JoinRequested():
+                trainers = [r for r in self.roles if hasattr(r, "set_membership")]
+                if not trainers:
+                    raise LocalProtocolError("only a trainer can leave or join the roster")
+                for role in trainers:
+                    role.set_membership(isinstance(event, ev.JoinRequested))
             case _:
                 raise LocalProtocolError(f"unknown event {event!r}")
 
@@ -247,12 +253,13 @@ class Engine:
             "stored": [r.to_cbor() for _, r in sorted(self._stored.items())],
             "stats": dict(sorted(self.stats.items())), "rejected": dict(sorted(self.rejected_by_reason.items())),
             "seen_deltas": sorted([d, w] for d, w in self.seen_deltas.items()),
-            "joins": [], "admitted": [], "evidence": [],
+            "joins": [], "admitted": [], "leaves": [], "evidence": [],
         }
         for role in self.roles:
             if hasattr(role, "joins"):
                 state["joins"] = [[p.to_bytes(), c] for p, c in sorted(role.joins.items())]
                 state["admitted"] = [[p.to_bytes(), c] for p, c in sorted(role.admitted.items())]
+                state["leaves"] = [[p.to_bytes(), w] for p, w in sorted(role.leaves.items())]
                 state["evidence"] = [[a.to_cbor(), b.to_cbor()] for _, (a, b) in sorted(role.evidence.items())]
         return encode(state)
 
@@ -265,7 +272,7 @@ class Engine:
 
         state = decode(data, max_bytes=1 << 30)
         keys = {"version", "revision", "now", "records", "stored", "stats", "rejected", "seen_deltas", "joins",
-                "admitted", "evidence"}
+                "admitted", "leaves", "evidence"}
         if not isinstance(state, dict) or set(state) != keys or state["version"] != SNAPSHOT_VERSION:
             raise DecodeError("bad-snapshot", "not an engine snapshot")
         if state["revision"] != config.revision.id:
@@ -281,6 +288,7 @@ class Engine:
             if hasattr(role, "joins"):
                 role.joins = {PeerId.from_bytes(p): c for p, c in state["joins"]}
                 role.admitted = {PeerId.from_bytes(p): c for p, c in state["admitted"]}
+                role.leaves = {PeerId.from_bytes(p): w for p, w in state["leaves"]}
                 for a, b in state["evidence"]:
                     pair = (SignedEnvelope.from_cbor(a), SignedEnvelope.from_cbor(b))
                     role.evidence[pair[0].signer] = pair

@@ -75,5 +75,18 @@ class Persisted:
     token: int
 
 
+@attrs.frozen(kw_only=True)
+class LeaveRequested:
+    """Local command: this trainer leaves the roster (signs a `LeaveRequest` to the validators) and stops
+    joining again until `JoinRequested`."""
+    now: float
+
+
+@attrs.frozen(kw_only=True)
+class JoinRequested:
+    """Local command: a trainer that left asks to join the roster again."""
+    now: float
+
+
 Event = (Start | PeerConnected | PeerDisconnected | MessageReceived | TimerDue | TaskFinished | TaskFailed
-         | ArtifactStored | Persisted)
+         | ArtifactStored | Persisted | LeaveRequested | JoinRequested)

@@ -350,8 +350,9 @@ class Head:
     screening (their envelopes travel in the head proposal); `evidence` holds equivocation evidence (two
     conflicting signed votes of one validator). `outer_state` is the outer optimizer's state artifact
     (DiLoCo momentum; None for FedAvg and at genesis, meaning zeros) and `outer_state_digest` its tensor
-    digest. Every field is derived deterministically from the parent and the window's inputs
-    (`core/quarantine.py`), so every validator recomputes the same head.
+    digest. `left` lists (sorted) the trainers of the parent's roster that left with a signed `LeaveRequest`:
+    the roster shrinks by exactly these peers and by no other. Every field is derived deterministically from
+    the parent and the window's inputs (`core/quarantine.py`), so every validator recomputes the same head.
     """
 
     revision: bytes
@@ -369,6 +370,7 @@ class Head:
     evidence: tuple[Evidence, ...] = ()
     outer_state: ArtifactRef | None = None
     outer_state_digest: bytes | None = None
+    left: tuple[PeerId, ...] = ()
 
     @property
     def quarantined(self) -> frozenset[PeerId]:
@@ -385,7 +387,7 @@ class Head:
             "strikes": [[p.to_bytes(), n, w] for p, n, w in self.strikes], "rejected": list(self.rejected),
             "evidence": [[a.to_cbor(), b.to_cbor()] for a, b in self.evidence],
             "outer_state": None if self.outer_state is None else self.outer_state.to_cbor(),
-            "outer_state_digest": self.outer_state_digest,
+            "outer_state_digest": self.outer_state_digest, "left": [p.to_bytes() for p in self.left],
         }
 
     @classmethod
@@ -409,6 +411,9 @@ class Head:
                 raise DecodeError("bad-field", "evidence entries are [vote, vote]")
             evidence.append((SignedEnvelope.from_cbor(item[0]), SignedEnvelope.from_cbor(item[1])))
         state = body["outer_state"]
+        left = tuple(f.peer({"p": p}, "p") for p in f.array(body, "left", max_len=MAX_PEERS))
+        if list(left) != sorted(set(left)):
+            raise DecodeError("bad-field", "left must be sorted distinct peer ids")
         return cls(
             revision=f.cid(body, "revision"), parent=f.optional_cid(body, "parent"),
             window=f.uint(body, "window"), skipped=f.boolean(body, "skipped"),
@@ -418,7 +423,7 @@ class Head:
             metrics={k: float(v) for k, v in metrics.items()},
             strikes=_peer_records(body, "strikes", 3), rejected=tuple(rejected), evidence=tuple(evidence),
             outer_state=None if state is None else ArtifactRef.from_cbor(state),
-            outer_state_digest=f.optional_cid(body, "outer_state_digest"),
+            outer_state_digest=f.optional_cid(body, "outer_state_digest"), left=left,
         )
 
     def to_bytes(self) -> bytes:
@@ -432,7 +437,7 @@ class Head:
 
 _HEAD_KEYS = frozenset({"revision", "parent", "window", "skipped", "params", "params_digest", "cohort", "roster",
                         "quarantine", "metrics", "strikes", "rejected", "evidence", "outer_state",
-                        "outer_state_digest"})
+                        "outer_state_digest", "left"})
 
 VOTE_KIND = "vote"
 PREVOTE, PRECOMMIT = "prevote", "precommit"
@@ -617,6 +622,28 @@ class JoinRequest:
 
 
 @attrs.frozen(kw_only=True)
+class LeaveRequest:
+    """A rostered trainer leaves: the head of window `window` drops it from the roster (spec/protocol.md §5).
+
+    `window` is the window being collected when the trainer asked; validators ignore a leave for a window
+    they have already certified, so an old leave cannot be replayed against a peer that joined again.
+    """
+
+    KIND: ClassVar[str] = "leave"
+
+    revision: bytes
+    window: int
+
+    def to_cbor(self) -> dict[str, Any]:
+        return {"revision": self.revision, "window": self.window}
+
+    @classmethod
+    def from_cbor(cls, obj: Any) -> LeaveRequest:
+        body = f.exact_keys(obj, frozenset({"revision", "window"}), "leave")
+        return cls(revision=f.cid(body, "revision"), window=f.uint(body, "window"))
+
+
+@attrs.frozen(kw_only=True)
 class ReductionProposal:
     """A reducer's proposed aggregate for a window: cohort (canonical order) and resulting params."""
 
@@ -645,7 +672,7 @@ class ReductionProposal:
                    params_digest=f.cid(body, "params_digest"))
 
 
-Sealable = UpdateAnnouncement | JoinRequest | ReductionProposal | AdmissionCertificate
+Sealable = UpdateAnnouncement | JoinRequest | ReductionProposal | AdmissionCertificate | LeaveRequest
 
 
 def seal(identity: Identity, obj: Sealable | HeadProposal) -> SignedEnvelope:

@@ -20,7 +20,7 @@ from .fsm import Table, step
 from .identity import PeerId
 from .leases import claims_of, leases_of
 from .messages import Signed
-from .objects import PROTOCOL_VERSION, ArtifactRef, Head, JoinRequest, UpdateAnnouncement, seal
+from .objects import PROTOCOL_VERSION, ArtifactRef, Head, JoinRequest, LeaveRequest, UpdateAnnouncement, seal
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -63,6 +63,8 @@ class TrainerRole:
         self.announcement: SignedEnvelope | None = None
         self.head_sources: set[PeerId] = set()
         self.joined_window = -1
+        self.leaving = False  # the operator asked to leave: send leaves, never join, until asked to join
+        self.left_window = -1  # window of the last leave sent
         self.claims: dict[PeerId, tuple[int, ...]] = {}
         self.claim_state: dict[PeerId, str] = {}
         self.claim_announcements: dict[PeerId, SignedEnvelope] = {}
@@ -79,7 +81,12 @@ class TrainerRole:
         self.claim_announcements = {}
         if self.claims:
             e.set_timer(("claim", self.window), e.now + e.manifest.lease_s)
-        if e.me not in {p for p, _ in head.roster}:
+        rostered = e.me in {p for p, _ in head.roster}
+        if self.leaving and rostered:
+            self._leave()
+        elif self.leaving:
+            e.log("left", window=head.window)
+        elif not rostered:
             self._join()
         if not self.shards:
             self._step("no-lease")
@@ -108,6 +115,30 @@ class TrainerRole:
         window = self.window
         e.fetch(head.params, providers, lambda: self._params_stored(window),
                 lambda reason: self._fetch_failed(window, reason))
+
+    def set_membership(self, member: bool) -> None:
+        """`LeaveRequested` (member False) or `JoinRequested` (member True) from the operator."""
+        self.leaving = not member
+        if self.head is None:
+            return
+        rostered = self.engine.me in {p for p, _ in self.head.roster}
+        if self.leaving and rostered:
+            self._leave()
+        elif not self.leaving and not rostered:
+            self._join()
+
+    def _leave(self) -> None:
+        """Ask the validators to drop this trainer from the roster of the head of the current window."""
+        e = self.engine
+        if self.left_window == self.window:
+            return
+        validators = e.peers_with("validator")
+        if validators:
+            self.left_window = self.window
+            leave = seal(e.identity, LeaveRequest(revision=e.revision.id, window=self.window))
+            e.log("leave", window=self.window)
+            for v in validators:
+                e.send(v, Signed(envelope=leave))
 
     def _join(self) -> None:
         e = self.engine
@@ -166,8 +197,13 @@ class TrainerRole:
 
     def on_peer_ready(self, peer: PeerId, roles: tuple[str, ...]) -> None:
         e = self.engine
-        if self.head is not None and "validator" in roles and e.me not in {p for p, _ in self.head.roster}:
-            self._join()
+        if self.head is not None and "validator" in roles:
+            rostered = e.me in {p for p, _ in self.head.roster}
+            if self.leaving and rostered:
+                e.send(peer, Signed(envelope=seal(e.identity, LeaveRequest(revision=e.revision.id,
+                                                                           window=self.window))))
+            elif not self.leaving and not rostered:
+                self._join()
         if not {"validator", "reducer"} & set(roles):
             return
         for envelope in self.claim_announcements.values():

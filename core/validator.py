@@ -37,6 +37,7 @@ from .objects import (
     Head,
     HeadProposal,
     JoinRequest,
+    LeaveRequest,
     QuorumCertificate,
     ReductionProposal,
     UpdateAnnouncement,
@@ -94,6 +95,7 @@ class ValidatorRole:
         self.deadline_armed = False
         self.joins: dict[PeerId, int] = {}
         self.admitted: dict[PeerId, int] = {}  # admission policy "certificate": peer -> certified max capacity
+        self.leaves: dict[PeerId, int] = {}  # rostered trainer -> window whose head drops it (signed leaves)
         self.verdicts: dict[bytes, bool] = {}
         self.checks: dict[bytes, _Check] = {}
         self.own: Value | None = None
@@ -128,6 +130,10 @@ class ValidatorRole:
         self.reducer_proposals = {w: v for w, v in self.reducer_proposals.items() if w >= window}
         self.results = {w: v for w, v in self.results.items() if w >= window}
         self.evidence = {p: x for p, x in self.evidence.items() if p not in head.quarantined}
+        for p in head.left:  # gone: a later join (with its certificate) starts afresh
+            self.joins.pop(p, None)
+            self.admitted.pop(p, None)
+        self.leaves = {p: w for p, w in self.leaves.items() if w >= window and p not in head.left}
         self.vote_envelopes = {k: v for k, v in self.vote_envelopes.items() if k[0] >= window}
         self.vote_of = {k: v for k, v in self.vote_of.items() if k[0] >= window}
         self.extra_votes = {x for x in self.extra_votes if x[0][0] >= window}
@@ -271,11 +277,12 @@ class ValidatorRole:
     def _skip_head(self, parent: Head, evidence: tuple[tuple[SignedEnvelope, SignedEnvelope], ...]) -> Head:
         window = parent.window + 1
         quarantine, strikes = next_records(parent, window, (), (a.signer for a, _ in evidence), self.engine.manifest)
+        left = self._departures(parent)
         return Head(revision=parent.revision, parent=parent.id, window=window, skipped=True,
                     params=parent.params, params_digest=parent.params_digest, cohort=(),
-                    roster=self._next_roster(parent, quarantine), quarantine=quarantine, metrics=parent.metrics,
-                    strikes=strikes, evidence=evidence, outer_state=parent.outer_state,
-                    outer_state_digest=parent.outer_state_digest)
+                    roster=self._next_roster(parent, quarantine, left), quarantine=quarantine,
+                    metrics=parent.metrics, strikes=strikes, evidence=evidence, outer_state=parent.outer_state,
+                    outer_state_digest=parent.outer_state_digest, left=left)
 
     def _make_head(self, result: dict[str, Any], rejected: tuple[SignedEnvelope, ...],
                    evidence: tuple[tuple[SignedEnvelope, SignedEnvelope], ...]) -> Head:
@@ -285,13 +292,14 @@ class ValidatorRole:
         parent, window = c.head, c.window
         quarantine, strikes = next_records(parent, window, (u.signer for u in rejected),
                                            (a.signer for a, _ in evidence), e.manifest)
+        left = self._departures(parent)
         return Head(revision=e.revision.id, parent=parent.id, window=window, skipped=False,
                     params=result["params"], params_digest=result["params_digest"],
                     cohort=tuple(sorted(result["kept"])),
-                    roster=self._next_roster(parent, quarantine), quarantine=quarantine,
+                    roster=self._next_roster(parent, quarantine, left), quarantine=quarantine,
                     metrics=result["metrics"], strikes=strikes, rejected=tuple(sorted(u.id for u in rejected)),
                     evidence=evidence, outer_state=result["outer_state"],
-                    outer_state_digest=result["outer_state_digest"])
+                    outer_state_digest=result["outer_state_digest"], left=left)
 
     def _compute(self, candidates: tuple[SignedEnvelope, ...], check: _Check | None, done: Any) -> None:
         """Screen the candidates against each other, reduce the rest onto the parent (canonical order),
@@ -385,9 +393,12 @@ class ValidatorRole:
                                            (a.signer for a, _ in head.evidence), e.manifest)
         if (head.quarantine, head.strikes) != (quarantine, strikes):
             return "quarantine-mismatch"
-        roster, before = dict(head.roster), dict(parent.roster)
-        if any(roster.get(p) != cap for p, cap in before.items()):
-            return "roster-shrunk"
+        roster, before, left = dict(head.roster), dict(parent.roster), set(head.left)
+        if list(head.left) != sorted(left) or any(p not in before or p in roster for p in left) or \
+                any(self.leaves.get(p, c.window + 1) > c.window for p in left):
+            return "left-unknown"  # a departure without a signed leave held here for this window
+        if any(roster.get(p) != cap for p, cap in before.items() if p not in left):
+            return "roster-shrunk"  # the roster shrinks only by the peers that left
         if any(p not in self.joins and p not in before for p in roster) or \
                 any(p in head.quarantined for p in roster if p not in before):
             return "roster-unknown-join"
@@ -480,12 +491,19 @@ class ValidatorRole:
         if self.agreement is not None and self.collector is not None and head.window == self.collector.window:
             self.agreement.progress()
 
-    def _next_roster(self, head: Head, quarantine: tuple[tuple[PeerId, int], ...]) -> tuple[tuple[PeerId, int], ...]:
-        """The parent's roster plus joins seen here, except from peers quarantined by the new head."""
-        roster = dict(head.roster)
+    def _departures(self, head: Head) -> tuple[PeerId, ...]:
+        """Trainers of `head`'s roster that sent a leave for the next window (or an earlier one), sorted."""
+        rostered = {p for p, _ in head.roster}
+        return tuple(sorted(p for p, w in self.leaves.items() if w <= head.window + 1 and p in rostered))
+
+    def _next_roster(self, head: Head, quarantine: tuple[tuple[PeerId, int], ...],
+                     left: tuple[PeerId, ...]) -> tuple[tuple[PeerId, int], ...]:
+        """The parent's roster less the peers that `left`, plus joins seen here, except from peers
+        quarantined by the new head."""
+        roster = {p: c for p, c in head.roster if p not in left}
         quarantined = {p for p, until in quarantine if until > head.window + 2}
         for peer, capacity in self.joins.items():
-            if peer not in quarantined and peer not in roster:
+            if peer not in quarantined and peer not in roster and peer not in left:
                 roster[peer] = min(capacity, self.engine.manifest.max_capacity)
         return tuple(sorted(roster.items()))
 
@@ -661,6 +679,8 @@ class ValidatorRole:
                     # a proposal that adds the joiner to the roster is not refused as an unknown join.
                     e.broadcast(Signed(envelope=envelope), roles=("validator",))
             self.joins[envelope.signer] = capacity
+        elif envelope.kind == LeaveRequest.KIND:
+            self._on_leave(peer, envelope)
         elif envelope.kind == ReductionProposal.KIND:
             proposal = ReductionProposal.from_cbor(envelope.open(ReductionProposal.KIND, PROTOCOL_VERSION))
             if proposal.revision != e.revision.id:
@@ -671,6 +691,27 @@ class ValidatorRole:
                 self._compare(envelope.signer, proposal)
         else:
             e.reject(peer, "unexpected-envelope", envelope.kind)
+
+    def _on_leave(self, peer: PeerId, envelope: SignedEnvelope) -> None:
+        """A rostered trainer's signed leave: the head of its window drops it from the roster."""
+        e, c = self.engine, self.collector
+        leave = LeaveRequest.from_cbor(envelope.open(LeaveRequest.KIND, PROTOCOL_VERSION))
+        if leave.revision != e.revision.id:
+            raise VerificationError("wrong-revision", "leave")
+        signer = envelope.signer
+        if c is None or leave.window < c.window or leave.window > c.window + WINDOWS_AHEAD:
+            e.stats["stale_leaves"] += 1  # for a window certified already (or far ahead): no effect, no penalty
+            return
+        if signer not in {p for p, _ in c.head.roster}:
+            if peer == signer:
+                e.reject(peer, "leave-not-rostered")
+            return
+        if signer in self.leaves:
+            return
+        self.leaves[signer] = leave.window
+        e.log("leave", peer=str(signer), window=leave.window)
+        if peer == signer:
+            e.broadcast(Signed(envelope=envelope), roles=("validator",))  # one hop, like joins
 
     def _compare(self, reducer: PeerId, proposal: ReductionProposal) -> None:
         """Once both our own result and a reducer's proposal for a window exist, judge the proposal."""

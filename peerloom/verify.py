@@ -24,9 +24,11 @@ def check_rules(revision: Revision, entries: Sequence[tuple[Head, QuorumCertific
     """The manifest's cohort and roster rules, head by head (spec/protocol.md).
 
     A certified (not skipped) head has at least ``min_updates`` distinct updates in its cohort; every
-    roster is sorted, names each trainer once, with a capacity in 1..``max_capacity``; a trainer once in
-    the roster stays in it (membership only grows; quarantine, not removal, takes a peer out of the
-    leases). Raises VerificationError naming the window at the first failure.
+    roster is sorted, names each trainer once, with a capacity in 1..``max_capacity``; a trainer leaves
+    the roster only by a signed leave, which the head records in ``left``: the roster shrinks by exactly
+    the head's ``left`` (peers of the previous roster, absent from the new one) and by no other peer
+    (quarantine, not removal, takes a misbehaving peer out of the leases). Raises VerificationError
+    naming the window at the first failure.
     """
     m = revision.manifest
     previous = revision.genesis()
@@ -42,11 +44,12 @@ def check_rules(revision: Revision, entries: Sequence[tuple[Head, QuorumCertific
         if any(not 1 <= cap <= m.max_capacity for _, cap in head.roster):
             raise VerificationError("roster-capacity", where)
         dropped = {p for p, _ in previous.roster} - set(peers)
-        if dropped:
-            raise VerificationError("roster-shrunk", f"{where}: {len(dropped)} trainer(s) dropped")
+        if dropped != set(head.left):
+            raise VerificationError("roster-shrunk", f"{where}: {len(dropped)} trainer(s) dropped, "
+                                                     f"{len(head.left)} left")
         previous = head
     return [f"cohort and roster rules hold for {len(entries)} heads (cohort >= {m.min_updates}, "
-            f"capacity <= {m.max_capacity}, roster never shrinks)"]
+            f"capacity <= {m.max_capacity}, roster shrinks only by signed leaves)"]
 
 
 def run_verify(chain_dir: Path, authority: str | None = None, *, echo: Callable[[str], None] = print,
