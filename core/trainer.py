@@ -37,6 +37,29 @@ TABLE: Table = {
 }
 
 
+# Roster membership (spec/protocol.md §5): "joining" sends joins while not rostered, "leaving" sends
+# leaves while rostered; "left" does neither until the operator asks to join again. Inputs: each new
+# head (rostered or not) and the operator's `LeaveRequested` / `JoinRequested`.
+MEMBERSHIP_TABLE: Table = {
+    ("joining", "head-rostered"): "member",
+    ("joining", "head-unrostered"): "joining",
+    ("joining", "leave"): "left",
+    ("joining", "join"): "joining",
+    ("member", "head-rostered"): "member",
+    ("member", "head-unrostered"): "joining",
+    ("member", "leave"): "leaving",
+    ("member", "join"): "member",
+    ("leaving", "head-rostered"): "leaving",
+    ("leaving", "head-unrostered"): "left",
+    ("leaving", "leave"): "leaving",
+    ("leaving", "join"): "member",
+    ("left", "head-rostered"): "leaving",
+    ("left", "head-unrostered"): "left",
+    ("left", "leave"): "left",
+    ("left", "join"): "joining",
+}
+
+
 CLAIM_TABLE: Table = {
     ("waiting", "lease-expired"): "fetching",
     ("waiting", "reclaim"): "announced",
@@ -63,7 +86,7 @@ class TrainerRole:
         self.announcement: SignedEnvelope | None = None
         self.head_sources: set[PeerId] = set()
         self.joined_window = -1
-        self.leaving = False  # the operator asked to leave: send leaves, never join, until asked to join
+        self.membership = "joining"  # MEMBERSHIP_TABLE
         self.left_window = -1  # window of the last leave sent
         self.claims: dict[PeerId, tuple[int, ...]] = {}
         self.claim_state: dict[PeerId, str] = {}
@@ -82,12 +105,11 @@ class TrainerRole:
         if self.claims:
             e.set_timer(("claim", self.window), e.now + e.manifest.lease_s)
         rostered = e.me in {p for p, _ in head.roster}
-        if self.leaving and rostered:
-            self._leave()
-        elif self.leaving:
+        before = self.membership
+        self._membership_step("head-rostered" if rostered else "head-unrostered")
+        if self.membership == "left" and before == "leaving":
             e.log("left", window=head.window)
-        elif not rostered:
-            self._join()
+        self._membership_act()
         if not self.shards:
             self._step("no-lease")
             return
@@ -116,16 +138,21 @@ class TrainerRole:
         e.fetch(head.params, providers, lambda: self._params_stored(window),
                 lambda reason: self._fetch_failed(window, reason))
 
-    def set_membership(self, member: bool) -> None:
-        """`LeaveRequested` (member False) or `JoinRequested` (member True) from the operator."""
-        self.leaving = not member
+    def _membership_step(self, event: str) -> None:
+        self.membership = step("trainer-membership", MEMBERSHIP_TABLE, self.membership, event)
+
+    def _membership_act(self) -> None:
         if self.head is None:
             return
-        rostered = self.engine.me in {p for p, _ in self.head.roster}
-        if self.leaving and rostered:
+        if self.membership == "leaving":
             self._leave()
-        elif not self.leaving and not rostered:
+        elif self.membership == "joining":
             self._join()
+
+    def set_membership(self, member: bool) -> None:
+        """`LeaveRequested` (member False) or `JoinRequested` (member True) from the operator."""
+        self._membership_step("join" if member else "leave")
+        self._membership_act()
 
     def _leave(self) -> None:
         """Ask the validators to drop this trainer from the roster of the head of the current window."""
@@ -198,11 +225,10 @@ class TrainerRole:
     def on_peer_ready(self, peer: PeerId, roles: tuple[str, ...]) -> None:
         e = self.engine
         if self.head is not None and "validator" in roles:
-            rostered = e.me in {p for p, _ in self.head.roster}
-            if self.leaving and rostered:
+            if self.membership == "leaving":
                 e.send(peer, Signed(envelope=seal(e.identity, LeaveRequest(revision=e.revision.id,
                                                                            window=self.window))))
-            elif not self.leaving and not rostered:
+            elif self.membership == "joining":
                 self._join()
         if not {"validator", "reducer"} & set(roles):
             return

@@ -13,6 +13,8 @@ from peerloom.core import agreement, collector, reducer, trainer, validator
 
 MACHINES = (
     ("Trainer (one pass per window)", "core/trainer.py", "TABLE", trainer.TABLE, "idle"),
+    ("Trainer roster membership (joins and leaves)", "core/trainer.py", "MEMBERSHIP_TABLE",
+     trainer.MEMBERSHIP_TABLE, "joining"),
     ("Trainer next-ranked claim (one job per expired lease it ranks second for)", "core/trainer.py",
      "CLAIM_TABLE", trainer.CLAIM_TABLE, "waiting"),
     ("Update in a collector (validator and reducer)", "core/collector.py", "TABLE", collector.TABLE, "announced"),

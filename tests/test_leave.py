@@ -2,6 +2,8 @@
 records it in `left`; a roster shrinks by no other peer (validators and `peerloom verify` check it); a
 peer that left may join again, and its old leave cannot be replayed against it."""
 
+import random
+
 import attrs
 import pytest
 
@@ -120,6 +122,10 @@ def test_proposal_check_refuses_departures_without_a_leave(tmp_path, digits):
     leave = seal(cluster.nodes["t0"].identity, LeaveRequest(revision=cluster.revision.id, window=parent.window + 1))
     role.engine.handle(ev.MessageReceived(now=cluster.now, peer=t0, data=encode_message(Signed(envelope=leave))))
     assert role.leaves == {t0: parent.window + 1}
+    # held leaves survive a snapshot / restore of the validator
+    engine = role.engine
+    restored = type(engine).restore(engine.snapshot(), engine.config, engine.identity, random.Random(0))
+    assert next(r for r in restored.roles if isinstance(r, ValidatorRole)).leaves == role.leaves
     assert role._structural_fault(claimed, ()) == ""
     assert role._skip_head(parent, ()).left == (t0,)  # and this validator's own head records it
     # a leave signed and sent by a peer outside the roster is refused and charged
