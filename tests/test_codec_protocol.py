@@ -122,3 +122,21 @@ def test_cluster_with_codec_certifies_and_trains(tmp_path, digits, codec):
     assert v.engine.stats["proposals_confirmed"] >= 1  # the reducer decoded and reduced to the same bytes
     # trainers keep an error-feedback residual only for the biased codec
     assert bool(cluster.nodes["t0"].executor.residuals) == (codec == "topk")
+
+
+def test_undecodable_update_is_a_strike(tmp_path, digits):
+    """A trainer that announces its raw float32 delta in an int8 revision: validators cannot decode it, so
+    it is rejected as screen-undecodable, recorded in the head and struck."""
+    cluster = build(tmp_path, digits, trainers=3, codec="int8", quarantine_strikes=2)
+    rogue = cluster.nodes["t2"]
+    rogue.executor.manifest = attrs.evolve(cluster.revision.manifest, codec="none")
+    me = rogue.identity.peer_id
+    assert cluster.run_until(lambda c: any(p == me for p, _, _ in c.nodes["validator"].engine.head.strikes)
+                             or me in c.nodes["validator"].engine.head.quarantined, max_time=120.0)
+    v = cluster.nodes["validator"]
+    assert v.engine.rejected_by_reason["screen-undecodable"] >= 1
+    assert any(h.rejected for _, h, _ in v.heads)
+    assert cluster.nodes["reducer"].engine.rejected_by_reason["screen-undecodable"] >= 1
+    assert v.engine.peers[me].penalty >= 1  # charged to the trainer that sent it
+    honest = {cluster.nodes[n].identity.peer_id for n in ("t0", "t1")}
+    assert not any(p in honest for _, h, _ in v.heads for p, _, _ in h.strikes)
