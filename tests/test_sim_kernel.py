@@ -41,10 +41,11 @@ def test_happy_scenario_certifies_and_passes_every_invariant():
                             "invariants", "trace_sha256"}
 
 
-# Seeds where the fork attempt happens. With one-hop vote relay, seed 3 finishes its windows before
-# the equivocator's turn to propose, so there is no fork attempt to observe there (safety holds on
-# every seed 0-7; the point of this test is the attempted fork).
-@pytest.mark.parametrize("seed", [0, 4])
+# Seeds where the fork attempt happens. Proposers are a hash of the head, so which seeds see the
+# equivocator propose moves with every change to the manifest or head encoding; with the revision
+# fields of codec, admission and leave, seed 0 finishes its windows before the equivocator's turn (safety
+# holds on every seed 0-7; the point of this test is the attempted fork).
+@pytest.mark.parametrize("seed", [1, 4])
 def test_one_equivocating_validator_of_four_cannot_fork(seed):
     """f = 1 < n/3: the equivocator does show the two halves different valid heads, yet no two final
     heads appear (liveness is another matter: spec/simulator.md §10)."""

@@ -20,6 +20,7 @@ import pycddl
 import pytest
 
 import peerloom.core
+import peerloom.core.objects as core_objects
 from peerloom.core.chain import encode_chain_entry
 from peerloom.core.encoding import content_id, encode
 from peerloom.core.envelope import SignedEnvelope
@@ -192,6 +193,16 @@ def instances() -> list[tuple[str, bytes, int]]:
                                                   cohort=(update.id,), params=head.params, params_digest=cid))
     join = seal(trainer, JoinRequest(revision=revision.id, capacity=3))
     nil_vote = sign_vote(validators[1], revision.id, 1, 2, PREVOTE, None)
+    newer = []
+    if hasattr(core_objects, "AdmissionCertificate"):  # a join carrying an admission certificate (newer kind)
+        admission = seal(ident(98), core_objects.AdmissionCertificate(revision=revision.id, peer=trainer.peer_id,
+                                                                      max_capacity=2))
+        newer.append(("message", encode_message(Signed(envelope=seal(trainer, JoinRequest(
+            revision=revision.id, capacity=2, admission=admission)))), 2))
+        newer.append(("envelope", admission.to_bytes(), 1))
+    if hasattr(core_objects, "LeaveRequest"):  # a rostered trainer leaving (newer kind)
+        newer.append(("message", encode_message(Signed(envelope=seal(trainer, core_objects.LeaveRequest(
+            revision=revision.id, window=1)))), 1))
     return [
         ("message", encode_message(Hello(revision=revision.id, roles=("trainer", "validator"), head_window=7)), 0),
         ("message", encode_message(CertifiedHead(head=head, certificate=cert)), 2),  # evidence: 2 votes
@@ -207,6 +218,7 @@ def instances() -> list[tuple[str, bytes, int]]:
         ("message", encode_message(Signed(envelope=nil_vote)), 1),
         *_chain_messages(head, cert),
         *claims,
+        *newer,
         ("envelope", revision.envelope.to_bytes(), 1),
         ("chain-entry", encode_chain_entry(head, cert), 2),
         ("head", genesis.to_bytes(), 0),
