@@ -87,8 +87,8 @@ PROFILES = {
     # Every mechanism of the default fleet, small: one validator, the two Byzantine trainers that must end up
     # quarantined, a trainer killed and restarted from its disk, and a late joiner.
     "smoke": Profile(validators=1, trainers=(HONEST, HONEST, HONEST, KILLED_RESTARTED, *BYZANTINE),
-                     windows=5, shards=10, window_s=6.0, min_updates=1, time_limit_s=150.0, rule="centered_clip",
-                     late_joiners=1, join_at=2, kill_at=2, restart_at=3, max_gap_points=5.0),
+                     windows=7, shards=10, window_s=6.0, min_updates=1, time_limit_s=180.0, rule="centered_clip",
+                     late_joiners=1, join_at=1, kill_at=2, restart_at=3, max_gap_points=5.0),
     "default": Profile(validators=4, trainers=(HONEST,) * 4 + (KILLED_RESTARTED, *BYZANTINE), windows=20,
                        shards=16, window_s=10.0, min_updates=3, time_limit_s=340.0, rule="centered_clip",
                        outer_optimizer="diloco", outer_lr=0.7, inner_steps=8,
@@ -472,7 +472,9 @@ def _finish(out: Path, profile: str, seed: int, p: Profile, nodes: list[NodeProc
     plots = plot_report(out, report)
     # A defended run must also keep up with the baseline; the undefended one is expected to fall behind.
     # (charlm's gap is federated against centralized training at equal epochs: reported, not judged.)
-    ok = certified >= p.windows and verified and (not defence["degraded"] or not defended or metric != "test_accuracy")
+    # (Undefended, the model can diverge to non-finite params, after which every update is screened out
+    # and windows are skipped: that is part of the degradation, not a failure of the demo.)
+    ok = verified and (certified >= p.windows or not defended) and not (defence["degraded"] and defended)
     verdict = "[bold green]OK[/]" if ok else "[bold red]FAILED[/]"
     _say(f"{verdict}: {certified}/{p.windows} windows certified, {skipped} skipped; "
          f"final {metric.replace('_', ' ')} {final_metric:.4f} vs centralized {baseline[metric]:.4f}; "

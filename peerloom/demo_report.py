@@ -173,10 +173,16 @@ def defence_verdict(*, rule: str, defended: bool, final: float, baseline: float,
     `defended` says whether outlier screening and a robust rule were on (the undefended baseline is the
     plain mean with screening off); more than `max_gap_points` behind counts as degraded."""
     gap = (baseline - final) * 100 if higher_is_better else final - baseline
-    degraded = gap > max_gap_points if higher_is_better else gap > 0.25
+    degraded: bool | None = gap > max_gap_points
     unit = "points" if higher_is_better else "nats"
     setting = f"rule {rule!r} with outlier screening" if defended else f"rule {rule!r}, outlier screening off"
-    if not degraded:
+    if not higher_is_better:
+        # A loss gap between federated and centralized training at equal epochs says little about the
+        # defences by itself: reported, not judged.
+        degraded = None
+        outcome = (f"{final / math.log(2):.3f} vs {baseline / math.log(2):.3f} bits per character "
+                   "(federated vs centralized at equal epochs; reported, not judged)")
+    elif not degraded:
         outcome = "within the bound"
     elif defended:
         outcome = "DEGRADED: the defences did not hold off the Byzantine trainers"
