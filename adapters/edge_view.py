@@ -297,7 +297,32 @@ class ChainIndex:
         return LeaseInfo(peer=peer, window=head.window + 1, base=head.id, shards=table.get(peer, ()))
 
 
-class InMemoryEdgeView(ChainIndex):
+class _ViewIdentity:
+    """Who is serving: the `EdgeView` identity properties shared by both views (set by their __init__)."""
+
+    _peer_id: PeerId
+    _roles: frozenset[str]
+    _revision: Revision
+    _registry: Any
+
+    @property
+    def peer_id(self) -> PeerId:
+        return self._peer_id
+
+    @property
+    def roles(self) -> frozenset[str]:
+        return self._roles
+
+    @property
+    def revision(self) -> Revision:
+        return self._revision
+
+    @property
+    def registry(self) -> Any:
+        return self._registry
+
+
+class InMemoryEdgeView(ChainIndex, _ViewIdentity):
     """A thread-safe in-memory `EdgeView` for tests: heads are added with `promote`, submissions are
     checked with `check_submission` (as a node would) and recorded in `updates` / `joins` / `rejected`.
     """
@@ -330,22 +355,6 @@ class InMemoryEdgeView(ChainIndex):
 
     # --- EdgeView ---------------------------------------------------------------------------------
 
-    @property
-    def peer_id(self) -> PeerId:
-        return self._peer_id
-
-    @property
-    def roles(self) -> frozenset[str]:
-        return self._roles
-
-    @property
-    def revision(self) -> Revision:
-        return self._revision
-
-    @property
-    def registry(self) -> Any:
-        return self._registry
-
     def artifact_path(self, digest: bytes) -> Path | None:
         path = self._dir / digest.hex()
         return path if path.exists() else None
@@ -376,7 +385,7 @@ class InMemoryEdgeView(ChainIndex):
             return list(self._peers)
 
 
-class NodeEdgeView(ChainIndex):
+class NodeEdgeView(ChainIndex, _ViewIdentity):
     """The `EdgeView` of a running node: the runtime feeds it and supplies three callables.
 
     - The runtime calls `promote(head, certificate, accepted=..., rejected=..., bytes_sent=...,
@@ -397,22 +406,6 @@ class NodeEdgeView(ChainIndex):
         super().__init__(revision, entries)
         self._peer_id, self._roles, self._revision, self._registry = peer_id, frozenset(roles), revision, registry
         self._artifact_path, self._relay, self._peers = artifact_path, relay, peers
-
-    @property
-    def peer_id(self) -> PeerId:
-        return self._peer_id
-
-    @property
-    def roles(self) -> frozenset[str]:
-        return self._roles
-
-    @property
-    def revision(self) -> Revision:
-        return self._revision
-
-    @property
-    def registry(self) -> Any:
-        return self._registry
 
     def artifact_path(self, digest: bytes) -> Path | None:
         return self._artifact_path(digest)
