@@ -21,7 +21,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
-def watch_dashboard(url: str) -> list[int]:
+def watch_dashboard(url: str, demo: subprocess.Popen) -> list[int]:
     """Open the demo's dashboard in headless Chromium while the demo runs; return the latest window the page
     showed each time it changed (the head chain advancing), or [] without chromium/playwright."""
     try:
@@ -37,7 +37,7 @@ def watch_dashboard(url: str) -> list[int]:
             page = browser.new_page()
             page.goto(url, wait_until="load")
             deadline = time.monotonic() + 90
-            while time.monotonic() < deadline and (not seen or seen[-1] < 5):
+            while time.monotonic() < deadline and (not seen or seen[-1] < 5) and demo.poll() is None:
                 text = (page.text_content("#latest-window") or "").strip()
                 if text.isdigit() and (not seen or int(text) != seen[-1]):
                     seen.append(int(text))
@@ -66,7 +66,7 @@ def smoke_run(tmp_path_factory):
     # Keep draining the demo's output while the browser watches, so the demo never blocks on a full pipe.
     drain = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     drain.start()
-    seen = watch_dashboard(url) if url else []
+    seen = watch_dashboard(url, proc) if url else []
     proc.wait(timeout=240)
     drain.join(timeout=10)
     stdout = "".join(lines)
