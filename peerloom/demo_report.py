@@ -212,6 +212,7 @@ def plot_report(out: Path, report: dict[str, Any]) -> list[Path]:
             label=f"peerloom, rule {report.get('rule', '?')} (certified heads)")
     ax.axhline(report["baseline"][metric], color="grey", linestyle="--", label="centralized baseline")
     ax.set_xlabel("window")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel(metric.replace("_", " "))
     ax.set_title(f"{report.get('workload', '')}: {sum(1 for n in report['nodes'] if n['role'] == 'trainer')} "
                  "trainers")
