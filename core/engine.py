@@ -57,6 +57,10 @@ def chain_key(window: int) -> str:
 
 SNAPSHOT_VERSION = 1
 
+# Failed fetches whose verified chunks are remembered for a later fetch of the same artifact (oldest
+# forgotten first). The chunks themselves sit in the host's partial store until commit or restart.
+MAX_PARTIAL_FETCHES = 64
+
 
 @attrs.frozen(kw_only=True)
 class EngineConfig:
@@ -147,6 +151,9 @@ class Engine:
         self._held: dict[int, Callable[[], None]] = {}
         self._stored: dict[bytes, ArtifactRef] = {r.digest: r for r in stored}
         self._fetches: dict[bytes, _Fetch] = {}
+        # digest -> (ref, verified chunk indices) of a failed fetch; in memory only, like the host's partial
+        # chunks, which a restart also drops.
+        self._partial: dict[bytes, tuple[ArtifactRef, set[int]]] = {}
         self._tasks: dict[str, _Task] = {}
         self.seen_deltas: dict[bytes, int] = {}  # accepted delta digest -> window (replay screening)
         records = dict(records or {})
@@ -342,10 +349,15 @@ class Engine:
     def note_stored(self, ref: ArtifactRef) -> None:
         """Record an artifact the host stored on its own (a compute task's output)."""
         self._stored[ref.digest] = ref
+        self._partial.pop(ref.digest, None)
 
     def fetch(self, ref: ArtifactRef, providers: Iterable[PeerId], on_done: Callable[[], None],
               on_fail: Callable[[str], None]) -> None:
-        """Make `ref` stored locally, fetching verified chunks from `providers`; then call `on_done`."""
+        """Make `ref` stored locally, fetching verified chunks from `providers`; then call `on_done`.
+
+        A fetch of an artifact whose earlier fetch failed resumes from the chunks that one verified and
+        stored (same `ref` only). `on_fail(reason)` gets "no-provider", "too-many-failures" or "ref-mismatch".
+        """
         if ref.digest in self._stored:
             on_done()
             return
@@ -360,6 +372,11 @@ class Engine:
             fetch.on_fail.append(on_fail)
         else:
             fetch = _Fetch(ref=ref, providers=live, on_done=[on_done], on_fail=[on_fail])
+            partial = self._partial.pop(ref.digest, None)
+            # Another ref with the same digest chunks it differently: its record says nothing of ours, and
+            # this fetch may overwrite its bytes, so it is dropped either way.
+            if partial is not None and partial[0] == ref:
+                fetch.done = partial[1]
             self._fetches[ref.digest] = fetch
         self._pump(fetch)
 
@@ -619,14 +636,25 @@ class Engine:
     def _fail_fetch(self, fetch: _Fetch, reason: str) -> None:
         self._fetches.pop(fetch.ref.digest, None)
         self.cancel_timer(("fetch", fetch.ref.digest))
+        if fetch.done:  # stored by StoreChunk: a later fetch of this artifact need not ask for them again
+            self._partial[fetch.ref.digest] = (fetch.ref, fetch.done)
+            if len(self._partial) > MAX_PARTIAL_FETCHES:
+                del self._partial[next(iter(self._partial))]
         for callback in fetch.on_fail:
             callback(reason)
 
     def _on_fetch_timeout(self, digest: bytes) -> None:
+        """No chunk arrived for `chunk_timeout_s` (every `_pump` re-arms the timer), so each provider with a
+        request out left it unanswered that long. While another provider remains, those silent ones are
+        dropped from this fetch and their chunks asked of the others; when every provider is silent (a
+        stall of our own link looks the same) they are all asked again, up to `fetch_attempts`."""
         fetch = self._fetches.get(digest)
         if fetch is None or fetch.committing:
             return
-        for peer in set(fetch.in_flight.values()):
+        silent = sorted(set(fetch.in_flight.values()))
+        if any(p not in silent for p in fetch.providers):
+            fetch.providers = [p for p in fetch.providers if p not in silent]
+        for peer in silent:
             self._requeue(fetch, peer)
             if digest not in self._fetches:
                 return
@@ -635,6 +663,7 @@ class Engine:
 
     def _on_artifact_stored(self, ref: ArtifactRef) -> None:
         self._stored[ref.digest] = ref
+        self._partial.pop(ref.digest, None)
         fetch = self._fetches.pop(ref.digest, None)
         if fetch is not None:
             self.cancel_timer(("fetch", ref.digest))

@@ -11,8 +11,6 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-import pytest
-
 from peerloom.core import effects as fx
 from peerloom.core import events as ev
 from peerloom.core.engine import Engine, EngineConfig
@@ -143,9 +141,6 @@ def test_a_chunk_from_a_provider_not_asked_is_refused_and_charged() -> None:
     assert h.engine.peers[LIAR].penalty == 1
 
 
-@pytest.mark.xfail(strict=True, reason="engine gap: a failed fetch forgets its verified chunks (core/engine.py "
-                                       "_fail_fetch drops _Fetch.done); a new fetch of the same artifact asks "
-                                       "for every chunk again")
 def test_a_new_fetch_after_every_provider_left_resumes_from_the_verified_chunks() -> None:
     h = Harness()
     h.engine.fetch(REF, [QUITTER], on_done=lambda: h.done.append("done"), on_fail=h.done.append)
@@ -161,9 +156,6 @@ def test_a_new_fetch_after_every_provider_left_resumes_from_the_verified_chunks(
     assert verified and not verified & again
 
 
-@pytest.mark.xfail(strict=True, reason="engine gap: a provider that stays connected but never answers is asked "
-                                       "again after each chunk timeout (core/engine.py _on_fetch_timeout requeues "
-                                       "without dropping it), so the fetch waits several chunk_timeout_s rounds")
 def test_a_silent_provider_costs_at_most_one_chunk_timeout() -> None:
     h = Harness()
     h.engine.fetch(REF, [HONEST, QUITTER], on_done=lambda: h.done.append("done"), on_fail=h.done.append)
@@ -173,9 +165,63 @@ def test_a_silent_provider_costs_at_most_one_chunk_timeout() -> None:
             if peer == HONEST:
                 h.answer(peer, index)  # QUITTER stays connected and never answers
         pending = h.drain()
-        if not pending and not h.commits:
-            h.now = h.engine.next_deadline() + 0.001
+        if not pending and not h.commits:  # stalled: wait one chunk timeout (other timers may fire too)
+            h.now += h.engine.config.chunk_timeout_s + 0.001
             h.engine.handle(ev.TimerDue(now=h.now))
             timeouts += 1
             pending = h.drain()
     assert h.commits == 1 and timeouts <= 1
+
+
+def test_a_resumed_fetch_stores_each_chunk_once_and_commits() -> None:
+    h = Harness()
+    h.engine.fetch(REF, [QUITTER], on_done=lambda: h.done.append("done"), on_fail=h.done.append)
+    for peer, index in h.drain()[:5]:
+        h.answer(peer, index)
+    h.drain()
+    h.event(ev.PeerDisconnected, peer=QUITTER)
+    h.drain()
+    h.engine.fetch(REF, [HONEST], on_done=lambda: h.done.append("done"), on_fail=h.done.append)
+    pending = h.drain()
+    while pending and not h.commits:
+        h.answer(*pending.pop(0))
+        pending += h.drain()
+    assert h.stored == Counter(range(N_CHUNKS)) and h.commits == 1 and h.asked_again == 0
+    h.event(ev.ArtifactStored, ref=REF)
+    h.drain()
+    assert h.done == ["no-provider", "done"]
+
+
+def test_the_verified_chunks_of_another_ref_with_the_same_digest_are_not_trusted() -> None:
+    h = Harness()
+    h.engine.fetch(REF, [QUITTER], on_done=lambda: None, on_fail=h.done.append)
+    for peer, index in h.drain()[:5]:
+        h.answer(peer, index)
+    h.drain()
+    h.event(ev.PeerDisconnected, peer=QUITTER)
+    h.drain()
+    # Same content digest, different chunking (as a forged announcement could name): nothing is skipped.
+    other = make_artifact_ref(DATA, CHUNK // 2)
+    assert other.digest == REF.digest and other != REF
+    h.engine.fetch(other, [HONEST], on_done=lambda: None, on_fail=h.done.append)
+    assert {i for _, i in h.drain()} == set(range(h.engine.config.max_chunks_in_flight))
+    # ...and that fetch's start dropped REF's record, whose bytes it may overwrite.
+    h.event(ev.PeerDisconnected, peer=HONEST)
+    h.drain()
+    h.event(ev.PeerConnected, peer=HONEST)
+    h.event(ev.MessageReceived, peer=HONEST, data=encode_message(
+        Hello(revision=h.engine.revision.id, roles=("trainer",), head_window=0)))
+    h.drain()
+    h.engine.fetch(REF, [HONEST], on_done=lambda: None, on_fail=h.done.append)
+    assert {i for _, i in h.drain()} == set(range(h.engine.config.max_chunks_in_flight))
+
+
+def test_when_every_provider_is_silent_they_are_asked_again_not_dropped() -> None:
+    h = Harness()
+    h.engine.fetch(REF, [QUITTER], on_done=lambda: None, on_fail=h.done.append)
+    first = h.drain()
+    h.now += h.engine.config.chunk_timeout_s + 0.001  # our own link may have stalled: keep the provider
+    h.engine.handle(ev.TimerDue(now=h.now))
+    again = h.drain()
+    assert h.done == [] and again and {p for p, _ in again} == {QUITTER}
+    assert {i for _, i in again} == {i for _, i in first}
