@@ -43,7 +43,7 @@ from . import tcp
 from .addressbook import HANDSHAKE_FAILURES, AddressBook
 from .compute import ComputeExecutor
 from .edge_view import SUBMIT_TIMEOUT_S, NodeEdgeView, PeerInfo, SubmitResult
-from .host import apply_storage_effect, chunk_message
+from .host import apply_storage_effect, chunk_message, stored_event
 from .metrics import NodeMetrics
 from .storage import ArtifactStore
 
@@ -223,12 +223,12 @@ class NodeRuntime:
     async def _drain(self) -> None:
         engine = self.engine
         while (effect := engine.next_effect()) is not None:
+            if isinstance(effect, fx.CommitArtifact):
+                engine.handle(stored_event(self.store, effect, trio.current_time()))
+                continue
             if apply_storage_effect(self.store, effect):
-                now = trio.current_time()
                 if isinstance(effect, fx.Persist):
-                    engine.handle(ev.Persisted(now=now, token=effect.token))
-                elif isinstance(effect, fx.CommitArtifact):
-                    engine.handle(ev.ArtifactStored(now=now, ref=effect.ref))
+                    engine.handle(ev.Persisted(now=trio.current_time(), token=effect.token))
                 continue
             match effect:
                 case fx.Send():

@@ -218,6 +218,8 @@ class Engine:
                 task.on_fail(event.reason)
             case ev.ArtifactStored():
                 self._on_artifact_stored(event.ref)
+            case ev.ArtifactCorrupt():
+                self._on_artifact_corrupt(event.ref)
             case ev.Persisted():
                 then = self._held.pop(event.token, None)
                 if then is None:
@@ -660,6 +662,15 @@ class Engine:
                 return
         if not fetch.in_flight:
             self._pump(fetch)
+
+    def _on_artifact_corrupt(self, ref: ArtifactRef) -> None:
+        """Every chunk verified yet the whole is not `ref.digest`: the ref itself is false. Nothing of it
+        is worth resuming, and no provider can fix it, so the fetch fails (its owner charges the author)."""
+        self._partial.pop(ref.digest, None)
+        fetch = self._fetches.get(ref.digest)
+        if fetch is not None:
+            fetch.done = set()
+            self._fail_fetch(fetch, "corrupt-artifact")
 
     def _on_artifact_stored(self, ref: ArtifactRef) -> None:
         self._stored[ref.digest] = ref

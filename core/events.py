@@ -69,6 +69,14 @@ class ArtifactStored:
 
 
 @attrs.frozen(kw_only=True)
+class ArtifactCorrupt:
+    """The host refused to commit the fetched artifact `ref`: its chunks all verified, but the whole does not
+    hash to `ref.digest` (a ref whose author signed inconsistent digests). The fetch fails."""
+    now: float
+    ref: ArtifactRef
+
+
+@attrs.frozen(kw_only=True)
 class Persisted:
     """The host durably wrote the record of the `Persist` effect with this token."""
     now: float

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 
 from peerloom.adapters.compute import ComputeExecutor
-from peerloom.adapters.host import apply_storage_effect, chunk_message
+from peerloom.adapters.host import apply_storage_effect, chunk_message, stored_event
 from peerloom.adapters.memory import MemoryTransport
 from peerloom.adapters.storage import ArtifactStore
 from peerloom.core import effects as fx
@@ -126,12 +126,13 @@ class Cluster:
         assert engine is not None
         me = node.identity.peer_id
         while (effect := engine.next_effect()) is not None:
+            if isinstance(effect, fx.CommitArtifact):
+                self._push(self.now, node.name, stored_event(node.store, effect, self.now))
+                continue
             if apply_storage_effect(node.store, effect):
                 if isinstance(effect, fx.Persist):
                     self._push(self.now + self.persist_s, node.name, ev.Persisted(now=self.now + self.persist_s,
                                                                                   token=effect.token))
-                elif isinstance(effect, fx.CommitArtifact):
-                    self._push(self.now, node.name, ev.ArtifactStored(now=self.now, ref=effect.ref))
                 continue
             match effect:
                 case fx.Send():

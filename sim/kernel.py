@@ -27,7 +27,7 @@ from typing import IO, Any
 import attrs
 
 from peerloom.adapters.compute import ComputeExecutor
-from peerloom.adapters.host import apply_storage_effect, chunk_message
+from peerloom.adapters.host import apply_storage_effect, chunk_message, stored_event
 from peerloom.adapters.memory import MemoryTransport
 from peerloom.core import effects as fx
 from peerloom.core import events as ev
@@ -301,8 +301,7 @@ class Simulation:
                 case fx.StoreChunk():
                     apply_storage_effect(node.disk, effect)
                 case fx.CommitArtifact():
-                    apply_storage_effect(node.disk, effect)
-                    self._push(self.now, name, node.incarnation, ev.ArtifactStored(now=self.now, ref=effect.ref))
+                    self._push(self.now, name, node.incarnation, stored_event(node.disk, effect, self.now))
                 case fx.ServeChunk():
                     self.send(name, self.by_peer[effect.peer].name, chunk_message(node.disk, effect))
                 case fx.RunTask():
