@@ -87,6 +87,18 @@ class Collector:
         # One update per lease and per possible claim, plus slack for honest retries.
         claim_slots = sum(len(v) for v in self.claims.values()) if engine.manifest.lease_s > 0 else 0
         self.max_offers = len(self.leases) + claim_slots + engine.config.announcement_slack
+        self._fetch_base()
+
+    def _fetch_base(self) -> None:
+        """Screening, audits and the reduce task all start from the base head's params (and DiLoCo state).
+        A node that adopted the head from others' certificate, without computing it, fetches them now from
+        the peers that hold them, so it can take part in this window instead of lagging for good."""
+        e = self.engine
+        providers = [*e.peers_with("validator"), *e.peers_with("reducer"), *e.peers_with("trainer")]
+        for ref in (self.head.params, self.head.outer_state):
+            if ref is not None and not e.is_stored(ref.digest):
+                e.fetch(ref, providers, lambda: None,
+                        lambda reason, w=self.window: e.log("base-fetch-failed", window=w, reason=reason))
 
     def entry_for(self, envelope: SignedEnvelope) -> Entry | None:
         """This collector's entry for exactly `envelope`, if it took it."""
@@ -151,8 +163,19 @@ class Collector:
             if first != author or (seen is not None and seen < window):
                 self._move(entry, "replay", "screen-replay")
                 return
-            e.fetch(ann.delta, [author, sender], lambda: self._fetched(window, slot),
-                    lambda reason: self._fetch_failed(window, slot, reason))
+
+            def fetch_delta() -> None:
+                e.fetch(ann.delta, [author, sender], lambda: self._fetched(window, slot),
+                        lambda reason: self._fetch_failed(window, slot, reason))
+
+            if e.manifest.audit:
+                # The audit re-runs training from the base head's params: a validator that adopted that head
+                # from others' certificate may not hold them yet. The author trained on them, so it can serve.
+                providers = [author, sender, *e.peers_with("validator"), *e.peers_with("reducer")]
+                e.fetch(self.head.params, providers, fetch_delta,
+                        lambda reason: self._fetch_failed(window, slot, f"params-{reason}"))
+            else:
+                fetch_delta()
 
     def _taken(self, ann: UpdateAnnouncement, author: PeerId) -> bool:
         """A live update already fills this lease: the holder's own for a claim, any claim for the holder."""

@@ -86,3 +86,22 @@ def test_alie_trainer_is_audited_struck_and_quarantined(tmp_path, digits):
         else:
             assert len(head.cohort) >= 1
     verify_chain(cluster.revision, [(h, c) for _, h, c in v.heads])
+
+
+def test_a_validator_that_adopts_a_head_it_did_not_compute_fetches_its_params(tmp_path, digits):
+    """A validator whose reduction failed adopts the head the others certified without its params; the next
+    window's collector fetches them from its peers, so its audits run instead of failing for good."""
+    cluster = build(tmp_path, digits, trainers=3, validators=4, quorum=3, min_updates=1, window_s=3.0, audit=True)
+    lagging = cluster.nodes["v3"]
+    run = lagging.executor.run
+
+    def reduce_fails_in_window_1(kind, args):
+        if kind == "reduce" and lagging.engine.head.window == 0:
+            raise RuntimeError("this validator's reduction failed")
+        return run(kind, args)
+
+    lagging.executor.run = reduce_fails_in_window_1
+    assert cluster.run_until(lambda c: head_window(c, "v3") >= 3, max_time=200.0)
+    first = next(h for _, h, _ in lagging.heads if h.window == 1)
+    assert lagging.store.has(first.params.digest)
+    assert lagging.engine.rejected_by_reason.get("screen-error", 0) == 0
