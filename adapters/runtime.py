@@ -36,7 +36,7 @@ from peerloom.core.engine import Engine, EngineConfig
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.errors import PeerloomError
 from peerloom.core.identity import Identity, PeerId
-from peerloom.core.messages import Hello, Signed, decode_message, encode_message
+from peerloom.core.messages import Hello, Signed, decode_message, encode_message, parse_address
 from peerloom.core.objects import Head, QuorumCertificate, Revision
 
 from . import tcp
@@ -157,6 +157,7 @@ class NodeRuntime:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 self.port = await nursery.start(self._serve)
+                self.engine.config = attrs.evolve(self.engine.config, listen_address=self._advertised())
                 if self.options.http_listen is not None:
                     await trio.to_thread.run_sync(self._start_edge, *self.options.http_listen)
                 self.engine.handle(ev.Start(now=trio.current_time()))
@@ -178,6 +179,17 @@ class NodeRuntime:
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(self.edge.stop)
                 self.edge = None
+
+    def _advertised(self) -> str | None:
+        """The "host:port" our Hello gives for peer exchange: the bound port on `listen_host` when that is
+        a specific IP literal (a wildcard or a host name is not something a peer could dial), else None."""
+        host = self.options.listen_host
+        address = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+        try:
+            parse_address(address)
+        except PeerloomError:
+            return None
+        return address
 
     def _start_discovery(self) -> None:
         from .discovery import MdnsDiscovery  # zeroconf only when discovery is on
@@ -245,6 +257,12 @@ class NodeRuntime:
                     conn = self._conns.get(effect.peer)
                     if conn is not None:
                         await conn.aclose()
+                case fx.PeersDiscovered():
+                    now = trio.current_time()
+                    for peer, text in effect.peers:
+                        if peer not in self._conns:
+                            self.book.add(parse_address(text), peer, now=now)
+                    self._book_changed.set()
                 case fx.HeadPromoted():
                     self.metrics.on_effect(effect)
                     if self.on_head is not None:
@@ -375,6 +393,7 @@ class NodeRuntime:
         outbox = _Outbox(channels=(control_out, bulk_out), scope=scope)
         self._conns[peer], self._outboxes[peer] = conn, outbox
         self.store.db.note_peer(peer.to_text(), address=address)
+        self._emit_line("connected", {"peer": peer.to_text(), "address": address})
         await self._send_events.send(ev.PeerConnected(now=0.0, peer=peer))
         try:
             with scope:

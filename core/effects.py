@@ -88,10 +88,18 @@ class HeadPromoted:
 
 
 @attrs.frozen(kw_only=True)
+class PeersDiscovered:
+    """Listen addresses ("host:port", syntax already checked: `messages.parse_address`) of peers this
+    node is not connected to, learnt from a connected peer's PeerExchange. The host may dial them."""
+    peers: tuple[tuple[PeerId, str], ...]
+
+
+@attrs.frozen(kw_only=True)
 class Log:
     """A structured log line: `event` is a stable name, `fields` plain values."""
     event: str
     fields: dict[str, Any]
 
 
-Effect = Send | HangUp | Persist | RunTask | ServeChunk | StoreChunk | CommitArtifact | HeadPromoted | Log
+Effect = (Send | HangUp | Persist | RunTask | ServeChunk | StoreChunk | CommitArtifact | HeadPromoted
+          | PeersDiscovered | Log)

@@ -33,6 +33,7 @@ from .errors import DecodeError, LocalProtocolError, VerificationError
 from .identity import Identity, PeerId
 from .messages import (
     MAX_CHAIN_ENTRIES,
+    MAX_PEER_ENTRIES,
     ROLES,
     CertifiedHead,
     ChainEntries,
@@ -42,6 +43,7 @@ from .messages import (
     ChunkRequest,
     Hello,
     Message,
+    PeerExchange,
     Signed,
     decode_message,
     encode_message,
@@ -83,6 +85,8 @@ class EngineConfig:
     keep_chain: bool | None = None  # store and serve every certified head (`chain/<w>`); None = validators do
     max_chain_reply_bytes: int = 512 << 10  # bound on one ChainEntries reply
     admission: SignedEnvelope | None = None  # this trainer's admission certificate (policy "certificate")
+    listen_address: str | None = None  # "host:port" we accept connections on, sent in Hello (peer exchange)
+    peer_exchange_interval_s: float = 10.0  # a peer may send one PeerExchange per this many seconds
 
     @property
     def keeps_chain(self) -> bool:
@@ -104,6 +108,8 @@ class PeerState:
     penalty: int = 0
     chunk_tokens: float = 0.0
     tokens_at: float = 0.0
+    listen: str | None = None  # the listen address its Hello gave
+    exchange_at: float = float("-inf")  # when it last sent a PeerExchange
 
 
 @attrs.define
@@ -198,7 +204,7 @@ class Engine:
                 self.peers[event.peer] = PeerState(chunk_tokens=float(self.config.chunk_request_burst),
                                                    tokens_at=self.now)
                 self.send(event.peer, Hello(revision=self.revision.id, roles=tuple(sorted(self.config.roles)),
-                                            head_window=self.head.window))
+                                            head_window=self.head.window, listen=self.config.listen_address))
             case ev.PeerDisconnected():
                 self.peers.pop(event.peer, None)
                 for fetch in list(self._fetches.values()):
@@ -460,9 +466,10 @@ class Engine:
                     self.reject(peer, "wrong-revision")
                     self.emit(fx.HangUp(peer=peer, reason="wrong-revision"))
                     return
-                state.roles, state.greeted = message.roles, True
+                state.roles, state.greeted, state.listen = message.roles, True, message.listen
                 if message.head_window < self.head.window:
                     self.send(peer, CertifiedHead(head=self.head, certificate=self.certificate))
+                self._send_peer_exchange(peer)
                 for role in self.roles:
                     role.on_peer_ready(peer, message.roles)
             case CertifiedHead():
@@ -498,12 +505,42 @@ class Engine:
                     self.emit(fx.ServeChunk(peer=peer, ref=ref, index=message.index))
             case Chunk():
                 self._on_chunk(peer, message)
+            case PeerExchange():
+                self._on_peer_exchange(peer, state, message)
             case ChunkMissing():
                 fetch = self._fetches.get(message.artifact)
                 if fetch is not None and fetch.in_flight.get(message.index) == peer:
                     if peer in fetch.providers:
                         fetch.providers.remove(peer)
                     self._requeue(fetch, peer)
+
+    # --- peer exchange (spec/transport.md §5) -------------------------------------------------------
+
+    def _send_peer_exchange(self, peer: PeerId) -> None:
+        """Tell a newly greeted peer where the other peers we are connected to listen (at most 32)."""
+        known = sorted((p, s.listen) for p, s in self.peers.items()
+                       if p != peer and s.greeted and s.listen is not None)
+        entries: list[tuple[PeerId, str]] = []
+        for p, address in known:
+            if len(entries) == MAX_PEER_ENTRIES:
+                break
+            if address not in {a for _, a in entries}:
+                entries.append((p, address))
+        if entries:
+            self.send(peer, PeerExchange(peers=tuple(entries)))
+
+    def _on_peer_exchange(self, peer: PeerId, state: PeerState, message: PeerExchange) -> None:
+        """Quota first (one per `peer_exchange_interval_s` per peer), then report the addresses of peers we
+        are not connected to; ourselves and the sender are never among them."""
+        if self.now - state.exchange_at < self.config.peer_exchange_interval_s:
+            self.reject(peer, "peers-quota")
+            return
+        state.exchange_at = self.now
+        new = tuple((p, a) for p, a in message.peers if p != self.me and p != peer and p not in self.peers)
+        self.stats["peers_learnt"] += len(new)
+        if new:
+            self.log("peers-discovered", peer=str(peer), count=len(new))
+            self.emit(fx.PeersDiscovered(peers=new))
 
     # --- chain sync (spec/protocol.md §8) -----------------------------------------------------------
 

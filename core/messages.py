@@ -6,6 +6,7 @@ else is authenticated only by the transport (Noise binds the connection to the p
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any
 
 import attrs
@@ -14,30 +15,68 @@ from . import _fields as f
 from .encoding import decode, encode
 from .envelope import SignedEnvelope
 from .errors import DecodeError
+from .identity import PeerId
 from .objects import Head, QuorumCertificate
 
 MAX_CONTROL_BYTES = 1 << 20
+MAX_ADDRESS_BYTES = 64  # a "host:port" listen address
+MAX_PEER_ENTRIES = 32  # entries of one PeerExchange
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """Split a listen address "host:port" (IPv4 literal, or "[IPv6]") into (host, port).
+
+    Strict (spec/wire.md §4): ASCII, at most 64 bytes, an IP literal that is neither unspecified nor
+    multicast, a decimal port 1..65535 without leading zeros. Raises DecodeError("bad-field").
+    """
+    if not isinstance(text, str) or len(text) > MAX_ADDRESS_BYTES or not text.isascii():
+        raise DecodeError("bad-field", "address must be ASCII host:port of at most 64 bytes")
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not port_text.isdigit() or port_text != str(int(port_text)) or not 1 <= int(port_text) <= 65535:
+        raise DecodeError("bad-field", "address needs a port in 1..65535")
+    bracketed = host.startswith("[") and host.endswith("]")
+    try:
+        ip = ipaddress.ip_address(host[1:-1] if bracketed else host)
+    except ValueError:
+        raise DecodeError("bad-field", "address host must be an IP literal") from None
+    if (ip.version == 6) != bracketed or ip.is_unspecified or ip.is_multicast or str(ip) != (
+            host[1:-1] if bracketed else host):
+        raise DecodeError("bad-field", "address host must be a canonical unicast IP literal")
+    return str(ip), int(port_text)
 
 
 @attrs.frozen(kw_only=True)
 class Hello:
-    """First message on every connection: which revision, which roles, how far the sender's chain is."""
+    """First message on every connection: which revision, which roles, how far the sender's chain is, and
+    optionally the "host:port" the sender accepts connections on (`listen`, for peer exchange)."""
 
     KIND = "hello"
     revision: bytes
     roles: tuple[str, ...]
     head_window: int
+    listen: str | None = None
 
     def body(self) -> Any:
-        return {"revision": self.revision, "roles": list(self.roles), "head_window": self.head_window}
+        body = {"revision": self.revision, "roles": list(self.roles), "head_window": self.head_window}
+        if self.listen is not None:
+            body["listen"] = self.listen
+        return body
 
     @classmethod
     def parse(cls, body: Any) -> Hello:
-        b = f.exact_keys(body, frozenset({"revision", "roles", "head_window"}), "hello")
+        keys = frozenset({"revision", "roles", "head_window"})
+        if isinstance(body, dict) and "listen" in body:
+            keys |= {"listen"}
+        b = f.exact_keys(body, keys, "hello")
         roles = f.array(b, "roles", max_len=8)
         if not all(isinstance(r, str) and r in ROLES for r in roles):
             raise DecodeError("bad-field", "unknown role")
-        return cls(revision=f.cid(b, "revision"), roles=tuple(roles), head_window=f.uint(b, "head_window"))
+        listen = None
+        if "listen" in b:
+            listen = f.text(b, "listen", max_len=MAX_ADDRESS_BYTES)
+            parse_address(listen)
+        return cls(revision=f.cid(b, "revision"), roles=tuple(roles), head_window=f.uint(b, "head_window"),
+                   listen=listen)
 
 
 @attrs.frozen(kw_only=True)
@@ -162,9 +201,37 @@ class ChainEntries:
         return cls(entries=tuple(entries))
 
 
-Message = Hello | CertifiedHead | Signed | ChunkRequest | Chunk | ChunkMissing | ChainRequest | ChainEntries
+@attrs.frozen(kw_only=True)
+class PeerExchange:
+    """Listen addresses of other peers the sender is connected to (spec/wire.md §4, discovery): at most
+    32 `(peer id, "host:port")` entries, distinct peers and distinct addresses."""
+
+    KIND = "peers"
+    peers: tuple[tuple[PeerId, str], ...]
+
+    def body(self) -> Any:
+        return {"peers": [[p.to_bytes(), a] for p, a in self.peers]}
+
+    @classmethod
+    def parse(cls, body: Any) -> PeerExchange:
+        b = f.exact_keys(body, frozenset({"peers"}), "peers")
+        entries = []
+        for item in f.array(b, "peers", max_len=MAX_PEER_ENTRIES):  # length checked before any entry is read
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], bytes)
+                    and isinstance(item[1], str)):
+                raise DecodeError("bad-field", "peer entry must be [peer-id, host:port]")
+            peer = f.peer({"peer": item[0]}, "peer")
+            parse_address(item[1])
+            entries.append((peer, item[1]))
+        if len({p for p, _ in entries}) != len(entries) or len({a for _, a in entries}) != len(entries):
+            raise DecodeError("bad-field", "duplicate peer or address")
+        return cls(peers=tuple(entries))
+
+
+Message = (Hello | CertifiedHead | Signed | ChunkRequest | Chunk | ChunkMissing | ChainRequest | ChainEntries
+           | PeerExchange)
 MESSAGE_TYPES: dict[str, Any] = {m.KIND: m for m in (Hello, CertifiedHead, Signed, ChunkRequest, Chunk, ChunkMissing,
-                                                     ChainRequest, ChainEntries)}
+                                                     ChainRequest, ChainEntries, PeerExchange)}
 ROLES = ("trainer", "reducer", "validator")
 
 

@@ -6,14 +6,28 @@ from hypothesis import strategies as st
 
 from peerloom.core.encoding import encode
 from peerloom.core.errors import DecodeError
-from peerloom.core.messages import Chunk, ChunkRequest, Hello, decode_message, encode_message
+from peerloom.core.messages import (
+    MAX_PEER_ENTRIES,
+    Chunk,
+    ChunkRequest,
+    Hello,
+    PeerExchange,
+    decode_message,
+    encode_message,
+    parse_address,
+)
+from tests.helpers import ident
 
 MAX = 16 << 20
 CID = b"\x12\x20" + b"\x07" * 32
+P1, P2 = ident(1).peer_id.to_bytes(), ident(2).peer_id.to_bytes()
 
 
 @pytest.mark.parametrize("message", [
     Hello(revision=CID, roles=("trainer",), head_window=3),
+    Hello(revision=CID, roles=("trainer",), head_window=3, listen="127.0.0.1:4001"),
+    PeerExchange(peers=((ident(1).peer_id, "127.0.0.1:4001"), (ident(2).peer_id, "[::1]:9"))),
+    PeerExchange(peers=()),
     ChunkRequest(artifact=CID, index=2),
     Chunk(artifact=CID, index=0, data=b"abc"),
 ])
@@ -26,6 +40,14 @@ def test_round_trip(message):
     (["hello", {"revision": CID, "roles": [], "head_window": 0, "x": 1}], "bad-fields"),
     (["chunk-get", {"artifact": b"short", "index": 0}], "bad-field"),
     (["chunk-get", {"artifact": CID, "index": -1}], "bad-field"),
+    (["hello", {"revision": CID, "roles": [], "head_window": 0, "listen": "0.0.0.0:1"}], "bad-field"),
+    (["hello", {"revision": CID, "roles": [], "head_window": 0, "listen": None}], "bad-field"),
+    (["peers", {"peers": [[P1, "127.0.0.1:1"]] * (MAX_PEER_ENTRIES + 1)}], "bad-field"),
+    (["peers", {"peers": [[P1, "127.0.0.1:1"], [P1, "127.0.0.1:2"]]}], "bad-field"),  # duplicate peer
+    (["peers", {"peers": [[P1, "127.0.0.1:1"], [P2, "127.0.0.1:1"]]}], "bad-field"),  # duplicate address
+    (["peers", {"peers": [[P1, "127.0.0.1:1", 3]]}], "bad-field"),
+    (["peers", {"peers": [[b"\0" * 38, "127.0.0.1:1"]]}], "bad-peer-id"),
+    (["peers", {"peers": [], "x": 1}], "bad-fields"),
     (["nope", {}], "unknown-message"),
     ({"kind": "hello"}, "bad-message"),
 ])
@@ -49,11 +71,12 @@ def test_random_bytes_only_raise_decode_error(data):
         pass
 
 
-kinds = st.sampled_from(["hello", "head", "signed", "chunk-get", "chunk", "chunk-missing"])
-leaf = st.integers(-5, 5) | st.binary(max_size=40) | st.text(max_size=5) | st.none() | st.just(CID)
+kinds = st.sampled_from(["hello", "head", "signed", "chunk-get", "chunk", "chunk-missing", "peers"])
+leaf = (st.integers(-5, 5) | st.binary(max_size=40) | st.text(max_size=5) | st.none() | st.just(CID)
+        | st.just(P1) | st.sampled_from(["127.0.0.1:1", "[::1]:80", "1.2.3.4:0", "::1:5", "127.0.0.1:01"]))
 body = st.recursive(leaf, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(
     st.sampled_from(["revision", "roles", "head_window", "head", "certificate", "artifact", "index", "data",
-                     "window", "votes", "params"]), inner, max_size=6), max_leaves=25)
+                     "window", "votes", "params", "listen", "peers"]), inner, max_size=6), max_leaves=25)
 
 
 @given(kinds, body)
@@ -62,3 +85,30 @@ def test_structured_garbage_only_raises_decode_error(kind, value):
         decode_message(encode([kind, value]), max_bytes=MAX)
     except DecodeError:
         pass
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("127.0.0.1:4001", ("127.0.0.1", 4001)),
+    ("[::1]:65535", ("::1", 65535)),
+    ("10.0.0.7:1", ("10.0.0.7", 1)),
+])
+def test_parse_address_accepts_canonical_ip_literals(text, expected):
+    assert parse_address(text) == expected
+
+
+@pytest.mark.parametrize("text", [
+    "127.0.0.1", "127.0.0.1:0", "127.0.0.1:65536", "127.0.0.1:01", "127.0.0.1:+1", "127.0.0.1: 1",
+    "localhost:80", "0.0.0.0:80", "[::]:80", "224.0.0.251:5353", "::1:80", "[127.0.0.1]:80", "127.000.0.1:80",
+    "[::0001]:80", "1" * 60 + ".0.0.1:80", "127.0.0.١:80", "",
+])
+def test_parse_address_refuses_anything_else(text):
+    with pytest.raises(DecodeError) as err:
+        parse_address(text)
+    assert err.value.reason == "bad-field"
+
+
+@given(st.lists(st.tuples(st.integers(1, 60), st.integers(1, 65535)), max_size=MAX_PEER_ENTRIES,
+                unique_by=lambda t: t[0]))
+def test_peer_exchange_round_trips(entries):
+    message = PeerExchange(peers=tuple((ident(i).peer_id, f"127.0.0.{i}:{port}") for i, port in entries))
+    assert decode_message(encode_message(message), max_bytes=MAX) == message

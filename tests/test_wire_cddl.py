@@ -31,6 +31,7 @@ from peerloom.core.messages import (
     ChunkMissing,
     ChunkRequest,
     Hello,
+    PeerExchange,
     Signed,
     encode_message,
 )
@@ -205,6 +206,11 @@ def instances() -> list[tuple[str, bytes, int]]:
             revision=revision.id, window=1)))), 1))
     return [
         ("message", encode_message(Hello(revision=revision.id, roles=("trainer", "validator"), head_window=7)), 0),
+        ("message", encode_message(Hello(revision=revision.id, roles=("reducer",), head_window=0,
+                                         listen="127.0.0.1:4001")), 0),
+        ("message", encode_message(PeerExchange(peers=((trainer.peer_id, "127.0.0.1:4001"),
+                                                       (validators[0].peer_id, "[::1]:65535")))), 0),
+        ("message", encode_message(PeerExchange(peers=())), 0),
         ("message", encode_message(CertifiedHead(head=head, certificate=cert)), 2),  # evidence: 2 votes
         ("message", encode_message(CertifiedHead(head=genesis, certificate=QuorumCertificate(
             head=genesis.id, window=0, round=0, votes=()))), 0),
@@ -262,6 +268,9 @@ def _hello(**changes: Any) -> bytes:
     ("message", _hello(roles=["king"])),                       # unknown role
     ("message", _hello(head_window=-1)),                       # negative where u63
     ("message", _hello(revision=b"short")),                    # cid of the wrong size
+    ("listen-address", encode("127.0.0.1:1" + "0" * 54)),      # over 64 bytes
+    ("message", encode(["peers", {"peers": [[b"\0" * 38, 4001]]}])),               # address not text
+    ("message", encode(["peers", {"peers": [[b"\0" * 37, "127.0.0.1:1"]]}])),       # short peer id
     ("message", encode(["chunk-get", {"artifact": content_id(b"a"), "index": 1 << 25}])),
     ("message-chunk", encode(["nope", {}])),
     ("message-chain-get", encode(["chain-get", {"from_window": 0, "to_window": 1}])),  # windows start at 1
