@@ -181,6 +181,11 @@ class Manifest:
     # an `AdmissionCertificate` for that peer signed by `admission_authority`.
     admission: str = "open"
     admission_authority: PeerId | None = None
+    # Idle expiry (spec/protocol.md §5): a rostered trainer that no validator has heard from (heartbeat,
+    # update or join) for `idle_windows` windows is dropped from the roster, recorded in the head's
+    # `expired`. 0 disables expiry (and heartbeats); the key is then absent from the encoding, so a revision
+    # without expiry encodes (and hashes) as before the field existed.
+    idle_windows: int = 0
 
     def __attrs_post_init__(self) -> None:
         n = len(self.validators)
@@ -210,13 +215,15 @@ class Manifest:
         if self.admission not in ADMISSION_POLICIES or \
                 (self.admission == "certificate") != (self.admission_authority is not None):
             raise DecodeError("bad-field", "admission must be 'open' (no authority) or 'certificate' (an authority)")
+        if self.idle_windows < 0:
+            raise DecodeError("bad-field", "idle_windows must be >= 0")
         if self.audit and self.codec in ERROR_FEEDBACK_CODECS:
             # The error-feedback residual is private trainer state no validator can recompute, so an
             # audit could not tell an honest update from a forged one.
             raise DecodeError("bad-field", f"audits cannot check updates of error-feedback codec {self.codec!r}")
 
     def to_cbor(self) -> dict[str, Any]:
-        return {
+        body: dict[str, Any] = {
             "experiment": self.experiment, "workload": self.workload, "workload_seed": self.workload_seed,
             "schema": [[n, d, list(s)] for n, d, s in self.schema], "shards": list(self.shards),
             "validators": [v.to_bytes() for v in self.validators], "quorum": self.quorum,
@@ -233,10 +240,17 @@ class Manifest:
             "admission": self.admission,
             "admission_authority": None if self.admission_authority is None else self.admission_authority.to_bytes(),
         }
+        if self.idle_windows:
+            body["idle_windows"] = self.idle_windows
+        return body
 
     @classmethod
     def from_cbor(cls, obj: Any) -> Manifest:
-        body = f.exact_keys(obj, _MANIFEST_KEYS, "manifest")
+        optional = {"idle_windows"} if isinstance(obj, dict) and "idle_windows" in obj else set()
+        body = f.exact_keys(obj, _MANIFEST_KEYS | optional, "manifest")
+        idle_windows = f.uint(body, "idle_windows", maximum=1 << 16) if optional else 0
+        if optional and idle_windows == 0:
+            raise DecodeError("bad-field", "idle_windows is absent when 0")  # one encoding per manifest
         schema = []
         for item in f.array(body, "schema", max_len=MAX_TENSORS):
             if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
@@ -270,6 +284,7 @@ class Manifest:
             audit_min_cosine=f.number(body, "audit_min_cosine"), codec=f.text(body, "codec"),
             codec_fraction=f.number(body, "codec_fraction"), admission=f.text(body, "admission"),
             admission_authority=None if body["admission_authority"] is None else f.peer(body, "admission_authority"),
+            idle_windows=idle_windows,
         )
 
     def seal(self, authority: Identity) -> SignedEnvelope:
@@ -283,7 +298,7 @@ _MANIFEST_KEYS = frozenset({
     "quarantine_strikes", "strike_windows", "quarantine_windows", "outer_momentum", "inner_steps",
     "lease_s", "audit", "audit_min_cosine", "codec", "codec_fraction",
     "admission", "admission_authority",
-})
+})  # and "idle_windows" when non-zero
 
 
 @attrs.frozen(kw_only=True)
@@ -350,8 +365,10 @@ class Head:
     screening (their envelopes travel in the head proposal); `evidence` holds equivocation evidence (two
     conflicting signed votes of one validator). `outer_state` is the outer optimizer's state artifact
     (DiLoCo momentum; None for FedAvg and at genesis, meaning zeros) and `outer_state_digest` its tensor
-    digest. `left` lists (sorted) the trainers of the parent's roster that left with a signed `LeaveRequest`:
-    the roster shrinks by exactly these peers and by no other. Every field is derived deterministically from
+    digest. `left` lists (sorted) the trainers of the parent's roster that left with a signed `LeaveRequest`;
+    `expired` lists (sorted, disjoint from `left`) those the proposer has not heard from in the last
+    `idle_windows` windows (manifest; spec/protocol.md §5): the roster shrinks by exactly `left` and
+    `expired` and by no other peer. Every field is derived deterministically from
     the parent and the window's inputs (`core/quarantine.py`), so every validator recomputes the same head.
     """
 
@@ -371,6 +388,7 @@ class Head:
     outer_state: ArtifactRef | None = None
     outer_state_digest: bytes | None = None
     left: tuple[PeerId, ...] = ()
+    expired: tuple[PeerId, ...] = ()
 
     @property
     def quarantined(self) -> frozenset[PeerId]:
@@ -388,11 +406,13 @@ class Head:
             "evidence": [[a.to_cbor(), b.to_cbor()] for a, b in self.evidence],
             "outer_state": None if self.outer_state is None else self.outer_state.to_cbor(),
             "outer_state_digest": self.outer_state_digest, "left": [p.to_bytes() for p in self.left],
+            **({"expired": [p.to_bytes() for p in self.expired]} if self.expired else {}),
         }
 
     @classmethod
     def from_cbor(cls, obj: Any) -> Head:
-        body = f.exact_keys(obj, _HEAD_KEYS, "head")
+        body = f.exact_keys(obj, _HEAD_KEYS | {"expired"} if isinstance(obj, dict) and "expired" in obj else _HEAD_KEYS,
+                            "head")
         cohort = f.array(body, "cohort", max_len=MAX_COHORT)
         for i in range(len(cohort)):
             f.cid({"c": cohort[i]}, "c")
@@ -414,6 +434,12 @@ class Head:
         left = tuple(f.peer({"p": p}, "p") for p in f.array(body, "left", max_len=MAX_PEERS))
         if list(left) != sorted(set(left)):
             raise DecodeError("bad-field", "left must be sorted distinct peer ids")
+        expired = tuple(f.peer({"p": p}, "p") for p in f.array(body, "expired", max_len=MAX_PEERS)) \
+            if "expired" in body else ()
+        if "expired" in body and not expired:
+            raise DecodeError("bad-field", "expired is absent when empty")  # one encoding per head
+        if list(expired) != sorted(set(expired)) or set(expired) & set(left):
+            raise DecodeError("bad-field", "expired must be sorted distinct peer ids, none of them in left")
         return cls(
             revision=f.cid(body, "revision"), parent=f.optional_cid(body, "parent"),
             window=f.uint(body, "window"), skipped=f.boolean(body, "skipped"),
@@ -423,7 +449,7 @@ class Head:
             metrics={k: float(v) for k, v in metrics.items()},
             strikes=_peer_records(body, "strikes", 3), rejected=tuple(rejected), evidence=tuple(evidence),
             outer_state=None if state is None else ArtifactRef.from_cbor(state),
-            outer_state_digest=f.optional_cid(body, "outer_state_digest"), left=left,
+            outer_state_digest=f.optional_cid(body, "outer_state_digest"), left=left, expired=expired,
         )
 
     def to_bytes(self) -> bytes:
@@ -437,7 +463,7 @@ class Head:
 
 _HEAD_KEYS = frozenset({"revision", "parent", "window", "skipped", "params", "params_digest", "cohort", "roster",
                         "quarantine", "metrics", "strikes", "rejected", "evidence", "outer_state",
-                        "outer_state_digest", "left"})
+                        "outer_state_digest", "left"})  # and "expired" when not empty
 
 VOTE_KIND = "vote"
 PREVOTE, PRECOMMIT = "prevote", "precommit"
@@ -644,6 +670,25 @@ class LeaveRequest:
 
 
 @attrs.frozen(kw_only=True)
+class Heartbeat:
+    """A rostered trainer is alive in window `window` (spec/protocol.md §5): sent to the validators once per
+    window when the manifest's `idle_windows` > 0; validators relay it one hop to each other."""
+
+    KIND: ClassVar[str] = "heartbeat"
+
+    revision: bytes
+    window: int
+
+    def to_cbor(self) -> dict[str, Any]:
+        return {"revision": self.revision, "window": self.window}
+
+    @classmethod
+    def from_cbor(cls, obj: Any) -> Heartbeat:
+        body = f.exact_keys(obj, frozenset({"revision", "window"}), "heartbeat")
+        return cls(revision=f.cid(body, "revision"), window=f.uint(body, "window"))
+
+
+@attrs.frozen(kw_only=True)
 class ReductionProposal:
     """A reducer's proposed aggregate for a window: cohort (canonical order) and resulting params."""
 
@@ -672,7 +717,7 @@ class ReductionProposal:
                    params_digest=f.cid(body, "params_digest"))
 
 
-Sealable = UpdateAnnouncement | JoinRequest | ReductionProposal | AdmissionCertificate | LeaveRequest
+Sealable = UpdateAnnouncement | JoinRequest | ReductionProposal | AdmissionCertificate | LeaveRequest | Heartbeat
 
 
 def seal(identity: Identity, obj: Sealable | HeadProposal) -> SignedEnvelope:

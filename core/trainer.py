@@ -20,7 +20,16 @@ from .fsm import Table, step
 from .identity import PeerId
 from .leases import claims_of, leases_of
 from .messages import Signed
-from .objects import PROTOCOL_VERSION, ArtifactRef, Head, JoinRequest, LeaveRequest, UpdateAnnouncement, seal
+from .objects import (
+    PROTOCOL_VERSION,
+    ArtifactRef,
+    Head,
+    Heartbeat,
+    JoinRequest,
+    LeaveRequest,
+    UpdateAnnouncement,
+    seal,
+)
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -38,8 +47,9 @@ TABLE: Table = {
 
 
 # Roster membership (spec/protocol.md §5): "joining" sends joins while not rostered, "leaving" sends
-# leaves while rostered; "left" does neither until the operator asks to join again. Inputs: each new
-# head (rostered or not) and the operator's `LeaveRequested` / `JoinRequested`.
+# leaves while rostered; "left" does neither until the operator asks to join again; "member" sends one
+# heartbeat per window when the manifest's idle_windows > 0 (an expired member is unrostered: it joins
+# again). Inputs: each new head (rostered or not) and the operator's `LeaveRequested` / `JoinRequested`.
 MEMBERSHIP_TABLE: Table = {
     ("joining", "head-rostered"): "member",
     ("joining", "head-unrostered"): "joining",
@@ -88,6 +98,8 @@ class TrainerRole:
         self.joined_window = -1
         self.membership = "joining"  # MEMBERSHIP_TABLE
         self.left_window = -1  # window of the last leave sent
+        self.beat: SignedEnvelope | None = None  # this window's heartbeat (manifest idle_windows > 0)
+        self.beat_sent: set[PeerId] = set()  # validators it went to (one each per window: their quota)
         self.claims: dict[PeerId, tuple[int, ...]] = {}
         self.claim_state: dict[PeerId, str] = {}
         self.claim_announcements: dict[PeerId, SignedEnvelope] = {}
@@ -110,6 +122,12 @@ class TrainerRole:
         if self.membership == "left" and before == "leaving":
             e.log("left", window=head.window)
         self._membership_act()
+        self.beat, self.beat_sent = None, set()
+        if rostered and self.membership == "member" and e.manifest.idle_windows > 0:
+            # Alive in this window, lease or not: keeps an idle trainer's place in the roster (§5).
+            self.beat = seal(e.identity, Heartbeat(revision=e.revision.id, window=self.window))
+            for v in e.peers_with("validator"):
+                self._send_beat(v)
         if not self.shards:
             self._step("no-lease")
             return
@@ -166,6 +184,11 @@ class TrainerRole:
             e.log("leave", window=self.window)
             for v in validators:
                 e.send(v, Signed(envelope=leave))
+
+    def _send_beat(self, validator: PeerId) -> None:
+        if self.beat is not None and validator not in self.beat_sent:
+            self.beat_sent.add(validator)
+            self.engine.send(validator, Signed(envelope=self.beat))
 
     def _join(self) -> None:
         e = self.engine
@@ -230,6 +253,7 @@ class TrainerRole:
                                                                            window=self.window))))
             elif self.membership == "joining":
                 self._join()
+            self._send_beat(peer)
         if not {"validator", "reducer"} & set(roles):
             return
         for envelope in self.claim_announcements.values():

@@ -36,6 +36,7 @@ from .objects import (
     VOTE_KIND,
     Head,
     HeadProposal,
+    Heartbeat,
     JoinRequest,
     LeaveRequest,
     QuorumCertificate,
@@ -96,6 +97,14 @@ class ValidatorRole:
         self.joins: dict[PeerId, int] = {}
         self.admitted: dict[PeerId, int] = {}  # admission policy "certificate": peer -> certified max capacity
         self.leaves: dict[PeerId, int] = {}  # rostered trainer -> window whose head drops it (signed leaves)
+        # Idle expiry (manifest `idle_windows`): the latest window in which each trainer was heard here
+        # (heartbeat, update or join), the first window this validator saw (a trainer counts as heard then:
+        # a validator that just started never expires anyone early), and heartbeats taken per
+        # (sender, signer, window) - one each, more is charged as heartbeat-quota.
+        self.heard: dict[PeerId, int] = {}
+        self.first_window: int | None = None
+        self.heartbeats_taken: set[tuple[PeerId, PeerId, int]] = set()
+        self.refused_expiry: set[bytes] = set()  # heads refused as expired-heard (logged once each)
         self.verdicts: dict[bytes, bool] = {}
         self.checks: dict[bytes, _Check] = {}
         self.own: Value | None = None
@@ -126,14 +135,19 @@ class ValidatorRole:
         self.collector = Collector(e, head, self._on_collector_change)
         window = self.collector.window
         self.deadline_armed, self.own, self.building = False, None, False
-        self.verdicts, self.checks = {}, {}
+        self.verdicts, self.checks, self.refused_expiry = {}, {}, set()
         self.reducer_proposals = {w: v for w, v in self.reducer_proposals.items() if w >= window}
         self.results = {w: v for w, v in self.results.items() if w >= window}
         self.evidence = {p: x for p, x in self.evidence.items() if p not in head.quarantined}
-        for p in head.left:  # gone: a later join (with its certificate) starts afresh
+        for p in head.left + head.expired:  # gone: a later join (with its certificate) starts afresh
             self.joins.pop(p, None)
             self.admitted.pop(p, None)
         self.leaves = {p: w for p, w in self.leaves.items() if w >= window and p not in head.left}
+        if self.first_window is None:
+            self.first_window = window
+        known = {p for p, _ in head.roster} | set(self.joins)
+        self.heard = {p: w for p, w in self.heard.items() if p in known}
+        self.heartbeats_taken = {x for x in self.heartbeats_taken if x[2] >= window}
         self.vote_envelopes = {k: v for k, v in self.vote_envelopes.items() if k[0] >= window}
         self.vote_of = {k: v for k, v in self.vote_of.items() if k[0] >= window}
         self.extra_votes = {x for x in self.extra_votes if x[0][0] >= window}
@@ -278,11 +292,12 @@ class ValidatorRole:
         window = parent.window + 1
         quarantine, strikes = next_records(parent, window, (), (a.signer for a, _ in evidence), self.engine.manifest)
         left = self._departures(parent)
+        expired = self._expirations(parent, left)
         return Head(revision=parent.revision, parent=parent.id, window=window, skipped=True,
                     params=parent.params, params_digest=parent.params_digest, cohort=(),
-                    roster=self._next_roster(parent, quarantine, left), quarantine=quarantine,
+                    roster=self._next_roster(parent, quarantine, left, expired), quarantine=quarantine,
                     metrics=parent.metrics, strikes=strikes, evidence=evidence, outer_state=parent.outer_state,
-                    outer_state_digest=parent.outer_state_digest, left=left)
+                    outer_state_digest=parent.outer_state_digest, left=left, expired=expired)
 
     def _make_head(self, result: dict[str, Any], rejected: tuple[SignedEnvelope, ...],
                    evidence: tuple[tuple[SignedEnvelope, SignedEnvelope], ...]) -> Head:
@@ -293,13 +308,14 @@ class ValidatorRole:
         quarantine, strikes = next_records(parent, window, (u.signer for u in rejected),
                                            (a.signer for a, _ in evidence), e.manifest)
         left = self._departures(parent)
+        expired = self._expirations(parent, left)
         return Head(revision=e.revision.id, parent=parent.id, window=window, skipped=False,
                     params=result["params"], params_digest=result["params_digest"],
                     cohort=tuple(sorted(result["kept"])),
-                    roster=self._next_roster(parent, quarantine, left), quarantine=quarantine,
+                    roster=self._next_roster(parent, quarantine, left, expired), quarantine=quarantine,
                     metrics=result["metrics"], strikes=strikes, rejected=tuple(sorted(u.id for u in rejected)),
                     evidence=evidence, outer_state=result["outer_state"],
-                    outer_state_digest=result["outer_state_digest"], left=left)
+                    outer_state_digest=result["outer_state_digest"], left=left, expired=expired)
 
     def _compute(self, candidates: tuple[SignedEnvelope, ...], check: _Check | None, done: Any) -> None:
         """Screen the candidates against each other, reduce the rest onto the parent (canonical order),
@@ -343,6 +359,14 @@ class ValidatorRole:
         if c is None:
             return False
         reason = self._structural_fault(head, updates)
+        if reason == "expired-heard":
+            # Not cached: refused only while this validator's own view differs and no quorum backs the head
+            # (spec/agreement.md §6, view-dependent validity).
+            if head.id not in self.refused_expiry:
+                self.refused_expiry.add(head.id)
+                self.engine.log("proposal-invalid", window=head.window, reason=reason)
+                self.engine.stats["proposals_invalid"] += 1
+            return False
         if reason:
             self.engine.log("proposal-invalid", window=head.window, reason=reason)
             self.verdicts[head.id] = False
@@ -397,8 +421,14 @@ class ValidatorRole:
         if list(head.left) != sorted(left) or any(p not in before or p in roster for p in left) or \
                 any(self.leaves.get(p, c.window + 1) > c.window for p in left):
             return "left-unknown"  # a departure without a signed leave held here for this window
-        if any(roster.get(p) != cap for p, cap in before.items() if p not in left):
-            return "roster-shrunk"  # the roster shrinks only by the peers that left
+        expired = set(head.expired)
+        if list(head.expired) != sorted(expired) or expired & left or (expired and e.manifest.idle_windows == 0) or \
+                any(p not in before or p in roster for p in expired):
+            return "expired-unknown"  # not a peer of the parent's roster that the new roster drops
+        if any(not self._idle(p, c.window) for p in expired) and not self._quorum_backs(head.id):
+            return "expired-heard"  # this validator heard it within idle_windows: not valid here
+        if any(roster.get(p) != cap for p, cap in before.items() if p not in left and p not in expired):
+            return "roster-shrunk"  # the roster shrinks only by the peers that left or expired
         if any(p not in self.joins and p not in before for p in roster) or \
                 any(p in head.quarantined for p in roster if p not in before):
             return "roster-unknown-join"
@@ -496,14 +526,35 @@ class ValidatorRole:
         rostered = {p for p, _ in head.roster}
         return tuple(sorted(p for p, w in self.leaves.items() if w <= head.window + 1 and p in rostered))
 
+    def _idle(self, peer: PeerId, window: int) -> bool:
+        """True if this validator has not heard `peer` in the last `idle_windows` windows up to `window`."""
+        idle = self.engine.manifest.idle_windows
+        first = window if self.first_window is None else self.first_window
+        return idle > 0 and max(self.heard.get(peer, -1), first) <= window - idle
+
+    def _quorum_backs(self, head_id: bytes) -> bool:
+        """A quorum of prevotes (or precommits) for `head_id` in some round of this window: at least f + 1
+        honest validators found the head valid, its expiries included (spec/agreement.md §6)."""
+        a = self.agreement
+        if a is None:
+            return False
+        tallies = [*a.prevotes.values(), *a.precommits.values()]
+        return any(sum(head_id in v for v in votes.values()) >= a.quorum for votes in tallies)
+
+    def _expirations(self, head: Head, left: tuple[PeerId, ...]) -> tuple[PeerId, ...]:
+        """Trainers of `head`'s roster (not leaving) unheard here for `idle_windows` windows, sorted."""
+        window = head.window + 1
+        return tuple(sorted(p for p, _ in head.roster if p not in left and self._idle(p, window)))
+
     def _next_roster(self, head: Head, quarantine: tuple[tuple[PeerId, int], ...],
-                     left: tuple[PeerId, ...]) -> tuple[tuple[PeerId, int], ...]:
-        """The parent's roster less the peers that `left`, plus joins seen here, except from peers
-        quarantined by the new head."""
-        roster = {p: c for p, c in head.roster if p not in left}
+                     left: tuple[PeerId, ...], expired: tuple[PeerId, ...] = ()) -> tuple[tuple[PeerId, int], ...]:
+        """The parent's roster less the peers that `left` or `expired`, plus joins seen here, except from
+        peers quarantined by the new head."""
+        gone = set(left) | set(expired)
+        roster = {p: c for p, c in head.roster if p not in gone}
         quarantined = {p for p, until in quarantine if until > head.window + 2}
         for peer, capacity in self.joins.items():
-            if peer not in quarantined and peer not in roster and peer not in left:
+            if peer not in quarantined and peer not in roster and peer not in gone:
                 roster[peer] = min(capacity, self.engine.manifest.max_capacity)
         return tuple(sorted(roster.items()))
 
@@ -657,6 +708,9 @@ class ValidatorRole:
         if envelope.kind == "update":
             if self.collector is not None:
                 self.collector.offer(peer, envelope)
+                entry = self.collector.entry_for(envelope)
+                if entry is not None and entry.announcement.window == self.window:
+                    self._hear(envelope.signer, self.window)
         elif envelope.kind == VOTE_KIND:
             self._on_vote(peer, envelope)
         elif envelope.kind == HeadProposal.KIND:
@@ -679,8 +733,11 @@ class ValidatorRole:
                     # a proposal that adds the joiner to the roster is not refused as an unknown join.
                     e.broadcast(Signed(envelope=envelope), roles=("validator",))
             self.joins[envelope.signer] = capacity
+            self._hear(envelope.signer, self.window)
         elif envelope.kind == LeaveRequest.KIND:
             self._on_leave(peer, envelope)
+        elif envelope.kind == Heartbeat.KIND:
+            self._on_heartbeat(peer, envelope)
         elif envelope.kind == ReductionProposal.KIND:
             proposal = ReductionProposal.from_cbor(envelope.open(ReductionProposal.KIND, PROTOCOL_VERSION))
             if proposal.revision != e.revision.id:
@@ -712,6 +769,33 @@ class ValidatorRole:
         e.log("leave", peer=str(signer), window=leave.window)
         if peer == signer:
             e.broadcast(Signed(envelope=envelope), roles=("validator",))  # one hop, like joins
+
+    def _hear(self, peer: PeerId, window: int) -> None:
+        if window > self.heard.get(peer, -1):
+            self.heard[peer] = window
+
+    def _on_heartbeat(self, peer: PeerId, envelope: SignedEnvelope) -> None:
+        """A trainer's signed heartbeat: it was heard in its window. One per (sender, signer, window), for
+        the window being collected or the next; relayed one hop to the other validators."""
+        e, c = self.engine, self.collector
+        beat = Heartbeat.from_cbor(envelope.open(Heartbeat.KIND, PROTOCOL_VERSION))
+        if beat.revision != e.revision.id:
+            raise VerificationError("wrong-revision", "heartbeat")
+        signer = envelope.signer
+        if c is None or not c.window <= beat.window <= c.window + 1 or e.manifest.idle_windows == 0:
+            e.stats["stale_heartbeats"] += 1  # old (or far ahead, or expiry off): no effect, no penalty
+            return
+        key = (peer, signer, beat.window)
+        if key in self.heartbeats_taken:
+            e.reject(peer, "heartbeat-quota", f"{signer} window {beat.window}")
+            return
+        self.heartbeats_taken.add(key)
+        if signer not in self.joins and signer not in {p for p, _ in c.head.roster}:
+            e.stats["stale_heartbeats"] += 1  # not a trainer here (yet, or any more): nothing to keep alive
+            return
+        self._hear(signer, beat.window)
+        if peer == signer:
+            e.broadcast(Signed(envelope=envelope), roles=("validator",))  # one hop, like joins and leaves
 
     def _compare(self, reducer: PeerId, proposal: ReductionProposal) -> None:
         """Once both our own result and a reducer's proposal for a window exist, judge the proposal."""

@@ -25,8 +25,9 @@ def check_rules(revision: Revision, entries: Sequence[tuple[Head, QuorumCertific
 
     A certified (not skipped) head has at least ``min_updates`` distinct updates in its cohort; every
     roster is sorted, names each trainer once, with a capacity in 1..``max_capacity``; a trainer leaves
-    the roster only by a signed leave, which the head records in ``left``: the roster shrinks by exactly
-    the head's ``left`` (peers of the previous roster, absent from the new one) and by no other peer
+    the roster only by a signed leave, which the head records in ``left``, or by idle expiry (manifest
+    ``idle_windows`` > 0), recorded in ``expired``: the roster shrinks by exactly the head's ``left`` and
+    ``expired`` (disjoint peers of the previous roster, absent from the new one) and by no other peer
     (quarantine, not removal, takes a misbehaving peer out of the leases). Raises VerificationError
     naming the window at the first failure.
     """
@@ -44,12 +45,14 @@ def check_rules(revision: Revision, entries: Sequence[tuple[Head, QuorumCertific
         if any(not 1 <= cap <= m.max_capacity for _, cap in head.roster):
             raise VerificationError("roster-capacity", where)
         dropped = {p for p, _ in previous.roster} - set(peers)
-        if dropped != set(head.left):
+        if head.expired and m.idle_windows == 0:
+            raise VerificationError("expired-disabled", f"{where}: expiry is off in this manifest")
+        if set(head.left) & set(head.expired) or dropped != set(head.left) | set(head.expired):
             raise VerificationError("roster-shrunk", f"{where}: {len(dropped)} trainer(s) dropped, "
-                                                     f"{len(head.left)} left")
+                                                     f"{len(head.left)} left, {len(head.expired)} expired")
         previous = head
     return [f"cohort and roster rules hold for {len(entries)} heads (cohort >= {m.min_updates}, "
-            f"capacity <= {m.max_capacity}, roster shrinks only by signed leaves)"]
+            f"capacity <= {m.max_capacity}, roster shrinks only by signed leaves and idle expiry)"]
 
 
 def run_verify(chain_dir: Path, authority: str | None = None, *, echo: Callable[[str], None] = print,

@@ -204,6 +204,14 @@ def instances() -> list[tuple[str, bytes, int]]:
     if hasattr(core_objects, "LeaveRequest"):  # a rostered trainer leaving (newer kind)
         newer.append(("message", encode_message(Signed(envelope=seal(trainer, core_objects.LeaveRequest(
             revision=revision.id, window=1)))), 1))
+    if hasattr(core_objects, "Heartbeat"):  # a rostered trainer alive in a window (newer kind)
+        newer.append(("message", encode_message(Signed(envelope=seal(trainer, core_objects.Heartbeat(
+            revision=revision.id, window=1)))), 1))
+    if "idle_windows" in attrs.fields_dict(core_objects.Manifest):  # idle expiry on (newer, optional field)
+        newer.append(("envelope", attrs.evolve(revision.manifest, idle_windows=2).seal(ident(98)).to_bytes(), 1))
+    if "expired" in attrs.fields_dict(Head):  # a head recording departures and idle expiries (newer fields)
+        gone = attrs.evolve(head, left=(ident(14).peer_id,), expired=(ident(15).peer_id,))
+        newer.append(("message", encode_message(CertifiedHead(head=gone, certificate=cert)), 2))
     return [
         ("message", encode_message(Hello(revision=revision.id, roles=("trainer", "validator"), head_window=7)), 0),
         ("message", encode_message(Hello(revision=revision.id, roles=("reducer",), head_window=0,
