@@ -268,7 +268,7 @@ class Engine:
             "stored": [r.to_cbor() for _, r in sorted(self._stored.items())],
             "stats": dict(sorted(self.stats.items())), "rejected": dict(sorted(self.rejected_by_reason.items())),
             "seen_deltas": sorted([d, w] for d, w in self.seen_deltas.items()),
-            "joins": [], "admitted": [], "leaves": [], "evidence": [],
+            "joins": [], "admitted": [], "leaves": [], "evidence": [], "heard": [], "first_window": None,
         }
         for role in self.roles:
             if hasattr(role, "joins"):
@@ -276,6 +276,9 @@ class Engine:
                 state["admitted"] = [[p.to_bytes(), c] for p, c in sorted(role.admitted.items())]
                 state["leaves"] = [[p.to_bytes(), w] for p, w in sorted(role.leaves.items())]
                 state["evidence"] = [[a.to_cbor(), b.to_cbor()] for _, (a, b) in sorted(role.evidence.items())]
+                # Who was heard when (heartbeats, updates, joins): idle expiry picks up where it left off.
+                state["heard"] = [[p.to_bytes(), w] for p, w in sorted(role.heard.items())]
+                state["first_window"] = role.first_window
         return encode(state)
 
     @classmethod
@@ -287,7 +290,7 @@ class Engine:
 
         state = decode(data, max_bytes=1 << 30)
         keys = {"version", "revision", "now", "records", "stored", "stats", "rejected", "seen_deltas", "joins",
-                "admitted", "leaves", "evidence"}
+                "admitted", "leaves", "evidence", "heard", "first_window"}
         if not isinstance(state, dict) or set(state) != keys or state["version"] != SNAPSHOT_VERSION:
             raise DecodeError("bad-snapshot", "not an engine snapshot")
         if state["revision"] != config.revision.id:
@@ -307,6 +310,8 @@ class Engine:
                 for a, b in state["evidence"]:
                     pair = (SignedEnvelope.from_cbor(a), SignedEnvelope.from_cbor(b))
                     role.evidence[pair[0].signer] = pair
+                role.heard = {PeerId.from_bytes(p): w for p, w in state["heard"]}
+                role.first_window = state["first_window"]
         return engine
 
     # --- services for the role state machines ----------------------------------------------------

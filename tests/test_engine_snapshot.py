@@ -33,6 +33,9 @@ def test_snapshot_round_trips_and_restored_validator_continues(tmp_path, workloa
     assert restored.head == engine.head and restored.certificate == engine.certificate
     assert restored.records == engine.records and restored.stats == engine.stats
     assert all(restored.is_stored(d) for d in engine._stored)
+    # what idle expiry needs (heartbeats heard, the first window it counted from) survives the round trip
+    v, rv = (next(r for r in e.roles if hasattr(r, "heard")) for e in (engine, restored))
+    assert v.heard and rv.heard == v.heard and rv.first_window == v.first_window is not None
     with pytest.raises(LocalProtocolError):  # time of the snapshot is kept: no going back
         restored.handle(ev.Start(now=engine.now - 1.0))
 
