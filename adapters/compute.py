@@ -11,6 +11,7 @@ error-feedback residual per trainer across windows, in this executor's memory (l
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -118,7 +119,7 @@ class ComputeExecutor:
 
         `delta` is the announced update, decoded. The recomputation goes through the same codec (encode,
         decode; no error feedback: a manifest refuses audits with an error-feedback codec), so an honest
-        update reproduces it. The cosine between the two (float64, over all tensors) must be at least
+        update reproduces it. Their cosine (`screening_stats`, float64 sums over all tensors) must be at least
         ``audit["min_cosine"]``; an honest update on the same platform reproduces bit for bit, and on
         another platform stays within floating-point drift of 1.
         """
@@ -127,12 +128,11 @@ class ComputeExecutor:
         if self.manifest.codec != "none":
             encoded, _ = np_codecs.encode(self.manifest.codec, expected, fraction=self.manifest.codec_fraction)
             expected = self._decode(encoded)
-        dot = sum(float(np.dot(delta[k].ravel().astype(np.float64), expected[k].ravel().astype(np.float64)))
-                  for k in expected)
-        norms = (sum(float(np.square(t, dtype=np.float64).sum()) for t in d.values()) ** 0.5
-                 for d in (delta, expected))
-        denominator = np.prod(list(norms))
-        cosine = dot / denominator if denominator > 0 else (1.0 if dot == 0 else 0.0)
+        # The backends' screening statistics: float64 lane sums in reused buffers, equal on numpy and torch.
+        stats = screening_stats(delta, reference=expected)
+        cosine = stats["cosine"]
+        if math.isnan(cosine):  # a zero norm on one side: only "both zero" reproduces
+            cosine = 1.0 if stats["global_norm"] == 0.0 and screening_stats(expected)["global_norm"] == 0.0 else 0.0
         return (True, "") if cosine >= float(audit["min_cosine"]) else (False, "audit")
 
     def _reduce(self, args: dict[str, Any]) -> dict[str, Any]:
