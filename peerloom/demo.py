@@ -350,7 +350,8 @@ def run_demo(*, profile: str = "default", out: Path = Path("peerloom-demo"), see
              "also /openapi.json, /metrics)", markup=True)
         tail = EventTail(validator.directory / "events.jsonl")
         wire_tails = {n.name: EventTail(n.directory / "events.jsonl") for n in nodes}
-        wire_sent: dict[str, int] = {}
+        wire_now: dict[str, int] = {}  # bytes each node has sent in its current life
+        wire_before: dict[str, int] = {}  # bytes sent in earlier lives of a restarted node
         rejected_now = 0
         restart_pending: NodeProc | None = None
         while time.monotonic() < deadline and (not heads or heads[-1]["window"] < p.windows):
@@ -360,8 +361,9 @@ def run_demo(*, profile: str = "default", out: Path = Path("peerloom-demo"), see
             for name, node_tail in wire_tails.items():
                 for line in node_tail.read():
                     if line["event"] == "wire":
-                        wire_sent[name] = wire_sent.get(name, 0) + line["sent"] - wire_sent.get(f"{name}@", 0)
-                        wire_sent[f"{name}@"] = line["sent"]
+                        if line["sent"] < wire_now.get(name, 0):  # a restarted process counts from zero again
+                            wire_before[name] = wire_before.get(name, 0) + wire_now[name]
+                        wire_now[name] = line["sent"]
             for line in tail.read():
                 event = line["event"]
                 if event == "reject":
@@ -374,7 +376,7 @@ def run_demo(*, profile: str = "default", out: Path = Path("peerloom-demo"), see
                     m = line["metrics"]
                     status = "[bold red]SKIPPED (too few updates)[/]" if line["skipped"] else (
                         f"accuracy [bold green]{m.get('test_accuracy', 0):.4f}[/]  loss {m.get('test_loss', 0):.4f}")
-                    total = sum(v for k, v in wire_sent.items() if not k.endswith("@"))
+                    total = sum(wire_before.values()) + sum(wire_now.values())
                     _say(f"window {line['window']:>3}/{p.windows}  {status}  accepted {line['cohort']}  "
                          f"rejected {rejected_now}  wire {total / 1e6:6.2f} MB  "
                          f"t={time.monotonic() - started:5.1f}s", markup=True)
@@ -479,14 +481,14 @@ def _finish(out: Path, profile: str, seed: int, p: Profile, nodes: list[NodeProc
     _say(f"{verdict}: {certified}/{p.windows} windows certified, {skipped} skipped; "
          f"final {metric.replace('_', ' ')} {final_metric:.4f} vs centralized {baseline[metric]:.4f}; "
          f"{report['updates']['accepted']} updates accepted, {report['updates']['rejected']} rejected; "
-         f"quarantined: {', '.join(by_name_of(nodes, q) for q in report['quarantined']) or 'none'}; "
+         f"quarantined: {', '.join(_name_of(nodes, q) for q in report['quarantined']) or 'none'}; "
          f"{report['bytes_on_wire'] / 1e6:.1f} MB on the wire; {report['wall_s']:.1f} s.", markup=True)
     _say(f"defence: {defence['summary']}")
     _say(f"report: {out / 'report.json'}  chain: {out / 'chain'}  plots: {', '.join(str(x) for x in plots)}")
     return 0 if ok else 1
 
 
-def by_name_of(nodes: list[NodeProc], peer_text: str) -> str:
+def _name_of(nodes: list[NodeProc], peer_text: str) -> str:
     return next((n.name for n in nodes if n.identity.peer_id.to_text() == peer_text), peer_text)
 
 

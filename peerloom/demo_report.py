@@ -45,6 +45,17 @@ def _window_of_time(opens: list[tuple[float, int]], t: float) -> int:
     return current
 
 
+def window_bytes(sent_at: dict[int, int]) -> dict[int, int]:
+    """Bytes one node sent in each window, from its cumulative counter logged at each head (window ->
+    bytes). A restarted process counts from zero again, so a drop starts a new life, all of it new."""
+    out, previous = {}, 0
+    for window in sorted(sent_at):
+        sent = sent_at[window]
+        out[window] = sent - previous if sent >= previous else sent
+        previous = sent
+    return out
+
+
 def build_report(*, nodes: Sequence[dict[str, Any]], entries: Sequence[tuple[Head, QuorumCertificate]],
                  observer: str) -> dict[str, Any]:
     """The per-node and per-window parts of ``report.json``.
@@ -109,11 +120,7 @@ def build_report(*, nodes: Sequence[dict[str, Any]], entries: Sequence[tuple[Hea
                 sent_at[n["name"]][e["window"]] = e["sent"]
     bytes_per_window: Counter[int] = Counter()
     for per_node in sent_at.values():
-        previous = 0
-        for window in sorted(per_node):
-            # A restarted process counts from zero again; never report a negative difference.
-            bytes_per_window[window] += max(0, per_node[window] - previous)
-            previous = per_node[window]
+        bytes_per_window.update(window_bytes(per_node))
 
     bytes_by_role: Counter[str] = Counter()
     for n in nodes:

@@ -3,7 +3,7 @@ end in test_demo_e2e.py."""
 
 import json
 
-from peerloom.demo_report import defence_verdict, read_events
+from peerloom.demo_report import defence_verdict, read_events, window_bytes
 
 
 def test_defended_run_within_two_points_keeps_up_and_a_bigger_gap_is_degraded():
@@ -27,3 +27,8 @@ def test_read_events_skips_a_line_torn_by_sigkill(tmp_path):
     path.write_text(json.dumps({"t": 1.0, "event": "head", "window": 1}) + "\n" + '{"t": 2.0, "event": "he')
     assert read_events(path) == [{"t": 1.0, "event": "head", "window": 1}]
     assert read_events(tmp_path / "missing.jsonl") == []
+
+
+def test_window_bytes_counts_a_restarted_nodes_new_life_in_full():
+    # cumulative counter 100, 250, then killed and restarted: 30, 90
+    assert window_bytes({1: 100, 2: 250, 4: 30, 5: 90}) == {1: 100, 2: 150, 4: 30, 5: 60}
