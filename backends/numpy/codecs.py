@@ -10,7 +10,8 @@ codec     what it keeps                  round-trip error (per element)    size 
 none      everything                     0                                 1
 fp16      IEEE half, nearest even        ``<= 2^-11 |x|`` (normal range)   1/2
 bf16      bfloat16, nearest even         ``<= 2^-8 |x|``                   1/2
-int8      per 256-block absmax scale     ``<= scale / 2`` (+ rounding)     ~1/4
+int8      per 256-block absmax scale     ``<= scale / 2`` (+ rounding;     ~1/4
+                                         ``+2^-142`` if scale subnormal)
 topk      the k largest ``|x|`` (ties:   dropped values exactly            ``k (4 + 4) / 4n`` (uint32
           lower index), k = ceil(f n)                                      indices), 2% at f = 1%
 sign      sign bits and mean ``|x|``     ``||x - d||^2 = ||x||^2 - n s^2``  1/32
