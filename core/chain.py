@@ -14,10 +14,32 @@ from .encoding import decode, encode
 from .errors import DecodeError, VerificationError
 from .objects import Head, QuorumCertificate, Revision
 
+# RFC 8949 §4.2.1: a canonical map sorts its keys by their encodings, bytewise: "head" (0x64 ...) comes
+# before "certificate" (0x6b ...). Splicing lets a record reuse the head's cached encoding.
+_MAP2 = b"\xa2"
+_KEY_HEAD = encode("head")
+_KEY_CERTIFICATE = encode("certificate")
+
+
+# The last few records built, by (head id, certificate bytes): every engine of a simulator process that
+# adopts one certified head persists the same record, and shares one bytes object instead of a copy each.
+_RECORDS: dict[tuple[bytes, bytes], bytes] = {}
+_RECORDS_KEPT = 8
+
 
 def encode_chain_entry(head: Head, cert: QuorumCertificate) -> bytes:
-    """The canonical ``{"head", "certificate"}`` record: one chain file, and the engine's head record."""
-    return encode({"head": head.to_cbor(), "certificate": cert.to_cbor()})
+    """The canonical ``{"head", "certificate"}`` record: one chain file, and the engine's head record.
+
+    Byte-identical to ``encode({"head": head.to_cbor(), "certificate": cert.to_cbor()})``."""
+    cert_bytes = encode(cert.to_cbor())
+    key = (head.id, cert_bytes)
+    record = _RECORDS.get(key)
+    if record is None:
+        record = _MAP2 + _KEY_HEAD + head.to_bytes() + _KEY_CERTIFICATE + cert_bytes
+        if len(_RECORDS) >= _RECORDS_KEPT:
+            del _RECORDS[next(iter(_RECORDS))]
+        _RECORDS[key] = record
+    return record
 
 
 def decode_chain_entry(data: bytes) -> tuple[Head, QuorumCertificate]:

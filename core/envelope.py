@@ -10,6 +10,7 @@ The context string and the kind keep a signature for one purpose from being repl
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import attrs
@@ -79,7 +80,7 @@ class SignedEnvelope:
     def from_bytes(cls, data: bytes, *, max_bytes: int = MAX_BODY_BYTES + 256) -> SignedEnvelope:
         return cls.from_cbor(decode(data, max_bytes=max_bytes))
 
-    @property
+    @functools.cached_property
     def id(self) -> bytes:
-        """Content id of the whole envelope (what cohorts list as update ids)."""
+        """Content id of the whole envelope (what cohorts list as update ids); computed once per instance."""
         return content_id(self.to_bytes())

@@ -62,9 +62,16 @@ def public_key_from_protobuf(data: bytes) -> bytes:
     return bytes(data[4:])
 
 
-@attrs.frozen(order=True)
+# Valid peer ids already parsed (immutable values, so sharing them is safe): a roster of N peers is decoded
+# from every head, and a simulator decodes the same ids in thousands of engines.
+_INTERN_LIMIT = 1 << 17
+_INTERNED: dict[bytes, PeerId] = {}
+
+
+@attrs.frozen(order=False)
 class PeerId:
-    """Identity of a peer: wraps its 32-byte Ed25519 public key. Hashable and totally ordered."""
+    """Identity of a peer: wraps its 32-byte Ed25519 public key. Hashable and totally ordered (by key bytes,
+    which is also the order of the binary peer ids: they share one prefix)."""
 
     public_key: bytes = attrs.field(validator=attrs.validators.instance_of(bytes))
 
@@ -72,15 +79,45 @@ class PeerId:
         if len(self.public_key) != 32:
             raise DecodeError("bad-public-key", f"{len(self.public_key)} bytes")
 
+    # Hand-written order: rosters of thousands of peers are sorted and checked for order on every decode,
+    # and attrs' generated comparisons build two tuples per call.
+    def __lt__(self, other: PeerId) -> bool:
+        if not isinstance(other, PeerId):
+            return NotImplemented
+        return self.public_key < other.public_key
+
+    def __le__(self, other: PeerId) -> bool:
+        if not isinstance(other, PeerId):
+            return NotImplemented
+        return self.public_key <= other.public_key
+
+    def __gt__(self, other: PeerId) -> bool:
+        if not isinstance(other, PeerId):
+            return NotImplemented
+        return self.public_key > other.public_key
+
+    def __ge__(self, other: PeerId) -> bool:
+        if not isinstance(other, PeerId):
+            return NotImplemented
+        return self.public_key >= other.public_key
+
     def to_bytes(self) -> bytes:
         """Binary peer id (identity multihash of the protobuf public key), 38 bytes."""
         return _MULTIHASH_PREFIX + _PROTOBUF_PREFIX + self.public_key
 
     @classmethod
     def from_bytes(cls, data: bytes) -> PeerId:
+        """Parse a binary peer id (38 bytes). Raises DecodeError "bad-peer-id", "unsupported-public-key"."""
+        known = _INTERNED.get(data) if type(data) is bytes else None
+        if known is not None:
+            return known
         if len(data) != PEER_ID_BYTES or data[:2] != _MULTIHASH_PREFIX:
             raise DecodeError("bad-peer-id", "not an Ed25519 identity multihash")
-        return cls(public_key_from_protobuf(data[2:]))
+        peer = cls(public_key_from_protobuf(data[2:]))
+        if len(_INTERNED) >= _INTERN_LIMIT:
+            _INTERNED.clear()  # a bounded memo, not a registry: dropping it only costs re-parsing
+        _INTERNED[bytes(data)] = peer
+        return peer
 
     def to_text(self) -> str:
         return b58encode(self.to_bytes())

@@ -7,7 +7,9 @@ typed fields, bounded lengths; DecodeError on anything else). Objects that move 
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -24,7 +26,8 @@ MAX_CHUNK_BYTES = 1 << 20
 MAX_ARTIFACT_BYTES = 1 << 32
 MAX_TENSORS = 4096
 MAX_SHARDS = 65536
-MAX_PEERS = 4096
+MAX_PEERS = 4096  # validators, votes
+MAX_ROSTER = 16384  # trainers: roster entries and per-trainer records (a 16,384-entry head is ~700 KB)
 MAX_COHORT = 4096
 # Protocol names of aggregation rules and outer optimizers a manifest may choose (spec/protocol.md §7).
 AGGREGATION_RULES = ("mean", "median", "trimmed_mean", "krum", "multi_krum", "centered_clip", "norm_clip")
@@ -111,15 +114,19 @@ def _roster_to_cbor(roster: Sequence[RosterEntry]) -> list[list[Any]]:
 
 def _roster_from_cbor(body: dict[str, Any], key: str, max_capacity: int) -> tuple[RosterEntry, ...]:
     entries = []
-    for item in f.array(body, key, max_len=MAX_PEERS):
+    for item in f.array(body, key, max_len=MAX_ROSTER):
         if not (isinstance(item, list) and len(item) == 2):
             raise DecodeError("bad-field", f"{key} entries are [peer, capacity]")
         entry = f.exact_keys({"peer": item[0], "capacity": item[1]}, frozenset({"peer", "capacity"}), key)
         entries.append((f.peer(entry, "peer"), f.uint(entry, "capacity", maximum=max_capacity)))
-    peers = [p for p, _ in entries]
-    if peers != sorted(set(peers)):
+    if not _strictly_ascending([p for p, _ in entries]):
         raise DecodeError("bad-field", f"{key} must be sorted by peer id without duplicates")
     return tuple(entries)
+
+
+def _strictly_ascending(items: Sequence[Any]) -> bool:
+    """Sorted without duplicates, in one linear pass (rosters hold thousands of peers)."""
+    return all(a < b for a, b in itertools.pairwise(items))
 
 
 @attrs.frozen(kw_only=True)
@@ -327,6 +334,11 @@ class Revision:
         return cls(envelope=envelope, manifest=Manifest.from_cbor(envelope.open(Manifest.KIND, PROTOCOL_VERSION)))
 
     def genesis(self) -> Head:
+        """The head of window 0, as the manifest defines it (one instance per revision)."""
+        return self._genesis
+
+    @functools.cached_property
+    def _genesis(self) -> Head:
         m = self.manifest
         return Head(revision=self.id, parent=None, window=0, skipped=False, params=m.genesis_params,
                     params_digest=m.genesis_params_digest, cohort=(), roster=m.roster)
@@ -341,13 +353,12 @@ Evidence = tuple[SignedEnvelope, SignedEnvelope]  # two conflicting votes of one
 
 def _peer_records(body: dict[str, Any], key: str, width: int) -> tuple[Any, ...]:
     out = []
-    for item in f.array(body, key, max_len=MAX_PEERS):
+    for item in f.array(body, key, max_len=MAX_ROSTER):
         if not (isinstance(item, list) and len(item) == width):
             raise DecodeError("bad-field", f"{key} entries are {width}-element arrays")
         rec = {str(i): v for i, v in enumerate(item)}
         out.append((f.peer(rec, "0"), *(f.uint(rec, str(i)) for i in range(1, width))))
-    peers = [r[0] for r in out]
-    if peers != sorted(set(peers)):
+    if not _strictly_ascending([r[0] for r in out]):
         raise DecodeError("bad-field", f"{key} must be sorted by peer id without duplicates")
     return tuple(out)
 
@@ -431,10 +442,10 @@ class Head:
                 raise DecodeError("bad-field", "evidence entries are [vote, vote]")
             evidence.append((SignedEnvelope.from_cbor(item[0]), SignedEnvelope.from_cbor(item[1])))
         state = body["outer_state"]
-        left = tuple(f.peer({"p": p}, "p") for p in f.array(body, "left", max_len=MAX_PEERS))
+        left = tuple(f.peer({"p": p}, "p") for p in f.array(body, "left", max_len=MAX_ROSTER))
         if list(left) != sorted(set(left)):
             raise DecodeError("bad-field", "left must be sorted distinct peer ids")
-        expired = tuple(f.peer({"p": p}, "p") for p in f.array(body, "expired", max_len=MAX_PEERS)) \
+        expired = tuple(f.peer({"p": p}, "p") for p in f.array(body, "expired", max_len=MAX_ROSTER)) \
             if "expired" in body else ()
         if "expired" in body and not expired:
             raise DecodeError("bad-field", "expired is absent when empty")  # one encoding per head
@@ -453,12 +464,22 @@ class Head:
         )
 
     def to_bytes(self) -> bytes:
+        """The canonical encoding (computed once per instance: heads are immutable)."""
+        return self._encoded
+
+    @functools.cached_property
+    def _encoded(self) -> bytes:
         return encode(self.to_cbor())
 
-    @property
+    @functools.cached_property
     def id(self) -> bytes:
         """Content id of the head's canonical encoding."""
         return content_id(self.to_bytes())
+
+    @functools.cached_property
+    def roster_peers(self) -> frozenset[PeerId]:
+        """The peers of `roster` as a set (computed once per instance)."""
+        return frozenset(p for p, _ in self.roster)
 
 
 _HEAD_KEYS = frozenset({"revision", "parent", "window", "skipped", "params", "params_digest", "cohort", "roster",

@@ -116,7 +116,7 @@ class TrainerRole:
         self.claim_announcements = {}
         if self.claims:
             e.set_timer(("claim", self.window), e.now + e.manifest.lease_s)
-        rostered = e.me in {p for p, _ in head.roster}
+        rostered = e.me in head.roster_peers
         before = self.membership
         self._membership_step("head-rostered" if rostered else "head-unrostered")
         if self.membership == "left" and before == "leaving":

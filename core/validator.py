@@ -145,7 +145,7 @@ class ValidatorRole:
         self.leaves = {p: w for p, w in self.leaves.items() if w >= window and p not in head.left}
         if self.first_window is None:
             self.first_window = window
-        known = {p for p, _ in head.roster} | set(self.joins)
+        known = head.roster_peers | set(self.joins)
         self.heard = {p: w for p, w in self.heard.items() if p in known}
         self.heartbeats_taken = {x for x in self.heartbeats_taken if x[2] >= window}
         self.vote_envelopes = {k: v for k, v in self.vote_envelopes.items() if k[0] >= window}
@@ -411,8 +411,9 @@ class ValidatorRole:
         fault = self._evidence_fault(head)
         if fault:
             return fault
-        cohort = tuple(u for u in updates if u.id in set(head.cohort))
-        rejected = tuple(u for u in updates if u.id in set(head.rejected))
+        cohort_ids, rejected_ids = set(head.cohort), set(head.rejected)
+        cohort = tuple(u for u in updates if u.id in cohort_ids)
+        rejected = tuple(u for u in updates if u.id in rejected_ids)
         quarantine, strikes = next_records(parent, c.window, (u.signer for u in rejected),
                                            (a.signer for a, _ in head.evidence), e.manifest)
         if (head.quarantine, head.strikes) != (quarantine, strikes):
@@ -444,11 +445,17 @@ class ValidatorRole:
         if len(cohort) + len(rejected) != len(updates) or head.cohort != tuple(sorted(ids)) or \
                 len(set(ids)) != len(ids) or head.rejected != tuple(sorted(u.id for u in rejected)):
             return "cohort-mismatch"
-        try:
-            anns = {u.id: UpdateAnnouncement.from_cbor(u.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
-                    for u in updates}
-        except (DecodeError, VerificationError):
-            return "cohort-update-rejected"
+        anns: dict[bytes, UpdateAnnouncement] = {}
+        for u in updates:
+            # An envelope our collector took was verified on arrival: same bytes, same signature.
+            entry = c.entry_for(u)
+            if entry is not None and entry.envelope == u:
+                anns[u.id] = entry.announcement
+                continue
+            try:
+                anns[u.id] = UpdateAnnouncement.from_cbor(u.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
+            except (DecodeError, VerificationError):
+                return "cohort-update-rejected"
         if len({slot_of(u.signer, anns[u.id]) for u in updates}) != len(updates):
             return "cohort-duplicate-lease"
         shards = [s for u in cohort for s in anns[u.id].shards]
@@ -523,7 +530,7 @@ class ValidatorRole:
 
     def _departures(self, head: Head) -> tuple[PeerId, ...]:
         """Trainers of `head`'s roster that sent a leave for the next window (or an earlier one), sorted."""
-        rostered = {p for p, _ in head.roster}
+        rostered = head.roster_peers
         return tuple(sorted(p for p, w in self.leaves.items() if w <= head.window + 1 and p in rostered))
 
     def _idle(self, peer: PeerId, window: int) -> bool:
@@ -759,7 +766,7 @@ class ValidatorRole:
         if c is None or leave.window < c.window or leave.window > c.window + WINDOWS_AHEAD:
             e.stats["stale_leaves"] += 1  # for a window certified already (or far ahead): no effect, no penalty
             return
-        if signer not in {p for p, _ in c.head.roster}:
+        if signer not in c.head.roster_peers:
             if peer == signer:
                 e.reject(peer, "leave-not-rostered")
             return
@@ -790,7 +797,7 @@ class ValidatorRole:
             e.reject(peer, "heartbeat-quota", f"{signer} window {beat.window}")
             return
         self.heartbeats_taken.add(key)
-        if signer not in self.joins and signer not in {p for p, _ in c.head.roster}:
+        if signer not in self.joins and signer not in c.head.roster_peers:
             e.stats["stale_heartbeats"] += 1  # not a trainer here (yet, or any more): nothing to keep alive
             return
         self._hear(signer, beat.window)

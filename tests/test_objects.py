@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from peerloom.core.chain import verify_chain
 from peerloom.core.encoding import encode
 from peerloom.core.errors import DecodeError, VerificationError
-from peerloom.core.leases import assign_shards, lease_weight, leases_of
+from peerloom.core.leases import assign_shards, lease_weight, leases_of, rank_shards
 from peerloom.core.objects import (
     PRECOMMIT,
     PREVOTE,
@@ -126,6 +126,21 @@ def test_leases_cover_every_shard_once_and_are_deterministic(n_peers, n_shards, 
     assert a == assign_shards(head_id, window, n_shards, list(reversed(roster)), 4)
 
 
+@given(st.integers(1, 12), st.integers(1, 60), st.binary(min_size=34, max_size=34), st.integers(1, 100))
+def test_leases_balance_exactly_by_capacity_and_rank_someone_else_second(n_peers, n_shards, head_id, window):
+    """Each slot gets floor(S/V) or ceil(S/V) shards (spec/protocol.md §4), so a trainer of capacity c
+    holds between c*floor(S/V) and c*ceil(S/V) shards in every window; the next-ranked trainer of a shard
+    is never its owner."""
+    roster = [(ident(i).peer_id, 1 + i % 3) for i in range(1, n_peers + 1)]
+    ranked = rank_shards(head_id, window, n_shards, roster, 4)
+    slots = sum(c for _, c in roster)
+    held = Counter(r[0] for r in ranked.values())
+    for peer, capacity in roster:
+        assert capacity * (n_shards // slots) <= held[peer] <= capacity * -(-n_shards // slots)
+    for r in ranked.values():
+        assert len(r) == (2 if n_peers > 1 else 1) and (len(r) == 1 or r[0] != r[1])
+
+
 def test_leases_follow_capacity_and_skip_quarantined():
     roster = [(ident(1).peer_id, 1), (ident(2).peer_id, 3)]
     counts = Counter()
@@ -157,3 +172,29 @@ def test_chain_verifies_and_detects_tampering():
     with pytest.raises(VerificationError):  # certificate is for the honest head
         verify_chain(rev, [chain[0], (evil, chain[1][1])])
     assert encode(h2.to_cbor()) != encode(evil.to_cbor())
+
+
+def test_chain_entry_splices_the_cached_head_bytes_into_the_canonical_record():
+    """encode_chain_entry reuses the head's cached encoding; the record must be the canonical map."""
+    from peerloom.core.chain import decode_chain_entry, encode_chain_entry
+    from peerloom.core.encoding import encode
+
+    validators = [ident(i) for i in range(1, 5)]
+    rev = make_revision(trainers=[ident(10), ident(11), ident(12)], validators=validators, quorum=3)
+    head = child(rev, rev.genesis(), quarantine=((ident(11).peer_id, 9),), left=(ident(12).peer_id,),
+                 roster=tuple(e for e in rev.genesis().roster if e[0] != ident(12).peer_id))
+    cert = certify(rev, head, validators[:3])
+    record = encode_chain_entry(head, cert)
+    assert record == encode({"head": head.to_cbor(), "certificate": cert.to_cbor()})
+    assert decode_chain_entry(record) == (head, cert)
+    assert encode_chain_entry(head, cert) is record  # shared, not rebuilt, by the next engine
+
+
+def test_head_id_and_roster_set_are_cached_per_instance_and_follow_the_fields():
+    rev = make_revision(trainers=[ident(10), ident(11)])
+    head = child(rev, rev.genesis())
+    assert head.id is head.id and head.to_bytes() is head.to_bytes()
+    other = attrs.evolve(head, window=head.window + 1)
+    assert other.id != head.id and Head.from_cbor(other.to_cbor()).id == other.id
+    assert head.roster_peers == {p for p, _ in head.roster}
+    assert rev.genesis() is rev.genesis()
