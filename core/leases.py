@@ -1,12 +1,18 @@
-"""Lease assignment by weighted rendezvous hashing (DESIGN §4, spec/protocol.md §4).
+"""Lease assignment by a capacity-weighted random permutation of slots (DESIGN §4, spec/protocol.md §4).
 
-For window w the owner of shard s is a pure function of the certified head of window w-1: every rostered
-trainer p with capacity c draws c scores ``SHA-256(domain, head_id, w, s, p, j)`` for j < c, and the trainer
-holding the largest score gets the shard. Everyone computes the same leases, so there are no conflicts.
+For window w the owner of shard s is a pure function of the certified head of window w-1: every rostered,
+non-quarantined trainer p with capacity c holds c *slots*, slot j keyed ``SHA-256(domain, head_id, w, p,
+j)``. Sorting the slots by key gives a fresh uniformly random order every window (the head id changes);
+shard s goes to the trainer of slot ``s mod V`` (V slots in all), and its next-ranked trainer is the trainer
+of the first later slot (cyclically) held by someone else. Everyone computes the same leases, so there are
+no conflicts.
 
-Using c integer draws instead of the textbook ``-c / ln(h)`` score (Schindelhauer & Schomaker 2005;
-Thaler & Ravishankar 1998 for plain rendezvous hashing) gives the same capacity-proportional odds with
-exact integer comparisons, so no platform's libm can make two honest peers disagree.
+Compared with weighted rendezvous hashing (one score per shard and trainer: O(shards x roster) hashes, 10^8
+per window at 10,000 trainers and shards), this costs V hashes and one sort, and it balances exactly:
+each slot gets floor(S/V) or ceil(S/V) shards, so a trainer's share is proportional to its capacity in
+every window, not only on average. Rendezvous hashing's minimal disruption under roster changes buys
+nothing here, because the head id reshuffles every window anyway. Keys are compared as bytes, so no
+platform can make two honest peers disagree.
 """
 
 from __future__ import annotations
@@ -17,46 +23,57 @@ from collections.abc import Sequence
 from .identity import PeerId
 from .objects import Head, Manifest
 
-LEASE_DOMAIN = b"peerloom/lease/v1"
+LEASE_DOMAIN = b"peerloom/lease/v2"
 
 
-def _score(head_id: bytes, window: int, shard: int, peer: PeerId, capacity: int) -> bytes:
-    best = b""
-    prefix = LEASE_DOMAIN + head_id + window.to_bytes(8, "big") + shard.to_bytes(4, "big") + peer.to_bytes()
-    for j in range(capacity):
-        best = max(best, hashlib.sha256(prefix + j.to_bytes(2, "big")).digest())
-    return best
+def slot_order(head_id: bytes, window: int, roster: Sequence[tuple[PeerId, int]], max_capacity: int,
+               excluded: frozenset[PeerId] = frozenset()) -> list[PeerId]:
+    """The holders of all slots of `window`, in slot order (one entry per slot: a peer of capacity c
+    appears c times). Capacities are clamped to 1..`max_capacity`; `excluded` peers hold no slot. Ties of
+    the 32-byte keys (never seen in practice) break by peer id, then slot number."""
+    prefix = LEASE_DOMAIN + head_id + window.to_bytes(8, "big")
+    keyed: list[tuple[bytes, bytes, int, PeerId]] = []
+    for peer, capacity in roster:
+        if peer in excluded:
+            continue
+        peer_bytes = peer.to_bytes()
+        for j in range(max(1, min(capacity, max_capacity))):
+            key = hashlib.sha256(prefix + peer_bytes + j.to_bytes(2, "big")).digest()
+            keyed.append((key, peer_bytes, j, peer))
+    keyed.sort(key=lambda k: k[:3])
+    return [k[3] for k in keyed]
 
 
 def assign_shards(head_id: bytes, window: int, num_shards: int,
                   roster: Sequence[tuple[PeerId, int]], max_capacity: int,
                   excluded: frozenset[PeerId] = frozenset()) -> dict[int, PeerId]:
-    """Owner of every shard for `window`. Capacities are clamped to 1..`max_capacity`.
-
-    Returns {} when no eligible trainer exists. Ties (equal 32-byte hashes) break by peer id.
-    """
+    """Owner of every shard for `window`; {} when no eligible trainer exists."""
     return {s: ranked[0] for s, ranked in rank_shards(head_id, window, num_shards, roster, max_capacity,
                                                       excluded).items()}
 
 
 def rank_shards(head_id: bytes, window: int, num_shards: int, roster: Sequence[tuple[PeerId, int]],
                 max_capacity: int, excluded: frozenset[PeerId] = frozenset()) -> dict[int, tuple[PeerId, ...]]:
-    """The two best-ranked trainers of every shard: (owner,) or (owner, next-ranked), one pass each."""
-    eligible = [(p, max(1, min(c, max_capacity))) for p, c in roster if p not in excluded]
+    """The owner and next-ranked trainer of every shard: (owner,) when only one trainer is eligible, else
+    (owner, next-ranked)."""
+    slots = slot_order(head_id, window, roster, max_capacity, excluded)
+    total = len(slots)
+    if not total:
+        return {}
+    # following[i]: index of the first slot after i (cyclically) whose holder differs from slot i's
+    following: list[int | None] = [None] * total
+    for i in range(total):
+        for k in range(1, total):
+            if slots[(i + k) % total] != slots[i]:
+                following[i] = (i + k) % total
+                break
+        else:
+            break  # a single eligible trainer holds every slot: nobody ranks second
     ranked: dict[int, tuple[PeerId, ...]] = {}
-    if not eligible:
-        return ranked
     for shard in range(num_shards):
-        best: list[tuple[bytes, PeerId]] = []
-        for peer, capacity in eligible:
-            key = (_score(head_id, window, shard, peer, capacity), peer)
-            if len(best) < 2:
-                best.append(key)
-                best.sort(reverse=True)
-            elif key > best[1]:
-                best[1] = key
-                best.sort(reverse=True)
-        ranked[shard] = tuple(p for _, p in best)
+        i = shard % total
+        after = following[i]
+        ranked[shard] = (slots[i],) if after is None else (slots[i], slots[after])
     return ranked
 
 
