@@ -18,9 +18,11 @@ import resource
 import sys
 import time
 
+DEFAULT_MAX_SHARDS = 1000
+
 
 def scenario(trainers: int, windows: int, shards: int | None) -> dict:
-    shards = shards or trainers
+    shards = shards or min(trainers, DEFAULT_MAX_SHARDS)
     return {
         "name": f"sim-scale-{trainers}",
         "duration_s": 60.0 * windows + 120.0,
@@ -38,7 +40,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trainers", type=int, default=10_000)
     parser.add_argument("--windows", type=int, default=10)
-    parser.add_argument("--shards", type=int, default=None, help="default: one shard per trainer")
+    parser.add_argument("--shards", type=int, default=None,
+                        help=f"shards leased per window (default: one per trainer, at most {DEFAULT_MAX_SHARDS}: "
+                             "beyond that each window trains a capacity-weighted random sample of the trainers)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="30 trainers, 2 windows")
     args = parser.parse_args()

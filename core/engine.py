@@ -41,6 +41,7 @@ from .messages import (
     Chunk,
     ChunkMissing,
     ChunkRequest,
+    DecodeMemo,
     Hello,
     Message,
     PeerExchange,
@@ -51,6 +52,7 @@ from .messages import (
 from .objects import ArtifactRef, Head, QuorumCertificate, Revision
 
 HEAD_RECORD = "head"
+SERVER_ROLES = frozenset({"validator", "reducer"})
 
 
 def chain_key(window: int) -> str:
@@ -87,6 +89,9 @@ class EngineConfig:
     admission: SignedEnvelope | None = None  # this trainer's admission certificate (policy "certificate")
     listen_address: str | None = None  # "host:port" we accept connections on, sent in Hello (peer exchange)
     peer_exchange_interval_s: float = 10.0  # a peer may send one PeerExchange per this many seconds
+    # A decode memo shared by the engines of one simulator process (a broadcast is decoded once); None in
+    # a real node.
+    decode_memo: DecodeMemo | None = attrs.field(default=None, eq=False, repr=False)
 
     @property
     def keeps_chain(self) -> bool:
@@ -150,6 +155,8 @@ class Engine:
         self.stats: Counter[str] = Counter()
         self.rejected_by_reason: Counter[str] = Counter()
         self.peers: dict[PeerId, PeerState] = {}
+        # greeted peers that told us where they listen (peer exchange draws from these, not from all peers)
+        self._listening: dict[PeerId, str] = {}
         self._effects: deque[fx.Effect] = deque()
         self._timers: list[tuple[float, int, tuple[Any, ...]]] = []
         self._timer_deadline: dict[tuple[Any, ...], float] = {}
@@ -203,10 +210,12 @@ class Engine:
             case ev.PeerConnected():
                 self.peers[event.peer] = PeerState(chunk_tokens=float(self.config.chunk_request_burst),
                                                    tokens_at=self.now)
+                self._listening.pop(event.peer, None)
                 self.send(event.peer, Hello(revision=self.revision.id, roles=tuple(sorted(self.config.roles)),
                                             head_window=self.head.window, listen=self.config.listen_address))
             case ev.PeerDisconnected():
                 self.peers.pop(event.peer, None)
+                self._listening.pop(event.peer, None)
                 for fetch in list(self._fetches.values()):
                     if event.peer in fetch.providers:
                         fetch.providers.remove(event.peer)
@@ -429,7 +438,10 @@ class Engine:
             self.emit(fx.HeadPromoted(head=head, certificate=cert))
             self.log("head", window=head.window, id=head.id.hex(), skipped=head.skipped,
                      cohort=len(head.cohort), metrics=dict(head.metrics))
-            self.broadcast(CertifiedHead(head=head, certificate=cert))
+            if self.config.roles & SERVER_ROLES:
+                # Heads flow from the servers out: a trainer-only node is a leaf and relays none (with N
+                # trainers, relaying would send N copies back to every server each window).
+                self.broadcast(CertifiedHead(head=head, certificate=cert))
             self._open_next_window()
 
         self.persist_then(HEAD_RECORD, record, promote)
@@ -452,7 +464,9 @@ class Engine:
         if state is None:
             raise LocalProtocolError(f"message from {peer} which is not connected")
         try:
-            message = decode_message(data, max_bytes=self.config.max_message_bytes)
+            memo = self.config.decode_memo
+            message = decode_message(data, max_bytes=self.config.max_message_bytes) if memo is None else \
+                memo.decode(data, max_bytes=self.config.max_message_bytes)
         except DecodeError as exc:
             self.reject(peer, f"decode-{exc.reason}", exc.detail)
             return
@@ -472,6 +486,10 @@ class Engine:
                     self.emit(fx.HangUp(peer=peer, reason="wrong-revision"))
                     return
                 state.roles, state.greeted, state.listen = message.roles, True, message.listen
+                if message.listen is None:
+                    self._listening.pop(peer, None)
+                else:
+                    self._listening[peer] = message.listen
                 if message.head_window < self.head.window:
                     self.send(peer, CertifiedHead(head=self.head, certificate=self.certificate))
                 self._send_peer_exchange(peer)
@@ -523,8 +541,7 @@ class Engine:
 
     def _send_peer_exchange(self, peer: PeerId) -> None:
         """Tell a newly greeted peer where the other peers we are connected to listen (at most 32)."""
-        known = sorted((p, s.listen) for p, s in self.peers.items()
-                       if p != peer and s.greeted and s.listen is not None)
+        known = sorted((p, a) for p, a in self._listening.items() if p != peer)
         entries: list[tuple[PeerId, str]] = []
         for p, address in known:
             if len(entries) == MAX_PEER_ENTRIES:

@@ -252,3 +252,39 @@ def decode_message(data: bytes | memoryview, *, max_bytes: int) -> Message:
         raise DecodeError("too-large", f"{kind} over {MAX_CONTROL_BYTES} bytes")
     result: Message = cls.parse(body)
     return result
+
+
+class DecodeMemo:
+    """Decoded messages by their exact bytes, shared by the engines of one simulator process.
+
+    A broadcast is one bytes object delivered to many engines; decoding is a pure function of the bytes
+    and messages are immutable values, so every receiver can share one decode. Only messages of at most
+    `max_message_bytes` are kept (never artifact chunks), at most `max_entries` of them (least recently used dropped).
+    Failures are not kept: every receiver sees and charges the same DecodeError. A real node has no use for
+    this (it decodes each message it receives once); `EngineConfig.decode_memo` is None there.
+    """
+
+    def __init__(self, max_entries: int = 4096, max_message_bytes: int = MAX_CONTROL_BYTES) -> None:
+        self.max_entries = max_entries
+        self.max_message_bytes = max_message_bytes
+        self.hits = 0
+        self._decoded: dict[tuple[bytes, int], Message] = {}
+
+    def decode(self, data: bytes | memoryview, *, max_bytes: int) -> Message:
+        """`decode_message(data, max_bytes=max_bytes)`, shared between callers that pass equal bytes."""
+        if type(data) is not bytes or len(data) > self.max_message_bytes:
+            return decode_message(data, max_bytes=max_bytes)
+        key = (data, max_bytes)
+        message = self._decoded.pop(key, None)
+        if message is not None:
+            self.hits += 1
+            self._decoded[key] = message  # most recently used last: a head broadcast to N peers stays
+            return message
+        message = decode_message(data, max_bytes=max_bytes)
+        if isinstance(message, Chunk):
+            return message
+        if len(self._decoded) >= self.max_entries:
+            del self._decoded[next(iter(self._decoded))]
+        self._decoded[key] = message
+        return message
+

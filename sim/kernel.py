@@ -34,6 +34,7 @@ from peerloom.core import events as ev
 from peerloom.core.engine import Engine, EngineConfig
 from peerloom.core.identity import Identity, PeerId
 from peerloom.core.leases import leases_of
+from peerloom.core.messages import DecodeMemo
 from peerloom.core.objects import PROTOCOL_VERSION, Head, QuorumCertificate, Revision, UpdateAnnouncement
 
 from .disk import SimDisk
@@ -158,6 +159,8 @@ class Simulation:
         self.redial_s = redial_s
         self.trace = trace
         self.engine_options = dict(engine_options or {})
+        # One decode per broadcast, shared by every receiving engine (core/messages.py DecodeMemo).
+        self.decode_memo = DecodeMemo()
         self.now = 0.0
         self.events = 0
         self.nodes: dict[str, SimNode] = {}
@@ -217,7 +220,7 @@ class Simulation:
     def boot(self, name: str) -> None:
         node = self.nodes[name]
         config = EngineConfig(roles=node.roles, revision=self.revision, capacity=node.capacity,
-                              **self.engine_options)
+                              decode_memo=self.decode_memo, **self.engine_options)
         rng = random.Random(derive_seed(self.seed, f"engine/{name}/{node.incarnation}"))
         factory = node.engine_factory or Engine
         node.engine = factory(config, node.identity, rng, stored=node.disk.refs(), records=node.disk.records())

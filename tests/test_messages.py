@@ -10,6 +10,7 @@ from peerloom.core.messages import (
     MAX_PEER_ENTRIES,
     Chunk,
     ChunkRequest,
+    DecodeMemo,
     Hello,
     PeerExchange,
     decode_message,
@@ -112,3 +113,29 @@ def test_parse_address_refuses_anything_else(text):
 def test_peer_exchange_round_trips(entries):
     message = PeerExchange(peers=tuple((ident(i).peer_id, f"127.0.0.{i}:{port}") for i, port in entries))
     assert decode_message(encode_message(message), max_bytes=MAX) == message
+
+
+def test_decode_memo_shares_one_decode_per_bytes_and_forgets_nothing_it_should_not_keep():
+    memo = DecodeMemo(max_entries=2)
+    data = encode_message(Hello(revision=CID, roles=("trainer",), head_window=3))
+    first = memo.decode(data, max_bytes=MAX)
+    assert first == decode_message(data, max_bytes=MAX)
+    assert memo.decode(bytes(data), max_bytes=MAX) is first and memo.hits == 1  # equal bytes, one decode
+    # failures are not kept: every receiver gets (and charges) its own DecodeError
+    bad = encode(["nope", {}])
+    for _ in range(2):
+        with pytest.raises(DecodeError):
+            memo.decode(bad, max_bytes=MAX)
+    # chunks are never kept; other messages are, least recently used dropped first
+    chunk = encode_message(Chunk(artifact=CID, index=0, data=b"abc"))
+    assert memo.decode(chunk, max_bytes=MAX) is not memo.decode(chunk, max_bytes=MAX)
+    other = [encode_message(ChunkRequest(artifact=CID, index=i)) for i in range(2)]
+    memo.decode(other[0], max_bytes=MAX)
+    memo.decode(data, max_bytes=MAX)  # refreshes the Hello
+    memo.decode(other[1], max_bytes=MAX)  # evicts ChunkRequest 0, not the Hello
+    hits = memo.hits
+    assert memo.decode(data, max_bytes=MAX) is first and memo.hits == hits + 1
+    assert memo.decode(other[0], max_bytes=MAX) == ChunkRequest(artifact=CID, index=0) and memo.hits == hits + 1
+    # a smaller max_bytes is its own key: the size limit still applies to each caller
+    with pytest.raises(DecodeError):
+        memo.decode(data, max_bytes=8)
