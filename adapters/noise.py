@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import struct
 from collections.abc import Callable
 
 import attrs
@@ -170,9 +171,12 @@ def x25519(private_key: bytes, public_key: bytes) -> bytes:
         raise NoiseError("bad-dh-key", "X25519 with a low-order public key") from exc
 
 
+_NONCE = struct.Struct("<4xQ")  # ChaChaPoly nonce (§12.3): 32 bits of zeros, then n as 64 bits little-endian
+
+
 def _nonce(n: int) -> bytes:
     """ChaChaPoly nonce (§12.3): 32 bits of zeros then the 64-bit counter little-endian (96 bits)."""
-    return b"\x00\x00\x00\x00" + n.to_bytes(8, "little")
+    return _NONCE.pack(n)
 
 
 # --- CipherState (§5.1) ----------------------------------------------------------------------------------
@@ -688,40 +692,51 @@ class NoiseTransport:
 
         Same transport message as `encrypt` (EncryptWithAd, empty ad, §5.1) without allocating: OpenSSL's
         ChaCha20-Poly1305 (through `cryptography`'s `encrypt_into`) writes the ciphertext over the
-        plaintext. NoiseError "message-too-long", "nonce-exhausted".
+        plaintext. Pass a memoryview to save making one per call (the bulk path does). NoiseError
+        "message-too-long", "nonce-exhausted".
         """
         if length > MAX_TRANSPORT_PLAINTEXT:
             raise NoiseError("message-too-long", f"{length}-byte plaintext")
-        if offset < 0 or offset + length + TAGLEN > len(buffer):
+        end = offset + length
+        if offset < 0 or end + TAGLEN > len(buffer):
             raise NoiseError("out-of-order", "buffer too small for plaintext + tag")
-        cipher = self.send
-        assert cipher.k is not None and self._send_aead is not None
-        cipher._check_nonce()
-        view = memoryview(buffer)
-        self._send_aead.encrypt_into(_nonce(cipher.n), view[offset:offset + length], b"",
-                                     view[offset:offset + length + TAGLEN])
-        cipher.n += 1
+        cipher, aead = self.send, self._send_aead
+        if aead is None:
+            raise NoiseError("out-of-order", "no transport key")
+        n = cipher.n
+        if n >= MAX_NONCE:
+            raise NoiseError("nonce-exhausted", "n reached 2^64-1 (§5.1); the session must end")
+        view = buffer if isinstance(buffer, memoryview) else memoryview(buffer)
+        aead.encrypt_into(_NONCE.pack(n), view[offset:end], b"", view[offset:end + TAGLEN])
+        cipher.n = n + 1
         return length + TAGLEN
 
     def decrypt_into(self, ciphertext: bytes | bytearray | memoryview, out: bytearray | memoryview) -> int:
         """Decrypt one transport message into `out` (at least ``len(ciphertext) - 16`` bytes); returns the
-        plaintext length. Same checks and errors as `decrypt`; the receive nonce advances on success only."""
+        plaintext length. Same checks and errors as `decrypt`; the receive nonce advances on success only.
+        Pass `out` as a memoryview to save making one per call (the bulk path does)."""
         size = len(ciphertext)
         if size > MAX_MESSAGE_BYTES:
             raise NoiseError("message-too-long", f"{size}-byte ciphertext")
         if size < TAGLEN:
             raise NoiseError("decrypt-failed", f"{size} bytes is shorter than the tag")
-        if len(out) < size - TAGLEN:
+        plain = size - TAGLEN
+        if len(out) < plain:
             raise NoiseError("out-of-order", "output buffer too small")
-        cipher = self.receive
-        assert cipher.k is not None and self._receive_aead is not None
-        cipher._check_nonce()
+        cipher, aead = self.receive, self._receive_aead
+        if aead is None:
+            raise NoiseError("out-of-order", "no transport key")
+        n = cipher.n
+        if n >= MAX_NONCE:
+            raise NoiseError("nonce-exhausted", "n reached 2^64-1 (§5.1); the session must end")
+        if len(out) != plain:
+            out = (out if isinstance(out, memoryview) else memoryview(out))[:plain]
         try:
-            self._receive_aead.decrypt_into(_nonce(cipher.n), ciphertext, b"", memoryview(out)[:size - TAGLEN])
+            aead.decrypt_into(_NONCE.pack(n), ciphertext, b"", out)
         except cryptography.exceptions.InvalidTag:
-            raise NoiseError("decrypt-failed", f"{size}-byte ciphertext, nonce {cipher.n}") from None
-        cipher.n += 1
-        return size - TAGLEN
+            raise NoiseError("decrypt-failed", f"{size}-byte ciphertext, nonce {n}") from None
+        cipher.n = n + 1
+        return plain
 
 
 class Libp2pNoiseHandshake:

@@ -10,6 +10,7 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
+from peerloom.adapters import tcp
 from peerloom.adapters.noise import (
     LIBP2P_PROTOCOL_NAME,
     LIBP2P_SIGNATURE_PREFIX,
@@ -565,6 +566,74 @@ def test_control_message_overtakes_a_bulk_message_in_flight() -> None:
                 await trio.sleep(0.01)
         assert received[:2] == [b"vote", b"head"]  # in order within the control lane
         assert received[2] == big
+        await conn.aclose()
+
+    run_with_server(body, handler, max_message_bytes=len(big))
+
+
+class _WriteLog:
+    """Wraps a connection's stream and records the Noise messages of each socket write (their sizes)."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self._stream = stream
+        self.writes: list[list[int]] = []
+        self.writing = False
+
+    async def send_all(self, data: bytes | memoryview) -> None:
+        view, sizes = memoryview(data), []
+        while view:  # a write holds whole Noise messages: walk their length prefixes
+            length = int.from_bytes(view[:2], "big")
+            sizes.append(length)
+            view = view[2 + length:]
+        self.writes.append(sizes)
+        self.writing = True
+        await self._stream.send_all(data)
+        self.writing = False
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stream, name)
+
+
+def test_control_message_waits_for_at_most_one_bulk_turn() -> None:
+    """A control message sent while a bulk turn is blocked in the socket goes out right after that turn:
+    at most `_BULK_BATCH_FRAMES` = 16 bulk Noise messages (≈ 1 MiB, spec/transport.md §4) are written
+    between `send_message(control)` and the control frame. A transport that wrote a bulk message in one
+    go, or as far as its 4 MiB credit reaches, would put 64 or more there."""
+    import socket
+
+    received: list[bytes] = []
+    release = trio.Event()
+
+    async def handler(conn: SecureConnection) -> None:
+        await release.wait()  # not reading yet: the client's socket fills up mid-turn
+        for _ in range(2):
+            received.append(await conn.receive_message())
+
+    big = bytes(range(256)) * (12_000_000 // 256)
+
+    async def body(port: int) -> None:
+        conn = await connect(HOST, port, CLIENT, max_message_bytes=len(big))
+        conn._stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)
+        log = _WriteLog(conn._stream)
+        conn._stream = log  # type: ignore[assignment]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(conn.send_message, big)
+            while not log.writing:
+                await trio.sleep(0)
+            await trio.sleep(0.1)
+            assert log.writing  # the first bulk turn is stuck in the socket
+            mark = len(log.writes) - 1  # the turn in progress counts
+            nursery.start_soon(functools.partial(conn.send_message, b"vote"))
+            await trio.sleep(0.05)
+            release.set()
+        after = log.writes[mark:]
+        control = next(i for i, sizes in enumerate(after) if sizes and max(sizes) < 100)
+        assert 0 < sum(len(sizes) for sizes in after[:control]) <= 16 == tcp._BULK_BATCH_FRAMES
+        assert all(len(sizes) <= tcp._BULK_BATCH_FRAMES for sizes in log.writes)  # every turn is bounded
+        with trio.fail_after(10):
+            while len(received) < 2:
+                await trio.sleep(0.01)
+        assert received == [b"vote", big]
         await conn.aclose()
 
     run_with_server(body, handler, max_message_bytes=len(big))
