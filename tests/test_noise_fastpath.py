@@ -55,3 +55,30 @@ def test_tampered_message_is_refused_and_the_nonce_does_not_advance() -> None:
     assert info.value.reason == "decrypt-failed"
     out = bytearray(5)
     assert receiver.decrypt_into(good, out) == 5 and out == b"hello"  # nonce 0 still expected
+
+
+@given(st.binary(max_size=3000), st.integers(0, 40), st.integers(0, 9))
+def test_memoryview_buffers_give_the_same_messages(message: bytes, offset: int, slack: int) -> None:
+    """The bulk path passes memoryviews (a send buffer, a window of the reassembly buffer, possibly longer
+    than the plaintext): same ciphertext as the reference, and only the plaintext's bytes are written."""
+    fast, receiver = pair()
+    buffer = memoryview(bytearray(offset + len(message) + TAGLEN + slack))
+    buffer[offset:offset + len(message)] = message
+    n = fast.encrypt_in_place(buffer, offset, len(message))
+    ciphertext = bytes(buffer[offset:offset + n])
+    assert ciphertext == CipherState(KEY_A).encrypt_with_ad(b"", message)
+    out = memoryview(bytearray(b"\xaa" * (len(message) + slack)))
+    assert receiver.decrypt_into(ciphertext, out) == len(message)
+    assert bytes(out[:len(message)]) == message and bytes(out[len(message):]) == b"\xaa" * slack
+
+
+def test_exhausted_nonce_is_refused_by_the_fast_path() -> None:
+    fast, receiver = pair()
+    fast.send.set_nonce(2**64 - 1)
+    receiver.receive.set_nonce(2**64 - 1)
+    with pytest.raises(NoiseError) as info:
+        fast.encrypt_in_place(bytearray(5 + TAGLEN), 0, 5)
+    assert info.value.reason == "nonce-exhausted"
+    with pytest.raises(NoiseError) as info:
+        receiver.decrypt_into(bytes(5 + TAGLEN), bytearray(5))
+    assert info.value.reason == "nonce-exhausted"

@@ -639,6 +639,24 @@ def test_control_message_waits_for_at_most_one_bulk_turn() -> None:
     run_with_server(body, handler, max_message_bytes=len(big))
 
 
+def test_send_buffer_grows_to_a_bulk_turn_only_when_bulk_is_sent() -> None:
+    """Connections that only carry control messages keep a two-message send buffer (~128 KiB, not ~1 MiB)."""
+    frame_bytes = 2 + 65535
+
+    async def body(port: int) -> None:
+        conn = await connect(HOST, port, CLIENT)
+        for size in (10, 65536):
+            await conn.send_message(bytes(size))
+            assert len(await conn.receive_message()) == size
+        assert len(conn._send_view) == tcp._CONTROL_BATCH_FRAMES * frame_bytes
+        await conn.send_message(bytes(300_000))
+        assert len(await conn.receive_message()) == 300_000
+        assert len(conn._send_view) == tcp._BULK_BATCH_FRAMES * frame_bytes
+        await conn.aclose()
+
+    run_with_server(body)
+
+
 def test_explicit_lanes_keep_order_per_lane() -> None:
     received: list[bytes] = []
 
