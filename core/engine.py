@@ -44,6 +44,7 @@ from .messages import (
     DecodeMemo,
     Hello,
     Message,
+    NextHead,
     PeerExchange,
     Signed,
     decode_message,
@@ -434,14 +435,17 @@ class Engine:
         def promote() -> None:
             if head.window <= self.head.window:
                 return
+            parent = self.head
             self.head, self.certificate = head, cert
             self.emit(fx.HeadPromoted(head=head, certificate=cert))
             self.log("head", window=head.window, id=head.id.hex(), skipped=head.skipped,
                      cohort=len(head.cohort), metrics=dict(head.metrics))
             if self.config.roles & SERVER_ROLES:
                 # Heads flow from the servers out: a trainer-only node is a leaf and relays none (with N
-                # trainers, relaying would send N copies back to every server each window).
-                self.broadcast(CertifiedHead(head=head, certificate=cert))
+                # trainers, relaying would send N copies back to every server each window). Peers that
+                # hold the parent get the head without its roster (spec/protocol.md §8).
+                self.broadcast(NextHead.of(head, parent, cert) if head.parent == parent.id
+                               else CertifiedHead(head=head, certificate=cert))
             self._open_next_window()
 
         self.persist_then(HEAD_RECORD, record, promote)
@@ -506,6 +510,21 @@ class Engine:
                 if self.config.keeps_chain and gap[0] <= gap[1] and peer not in self._chain_requests:
                     # We jumped ahead on the strength of one certificate; fetch and verify what we skipped.
                     self._request_chain(peer, *gap)
+            case NextHead():
+                window = message.fields["window"]
+                if window <= self.head.window:
+                    return
+                if message.fields["parent"] != self.head.id:
+                    # We missed a head: the chain segment up to this one carries whole heads (and rosters);
+                    # its last entry is adopted once every link verifies.
+                    if peer not in self._chain_requests:
+                        self._request_chain(peer, self.head.window + 1, window)
+                    return
+                head = message.head_after(self.head)
+                self.verify_certified(head, message.certificate)
+                self.adopt(head, message.certificate)
+                for role in self.roles:
+                    role.on_head_source(peer, head)
             case ChainRequest():
                 if not self._take_chunk_token(state):
                     self.reject(peer, "chain-quota")
@@ -605,7 +624,7 @@ class Engine:
         previous = self.chain_entry(first - 1)
         if previous is None:
             return
-        prev = previous[0]
+        prev, prev_cert = previous
         for head, cert in message.entries:
             if head.window != prev.window + 1 or not first <= head.window <= last:
                 self.reject(peer, "chain-window", f"window {head.window} after {prev.window}")
@@ -621,12 +640,17 @@ class Engine:
                 return
             if ours is None:
                 self.persist_then(chain_key(head.window), encode_chain_entry(head, cert), lambda: None)
-            prev = head
+            prev, prev_cert = head, cert
         after = self.chain_entry(prev.window + 1)
         if after is not None and after[0].parent != prev.id:
             self.reject(peer, "chain-parent", f"window {prev.window + 1}")
             return
         self.stats["chain_entries_verified"] += len(message.entries)
+        if prev.window > self.head.window:
+            # asked for after a next-head we could not link: the segment reaches past our head
+            self.adopt(prev, prev_cert)
+            for role in self.roles:
+                role.on_head_source(peer, prev)
         if message.entries and prev.window < self.head.window - 1:
             missing = [w for w in range(prev.window + 1, self.head.window) if self.chain_entry(w) is None]
             if missing:

@@ -6,17 +6,18 @@ else is authenticated only by the transport (Noise binds the connection to the p
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from typing import Any
 
 import attrs
 
 from . import _fields as f
-from .encoding import decode, encode
+from .encoding import content_id, decode, encode
 from .envelope import SignedEnvelope
 from .errors import DecodeError
 from .identity import PeerId
-from .objects import Head, QuorumCertificate
+from .objects import Head, QuorumCertificate, RosterEntry, head_fields, roster_from_cbor, roster_to_cbor
 
 MAX_CONTROL_BYTES = 1 << 20
 MAX_ADDRESS_BYTES = 64  # a "host:port" listen address
@@ -94,6 +95,83 @@ class CertifiedHead:
     def parse(cls, body: Any) -> CertifiedHead:
         b = f.exact_keys(body, frozenset({"head", "certificate"}), "head message")
         return cls(head=Head.from_cbor(b["head"]), certificate=QuorumCertificate.from_cbor(b["certificate"]))
+
+
+@attrs.frozen(kw_only=True)
+class NextHead:
+    """A certified head for a peer that holds its parent, without the roster (spec/protocol.md §8).
+
+    `header` is the head's header (`Head.header_cbor`: the roster named by `roster_digest`), `joined` the
+    roster entries the head adds to its parent's roster (sorted by peer). The receiver derives the roster
+    from its own copy of the parent's - less the header's `left` and `expired`, plus `joined` - and
+    checks it against the digest (`head_after`), so a server sends each trainer O(cohort + changes) bytes
+    per window instead of the whole roster. `joined` is unsigned: a wrong one fails the digest check and
+    is charged to the sender.
+    """
+
+    KIND = "next-head"
+    header: dict[str, Any] = attrs.field(hash=False)
+    joined: tuple[RosterEntry, ...]
+    certificate: QuorumCertificate
+
+    @classmethod
+    def of(cls, head: Head, parent: Head, certificate: QuorumCertificate) -> NextHead:
+        """The next-head message of `head`, for peers holding `parent` (its parent)."""
+        if head.parent != parent.id:
+            raise ValueError("parent is not the head's parent")
+        joined = tuple(e for e in head.roster if e[0] not in parent.roster_peers)
+        return cls(header=head.header_cbor(), joined=joined, certificate=certificate)
+
+    @functools.cached_property
+    def fields(self) -> dict[str, Any]:
+        """The parsed header (`head_fields`); DecodeError if it is not a valid one."""
+        return head_fields(self.header)
+
+    @functools.cached_property
+    def head_id(self) -> bytes:
+        """The id of the head this message describes (the content id of its header)."""
+        return content_id(encode(self.header))
+
+    def body(self) -> Any:
+        return {"header": self.header, "joined": roster_to_cbor(self.joined), "certificate": self.certificate.to_cbor()}
+
+    @classmethod
+    def parse(cls, body: Any) -> NextHead:
+        b = f.exact_keys(body, frozenset({"header", "joined", "certificate"}), "next-head")
+        message = cls(header=b["header"], joined=roster_from_cbor(b, "joined", 1 << 16),
+                      certificate=QuorumCertificate.from_cbor(b["certificate"]))
+        message.fields  # noqa: B018 - check the header now: a bad one is a decode error like any other
+        return message
+
+    def head_after(self, parent: Head) -> Head:
+        """The head, with its roster derived from `parent`'s (the receiver's current head, whose id must be
+        the header's parent). Raises DecodeError ``roster-mismatch`` when the derived roster is not the one
+        the header names, or ``bad-field`` when `joined` names a peer the roster keeps. Shared between the
+        engines of a process (a simulator's trainers all derive the same head)."""
+        key = (parent.id, self.head_id, self.joined)
+        head = _DERIVED.get(key)
+        if head is None:
+            fields = self.fields
+            if fields["parent"] != parent.id:
+                raise ValueError("not the parent of this head")
+            gone = set(fields["left"]) | set(fields["expired"])
+            if not gone and not self.joined:
+                roster = parent.roster
+            else:
+                kept = {p: c for p, c in parent.roster if p not in gone}
+                if any(p in kept for p, _ in self.joined):
+                    raise DecodeError("bad-field", "joined names a peer the roster keeps")
+                roster = tuple(sorted([*kept.items(), *self.joined]))
+            head = Head.from_fields(fields, roster)
+            if len(_DERIVED) >= _DERIVED_KEPT:
+                del _DERIVED[next(iter(_DERIVED))]
+            _DERIVED[key] = head
+        return head
+
+
+# The last few heads derived by NextHead.head_after, by (parent id, head id, joined): immutable values.
+_DERIVED: dict[tuple[bytes, bytes, tuple[RosterEntry, ...]], Head] = {}
+_DERIVED_KEPT = 8
 
 
 @attrs.frozen(kw_only=True)
@@ -228,10 +306,10 @@ class PeerExchange:
         return cls(peers=tuple(entries))
 
 
-Message = (Hello | CertifiedHead | Signed | ChunkRequest | Chunk | ChunkMissing | ChainRequest | ChainEntries
-           | PeerExchange)
-MESSAGE_TYPES: dict[str, Any] = {m.KIND: m for m in (Hello, CertifiedHead, Signed, ChunkRequest, Chunk, ChunkMissing,
-                                                     ChainRequest, ChainEntries, PeerExchange)}
+Message = (Hello | CertifiedHead | NextHead | Signed | ChunkRequest | Chunk | ChunkMissing | ChainRequest
+           | ChainEntries | PeerExchange)
+MESSAGE_TYPES: dict[str, Any] = {m.KIND: m for m in (Hello, CertifiedHead, NextHead, Signed, ChunkRequest, Chunk,
+                                                     ChunkMissing, ChainRequest, ChainEntries, PeerExchange)}
 ROLES = ("trainer", "reducer", "validator")
 
 

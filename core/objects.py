@@ -108,11 +108,11 @@ TensorSpec = tuple[str, str, tuple[int, ...]]
 RosterEntry = tuple[PeerId, int]
 
 
-def _roster_to_cbor(roster: Sequence[RosterEntry]) -> list[list[Any]]:
+def roster_to_cbor(roster: Sequence[RosterEntry]) -> list[list[Any]]:
     return [[p.to_bytes(), cap] for p, cap in roster]
 
 
-def _roster_from_cbor(body: dict[str, Any], key: str, max_capacity: int) -> tuple[RosterEntry, ...]:
+def roster_from_cbor(body: dict[str, Any], key: str, max_capacity: int) -> tuple[RosterEntry, ...]:
     entries = []
     for item in f.array(body, key, max_len=MAX_ROSTER):
         if not (isinstance(item, list) and len(item) == 2):
@@ -238,7 +238,7 @@ class Manifest:
             "aggregation": self.aggregation, "outer_optimizer": self.outer_optimizer,
             "outer_lr": self.outer_lr, "chunk_size": self.chunk_size,
             "genesis_params": self.genesis_params.to_cbor(),
-            "genesis_params_digest": self.genesis_params_digest, "roster": _roster_to_cbor(self.roster),
+            "genesis_params_digest": self.genesis_params_digest, "roster": roster_to_cbor(self.roster),
             "max_update_norm": self.max_update_norm, "norm_ratio": self.norm_ratio, "min_cosine": self.min_cosine,
             "quarantine_strikes": self.quarantine_strikes, "strike_windows": self.strike_windows,
             "quarantine_windows": self.quarantine_windows, "outer_momentum": self.outer_momentum,
@@ -280,7 +280,7 @@ class Manifest:
             chunk_size=f.uint(body, "chunk_size", maximum=MAX_CHUNK_BYTES),
             genesis_params=ArtifactRef.from_cbor(body["genesis_params"]),
             genesis_params_digest=f.cid(body, "genesis_params_digest"),
-            roster=_roster_from_cbor(body, "roster", max_capacity),
+            roster=roster_from_cbor(body, "roster", max_capacity),
             max_update_norm=f.number(body, "max_update_norm"), norm_ratio=f.number(body, "norm_ratio"),
             min_cosine=f.number(body, "min_cosine"),
             quarantine_strikes=f.uint(body, "quarantine_strikes", maximum=1 << 16),
@@ -406,11 +406,18 @@ class Head:
         """Peers that hold no lease and no cohort slot in window `window + 1`."""
         return frozenset(p for p, until in self.quarantine if until > self.window + 1)
 
-    def to_cbor(self) -> dict[str, Any]:
+    @functools.cached_property
+    def roster_digest(self) -> bytes:
+        """Content id of the roster's canonical encoding (what the header names the roster by)."""
+        return roster_digest(self.roster)
+
+    def header_cbor(self) -> dict[str, Any]:
+        """The head without its roster, which it names by `roster_digest` (spec/protocol.md §2): what the
+        head id hashes, and what a `next-head` message carries."""
         return {
             "revision": self.revision, "parent": self.parent, "window": self.window, "skipped": self.skipped,
             "params": self.params.to_cbor(), "params_digest": self.params_digest, "cohort": list(self.cohort),
-            "roster": _roster_to_cbor(self.roster),
+            "roster_digest": self.roster_digest,
             "quarantine": [[p.to_bytes(), until] for p, until in self.quarantine],
             "metrics": dict(self.metrics),
             "strikes": [[p.to_bytes(), n, w] for p, n, w in self.strikes], "rejected": list(self.rejected),
@@ -420,48 +427,27 @@ class Head:
             **({"expired": [p.to_bytes() for p in self.expired]} if self.expired else {}),
         }
 
+    def to_cbor(self) -> dict[str, Any]:
+        """The whole head: its header and its roster."""
+        return self.header_cbor() | {"roster": roster_to_cbor(self.roster)}
+
     @classmethod
     def from_cbor(cls, obj: Any) -> Head:
-        body = f.exact_keys(obj, _HEAD_KEYS | {"expired"} if isinstance(obj, dict) and "expired" in obj else _HEAD_KEYS,
-                            "head")
-        cohort = f.array(body, "cohort", max_len=MAX_COHORT)
-        for i in range(len(cohort)):
-            f.cid({"c": cohort[i]}, "c")
-        rejected = f.array(body, "rejected", max_len=MAX_COHORT)
-        for r in rejected:
-            f.cid({"c": r}, "c")
-        if rejected != sorted(set(rejected)):
-            raise DecodeError("bad-field", "rejected must be sorted distinct update ids")
-        metrics = body["metrics"]
-        if not isinstance(metrics, dict) or len(metrics) > 64 or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) for v in metrics.values()):
-            raise DecodeError("bad-field", "metrics must map names to numbers")
-        evidence = []
-        for item in f.array(body, "evidence", max_len=64):
-            if not (isinstance(item, list) and len(item) == 2):
-                raise DecodeError("bad-field", "evidence entries are [vote, vote]")
-            evidence.append((SignedEnvelope.from_cbor(item[0]), SignedEnvelope.from_cbor(item[1])))
-        state = body["outer_state"]
-        left = tuple(f.peer({"p": p}, "p") for p in f.array(body, "left", max_len=MAX_ROSTER))
-        if list(left) != sorted(set(left)):
-            raise DecodeError("bad-field", "left must be sorted distinct peer ids")
-        expired = tuple(f.peer({"p": p}, "p") for p in f.array(body, "expired", max_len=MAX_ROSTER)) \
-            if "expired" in body else ()
-        if "expired" in body and not expired:
-            raise DecodeError("bad-field", "expired is absent when empty")  # one encoding per head
-        if list(expired) != sorted(set(expired)) or set(expired) & set(left):
-            raise DecodeError("bad-field", "expired must be sorted distinct peer ids, none of them in left")
-        return cls(
-            revision=f.cid(body, "revision"), parent=f.optional_cid(body, "parent"),
-            window=f.uint(body, "window"), skipped=f.boolean(body, "skipped"),
-            params=ArtifactRef.from_cbor(body["params"]), params_digest=f.cid(body, "params_digest"),
-            cohort=tuple(cohort), roster=_roster_from_cbor(body, "roster", 1 << 16),
-            quarantine=_peer_records(body, "quarantine", 2),
-            metrics={k: float(v) for k, v in metrics.items()},
-            strikes=_peer_records(body, "strikes", 3), rejected=tuple(rejected), evidence=tuple(evidence),
-            outer_state=None if state is None else ArtifactRef.from_cbor(state),
-            outer_state_digest=f.optional_cid(body, "outer_state_digest"), left=left, expired=expired,
-        )
+        """Parse a whole head. Raises DecodeError (``roster-mismatch`` when the roster is not the one
+        `roster_digest` names)."""
+        if not isinstance(obj, dict) or "roster" not in obj:
+            raise DecodeError("bad-fields", "head: missing roster")
+        roster = roster_from_cbor(obj, "roster", 1 << 16)
+        return cls.from_fields(head_fields({k: v for k, v in obj.items() if k != "roster"}), roster)
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, Any], roster: tuple[RosterEntry, ...]) -> Head:
+        """The head of parsed header `fields` (`head_fields`) with `roster`. Raises DecodeError
+        ``roster-mismatch`` unless `roster` has the header's roster digest."""
+        head = cls(**{k: v for k, v in fields.items() if k != "roster_digest"}, roster=roster)
+        if head.roster_digest != fields["roster_digest"]:
+            raise DecodeError("roster-mismatch", f"window {head.window}")
+        return head
 
     def to_bytes(self) -> bytes:
         """The canonical encoding (computed once per instance: heads are immutable)."""
@@ -473,8 +459,9 @@ class Head:
 
     @functools.cached_property
     def id(self) -> bytes:
-        """Content id of the head's canonical encoding."""
-        return content_id(self.to_bytes())
+        """Content id of the canonical encoding of the head's header (`header_cbor`): the roster counts
+        through its digest, so a header and a roster checked against it prove the whole head."""
+        return content_id(encode(self.header_cbor()))
 
     @functools.cached_property
     def roster_peers(self) -> frozenset[PeerId]:
@@ -482,9 +469,61 @@ class Head:
         return frozenset(p for p, _ in self.roster)
 
 
-_HEAD_KEYS = frozenset({"revision", "parent", "window", "skipped", "params", "params_digest", "cohort", "roster",
-                        "quarantine", "metrics", "strikes", "rejected", "evidence", "outer_state",
-                        "outer_state_digest", "left"})  # and "expired" when not empty
+_HEADER_KEYS = frozenset({"revision", "parent", "window", "skipped", "params", "params_digest", "cohort",
+                          "roster_digest", "quarantine", "metrics", "strikes", "rejected", "evidence", "outer_state",
+                          "outer_state_digest", "left"})  # and "expired" when not empty
+_HEAD_KEYS = _HEADER_KEYS | {"roster"}
+
+
+def roster_digest(roster: Sequence[RosterEntry]) -> bytes:
+    """Content id of a roster's canonical encoding (a CBOR array of [peer id, capacity], sorted by peer)."""
+    return content_id(encode(roster_to_cbor(roster)))
+
+
+def head_fields(obj: Any) -> dict[str, Any]:
+    """Parse and check a head header (a head without its roster; spec/wire.md §7): the `Head` fields but
+    the roster, plus ``roster_digest``. Raises DecodeError."""
+    keys = _HEADER_KEYS | {"expired"} if isinstance(obj, dict) and "expired" in obj else _HEADER_KEYS
+    body = f.exact_keys(obj, keys, "head")
+    cohort = f.array(body, "cohort", max_len=MAX_COHORT)
+    for i in range(len(cohort)):
+        f.cid({"c": cohort[i]}, "c")
+    rejected = f.array(body, "rejected", max_len=MAX_COHORT)
+    for r in rejected:
+        f.cid({"c": r}, "c")
+    if rejected != sorted(set(rejected)):
+        raise DecodeError("bad-field", "rejected must be sorted distinct update ids")
+    metrics = body["metrics"]
+    if not isinstance(metrics, dict) or len(metrics) > 64 or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in metrics.values()):
+        raise DecodeError("bad-field", "metrics must map names to numbers")
+    evidence = []
+    for item in f.array(body, "evidence", max_len=64):
+        if not (isinstance(item, list) and len(item) == 2):
+            raise DecodeError("bad-field", "evidence entries are [vote, vote]")
+        evidence.append((SignedEnvelope.from_cbor(item[0]), SignedEnvelope.from_cbor(item[1])))
+    state = body["outer_state"]
+    left = tuple(f.peer({"p": p}, "p") for p in f.array(body, "left", max_len=MAX_ROSTER))
+    if list(left) != sorted(set(left)):
+        raise DecodeError("bad-field", "left must be sorted distinct peer ids")
+    expired = tuple(f.peer({"p": p}, "p") for p in f.array(body, "expired", max_len=MAX_ROSTER)) \
+        if "expired" in body else ()
+    if "expired" in body and not expired:
+        raise DecodeError("bad-field", "expired is absent when empty")  # one encoding per head
+    if list(expired) != sorted(set(expired)) or set(expired) & set(left):
+        raise DecodeError("bad-field", "expired must be sorted distinct peer ids, none of them in left")
+    return dict(
+        revision=f.cid(body, "revision"), parent=f.optional_cid(body, "parent"),
+        window=f.uint(body, "window"), skipped=f.boolean(body, "skipped"),
+        params=ArtifactRef.from_cbor(body["params"]), params_digest=f.cid(body, "params_digest"),
+        cohort=tuple(cohort), roster_digest=f.cid(body, "roster_digest"),
+        quarantine=_peer_records(body, "quarantine", 2),
+        metrics={k: float(v) for k, v in metrics.items()},
+        strikes=_peer_records(body, "strikes", 3), rejected=tuple(rejected), evidence=tuple(evidence),
+        outer_state=None if state is None else ArtifactRef.from_cbor(state),
+        outer_state_digest=f.optional_cid(body, "outer_state_digest"), left=left, expired=expired,
+    )
+
 
 VOTE_KIND = "vote"
 PREVOTE, PRECOMMIT = "prevote", "precommit"

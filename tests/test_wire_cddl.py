@@ -212,6 +212,8 @@ def instances() -> list[tuple[str, bytes, int]]:
     if "expired" in attrs.fields_dict(Head):  # a head recording departures and idle expiries (newer fields)
         gone = attrs.evolve(head, left=(ident(14).peer_id,), expired=(ident(15).peer_id,))
         newer.append(("message", encode_message(CertifiedHead(head=gone, certificate=cert)), 2))
+    if "next-head" in MESSAGE_TYPES:  # a head without its roster, for a peer holding the parent (newer kind)
+        newer.append(("message", encode_message(MESSAGE_TYPES["next-head"].of(head, genesis, cert)), 2))
     return [
         ("message", encode_message(Hello(revision=revision.id, roles=("trainer", "validator"), head_window=7)), 0),
         ("message", encode_message(Hello(revision=revision.id, roles=("reducer",), head_window=0,
@@ -304,29 +306,42 @@ def test_body_validation_catches_a_bad_body_inside_a_good_envelope():
 
 
 def rule_map_keys(rule: str) -> tuple[set[str], set[str]]:
-    """(required, optional) top-level keys of the map that `rule` defines (comments stripped; nested
-    groups ignored; a key after ``?`` is optional)."""
+    """(required, optional) top-level keys of the map (or group) that `rule` defines (comments stripped;
+    nested maps and arrays ignored; a key after ``?`` is optional; a group named inside, like
+    ``head-fields``, contributes its keys)."""
     text = re.sub(r";[^\n]*", "", spec_cddl())
-    match = re.search(rf"^{re.escape(rule)}\s*=\s*(\{{.*?)(?=^\S)", text + "\nEND", re.MULTILINE | re.DOTALL)
+    match = re.search(rf"^{re.escape(rule)}\s*=\s*([{{(].*?)(?=^\S)", text + "\nEND", re.MULTILINE | re.DOTALL)
     assert match is not None, rule
-    required, optional, depth, token, question = set(), set(), 0, "", False
+    required, optional, depth, token, question, in_value = set(), set(), 0, "", False, False
     for ch in match.group(1):
         if ch in "{[(":
             depth += 1
         elif ch in "}])":
+            if depth == 1 and token.strip() and not in_value:
+                _add_group(token.strip(), required, optional)
+                token = ""
             depth -= 1
         elif depth == 1 and ch == ":" and token.strip():
             (optional if question else required).add(token.strip())
-            question = False
+            question, in_value = False, True
         if depth == 1 and ch == "?":
             question = True
         elif depth == 1 and ch == ",":
-            question = False
-        if depth == 1 and (ch.isalnum() or ch == "_"):
+            if token.strip() and not in_value:
+                _add_group(token.strip(), required, optional)
+            question, in_value = False, False
+        if depth == 1 and (ch.isalnum() or ch in "_-"):
             token += ch
         elif ch != ":":
             token = ""
     return required, optional
+
+
+def _add_group(name: str, required: set[str], optional: set[str]) -> None:
+    """A bare name inside a map is a group reference (e.g. ``head-fields``): add its keys."""
+    more_required, more_optional = rule_map_keys(name)
+    required |= more_required
+    optional |= more_optional
 
 
 def _keys_match(keys: set[str], rule: str) -> bool:
@@ -352,4 +367,8 @@ def test_code_maps_have_exactly_the_cddl_keys():
         if isinstance(value, list) and value[0] == "head":
             assert _keys_match(set(value[1]["certificate"]), "certificate")
             checked.add("certificate")
-    assert checked >= {f"signed-{k}" for k in envelope_kinds()} | {"head", "artifact", "certificate"}
+        if isinstance(value, list) and value[0] == "next-head":
+            assert _keys_match(set(value[1]["header"]), "head-header")
+            checked.add("head-header")
+    assert checked >= {f"signed-{k}" for k in envelope_kinds()} | {"head", "artifact", "certificate"} | (
+        {"head-header"} if "next-head" in MESSAGE_TYPES else set())
