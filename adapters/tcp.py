@@ -79,7 +79,8 @@ MAX_FRAGMENT = MAX_TRANSPORT_PLAINTEXT - 1  # 65518 bytes of message per CONTINU
 _WIRE_FRAME = LENGTH_PREFIX_BYTES + MAX_MESSAGE_BYTES  # 65537: the largest Noise message on the wire
 _RECEIVE_BUFFER = 4 * _WIRE_FRAME  # preallocated receive buffer (bytes)
 # Noise messages of a bulk message per turn on the socket (~1 MiB): a control message waits for at most one
-# such turn. 16 rather than 4 halves the sender's per-byte Python and trio overhead (bench/transport.py).
+# such turn. 16 rather than 4 about halves the sender's CPU beyond the AEAD (0.157 -> 0.133 s per 400 MB
+# with 0.104 s of it ChaCha20-Poly1305, measured alone against a draining peer).
 _BULK_BATCH_FRAMES = 16
 _CONTROL_BATCH_FRAMES = 2  # a control message up to AUTO_CONTROL_MAX_BYTES fits in one turn
 
