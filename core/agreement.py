@@ -64,7 +64,11 @@ class WindowAgreement:
         self.valid: tuple[Head, tuple[SignedEnvelope, ...]] | None = None
         self.valid_round = -1
         self.decided = False
+        # The first proposal of each round decides this validator's prevote (lines 22-33); every proposal
+        # of the round (an equivocating proposer may send several) can be the one a quorum prevotes or
+        # precommits, which the polka and decide rules need in hand (lines 36-43, 49-54).
         self.proposals: dict[int, tuple[Head, tuple[SignedEnvelope, ...], int | None]] = {}
+        self.candidates: dict[int, dict[bytes, tuple[Head, tuple[SignedEnvelope, ...]]]] = {}
         # Votes per round and signer. An honest validator signs one vote per (round, step); an equivocator's
         # votes all count, each for its own value (see on_vote).
         self.prevotes: dict[int, dict[PeerId, set[bytes | None]]] = {}
@@ -86,8 +90,10 @@ class WindowAgreement:
 
     def on_proposal(self, round_: int, head: Head, updates: tuple[SignedEnvelope, ...],
                     valid_round: int | None, proposer: PeerId) -> None:
-        """A proposal already checked to come from `proposer(round_)`; the first one per round counts."""
+        """A proposal already checked to come from `proposer(round_)`. The first one per round decides
+        our prevote; every one is kept for the polka and decide rules (the host bounds how many)."""
         self.proposals.setdefault(round_, (head, updates, valid_round))
+        self.candidates.setdefault(round_, {}).setdefault(head.id, (head, updates))
         self.seen.setdefault(round_, set()).add(proposer)
         self.progress()
 
@@ -140,13 +146,15 @@ class WindowAgreement:
     def _rules(self) -> bool:
         r = self.round
         # Decide in any round: a proposal v and a quorum of precommits for id(v) (lines 49-54).
-        for round_, (head, updates, _) in sorted(self.proposals.items()):
-            commits = {p: votes[head.id] for p, votes in self.precommits.get(round_, {}).items() if head.id in votes}
-            if len(commits) >= self.quorum and self.host.validity(head, updates):
-                self._step("decide")
-                self.decided = True
-                self.host.decide(head, round_, commits)
-                return False
+        for round_, candidates in sorted(self.candidates.items()):
+            for head, updates in candidates.values():
+                commits = {p: votes[head.id] for p, votes in self.precommits.get(round_, {}).items()
+                           if head.id in votes}
+                if len(commits) >= self.quorum and self.host.validity(head, updates):
+                    self._step("decide")
+                    self.decided = True
+                    self.host.decide(head, round_, commits)
+                    return False
         # Skip ahead: f + 1 validators are at a higher round (lines 55-56).
         for round_ in sorted(self.seen):
             if round_ > r and len(self.seen[round_]) >= self.skip_threshold:
@@ -179,15 +187,15 @@ class WindowAgreement:
         if self.step == "prevote" and len(prevotes) >= self.quorum and ("prevote", r) not in self._once:
             self._once.add(("prevote", r))  # lines 34-35
             self.host.schedule("prevote", r, self._delay(r))
-        if proposal is not None and self.step in ("prevote", "precommit") and ("polka", r) not in self._once:
-            head, updates, _ = proposal  # lines 36-43
-            if self._count(prevotes, head.id) >= self.quorum and self.host.validity(head, updates):
-                self._once.add(("polka", r))
-                self.valid, self.valid_round = (head, updates), r
-                if self.step == "prevote":
-                    self.locked, self.locked_round = (head, updates), r
-                    self._cast(PRECOMMIT, head.id)
-                return True
+        if self.step in ("prevote", "precommit") and ("polka", r) not in self._once:
+            for head, updates in self.candidates.get(r, {}).values():  # lines 36-43
+                if self._count(prevotes, head.id) >= self.quorum and self.host.validity(head, updates):
+                    self._once.add(("polka", r))
+                    self.valid, self.valid_round = (head, updates), r
+                    if self.step == "prevote":
+                        self.locked, self.locked_round = (head, updates), r
+                        self._cast(PRECOMMIT, head.id)
+                    return True
         if self.step == "prevote" and self._count(prevotes, None) >= self.quorum:  # lines 44-46
             self._cast(PRECOMMIT, None)
             return True

@@ -111,7 +111,10 @@ class ValidatorRole:
         self.building = False
         self.held: list[tuple[PeerId, SignedEnvelope]] = []
         self.vote_of: dict[tuple[int, int, str, PeerId], bytes | None] = {}
-        self.proposal_of: dict[tuple[int, int], bytes] = {}
+        # head ids proposed per (window, round), in arrival order (more than one: the proposer equivocates)
+        self.proposals_in: dict[tuple[int, int], list[bytes]] = {}
+        self.proposal_givers: dict[tuple[int, int], set[PeerId]] = {}  # peers that gave a head, per round
+        self.proposal_envelopes: set[bytes] = set()  # ids of proposal envelopes taken (relays are dropped)
         self.proposal_signer: dict[bytes, PeerId] = {}
         self.reducer_proposals: dict[int, dict[PeerId, ReductionProposal]] = {}
         self.results: dict[int, tuple[tuple[bytes, ...], bytes]] = {}
@@ -137,6 +140,9 @@ class ValidatorRole:
         self.deadline_armed, self.own, self.building = False, None, False
         self.verdicts, self.checks, self.refused_expiry = {}, {}, set()
         self.reducer_proposals = {w: v for w, v in self.reducer_proposals.items() if w >= window}
+        self.proposals_in = {k: v for k, v in self.proposals_in.items() if k[0] >= window}
+        self.proposal_givers = {k: v for k, v in self.proposal_givers.items() if k[0] >= window}
+        self.proposal_envelopes = set()
         self.results = {w: v for w, v in self.results.items() if w >= window}
         self.evidence = {p: x for p, x in self.evidence.items() if p not in head.quarantined}
         for p in head.left + head.expired:  # gone: a later join (with its certificate) starts afresh
@@ -690,6 +696,8 @@ class ValidatorRole:
 
     def _on_proposal(self, peer: PeerId, envelope: SignedEnvelope) -> None:
         e = self.engine
+        if envelope.id in self.proposal_envelopes:
+            return  # a relay of a proposal we already took
         proposal = HeadProposal.from_cbor(envelope.open(HeadProposal.KIND, PROTOCOL_VERSION))
         if proposal.revision != e.revision.id:
             raise VerificationError("wrong-revision", "head-proposal")
@@ -699,13 +707,31 @@ class ValidatorRole:
             e.reject(peer, "not-proposer", f"round {proposal.round}")
             return
         key = (proposal.window, proposal.round)
-        if key in self.proposal_of:
-            if self.proposal_of[key] != proposal.head.id:
-                e.stats["equivocations"] += 1
-                e.reject(peer, "proposal-equivocation", f"{envelope.signer} round {proposal.round}")
+        heads = self.proposals_in.setdefault(key, [])
+        if proposal.head.id in heads:
             return
-        self.proposal_of[key] = proposal.head.id
-        self.proposal_signer[proposal.head.id] = envelope.signer
+        givers = self.proposal_givers.setdefault(key, set())
+        if peer in givers:
+            # One head per round from each peer: the proposer sent us two (equivocation), or a relayer
+            # relayed more than the one it took first (honest ones never do).
+            e.stats["equivocations"] += 1
+            e.reject(peer, "proposal-equivocation", f"{envelope.signer} round {proposal.round}")
+            return
+        if heads:
+            # The proposer showed others another head. Keep it: the polka and decide rules need in hand
+            # whichever head a quorum votes for (spec/agreement.md §5).
+            e.stats["equivocations"] += 1
+            e.log("proposal-conflict", window=proposal.window, round=proposal.round, via=str(peer))
+        givers.add(peer)
+        heads.append(proposal.head.id)
+        self.proposal_envelopes.add(envelope.id)
+        self.proposal_signer.setdefault(proposal.head.id, envelope.signer)
+        if len(heads) == 1 and peer == envelope.signer and peer != e.me:
+            # Relay the proposal we take first (the one we prevote), one hop, like votes: a validator shown
+            # another head by an equivocating proposer still gets the one a quorum prevotes (Tendermint
+            # gossips proposals). Each peer gives at most one head per round, so at most one per validator
+            # is kept.
+            e.broadcast(Signed(envelope=envelope), roles=("validator",))
         assert self.agreement is not None
         self.agreement.on_proposal(proposal.round, proposal.head, proposal.updates + proposal.rejected,
                                    proposal.valid_round, envelope.signer)

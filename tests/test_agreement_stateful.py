@@ -238,3 +238,35 @@ def test_locks_prevent_a_conflicting_decision_in_a_later_round():
         _take(m, dest, vote(PRECOMMIT, 2, {1, 2}))
         m._deliver(dest, ("vote", BYZANTINE, PRECOMMIT, 2, VALID_HEADS[2].id))
     assert {h.decided.id for h in m.hosts if h.decided} == {h0.id}
+
+
+class _Sink:
+    """A network that only records what one host broadcasts."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple] = []
+        self.decisions: list[tuple[int, bytes]] = []
+
+    def broadcast(self, message: tuple) -> None:
+        self.sent.append(message)
+
+
+def test_polka_on_a_second_proposal_of_the_round_locks_it():
+    """An equivocating proposer showed this validator head A and the others head B, which a quorum then
+    prevoted. With B relayed to it, the validator locks and precommits B, although it prevoted A
+    (spec/agreement.md §3; Algorithm 1 lines 36-43 need the proposal in hand)."""
+    net = _Sink()
+    host = Host(0, net)
+    a, b = VALID_HEADS[1], VALID_HEADS[2]
+    byzantine = VALIDATORS[BYZANTINE]
+    host.agreement.start(BYZANTINE)  # round 3: the Byzantine validator proposes
+    host.agreement.on_proposal(BYZANTINE, a, (), None, byzantine)
+    assert host.signed[(BYZANTINE, PREVOTE)] == a.id  # the first proposal decides the prevote
+    host.agreement.on_proposal(BYZANTINE, b, (), None, byzantine)  # the relayed other head
+    for signer in (VALIDATORS[1], VALIDATORS[2], byzantine):
+        host.agreement.on_vote(signer, PREVOTE, BYZANTINE, b.id, b"sig")
+    assert host.signed[(BYZANTINE, PRECOMMIT)] == b.id
+    assert host.agreement.locked[0] == b and host.agreement.valid_round == BYZANTINE
+    for signer in (host.me, VALIDATORS[1], VALIDATORS[2]):  # its own precommit comes back like any vote
+        host.agreement.on_vote(signer, PRECOMMIT, BYZANTINE, b.id, b"sig")
+    assert host.decided == b
