@@ -14,6 +14,8 @@ Safety (checked on every head an honest node promotes):
   (`Head.quarantined`; the summary says when no head carried a quarantine set).
 - ``no-double-vote``: an honest validator never signs two different votes for one (window, round, step),
   across crashes and restarts (DESIGN §2, durable before visible). Checked on what it sends.
+- ``roster-changes``: a final head's roster is its parent's less exactly its `left` and `expired` (peers
+  of the parent's roster), plus joiners; kept peers keep their capacity.
 
 Liveness (checked as virtual time passes): ``liveness``: once the faults end (`heal_at`), honest
 validators certify at least `min_windows` new windows within `bound_s` seconds.
@@ -52,12 +54,15 @@ class Verdict:
 class Checkers:
     """All invariants over one simulation. Register with `sim.observers.append(checkers)`."""
 
-    SAFETY = ("one-final-head", "prefix-consistent", "valid-leases", "no-quarantined-cohort", "no-double-vote")
+    SAFETY = ("one-final-head", "prefix-consistent", "valid-leases", "no-quarantined-cohort", "no-double-vote",
+              "roster-changes")
 
     def __init__(self, *, heal_at: float | None = None, bound_s: float | None = None, min_windows: int = 1,
                  stop_on_violation: bool = True) -> None:
         self.verdicts = {name: Verdict() for name in (*self.SAFETY, "liveness")}
         self.final: dict[int, Head] = {}  # window -> the final head
+        self.left_seen: set[PeerId] = set()  # peers some final head recorded as left / expired
+        self.expired_seen: set[PeerId] = set()
         self.final_ids: dict[int, bytes] = {}
         self.final_at: dict[int, float] = {}
         self.by_id: dict[bytes, Head] = {}  # verified heads by id
@@ -147,6 +152,27 @@ class Checkers:
         pid = self.final_ids.get(head.window - 1)
         return (parent, pid) if parent is not None and pid == head.parent else None
 
+    def _check_roster(self, sim: Simulation, parent: Head, head: Head) -> None:
+        """The roster shrinks by exactly the head's `left` and `expired` (peers of the parent's roster),
+        and the peers it keeps keep their capacity (spec/protocol.md §5)."""
+        verdict = self.verdicts["roster-changes"]
+        verdict.checked += 1
+        before, after = dict(parent.roster), dict(head.roster)
+        gone = set(head.left) | set(head.expired)
+        if not gone <= set(before):
+            self._fail(sim, "roster-changes", f"window {head.window}: left/expired names a peer not in the "
+                                              "parent's roster")
+        elif set(before) - set(after) != gone:
+            self._fail(sim, "roster-changes", f"window {head.window}: the roster dropped "
+                                              f"{len(set(before) - set(after))} peer(s) but left/expired name "
+                                              f"{len(gone)}")
+        elif any(after[p] != c for p, c in before.items() if p in after):
+            self._fail(sim, "roster-changes", f"window {head.window}: a kept peer's capacity changed")
+        if head.left:
+            self.left_seen.update(head.left)
+        if head.expired:
+            self.expired_seen.update(head.expired)
+
     def _check_cohort(self, sim: Simulation, head: Head, hid: bytes) -> None:
         if hid in self.checked_cohorts:
             return
@@ -155,6 +181,7 @@ class Checkers:
             return  # checked when the parent is known (a node jumped ahead); re-tried below
         parent, pid = found
         self.checked_cohorts.add(hid)
+        self._check_roster(sim, parent, head)
         if head.quarantine or parent.quarantine:
             self.quarantine_seen = True
         leases = sim.leases(parent)

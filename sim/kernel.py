@@ -451,8 +451,22 @@ class Simulation:
         self.record(name, "restart")
         self.boot(name)
 
-    def leave(self, name: str) -> None:
-        """Graceful leave: disconnect and stay down."""
+    def leave(self, name: str, *, signed: bool = True, linger_s: float = 2.0) -> None:
+        """Leave for good. A trainer with `signed` first asks its engine to leave (a signed leave to the
+        validators, spec/protocol.md §5) and disconnects `linger_s` seconds later, so the next head drops
+        it through `left`; otherwise (or for other roles) it disconnects at once and stays down."""
+        node = self.nodes[name]
+        if not node.up:
+            return
+        if signed and "trainer" in node.roles and node.engine is not None and linger_s > 0:
+            node.engine.handle(ev.LeaveRequested(now=self.now))
+            self._drain(node)
+            self.record(name, "leave-requested")
+            self.at(self.now + linger_s, lambda: self._disconnect_for_good(name))
+            return
+        self._disconnect_for_good(name)
+
+    def _disconnect_for_good(self, name: str) -> None:
         node = self.nodes[name]
         if not node.up:
             return

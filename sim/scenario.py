@@ -32,7 +32,7 @@ FAULT_KINDS = ("partition", "block", "heal", "crash", "restart", "leave", "join"
 MANIFEST_PASSTHROUGH = {"quarantine_strikes": int, "strike_windows": int, "quarantine_windows": int,
                         "norm_ratio": float, "min_cosine": float, "max_update_norm": float, "lease_s": float,
                         "outer_optimizer": str, "outer_momentum": float, "inner_steps": int,
-                        "audit": bool, "audit_min_cosine": float}
+                        "audit": bool, "audit_min_cosine": float, "idle_windows": int}
 TOP_KEYS = {"name", "description", "duration_s", "stop_window", "workload", "roles", "manifest", "compute",
             "network", "faults", "churn", "adversaries", "liveness", "engine", "disk", "trace"}
 
@@ -272,8 +272,9 @@ def _schedule_faults(sim: Simulation, faults: list[Mapping[str, Any]], names: Ma
             for n in _nodes(sim, f["nodes"], names):
                 sim.at(t, lambda n=n: sim.restart(n))
         elif kind == "leave":
+            signed, linger = bool(f.get("signed", True)), float(f.get("linger_s", 2.0))
             for n in _nodes(sim, f["nodes"], names):
-                sim.at(t, lambda n=n: sim.leave(n))
+                sim.at(t, lambda n=n, s=signed, g=linger: sim.leave(n, signed=s, linger_s=g))
         elif kind == "join":
             for n in f["nodes"]:
                 sim.at(t, lambda n=n: spawn(str(n)))

@@ -46,6 +46,45 @@ def test_equivocating_proposer_does_not_stall_a_window():
     assert len(finals) >= 6 and finals[-1] < 20.0, finals
 
 
+@pytest.mark.parametrize("seed", [0, 3])
+def test_membership_changes_go_through_left_expired_and_joins(seed):
+    """A signed leave lands in a head's `left`, a dead trainer in `expired` after idle_windows, a joiner
+    in the roster; the roster-changes invariant checks every head in between."""
+    from peerloom.sim.kernel import sim_identity
+
+    result = _run("membership", seed=seed)
+    assert result.ok, result.summary["invariants"]
+    ids = {n: sim_identity(seed, n).peer_id for n in ("t6", "t7", "j0")}
+    assert ids["t6"] in result.checkers.left_seen and ids["t6"] not in result.checkers.expired_seen
+    assert ids["t7"] in result.checkers.expired_seen and ids["t7"] not in result.checkers.left_seen
+    last = result.checkers.final[max(result.checkers.final)]
+    assert ids["j0"] in last.roster_peers and not {ids["t6"], ids["t7"]} & last.roster_peers
+    assert result.summary["invariants"]["roster-changes"]["ok"]
+
+
+def test_roster_changes_invariant_catches_a_silent_drop():
+    """A head that drops a rostered peer without naming it in left/expired fails roster-changes."""
+    import attrs
+
+    from peerloom.sim.invariants import Checkers
+
+    class Stub:
+        now, stopped = 0.0, False
+
+        def record(self, *args, **kwargs):
+            pass
+
+    result = _run("membership", seed=0)
+    final = result.checkers.final
+    parent, head = final[1], final[2]
+    checkers = Checkers()
+    checkers._check_roster(Stub(), parent, head)
+    assert checkers.verdicts["roster-changes"].ok
+    dropped = attrs.evolve(head, roster=head.roster[1:])
+    checkers._check_roster(Stub(), parent, dropped)
+    assert not checkers.verdicts["roster-changes"].ok
+
+
 def test_lossy_wan_really_loses_and_duplicates():
     result = _run("lossy-wan")
     net = result.summary["network"]
