@@ -103,7 +103,8 @@ class NodeRuntime:
     def __init__(self, *, name: str, identity: Identity, revision: Revision, roles: set[str],
                  store: ArtifactStore, executor: ComputeExecutor, options: RuntimeOptions,
                  events_path: Path | None = None, capacity: int = 1, stop_after_window: int | None = None,
-                 on_head: Callable[[Head, QuorumCertificate], None] | None = None) -> None:
+                 on_head: Callable[[Head, QuorumCertificate], None] | None = None,
+                 admission: SignedEnvelope | None = None) -> None:
         self.name = name
         self.identity = identity
         self.store = store
@@ -111,7 +112,8 @@ class NodeRuntime:
         self.options = options
         self.on_head = on_head
         config = EngineConfig(roles=frozenset(roles), revision=revision, capacity=capacity,
-                              max_message_bytes=options.max_message_bytes, stop_after_window=stop_after_window)
+                              max_message_bytes=options.max_message_bytes, stop_after_window=stop_after_window,
+                              admission=admission)
         self.engine = Engine(config, identity, random.Random(), stored=store.refs(), records=store.records())
         self._events_file = open(events_path, "a", buffering=1) if events_path else None
         self._send_events, self._receive_events = trio.open_memory_channel[ev.Event | _Submit](math.inf)
@@ -144,6 +146,7 @@ class NodeRuntime:
                                 max_connections=options.max_connections,
                                 max_connections_per_ip=options.max_connections_per_ip)
         self._book_changed = trio.Event()
+        self._head_changed = trio.Event()  # set on every promoted head (`wait_unrostered`)
         self.http_port: int | None = None
 
     def _emit_line(self, event: str, fields: dict[str, Any]) -> None:
@@ -179,6 +182,17 @@ class NodeRuntime:
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(self.edge.stop)
                 self.edge = None
+
+    def request_leave(self) -> None:
+        """Ask the engine to leave the roster (`ev.LeaveRequested`, spec/protocol.md §5 "Leave"): the main
+        loop feeds it like any other event. Call on the trio thread while `run` is running; trainers only
+        (the engine raises LocalProtocolError for a node without the trainer role)."""
+        self._send_events.send_nowait(ev.LeaveRequested(now=0.0))
+
+    async def wait_unrostered(self) -> None:
+        """Return once the engine's head no longer lists this node in its roster (at once if it does not)."""
+        while self.identity.peer_id in self.engine.head.roster_peers:
+            await self._head_changed.wait()
 
     def _advertised(self) -> str | None:
         """The "host:port" our Hello gives for peer exchange: the bound port on `listen_host` when that is
@@ -265,6 +279,8 @@ class NodeRuntime:
                     self._book_changed.set()
                 case fx.HeadPromoted():
                     self.metrics.on_effect(effect)
+                    self._head_changed.set()
+                    self._head_changed = trio.Event()
                     if self.on_head is not None:
                         self.on_head(effect.head, effect.certificate)
                     sent, received = self.wire_bytes()

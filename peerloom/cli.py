@@ -1,4 +1,4 @@
-"""The `peerloom` command: `demo`, `node`, `verify`, `keygen`."""
+"""The `peerloom` command: `demo`, `node`, `verify`, `keygen`, `admit`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from peerloom import admit as admit_cmd
 from peerloom import inspect as inspect_cmd
 from peerloom import light as light_cmd
 from peerloom import simulate
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> None:
 
     keygen = sub.add_parser("keygen", help="create an identity key file (mode 0600) and print its peer id")
     keygen.add_argument("path", type=Path)
+    admit_cmd.add_parser(sub)
     simulate.add_parser(sub)
     inspect_cmd.add_parser(sub)
     light_cmd.add_parser(sub)
@@ -64,6 +66,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(inspect_cmd.run(args))
     elif args.command == "light":
         sys.exit(light_cmd.run(args))
+    elif args.command == "admit":
+        sys.exit(admit_cmd.run(args))
     elif args.command == "keygen":
         from peerloom.adapters.keys import generate_identity, save_identity
 

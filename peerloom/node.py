@@ -22,6 +22,13 @@ Config keys (TOML)::
                                        # (for demos and tests of the defences; default honest)
     log_format = "auto"                # auto (JSON lines unless stderr is a TTY), json or text
     log_level = "info"
+    admission = "trainer-1/admission.cbor"  # optional, trainers only: this node's admission certificate (a
+                                       # SignedEnvelope from `peerloom admit`), sent with its joins; needed
+                                       # under a manifest with admission = "certificate" (spec/protocol.md §5)
+    leave_on_exit = false              # optional, trainers only: on SIGTERM/SIGINT first leave the roster
+                                       # (a signed leave, spec/protocol.md §5 "Leave"), then shut down
+    leave_grace_s = 30.0               # how long to wait for a head without this node before shutting
+                                       # down anyway (seconds; a second signal stops at once)
 
     [http]                             # optional HTTP edge (aiohttp) for light peers and dashboards
     enabled = true
@@ -33,7 +40,8 @@ Config keys (TOML)::
 A workload factory is called as ``factory(seed, num_shards)`` with the manifest's ``workload_seed`` and
 shard count, and returns ``(workload, shards)`` like `peerloom.backends.registry.build_workload`; every peer
 of a revision must build the same model and shard contents. Relative paths are relative to the config
-file's directory. `load_config` checks every key and type and raises ConfigError naming the problem.
+file's directory. `load_config` checks every key and type and raises ConfigError naming the problem; an
+``admission`` file is checked against the manifest and the node's key there too (so the key must exist).
 """
 
 from __future__ import annotations
@@ -52,7 +60,7 @@ from typing import Any
 import trio
 
 from peerloom.adapters.compute import ComputeExecutor
-from peerloom.adapters.keys import load_or_create_identity
+from peerloom.adapters.keys import load_identity, load_or_create_identity
 from peerloom.adapters.logs import setup_logging
 from peerloom.adapters.runtime import NodeRuntime, RuntimeOptions
 from peerloom.adapters.storage import ArtifactStore, atomic_write
@@ -61,7 +69,14 @@ from peerloom.core.chain import encode_chain_entry
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.errors import PeerloomError
 from peerloom.core.identity import PeerId
-from peerloom.core.objects import Head, QuorumCertificate, Revision
+from peerloom.core.objects import (
+    PROTOCOL_VERSION,
+    AdmissionCertificate,
+    Head,
+    QuorumCertificate,
+    Revision,
+    check_admission,
+)
 
 REQUIRED = ("name", "roles", "key", "manifest", "authority", "store")
 ROLES = frozenset({"trainer", "reducer", "validator"})
@@ -70,7 +85,8 @@ KEYS: dict[str, tuple[type, ...]] = {
     "name": (str,), "roles": (list,), "key": (str,), "manifest": (str,), "authority": (str,), "store": (str,),
     "listen": (str,), "bootstrap": (list,), "capacity": (int,), "port_file": (str,), "events": (str,),
     "stats": (str,), "threads": (int,), "stop_after_window": (int,), "workload": (str,), "log_format": (str,),
-    "log_level": (str,), "http": (dict,), "discovery": (dict,), "behaviour": (str,),
+    "log_level": (str,), "http": (dict,), "discovery": (dict,), "behaviour": (str,), "admission": (str,),
+    "leave_on_exit": (bool,), "leave_grace_s": (float, int),
 }
 log = logging.getLogger("peerloom.node")
 
@@ -100,9 +116,22 @@ def load_config(path: Path) -> dict[str, Any]:
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     base = path.parent
-    for key in ("key", "manifest", "store", "port_file", "events", "stats"):
+    for key in ("key", "manifest", "store", "port_file", "events", "stats", "admission"):
         if key in config:
             config[key] = base / config[key]
+    if "admission" in config:
+        try:
+            _, revision = _load_revision(config)
+            if not Path(config["key"]).exists():
+                raise ConfigError(f"admission: key {config['key']} does not exist; a certificate admits one "
+                                  "existing key's peer id (create the key with `peerloom keygen` first)")
+            try:
+                peer = load_identity(config["key"]).peer_id
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"key: {exc}") from None
+            load_admission(Path(config["admission"]), revision, peer)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
     return config
 
 
@@ -154,6 +183,12 @@ def _check(config: dict[str, Any]) -> None:
             raise ConfigError(f"behaviour must be honest or one of {', '.join(ATTACKS)}; got {config['behaviour']!r}")
         if config["behaviour"] != "honest" and roles != ["trainer"]:
             raise ConfigError("behaviour applies to nodes whose only role is trainer")
+    for key in ("admission", "leave_on_exit"):
+        if key in config and "trainer" not in roles:
+            raise ConfigError(f"{key} applies to nodes with the trainer role; roles are {roles!r}")
+    grace = config.get("leave_grace_s", 30.0)
+    if not 0 <= grace < float("inf"):
+        raise ConfigError(f"leave_grace_s must be a finite number of seconds >= 0, got {grace!r}")
 
 
 def _workload_factory(spec: str) -> Callable[[int, int], tuple[Any, Any]]:
@@ -206,6 +241,40 @@ def _load_revision(config: dict[str, Any]) -> tuple[SignedEnvelope, Revision]:
                           f"{exc}") from None
 
 
+def load_admission(path: Path, revision: Revision, peer: PeerId) -> SignedEnvelope:
+    """Read an admission certificate envelope (`SignedEnvelope.to_bytes()`, as `peerloom admit` writes it)
+    and check it the way validators do (`check_admission`, spec/protocol.md §5 "Admission"): signed by the
+    manifest's ``admission_authority``, for `revision` and for `peer`. ConfigError says what is wrong."""
+    try:
+        envelope = SignedEnvelope.from_bytes(path.read_bytes())
+    except OSError as exc:
+        raise ConfigError(f"admission: {exc}") from None
+    except PeerloomError as exc:
+        raise ConfigError(f"admission {path}: not a signed envelope: {exc}") from None
+    authority = revision.manifest.admission_authority
+    if authority is None:
+        raise ConfigError(f"admission {path}: the manifest names no admission_authority (its admission policy "
+                          f"is {revision.manifest.admission!r}); remove the admission key")
+    if envelope.signer != authority:
+        raise ConfigError(f"admission {path}: signed by {envelope.signer.to_text()}, not by the manifest's "
+                          f"admission_authority {authority.to_text()}")
+    try:
+        cert = AdmissionCertificate.from_cbor(envelope.open(AdmissionCertificate.KIND, PROTOCOL_VERSION))
+    except PeerloomError as exc:
+        raise ConfigError(f"admission {path}: not an admission certificate: {exc}") from None
+    if cert.revision != revision.id:
+        raise ConfigError(f"admission {path}: for revision {cert.revision.hex()}, not the manifest's "
+                          f"{revision.id.hex()}")
+    if cert.peer != peer:
+        raise ConfigError(f"admission {path}: for peer {cert.peer.to_text()}, not this node's "
+                          f"{peer.to_text()} (its key)")
+    try:  # what the validators will check; anything the checks above missed (capacity 0) is caught here
+        check_admission(envelope, revision.id, revision.manifest, peer)
+    except PeerloomError as exc:
+        raise ConfigError(f"admission {path}: {exc}") from None
+    return envelope
+
+
 def build_runtime(config: dict[str, Any]) -> NodeRuntime:
     """Everything `peerloom node` builds before it runs: identity, store, workload, runtime."""
     try:
@@ -214,6 +283,13 @@ def build_runtime(config: dict[str, Any]) -> NodeRuntime:
         raise ConfigError(f"key: {exc}") from None
     envelope, revision = _load_revision(config)
     manifest = revision.manifest
+    admission = None
+    if "admission" in config:
+        admission = load_admission(Path(config["admission"]), revision, identity.peer_id)
+    elif (manifest.admission == "certificate" and "trainer" in config["roles"]
+          and identity.peer_id not in revision.genesis().roster_peers):
+        log.warning("no admission certificate: the manifest admits by certificate and this trainer is not in "
+                    "its roster, so the validators will refuse its joins (see `peerloom admit`)")
     try:
         store = ArtifactStore(config["store"], chunk_size=manifest.chunk_size)
     except OSError as exc:
@@ -236,7 +312,47 @@ def build_runtime(config: dict[str, Any]) -> NodeRuntime:
     return NodeRuntime(name=config["name"], identity=identity, revision=revision, roles=set(config["roles"]),
                        store=store, executor=executor, options=options, events_path=config.get("events"),
                        capacity=int(config.get("capacity", 1)), stop_after_window=config.get("stop_after_window"),
-                       on_head=lambda h, c: write_chain_entry(chain_dir, h, c))
+                       on_head=lambda h, c: write_chain_entry(chain_dir, h, c), admission=admission)
+
+
+async def leave_roster(runtime: NodeRuntime, grace_s: float, signals: Any) -> str:
+    """Leave the roster before shutting down (config ``leave_on_exit``): feed the engine `LeaveRequested`
+    and keep running until its head no longer lists this node, at most `grace_s` seconds, or until one more
+    signal arrives on `signals`. Returns and logs the outcome: "not-rostered", "left", "grace-expired" or
+    "interrupted"."""
+    me = runtime.identity.peer_id
+    if me not in runtime.engine.head.roster_peers:
+        log.info("leave: not in the roster", extra={"fields": {"window": runtime.engine.head.window}})
+        return "not-rostered"
+    runtime.request_leave()
+    log.info("leaving the roster", extra={"fields": {"window": runtime.engine.head.window, "grace_s": grace_s}})
+    outcome = "grace-expired"
+
+    async def left(cancel: trio.CancelScope) -> None:
+        nonlocal outcome
+        await runtime.wait_unrostered()
+        outcome = "left"
+        cancel.cancel()
+
+    async def interrupted(cancel: trio.CancelScope) -> None:
+        nonlocal outcome
+        async for _ in signals:
+            outcome = "interrupted"
+            cancel.cancel()
+
+    with trio.move_on_after(grace_s):
+        async with trio.open_nursery() as waiting:
+            waiting.start_soon(left, waiting.cancel_scope)
+            waiting.start_soon(interrupted, waiting.cancel_scope)
+    fields = {"window": runtime.engine.head.window}
+    if outcome == "left":
+        log.info("left the roster", extra={"fields": fields})
+    elif outcome == "interrupted":
+        log.warning("second signal: shutting down without waiting for the leave", extra={"fields": fields})
+    else:
+        log.warning("leave grace expired: shutting down while still in the roster",
+                    extra={"fields": {**fields, "grace_s": grace_s}})
+    return outcome
 
 
 def run_node(config_path: Path) -> None:
@@ -259,6 +375,8 @@ def run_node(config_path: Path) -> None:
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for signum in signals:
                     log.info("shutting down", extra={"fields": {"signal": signal.Signals(signum).name}})
+                    if config.get("leave_on_exit", False):
+                        await leave_roster(runtime, float(config.get("leave_grace_s", 30.0)), signals)
                     nursery.cancel_scope.cancel()
                     break
 
