@@ -317,14 +317,14 @@ def build_runtime(config: dict[str, Any]) -> NodeRuntime:
 
 async def leave_roster(runtime: NodeRuntime, grace_s: float, signals: Any) -> str:
     """Leave the roster before shutting down (config ``leave_on_exit``): feed the engine `LeaveRequested`
-    and keep running until its head no longer lists this node, at most `grace_s` seconds, or until one more
-    signal arrives on `signals`. Returns and logs the outcome: "not-rostered", "left", "grace-expired" or
-    "interrupted"."""
-    me = runtime.identity.peer_id
-    if me not in runtime.engine.head.roster_peers:
+    (spec/protocol.md §5 "Leave") and keep running until its head no longer lists this node, at most
+    `grace_s` seconds, or until one more signal arrives on `signals` (an async iterable of signal numbers).
+    Returns and logs the outcome: "not-rostered" (at once; the engine stops joining, though a join already
+    sent this window may still roster it), "left", "grace-expired" or "interrupted"."""
+    runtime.request_leave()
+    if runtime.identity.peer_id not in runtime.engine.head.roster_peers:
         log.info("leave: not in the roster", extra={"fields": {"window": runtime.engine.head.window}})
         return "not-rostered"
-    runtime.request_leave()
     log.info("leaving the roster", extra={"fields": {"window": runtime.engine.head.window, "grace_s": grace_s}})
     outcome = "grace-expired"
 
@@ -356,7 +356,8 @@ async def leave_roster(runtime: NodeRuntime, grace_s: float, signals: Any) -> st
 
 
 def run_node(config_path: Path) -> None:
-    """Run a node until SIGTERM or SIGINT, then shut down cleanly (connections closed, stats written).
+    """Run a node until SIGTERM or SIGINT, then shut down cleanly (connections closed, stats written); with
+    ``leave_on_exit`` a trainer first leaves the roster (`leave_roster`).
 
     Raises ConfigError before starting anything if the config, key, manifest or workload is unusable.
     """

@@ -25,7 +25,7 @@ from peerloom.node import ConfigError, leave_roster, load_admission, load_config
 from tests.helpers import ident, make_revision
 from tests.node_cluster import make_fleet
 from tests.test_node_config import BASE, _config
-from tests.test_runtime_admission import TRAINER, _NoCompute, trio_test
+from tests.test_runtime_admission import TRAINER, _NoCompute, trio_test, wait_for
 
 AUTHORITY = ident(200)  # signs the manifest (BASE's authority)
 GATE = ident(201)  # the manifest's admission_authority
@@ -191,6 +191,9 @@ async def test_leave_of_an_unrostered_trainer_returns_at_once(tmp_path):
         with trio.fail_after(1):
             assert await leave_roster(runtime, 30.0, signals) == "not-rostered"
             await runtime.wait_unrostered()
+        trainer = next(r for r in runtime.engine.roles if hasattr(r, "membership"))
+        # the main loop takes the queued event: it stops joining (it would be rostered after it is gone)
+        await wait_for(lambda: trainer.membership == "left", 2.0)
 
 
 # --- end to end: real `peerloom node` processes on 127.0.0.1 --------------------------------------------
