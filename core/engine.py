@@ -90,6 +90,7 @@ class EngineConfig:
     admission: SignedEnvelope | None = None  # this trainer's admission certificate (policy "certificate")
     listen_address: str | None = None  # "host:port" we accept connections on, sent in Hello (peer exchange)
     peer_exchange_interval_s: float = 10.0  # a peer may send one PeerExchange per this many seconds
+    peer_exchange_every_s: float = 60.0  # re-tell greeted peers where the others listen (0: on greeting only)
     # A decode memo shared by the engines of one simulator process (a broadcast is decoded once); None in
     # a real node.
     decode_memo: DecodeMemo | None = attrs.field(default=None, eq=False, repr=False)
@@ -116,6 +117,7 @@ class PeerState:
     tokens_at: float = 0.0
     listen: str | None = None  # the listen address its Hello gave
     exchange_at: float = float("-inf")  # when it last sent a PeerExchange
+    exchange_sent_at: float = float("-inf")  # when we last sent it one
 
 
 @attrs.define
@@ -199,6 +201,8 @@ class Engine:
                 raise LocalProtocolError("Start twice")
             self.started = True
             self.log("start", roles=sorted(self.config.roles), head_window=self.head.window)
+            if self.config.peer_exchange_every_s > 0:
+                self.set_timer(("peer-exchange",), self.now + self.config.peer_exchange_every_s)
             self._open_next_window()
             return
         if not self.started:
@@ -568,7 +572,18 @@ class Engine:
             if address not in {a for _, a in entries}:
                 entries.append((p, address))
         if entries:
+            self.peers[peer].exchange_sent_at = self.now
             self.send(peer, PeerExchange(peers=tuple(entries)))
+
+    def _peer_exchange_round(self) -> None:
+        """Every `peer_exchange_every_s`: tell each greeted peer where the others listen now, so peers that
+        connected later are found too. Skips peers told within twice the receivers' quota interval (their
+        clock and the network may see the gap shorter than ours)."""
+        if not self._listening:
+            return
+        for peer, state in sorted(self.peers.items()):
+            if state.greeted and self.now - state.exchange_sent_at >= 2 * self.config.peer_exchange_interval_s:
+                self._send_peer_exchange(peer)
 
     def _on_peer_exchange(self, peer: PeerId, state: PeerState, message: PeerExchange) -> None:
         """Quota first (one per `peer_exchange_interval_s` per peer), then report the addresses of peers we
@@ -773,6 +788,9 @@ class Engine:
             del self._timer_deadline[key]
             if key[0] == "fetch":
                 self._on_fetch_timeout(key[1])
+            elif key[0] == "peer-exchange":
+                self._peer_exchange_round()
+                self.set_timer(key, self.now + self.config.peer_exchange_every_s)
             else:
                 for role in self.roles:
                     role.on_timer(key)

@@ -196,15 +196,18 @@ class ValidatorRole:
 
     def _arm_deadline(self) -> None:
         """Start the window's clock once a trainer holding a lease (or, with lease expiry, a next-ranked
-        claimant) is reachable; until then it waits.
+        claimant) is reachable, or a join is waiting; until then it waits.
 
-        A window that no leaseholder can reach would only be skipped, so its deadline does not run.
+        A window that no leaseholder can reach would only be skipped, so its deadline does not run - unless
+        a trainer asked to join: then the skipped head is what brings it into the roster (without it, a
+        revision whose roster is empty, or whose trainers are all gone, would never advance).
         """
         e, c = self.engine, self.collector
         if c is None or self.state != "collecting" or self.deadline_armed:
             return
         workers = set(c.leases) | (set(c.claims) if e.manifest.lease_s > 0 else set())
-        if not workers & set(e.peers_with("trainer")):
+        joining = any(p not in c.head.roster_peers for p in self.joins)
+        if not workers & set(e.peers_with("trainer")) and not joining:
             e.log("window-waiting", window=c.window)
             return
         self.deadline_armed = True
@@ -767,6 +770,7 @@ class ValidatorRole:
                     e.broadcast(Signed(envelope=envelope), roles=("validator",))
             self.joins[envelope.signer] = capacity
             self._hear(envelope.signer, self.window)
+            self._arm_deadline()  # a waiting window closes so the next head can roster the joiner
         elif envelope.kind == LeaveRequest.KIND:
             self._on_leave(peer, envelope)
         elif envelope.kind == Heartbeat.KIND:

@@ -88,6 +88,23 @@ def test_a_new_peer_is_told_the_other_peers_listen_addresses_but_never_its_own()
     assert told.peers == ((C.peer_id, "127.0.0.1:5004"),)  # only peers still connected
 
 
+def test_peers_are_told_again_periodically_so_later_arrivals_are_found():
+    engine = node()
+    greet(engine, A, "127.0.0.1:5002", now=1.0)
+    greet(engine, B, "127.0.0.1:5003", now=2.0)  # B is told about A at once
+    drain(engine)
+    greet(engine, C, "127.0.0.1:5004", now=45.0)  # arrives later: A and B only hear of it in the next round
+    drain(engine)
+    engine.handle(ev.TimerDue(now=60.0))  # the first round (peer_exchange_every_s = 60)
+    effects = drain(engine)
+    assert sent_to(effects, A, PeerExchange) == [PeerExchange(peers=(
+        *sorted([(B.peer_id, "127.0.0.1:5003"), (C.peer_id, "127.0.0.1:5004")]),))]
+    assert (C.peer_id, "127.0.0.1:5004") in sent_to(effects, B, PeerExchange)[0].peers
+    assert not sent_to(effects, C, PeerExchange)  # told at its greeting 15 s ago: inside 2 x the quota interval
+    engine.handle(ev.TimerDue(now=120.0))
+    assert sent_to(drain(engine), C, PeerExchange)  # the next round tells it
+
+
 def test_a_valid_exchange_reports_unknown_peers_only():
     engine = node()
     greet(engine, A, "127.0.0.1:5002")

@@ -85,6 +85,22 @@ def test_roster_changes_invariant_catches_a_silent_drop():
     assert not checkers.verdicts["roster-changes"].ok
 
 
+def test_a_revision_with_an_empty_roster_starts_from_joins():
+    """No trainer is rostered at genesis: window 1 has no leaseholder to wait for, so the validators close
+    it as soon as joins arrive, and the skipped head rosters the joiners, who train from window 2."""
+    scenario = {"name": "empty-roster", "duration_s": 60.0, "stop_window": 4,
+                "workload": {"name": "synthetic", "dim": 8},
+                "roles": {"validators": 4, "reducers": 1, "trainers": 0},
+                "manifest": {"window_s": 2.0, "min_updates": 1, "shards": 2}, "compute": {"train": 0.2},
+                "faults": [{"at": 1.0, "kind": "join", "nodes": ["j0", "j1"]}],
+                "liveness": {"heal_at": 1.0, "bound_s": 50.0, "min_windows": 3}}
+    result = run_scenario(scenario, seed=0)
+    assert result.ok, result.summary["invariants"]
+    final = result.checkers.final
+    assert final[1].skipped and len(final[1].roster) == 2
+    assert all(not final[w].skipped and len(final[w].cohort) == 2 for w in (2, 3, 4))
+
+
 def test_lossy_wan_really_loses_and_duplicates():
     result = _run("lossy-wan")
     net = result.summary["network"]
