@@ -33,6 +33,8 @@ scaled by a factor drawn uniformly from ``[1 - jitter, 1]`` ("equal jitter", AWS
 success resets the count. `ban_after_failures` consecutive *handshake* failures (the other end answered
 but could not prove the identity we expect, or sent garbage) ban the address for `ban_s` seconds;
 `ban_peer` bans a peer id (e.g. after the engine hung up on it for penalties) wherever it connects from.
+Addresses learnt from peers (``add(..., learned=True)``) are capped (`max_learned`) and forgotten after
+`forget_after_failures` consecutive failed dials; configured (bootstrap) addresses are kept for good.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class _Entry:
     dialing: bool = False
     connected: bool = False
     banned_until: float = float("-inf")
+    learned: bool = False  # from peer exchange or discovery, not configured: forgotten when it keeps failing
 
 
 class AddressBook:
@@ -72,10 +75,14 @@ class AddressBook:
 
     def __init__(self, rng: random.Random, *, base_backoff_s: float = 0.5, max_backoff_s: float = 60.0,
                  jitter: float = 0.5, max_connections: int = 64, max_connections_per_ip: int = 8,
-                 ban_after_failures: int = 5, ban_s: float = 600.0, ban_inbound_ips: bool = False) -> None:
+                 ban_after_failures: int = 5, ban_s: float = 600.0, ban_inbound_ips: bool = False,
+                 forget_after_failures: int = 8, max_learned: int = 1024) -> None:
         if not (0 < base_backoff_s <= max_backoff_s and 0 <= jitter <= 1 and max_connections >= 1
-                and max_connections_per_ip >= 1 and ban_after_failures >= 1 and ban_s >= 0):
+                and max_connections_per_ip >= 1 and ban_after_failures >= 1 and ban_s >= 0
+                and forget_after_failures >= 1 and max_learned >= 0):
             raise ValueError("bad AddressBook settings")
+        self.forget_after_failures = forget_after_failures
+        self.max_learned = max_learned
         self.rng = rng
         self.base_backoff_s = base_backoff_s
         self.max_backoff_s = max_backoff_s
@@ -93,11 +100,26 @@ class AddressBook:
 
     # -- what we know --
 
-    def add(self, address: Address, peer: PeerId | None = None, *, now: float) -> None:
-        """Learn `address` (optionally whose it is). Idempotent; a new address is dialable at once."""
-        entry = self._entries.setdefault(address, _Entry(next_attempt=now))
+    def add(self, address: Address, peer: PeerId | None = None, *, now: float, learned: bool = False) -> bool:
+        """Know `address` (optionally whose it is); a new address is dialable at once. Idempotent.
+
+        `learned` addresses (peer exchange, discovery - not configured ones) are bounded: at most
+        `max_learned` are kept (a new one beyond that is refused: returns False), and one is forgotten after
+        `forget_after_failures` consecutive failed dials. Configuring a learned address makes it permanent.
+        """
+        entry = self._entries.get(address)
+        if entry is None:
+            if learned and sum(e.learned for e in self._entries.values()) >= self.max_learned:
+                return False
+            entry = self._entries[address] = _Entry(next_attempt=now, learned=learned)
+        elif not learned:
+            entry.learned = False
         if peer is not None:
             entry.peer = peer
+        return True
+
+    def __contains__(self, address: object) -> bool:
+        return address in self._entries
 
     def addresses(self, peer: PeerId) -> list[Address]:
         """Known addresses of `peer`, sorted."""
@@ -159,6 +181,9 @@ class AddressBook:
                 entry.banned_until = now + self.ban_s
                 entry.handshake_failures = 0
         entry.next_attempt = now + self.backoff(entry.failures)
+        if entry.learned and entry.failures >= self.forget_after_failures and not entry.connected:
+            del self._entries[address]  # a stale tip from a peer: stop dialing it (learning it again is fine)
+            return float("inf")
         return max(entry.next_attempt, entry.banned_until)
 
     def backoff(self, failures: int) -> float:

@@ -222,7 +222,7 @@ class NodeRuntime:
             pass
 
     def _learn_address(self, address: tuple[str, int], peer: PeerId | None = None) -> None:
-        self.book.add(address, peer, now=trio.current_time())
+        self.book.add(address, peer, now=trio.current_time(), learned=True)
         self._book_changed.set()
 
     def _start_edge(self, host: str, port: int) -> None:
@@ -275,7 +275,7 @@ class NodeRuntime:
                     now = trio.current_time()
                     for peer, text in effect.peers:
                         if peer not in self._conns:
-                            self.book.add(parse_address(text), peer, now=now)
+                            self.book.add(parse_address(text), peer, now=now, learned=True)
                     self._book_changed.set()
                 case fx.HeadPromoted():
                     self.metrics.on_effect(effect)

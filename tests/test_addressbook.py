@@ -190,3 +190,35 @@ def test_real_dial_failures_classify_as_the_book_expects() -> None:
     trio.run(main)
     assert reasons == ["peer-mismatch", "connect-failed"]
     assert reasons[0] in HANDSHAKE_FAILURES and reasons[1] not in HANDSHAKE_FAILURES
+
+
+def test_learned_addresses_are_forgotten_after_repeated_failures_but_bootstrap_ones_never():
+    book = AddressBook(random.Random(0), forget_after_failures=3)
+    tip, seed = ("127.0.0.1", 7001), ("127.0.0.1", 7000)
+    book.add(seed, now=0.0)
+    assert book.add(tip, now=0.0, learned=True)
+    now = 0.0
+    for _ in range(3):
+        for address in (tip, seed):
+            if address in book:
+                book.dial_started(address, now=now)
+                book.dial_failed(address, now=now)
+        now += 1000.0
+    assert tip not in book and seed in book  # the stale tip is gone; the configured seed stays
+    assert book.add(tip, now=now, learned=True) and tip in book  # a peer may tell us again
+    # configuring a learned address makes it permanent
+    book.add(tip, now=now)
+    for _ in range(5):
+        book.dial_started(tip, now=now)
+        book.dial_failed(tip, now=now)
+        now += 1000.0
+    assert tip in book
+
+
+def test_learned_addresses_are_capped():
+    book = AddressBook(random.Random(0), max_learned=2)
+    assert book.add(("127.0.0.1", 1), now=0.0, learned=True)
+    assert book.add(("127.0.0.1", 2), now=0.0, learned=True)
+    assert not book.add(("127.0.0.1", 3), now=0.0, learned=True)  # a flood of tips cannot grow the book
+    assert ("127.0.0.1", 3) not in book
+    assert book.add(("127.0.0.1", 4), now=0.0)  # configured addresses are not capped
