@@ -16,6 +16,8 @@ their own collection also fell short.
 from __future__ import annotations
 
 import hashlib
+import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -61,6 +63,26 @@ WINDOWS_AHEAD = 2  # messages for windows this far ahead are held, later ones dr
 MAX_HELD = 4096
 METRIC_TOLERANCE = 1e-4
 PROPOSER_DOMAIN = b"peerloom/proposer/v1"
+
+
+def metrics_match(mine: Mapping[str, float], claimed: Mapping[str, float]) -> bool:
+    """Same metric names, each within `METRIC_TOLERANCE` of ours. A diverged model's NaN or infinite
+    metrics must be claimed exactly as such (NaN for NaN, the same infinity): `abs(x - nan) > tol` is
+    False, so a plain tolerance test would let a proposer claim NaN for any value, or any value for NaN."""
+    if set(mine) != set(claimed):
+        return False
+    for name, ours in mine.items():
+        theirs = claimed[name]
+        if math.isnan(ours) or math.isnan(theirs):
+            if not (math.isnan(ours) and math.isnan(theirs)):
+                return False
+        elif math.isinf(ours) or math.isinf(theirs):
+            if ours != theirs:
+                return False
+        elif abs(ours - theirs) > METRIC_TOLERANCE:
+            return False
+    return True
+
 
 # A proposed value: the head and the signed announcements it names - its cohort's and its rejected ones.
 Value = tuple[Head, tuple[SignedEnvelope, ...]]
@@ -518,8 +540,7 @@ class ValidatorRole:
         elif (mine["params"], mine["params_digest"], mine["outer_state_digest"]) != (
                 head.params, head.params_digest, head.outer_state_digest) or mine["outer_state"] != head.outer_state:
             self._verdict(head, False, "params-mismatch")
-        elif set(mine["metrics"]) != set(head.metrics) or any(
-                abs(mine["metrics"][k] - head.metrics[k]) > METRIC_TOLERANCE for k in mine["metrics"]):
+        elif not metrics_match(mine["metrics"], head.metrics):
             self._verdict(head, False, "metrics-mismatch")
         else:
             first = head.window not in self.results

@@ -260,3 +260,20 @@ def test_diloco_cluster_commits_outer_state_and_validators_agree(tmp_path, workl
     assert tensor_digest(state) == heads[0].outer_state_digest
     assert heads[-1].metrics["test_accuracy"] > 0.3
     _ = to_safetensors
+
+
+def test_metrics_must_match_including_nan_and_infinity():
+    """A plain |a - b| > tol test passes whenever either side is NaN; claimed metrics must match ours
+    exactly in kind (NaN for NaN, the same infinity) and within METRIC_TOLERANCE otherwise."""
+    from peerloom.core.validator import METRIC_TOLERANCE, metrics_match
+
+    nan, inf = float("nan"), float("inf")
+    assert metrics_match({"test_loss": 0.5}, {"test_loss": 0.5 + METRIC_TOLERANCE / 2})
+    assert not metrics_match({"test_loss": 0.5}, {"test_loss": 0.5 + 2 * METRIC_TOLERANCE})
+    assert not metrics_match({"test_loss": 0.5}, {"test_loss": nan})  # a proposer may not hide a value
+    assert not metrics_match({"test_loss": nan}, {"test_loss": 0.5})  # nor invent one for a diverged model
+    assert metrics_match({"test_loss": nan}, {"test_loss": nan})  # an honest diverged head stays certifiable
+    assert metrics_match({"test_loss": inf}, {"test_loss": inf})
+    assert not metrics_match({"test_loss": inf}, {"test_loss": -inf})
+    assert not metrics_match({"test_loss": inf}, {"test_loss": 1e308})
+    assert not metrics_match({"test_loss": 0.5}, {"test_loss": 0.5, "extra": 1.0})
