@@ -6,13 +6,17 @@ as safetensors bytes (never pickle); results name the artifacts they stored.
 Update codecs (spec/protocol.md §6): a trainer's delta artifact is the manifest's `codec` encoding of its
 pseudo-gradient (`peerloom.backends.numpy.codecs`); screening, reduction and audits decode it against the
 manifest's schema. For the biased codecs (`ERROR_FEEDBACK_CODECS`: top-k, sign) the trainer keeps an
-error-feedback residual per trainer across windows, in this executor's memory (lost on restart).
+error-feedback residual per trainer across windows. Given a `state_dir` (a node's store), the executor
+keeps it on disk too (`residual-<peer id>.safetensors`, written atomically after every encoding), so a
+restarted trainer carries on with what earlier windows dropped instead of losing it; a file whose
+tensors do not match the manifest's schema is ignored.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,20 +30,46 @@ from peerloom.core.errors import DecodeError
 from peerloom.core.identity import PeerId
 from peerloom.core.objects import ERROR_FEEDBACK_CODECS, ArtifactRef, Manifest
 
-from .storage import ArtifactStore
+from .storage import ArtifactStore, atomic_write
 
 
 class ComputeExecutor:
     """Runs train / screen / reduce / evaluate tasks synchronously (hosts put it on a worker thread)."""
 
     def __init__(self, store: ArtifactStore, manifest: Manifest, workload: Any,
-                 shards: Sequence[Sequence[int]]) -> None:
+                 shards: Sequence[Sequence[int]], *, state_dir: Path | None = None) -> None:
         self.store = store
         self.manifest = manifest
         self.workload = workload
         self.shards = shards
+        self.state_dir = state_dir
         # Error-feedback residual per trainer (its peer id; None when the task names none), across windows.
         self.residuals: dict[PeerId | None, np_codecs.ErrorFeedback] = {}
+
+    def _residual_path(self, author: PeerId | None) -> Path | None:
+        if self.state_dir is None or author is None:
+            return None
+        return self.state_dir / f"residual-{author.to_text()}.safetensors"
+
+    def _load_residual(self, author: PeerId | None) -> np_codecs.ErrorFeedback | None:
+        """The residual `author` left on disk, if it matches the manifest's schema (our own file)."""
+        path = self._residual_path(author)
+        if path is None or not path.exists():
+            return None
+        try:
+            tensors = from_safetensors(path.read_bytes())
+        except (OSError, ValueError, DecodeError):
+            return None
+        expected = {name: tuple(shape) for name, _, shape in self.manifest.schema}
+        if {n: tuple(t.shape) for n, t in tensors.items()} != expected or \
+                any(t.dtype != np.float32 for t in tensors.values()):
+            return None
+        return np_codecs.ErrorFeedback(tensors)
+
+    def _save_residual(self, author: PeerId | None, state: np_codecs.ErrorFeedback) -> None:
+        path = self._residual_path(author)
+        if path is not None:
+            atomic_write(path, to_safetensors(state.residual))
 
     def load(self, ref: ArtifactRef) -> dict[str, np.ndarray]:
         return from_safetensors(self.store.get(ref.digest))
@@ -98,12 +128,13 @@ class ComputeExecutor:
             return delta
         state = None
         if codec in ERROR_FEEDBACK_CODECS:
-            state = self.residuals.get(author)
+            state = self.residuals.get(author) or self._load_residual(author)
             if state is None:
                 state = np_codecs.zeros_state(delta)
         encoded, new_state = np_codecs.encode(codec, delta, state, fraction=self.manifest.codec_fraction)
         if new_state is not None:
             self.residuals[author] = new_state
+            self._save_residual(author, new_state)
         return encoded
 
     def _decode(self, encoded: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -300,7 +300,7 @@ def build_runtime(config: dict[str, Any]) -> NodeRuntime:
         log.warning("byzantine trainer", extra={"fields": {"behaviour": config["behaviour"]}})
     if "torch" in sys.modules:  # only workloads that use torch pay for importing it
         sys.modules["torch"].set_num_threads(int(config.get("threads", 1)))
-    executor = ComputeExecutor(store, manifest, workload, shards)
+    executor = ComputeExecutor(store, manifest, workload, shards, state_dir=Path(config["store"]))
     host, port = _address(config.get("listen", "127.0.0.1:0"))
     http = config.get("http", {})
     http_listen = _address(http.get("listen", "127.0.0.1:0")) if http.get("enabled", False) else None

@@ -140,3 +140,31 @@ def test_undecodable_update_is_a_strike(tmp_path, digits):
     assert v.engine.peers[me].penalty >= 1  # charged to the trainer that sent it
     honest = {cluster.nodes[n].identity.peer_id for n in ("t0", "t1")}
     assert not any(p in honest for _, h, _ in v.heads for p, _, _ in h.strikes)
+
+
+def test_error_feedback_residual_survives_a_restart(tmp_path, digits):
+    """With a state_dir (a node's store) the top-k residual is kept on disk: a restarted executor encodes
+    window 2 exactly as one that never stopped; without it the residual starts from zero again."""
+    workload, shards = digits
+    author = ident(7).peer_id
+    fields = {"codec": "topk", "codec_fraction": 0.05}
+    steady, _, ref = _executor(tmp_path / "steady", digits, **fields)
+    first, _, ref1 = _executor(tmp_path / "node", digits, **fields)
+    first.state_dir = tmp_path / "node"
+    seed = train_seed(b"\x12\x20" + bytes(32), 1, (1,), author)
+    task = {"shards": (1,), "seed": seed, "author": author}
+    steady.run("train", {**task, "params": ref})
+    first.run("train", {**task, "params": ref1})
+    assert any(p.name.startswith("residual-") for p in (tmp_path / "node").iterdir())
+    restarted = ComputeExecutor(first.store, first.manifest, workload, shards, state_dir=tmp_path / "node")
+    forgetful = ComputeExecutor(first.store, first.manifest, workload, shards)
+    want = steady.run("train", {**task, "params": ref})["delta_digest"]
+    assert restarted.run("train", {**task, "params": ref1})["delta_digest"] == want
+    assert forgetful.run("train", {**task, "params": ref1})["delta_digest"] != want
+    # a residual file of another schema is ignored, not trusted
+    for p in (tmp_path / "node").glob("residual-*"):
+        p.write_bytes(to_safetensors({"w": np.zeros(3, np.float32)}))
+    other = ComputeExecutor(first.store, first.manifest, workload, shards, state_dir=tmp_path / "node")
+    fresh = ComputeExecutor(first.store, first.manifest, workload, shards)  # a zero residual
+    assert other.run("train", {**task, "params": ref1})["delta_digest"] == \
+        fresh.run("train", {**task, "params": ref1})["delta_digest"]
