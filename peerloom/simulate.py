@@ -11,6 +11,7 @@ import argparse
 import json
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--out", type=Path, default=Path("peerloom-sim"), help="output directory")
     p.add_argument("--no-plots", action="store_true", help="skip DIR/plots/*.png")
     p.add_argument("--keep-going", action="store_true", help="do not stop at the first invariant violation")
+    p.add_argument("--quiet", action="store_true", help="no progress line per final window on stderr")
     return p
 
 
@@ -38,10 +40,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
+    wall0 = time.perf_counter()
+
+    def progress(window: int, virtual_s: float) -> None:
+        if not args.quiet:
+            print(f"  window {window} final at {virtual_s:.1f} s virtual ({time.perf_counter() - wall0:.1f} s wall)",
+                  file=sys.stderr, flush=True)
+
     try:
         with open(out / "trace.jsonl", "w", encoding="utf-8", newline="\n") as trace:
             result = run_scenario(scenario, seed=args.seed, trace_out=trace,
-                                  stop_on_violation=not args.keep_going)
+                                  stop_on_violation=not args.keep_going, on_window=progress)
     except ScenarioError as exc:
         print(f"peerloom sim: {args.scenario}: {exc}", file=sys.stderr)
         return 2

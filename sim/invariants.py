@@ -23,6 +23,7 @@ validators certify at least `min_windows` new windows within `bound_s` seconds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -58,7 +59,8 @@ class Checkers:
               "roster-changes")
 
     def __init__(self, *, heal_at: float | None = None, bound_s: float | None = None, min_windows: int = 1,
-                 stop_on_violation: bool = True) -> None:
+                 stop_on_violation: bool = True, on_final: Callable[[int, float], None] | None = None) -> None:
+        self.on_final = on_final  # called (window, virtual time) when a window first becomes final
         self.verdicts = {name: Verdict() for name in (*self.SAFETY, "liveness")}
         self.final: dict[int, Head] = {}  # window -> the final head
         self.left_seen: set[PeerId] = set()  # peers some final head recorded as left / expired
@@ -121,6 +123,8 @@ class Checkers:
             self.final[head.window] = head
             self.final_ids[head.window] = hid
             self.final_at[head.window] = sim.now
+            if self.on_final is not None:
+                self.on_final(head.window, sim.now)
         elif self.final_ids[head.window] != hid:
             self._fail(sim, "one-final-head", f"window {head.window}: two final heads "
                                               f"{self.final_ids[head.window].hex()[:16]} and {hid.hex()[:16]} "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -101,11 +101,13 @@ def _link_specs(net: Mapping[str, Any]) -> tuple[LinkSpec, list[tuple[frozenset[
 
 def run_scenario(scenario: Mapping[str, Any], *, seed: int, trace_out: IO[str] | None = None,
                  trace: bool = True, stop_on_violation: bool = True, engine_factories: Mapping[str, Any] | None = None,
-                 behaviours: Mapping[str, Any] | None = None) -> Result:
+                 behaviours: Mapping[str, Any] | None = None,
+                 on_window: Callable[[int, float], None] | None = None) -> Result:
     """Build and run one scenario with one master seed. `trace_out` receives the JSONL trace.
 
     `engine_factories` / `behaviours` map node names to an engine factory / a Behaviour, overriding
-    the scenario (tests use them to plant a broken engine variant).
+    the scenario (tests use them to plant a broken engine variant). `on_window(window, virtual_s)` is
+    called as each window becomes final (progress for long runs).
     """
     wall0 = time.perf_counter()
     _check_keys(scenario, TOP_KEYS, "scenario")
@@ -213,7 +215,8 @@ def run_scenario(scenario: Mapping[str, Any], *, seed: int, trace_out: IO[str] |
     _check_keys(live, {"heal_at", "bound_s", "min_windows"}, "liveness")
     heal = float(live["heal_at"]) if "heal_at" in live else heal_at
     checkers = Checkers(heal_at=heal if "bound_s" in live else None, bound_s=live.get("bound_s"),
-                        min_windows=int(live.get("min_windows", 1)), stop_on_violation=stop_on_violation)
+                        min_windows=int(live.get("min_windows", 1)), stop_on_violation=stop_on_violation,
+                        on_final=on_window)
     sim.observers.append(checkers)
 
     duration = float(scenario.get("duration_s", 60.0))

@@ -101,6 +101,14 @@ def test_a_revision_with_an_empty_roster_starts_from_joins():
     assert all(not final[w].skipped and len(final[w].cohort) == 2 for w in (2, 3, 4))
 
 
+def test_progress_callback_reports_each_final_window_once_as_it_happens():
+    seen = []
+    scenario = load_scenario(SCENARIOS / "happy.toml")
+    result = run_scenario(scenario, seed=1, on_window=lambda w, t: seen.append((w, t)))
+    assert seen == sorted(result.checkers.final_at.items())  # once each, in window order, at the final time
+    assert len(seen) == result.summary["windows"]["certified"] + result.summary["windows"]["skipped"]
+
+
 def test_lossy_wan_really_loses_and_duplicates():
     result = _run("lossy-wan")
     net = result.summary["network"]
