@@ -60,20 +60,18 @@ def rank_shards(head_id: bytes, window: int, num_shards: int, roster: Sequence[t
     total = len(slots)
     if not total:
         return {}
-    # following[i]: index of the first slot after i (cyclically) whose holder differs from slot i's
-    following: list[int | None] = [None] * total
-    for i in range(total):
-        for k in range(1, total):
-            if slots[(i + k) % total] != slots[i]:
-                following[i] = (i + k) % total
-                break
-        else:
-            break  # a single eligible trainer holds every slot: nobody ranks second
+    # following[i]: index of the first slot after i (cyclically) whose holder differs from slot i's; one
+    # backward pass over the slots laid out twice, so long runs of one holder cost nothing extra.
+    doubled = slots + slots
+    after: list[int | None] = [None] * (2 * total)
+    for k in range(2 * total - 2, -1, -1):
+        after[k] = k + 1 if doubled[k + 1] != doubled[k] else after[k + 1]
+    following = [None if (j := after[i]) is None or j - i >= total else j % total for i in range(total)]
     ranked: dict[int, tuple[PeerId, ...]] = {}
     for shard in range(num_shards):
         i = shard % total
-        after = following[i]
-        ranked[shard] = (slots[i],) if after is None else (slots[i], slots[after])
+        nxt = following[i]
+        ranked[shard] = (slots[i],) if nxt is None else (slots[i], slots[nxt])
     return ranked
 
 

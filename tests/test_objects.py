@@ -198,3 +198,24 @@ def test_head_id_and_roster_set_are_cached_per_instance_and_follow_the_fields():
     assert other.id != head.id and Head.from_cbor(other.to_cbor()).id == other.id
     assert head.roster_peers == {p for p, _ in head.roster}
     assert rev.genesis() is rev.genesis()
+
+
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=8), st.integers(1, 40), st.binary(min_size=34, max_size=34))
+def test_next_ranked_is_the_next_slot_held_by_someone_else(capacities, n_shards, head_id):
+    from peerloom.core.leases import slot_order
+
+    roster = [(ident(i + 1).peer_id, c) for i, c in enumerate(capacities)]
+    slots = slot_order(head_id, 3, roster, 4)
+    ranked = rank_shards(head_id, 3, n_shards, roster, 4)
+    for shard, r in ranked.items():
+        i = shard % len(slots)
+        later = [slots[(i + k) % len(slots)] for k in range(1, len(slots))]
+        second = next((p for p in later if p != slots[i]), None)
+        assert r == ((slots[i],) if second is None else (slots[i], second))
+
+
+def test_one_trainer_with_a_huge_capacity_costs_linear_time():
+    """Long runs of one holder in the slot order do not make ranking quadratic."""
+    roster = [(ident(1).peer_id, 60000), (ident(2).peer_id, 1)]
+    ranked = rank_shards(b"h" * 34, 1, 100, roster, 65536)
+    assert all(r[1] != r[0] for r in ranked.values())
