@@ -337,15 +337,19 @@ class DecodeMemo:
 
     A broadcast is one bytes object delivered to many engines; decoding is a pure function of the bytes
     and messages are immutable values, so every receiver can share one decode. Only messages of at most
-    `max_message_bytes` are kept (never artifact chunks), at most `max_entries` of them (least recently used dropped).
+    `max_message_bytes` are kept (never artifact chunks), at most `max_entries` of them and
+    `max_total_bytes` of encoded bytes in all (least recently used dropped first).
     Failures are not kept: every receiver sees and charges the same DecodeError. A real node has no use for
     this (it decodes each message it receives once); `EngineConfig.decode_memo` is None there.
     """
 
-    def __init__(self, max_entries: int = 4096, max_message_bytes: int = MAX_CONTROL_BYTES) -> None:
+    def __init__(self, max_entries: int = 4096, max_message_bytes: int = MAX_CONTROL_BYTES,
+                 max_total_bytes: int = 256 << 20) -> None:
         self.max_entries = max_entries
         self.max_message_bytes = max_message_bytes
+        self.max_total_bytes = max_total_bytes
         self.hits = 0
+        self.total_bytes = 0
         self._decoded: dict[tuple[bytes, int], Message] = {}
 
     def decode(self, data: bytes | memoryview, *, max_bytes: int) -> Message:
@@ -361,8 +365,12 @@ class DecodeMemo:
         message = decode_message(data, max_bytes=max_bytes)
         if isinstance(message, Chunk):
             return message
-        if len(self._decoded) >= self.max_entries:
-            del self._decoded[next(iter(self._decoded))]
+        while self._decoded and (len(self._decoded) >= self.max_entries
+                                 or self.total_bytes + len(data) > self.max_total_bytes):
+            oldest = next(iter(self._decoded))
+            del self._decoded[oldest]
+            self.total_bytes -= len(oldest[0])
         self._decoded[key] = message
+        self.total_bytes += len(data)
         return message
 

@@ -139,3 +139,8 @@ def test_decode_memo_shares_one_decode_per_bytes_and_forgets_nothing_it_should_n
     # a smaller max_bytes is its own key: the size limit still applies to each caller
     with pytest.raises(DecodeError):
         memo.decode(data, max_bytes=8)
+    # the bytes kept are bounded too, not only the entries
+    small = DecodeMemo(max_entries=100, max_total_bytes=2 * len(other[0]))
+    for message in [*other, encode_message(ChunkRequest(artifact=CID, index=9))]:
+        small.decode(message, max_bytes=MAX)
+    assert small.total_bytes <= 2 * len(other[0]) and len(small._decoded) == 2
