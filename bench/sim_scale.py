@@ -3,9 +3,10 @@ synthetic objective, real engines on the virtual clock, no trace.
 
 Prints one progress line per certified window, then one JSON object on the last line::
 
-    {"trainers", "windows", "wall_s", "events", "events_per_s", "peak_rss_bytes"}
+    {"trainers", "windows", "wall_s", "events", "events_per_s", "peak_rss_bytes", "shards"}
 
-(`windows` = windows certified; `"error"` is added when the run could not be built or fell short.)
+(`windows` = windows certified; `shards` = shards leased per window, so how many trainers train in each;
+`"error"` is added when the run could not be built or fell short.)
 Target: 10,000 trainers, 10 windows in under 10 minutes on a 2-core machine. `--quick`: 30 trainers,
 2 windows. Peak RSS is the process's (ru_maxrss), so it includes the interpreter and numpy.
 """
@@ -53,13 +54,14 @@ def main() -> None:
 
     report: dict = {"trainers": args.trainers, "windows": 0, "wall_s": 0.0, "events": 0, "events_per_s": 0.0,
                     "peak_rss_bytes": 0}
+    shards = args.shards or min(args.trainers, DEFAULT_MAX_SHARDS)
     t0, cpu0 = time.perf_counter(), time.process_time()
     def progress(window: int, virtual_s: float) -> None:  # live, so a long run shows it is moving
         print(f"window {window} certified at virtual {virtual_s:.1f} s ({time.perf_counter() - t0:.1f} s wall)",
               file=sys.stderr, flush=True)
 
     try:
-        result = run_scenario(scenario(args.trainers, args.windows, args.shards), seed=args.seed, trace=False,
+        result = run_scenario(scenario(args.trainers, args.windows, shards), seed=args.seed, trace=False,
                               on_window=progress)
     except Exception as exc:  # report what stopped the run (e.g. a core size limit) in the JSON line
         report["error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -74,6 +76,7 @@ def main() -> None:
                 {k: v["detail"] for k, v in result.summary["invariants"].items() if not v["ok"]})
     report["wall_s"] = report["wall_s"] or round(time.perf_counter() - t0, 2)
     report["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report["shards"] = shards
     print(json.dumps(report))
 
 
