@@ -41,7 +41,11 @@ TABLE: Table = {
     ("screening", "screen-failed"): "rejected",
     ("announced", "replay"): "rejected",
     ("accepted", "outlier"): "rejected",
+    ("rejected", "retry"): "announced",  # a transient failure here, and a proposal names the update
 }
+# Rejections that say nothing about the update itself, only about this node's luck fetching or screening it:
+# when a head proposal names such an update, it is fetched (from the proposer too) and screened once more.
+TRANSIENT_PREFIXES = ("fetch-", "screen-error")
 REPLAY_WINDOWS = 8  # how many windows of accepted delta digests a collector remembers
 
 
@@ -78,6 +82,7 @@ class Collector:
         self.by_id: dict[bytes, Entry] = {}
         self.claims_on: dict[PeerId, list[Entry]] = {}  # leaseholder -> claims on its lease
         self.final_own = 0  # leaseholders whose own update is accepted or rejected (complete() fast path)
+        self.retried: set[bytes] = set()  # update ids fetched and screened a second time (once each)
         self.on_change = on_change
         self.closed = False
         self.claims_open = False  # set by the host role when the window's leases expire (`lease_s`)
@@ -176,6 +181,28 @@ class Collector:
                         lambda reason: self._fetch_failed(window, slot, f"params-{reason}"))
             else:
                 fetch_delta()
+
+    def retry(self, update_id: bytes, providers: list[PeerId]) -> bool:
+        """Fetch (from `providers`, then the author) and screen again an update rejected here for a transient
+        reason (`TRANSIENT_PREFIXES`): a head proposal names it, so its proposer holds the delta, and a
+        transient failure must not make this validator refuse that head for good (Tendermint needs a valid
+        value to become valid at every honest validator). Once per update per window; True if retrying."""
+        entry = self.by_id.get(update_id)
+        if entry is None or entry.state != "rejected" or update_id in self.retried or \
+                not entry.reason.startswith(TRANSIENT_PREFIXES):
+            return False
+        self.retried.add(update_id)
+        if entry.announcement.claim is None:
+            self.final_own -= 1  # counted again when it ends accepted or rejected
+        entry.state = step("collector", TABLE, entry.state, "retry")
+        entry.reason = ""
+        e, ann, slot, window = self.engine, entry.announcement, entry.slot, self.window
+        e.log("update-retry", window=window, author=str(entry.envelope.signer))
+        e.stats["update_retries"] += 1
+        sources = [*providers, entry.envelope.signer]
+        e.fetch(ann.delta, list(dict.fromkeys(sources)), lambda: self._fetched(window, slot),
+                lambda reason: self._fetch_failed(window, slot, reason))
+        return True
 
     def _taken(self, ann: UpdateAnnouncement, author: PeerId) -> bool:
         """A live update already fills this lease: the holder's own for a claim, any claim for the holder."""

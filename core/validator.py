@@ -513,8 +513,12 @@ class ValidatorRole:
                 state = "bad"
             elif entry.state == "accepted" or (entry.state == "rejected" and entry.reason in OUTLIER_REASONS):
                 state = "ok"
-            elif entry.state == "rejected":
-                state = "struck" if entry.reason in STRIKE_REASONS else "bad"
+            elif entry.state == "rejected" and entry.reason in STRIKE_REASONS:
+                state = "struck"
+            elif entry.state == "rejected" and not c.retry(u.id, [self.proposer_of_head(head),
+                                                                  *self.engine.peers_with("validator"),
+                                                                  *self.engine.peers_with("reducer")]):
+                state = "bad"
             else:
                 state, pending = "pending", True
             if state == "bad" or (u.id in cohort_ids and state == "struck"):

@@ -109,6 +109,16 @@ def test_progress_callback_reports_each_final_window_once_as_it_happens():
     assert len(seen) == result.summary["windows"]["certified"] + result.summary["windows"]["skipped"]
 
 
+def test_a_transient_fetch_failure_does_not_make_validators_refuse_a_head_forever():
+    """churn seed 6: a trainer crashed while two validators fetched its delta, so they rejected its update
+    (fetch-failed) and refused every proposal naming it, round after round, while the proposers kept
+    proposing it. Validators now fetch such an update once more, from the proposer too, before judging."""
+    result = _run("churn", seed=6)
+    assert result.ok, result.summary["invariants"]
+    engines = [n.engine for n in result.sim.nodes.values() if n.engine is not None and "validator" in n.roles]
+    assert sum(e.stats["update_retries"] for e in engines) > 0  # the fix is what made this seed live
+
+
 def test_lossy_wan_really_loses_and_duplicates():
     result = _run("lossy-wan")
     net = result.summary["network"]
