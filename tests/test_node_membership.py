@@ -8,15 +8,13 @@ import json
 import subprocess
 import sys
 import time
-from contextlib import asynccontextmanager
 
 import attrs
 import pytest
 import trio
 
 from peerloom.adapters.keys import generate_identity, save_identity
-from peerloom.adapters.runtime import NodeRuntime, RuntimeOptions
-from peerloom.adapters.storage import ArtifactStore, atomic_write
+from peerloom.adapters.storage import atomic_write
 from peerloom.cli import main as cli_main
 from peerloom.core.chain import decode_chain_entry
 from peerloom.core.envelope import SignedEnvelope
@@ -25,7 +23,7 @@ from peerloom.node import ConfigError, leave_roster, load_admission, load_config
 from tests.helpers import ident, make_revision
 from tests.node_cluster import make_fleet
 from tests.test_node_config import BASE, _config
-from tests.test_runtime_admission import TRAINER, _NoCompute, trio_test, wait_for
+from tests.test_runtime_admission import TRAINER, running_node, trio_test, wait_for
 
 AUTHORITY = ident(200)  # signs the manifest (BASE's authority)
 GATE = ident(201)  # the manifest's admission_authority
@@ -150,27 +148,11 @@ def test_admit_cli_refuses_bad_input(tmp_path, change, message):
 
 # --- the runtime API (in process, no validator: nothing can take the leave) ---------------------------
 
-@asynccontextmanager
-async def running_trainer(tmp_path, revision, admission=None):
-    """A trainer NodeRuntime with no peers (like tests/test_runtime_admission.py's, with a revision and a
-    certificate); it never holds params, so it never computes."""
-    runtime = NodeRuntime(name="n", identity=TRAINER, revision=revision, roles={"trainer"},
-                          store=ArtifactStore(tmp_path / "store"), executor=_NoCompute(),  # type: ignore[arg-type]
-                          options=RuntimeOptions(), admission=admission)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(runtime.run)
-        try:
-            yield runtime
-        finally:
-            nursery.cancel_scope.cancel()
-    runtime.close()
-
-
 @trio_test
 async def test_runtime_passes_admission_and_leave_waits_out_the_grace(tmp_path):
     revision = make_revision(trainers=(TRAINER,))
     cert = seal(GATE, AdmissionCertificate(revision=revision.id, peer=TRAINER.peer_id, max_capacity=1))
-    async with running_trainer(tmp_path, revision, cert) as runtime:
+    async with running_node(tmp_path, revision=revision, admission=cert) as runtime:
         assert runtime.engine.config.admission == cert
         assert TRAINER.peer_id in runtime.engine.head.roster_peers  # genesis rosters it
         signal_in, signals = trio.open_memory_channel(1)  # stands in for trio's signal receiver
@@ -186,7 +168,7 @@ async def test_runtime_passes_admission_and_leave_waits_out_the_grace(tmp_path):
 
 @trio_test
 async def test_leave_of_an_unrostered_trainer_returns_at_once(tmp_path):
-    async with running_trainer(tmp_path, make_revision()) as runtime:  # an empty roster
+    async with running_node(tmp_path, revision=make_revision()) as runtime:  # an empty roster
         _, signals = trio.open_memory_channel(1)
         with trio.fail_after(1):
             assert await leave_roster(runtime, 30.0, signals) == "not-rostered"

@@ -25,10 +25,11 @@ class _NoCompute:
 
 
 @asynccontextmanager
-async def running_node(tmp_path, **options):
-    runtime = NodeRuntime(name="n", identity=TRAINER, revision=make_revision(), roles={"trainer"},
+async def running_node(tmp_path, *, revision=None, admission=None, **options):
+    """A trainer NodeRuntime with no peers; it never holds params, so it never computes."""
+    runtime = NodeRuntime(name="n", identity=TRAINER, revision=revision or make_revision(), roles={"trainer"},
                           store=ArtifactStore(tmp_path / "store"), executor=_NoCompute(),  # type: ignore[arg-type]
-                          options=RuntimeOptions(**options))
+                          options=RuntimeOptions(**options), admission=admission)
     async with trio.open_nursery() as nursery:
         await nursery.start(runtime.run)
         try:
