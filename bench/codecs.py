@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
+from aggregate import timed  # bench/aggregate.py, beside this script (run as `python bench/codecs.py`)
 
 from peerloom.backends.datasets import shard_indices
 from peerloom.backends.numpy import codecs as nc
@@ -38,16 +36,6 @@ from peerloom.backends.torch.models import make_digits_workload
 
 FEEDBACK = ("topk", "sign")
 """Codecs that keep an error-feedback residual in the accuracy run (biased compressors need it)."""
-
-
-def timed(fn: Callable[[], Any], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def speed(codec: str, x: np.ndarray, repeats: int, fraction: float) -> dict[str, Any]:
