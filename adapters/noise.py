@@ -1,16 +1,20 @@
 """The Noise Protocol Framework (revision 34) and the libp2p ``/noise`` handshake, sans-IO.
 
-Part 1 implements the Noise spec (https://noiseprotocol.org/noise.html, rev. 34, 2018-07-11) on PyNaCl and
-hashlib/hmac: `CipherState` (§5.1), `SymmetricState` (§5.2) and `HandshakeState` (§5.3), the latter driven
-by the pattern table `PATTERNS` below (§7.4 one-way and §7.5 interactive fundamental patterns). Supported
-names are ``Noise_<pattern>_25519_ChaChaPoly_<hash>`` with hash SHA256, SHA512, BLAKE2s or BLAKE2b;
-no modifiers (psk, fallback). NN and XX with SHA256 and BLAKE2b are checked against the cacophony and snow
-test vectors (tests/test_noise_vectors.py); the other patterns only against ourselves.
+Part 1 implements the Noise spec (https://noiseprotocol.org/noise.html, rev. 34, 2018-07-11) on PyNaCl,
+`cryptography` and hashlib/hmac: `CipherState` (§5.1), `SymmetricState` (§5.2) and `HandshakeState` (§5.3),
+the latter driven by the pattern table `PATTERNS` below (§7.4 one-way and §7.5 interactive fundamental
+patterns). Supported names are ``Noise_<pattern>_25519_<cipher>_<hash>`` with cipher ChaChaPoly (§12.3) or
+AESGCM (§12.4) and hash SHA256, SHA512, BLAKE2s or BLAKE2b; no modifiers (psk, fallback). NN and XX with
+ChaChaPoly and NN with AESGCM are checked against the cacophony and snow test vectors
+(tests/test_noise_vectors.py); the other patterns only against ourselves.
 
 Part 2 is the libp2p handshake (github.com/libp2p/specs, noise/README.md): Noise_XX_25519_ChaChaPoly_SHA256
 with an empty prologue; the responder sends a signed ``NoiseHandshakePayload`` in message 2, the initiator in
 message 3; the signature is the Ed25519 identity key's over ``b"noise-libp2p-static-key:" + static key``.
-Framing (2-byte big-endian length per Noise message) is done by the caller with `frame` (adapters.tcp).
+Peerloom's one addition (spec/transport.md §1.1): a node may offer other transport ciphers in a field of the
+payload's ``NoiseExtensions`` that libp2p ignores; two peerloom nodes that both offer AESGCM use it, with the
+keys of Split, for the transport phase instead of ChaChaPoly. Framing (2-byte big-endian length per Noise
+message) is done by the caller with `frame` (adapters.tcp).
 
 Nothing here does I/O. Randomness comes from a caller-supplied ``random(n) -> bytes`` (default
 `nacl.utils.random`); every key can be injected instead, which is how the test vectors run.
@@ -39,14 +43,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import attrs
 import cryptography.exceptions
 import nacl.bindings
 import nacl.exceptions
 import nacl.utils
-from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 
 from peerloom.core.errors import DecodeError, PeerloomError
 from peerloom.core.identity import Identity, PeerId, public_key_from_protobuf, public_key_protobuf
@@ -171,28 +175,38 @@ def x25519(private_key: bytes, public_key: bytes) -> bytes:
         raise NoiseError("bad-dh-key", "X25519 with a low-order public key") from exc
 
 
-_NONCE = struct.Struct("<4xQ")  # ChaChaPoly nonce (§12.3): 32 bits of zeros, then n as 64 bits little-endian
-
-
-def _nonce(n: int) -> bytes:
-    """ChaChaPoly nonce (§12.3): 32 bits of zeros then the 64-bit counter little-endian (96 bits)."""
-    return _NONCE.pack(n)
+# Cipher functions (§12.3, §12.4): name -> the 96-bit nonce layout of the 64-bit counter n. Both put 32 bits
+# of zeros first; ChaChaPoly then writes n little-endian, AESGCM big-endian.
+CHACHAPOLY = "ChaChaPoly"
+AESGCM_CIPHER = "AESGCM"
+NONCE_LAYOUTS: dict[str, struct.Struct] = {CHACHAPOLY: struct.Struct("<4xQ"), AESGCM_CIPHER: struct.Struct(">4xQ")}
+# OpenSSL's implementations through `cryptography` (RFC 8439 ChaCha20-Poly1305 - byte for byte libsodium's
+# IETF variant - and AES-256-GCM with a 128-bit tag, as §12.4 asks).
+OPENSSL_AEADS: dict[str, type[ChaCha20Poly1305] | type[AESGCM]] = {CHACHAPOLY: ChaCha20Poly1305,
+                                                                   AESGCM_CIPHER: AESGCM}
 
 
 # --- CipherState (§5.1) ----------------------------------------------------------------------------------
 
 
 class CipherState:
-    """A key ``k`` (32 bytes or None = empty) and a 64-bit nonce ``n`` (§5.1), cipher ChaChaPoly (§12.3).
+    """A key ``k`` (32 bytes or None = empty) and a 64-bit nonce ``n`` (§5.1) for one cipher: ChaChaPoly
+    (§12.3, libsodium's IETF ChaCha20-Poly1305) or AESGCM (§12.4, AES-256-GCM through OpenSSL).
 
     `encrypt_with_ad` / `decrypt_with_ad` pass data through unchanged while there is no key. Nonce
-    exhaustion: once n reaches 2^64-1 every further call raises NoiseError("nonce-exhausted").
+    exhaustion: once n reaches 2^64-1 every further call raises NoiseError("nonce-exhausted"). An unknown
+    cipher name raises NoiseError("unsupported-protocol").
     """
 
-    __slots__ = ("k", "n")
+    __slots__ = ("_aesgcm", "_nonce", "cipher", "k", "n")
 
-    def __init__(self, key: bytes | None = None) -> None:
+    def __init__(self, key: bytes | None = None, cipher: str = CHACHAPOLY) -> None:
+        if cipher not in NONCE_LAYOUTS:
+            raise NoiseError("unsupported-protocol", f"cipher {cipher!r}")
+        self.cipher = cipher
+        self._nonce = NONCE_LAYOUTS[cipher]
         self.k: bytes | None = None
+        self._aesgcm: AESGCM | None = None
         self.n = 0
         self.initialize_key(key)
 
@@ -202,6 +216,15 @@ class CipherState:
             raise NoiseError("missing-key", f"a cipher key is {KEYLEN} bytes, got {len(key)}")
         self.k = key
         self.n = 0
+        self._aesgcm = AESGCM(key) if key is not None and self.cipher == AESGCM_CIPHER else None
+
+    def _encrypt(self, n: int, ad: bytes, plaintext: bytes) -> bytes:
+        """ENCRYPT(k, n, ad, plaintext) of the cipher (§4.2): ciphertext + 16-byte tag."""
+        assert self.k is not None
+        if self._aesgcm is not None:
+            return self._aesgcm.encrypt(self._nonce.pack(n), plaintext, ad)
+        return nacl.bindings.crypto_aead_chacha20poly1305_ietf_encrypt(plaintext, ad, self._nonce.pack(n),
+                                                                       self.k)
 
     def has_key(self) -> bool:
         return self.k is not None
@@ -221,8 +244,7 @@ class CipherState:
         if self.k is None:
             return bytes(plaintext)
         self._check_nonce()
-        out = nacl.bindings.crypto_aead_chacha20poly1305_ietf_encrypt(bytes(plaintext), ad, _nonce(self.n),
-                                                                      self.k)
+        out = self._encrypt(self.n, ad, bytes(plaintext))
         self.n += 1
         return out
 
@@ -235,9 +257,13 @@ class CipherState:
             return bytes(ciphertext)
         self._check_nonce()
         try:
-            out = nacl.bindings.crypto_aead_chacha20poly1305_ietf_decrypt(bytes(ciphertext), ad,
-                                                                          _nonce(self.n), self.k)
-        except (nacl.exceptions.CryptoError, nacl.exceptions.ValueError, ValueError) as exc:
+            if self._aesgcm is not None:
+                out = self._aesgcm.decrypt(self._nonce.pack(self.n), bytes(ciphertext), ad)
+            else:
+                out = nacl.bindings.crypto_aead_chacha20poly1305_ietf_decrypt(bytes(ciphertext), ad,
+                                                                              self._nonce.pack(self.n), self.k)
+        except (nacl.exceptions.CryptoError, nacl.exceptions.ValueError, ValueError,
+                cryptography.exceptions.InvalidTag) as exc:
             raise NoiseError("decrypt-failed", f"{len(ciphertext)}-byte ciphertext, nonce {self.n}") from exc
         self.n += 1
         return out
@@ -246,8 +272,9 @@ class CipherState:
         """Rekey() (§5.1, §4.2): k = first 32 bytes of ENCRYPT(k, 2^64-1, empty ad, 32 zero bytes)."""
         if self.k is None:
             raise NoiseError("out-of-order", "rekey without a key")
-        self.k = nacl.bindings.crypto_aead_chacha20poly1305_ietf_encrypt(
-            bytes(KEYLEN), b"", _nonce(MAX_NONCE), self.k)[:KEYLEN]
+        n = self.n
+        self.initialize_key(self._encrypt(MAX_NONCE, b"", bytes(KEYLEN))[:KEYLEN])
+        self.n = n  # Rekey() changes k only (§5.1)
 
 
 # --- SymmetricState (§5.2) -------------------------------------------------------------------------------
@@ -258,7 +285,7 @@ class SymmetricState:
 
     __slots__ = ("cipher", "ck", "h", "hash")
 
-    def __init__(self, protocol_name: bytes, hash_function: HashFunction) -> None:
+    def __init__(self, protocol_name: bytes, hash_function: HashFunction, cipher: str = CHACHAPOLY) -> None:
         """InitializeSymmetric(protocol_name): h = name zero-padded to HASHLEN, or HASH(name) if longer."""
         self.hash = hash_function
         if len(protocol_name) <= hash_function.hashlen:
@@ -266,7 +293,7 @@ class SymmetricState:
         else:
             self.h = hash_function.hash(protocol_name)
         self.ck = self.h
-        self.cipher = CipherState(None)
+        self.cipher = CipherState(None, cipher)
 
     def mix_key(self, input_key_material: bytes) -> None:
         """MixKey: ck, temp_k = HKDF(ck, ikm, 2); temp_k truncated to 32 bytes if HASHLEN is 64."""
@@ -298,7 +325,8 @@ class SymmetricState:
     def split(self) -> tuple[CipherState, CipherState]:
         """Split: (c1, c2) keyed by HKDF(ck, empty, 2); c1 for initiator→responder, c2 the other way."""
         temp_k1, temp_k2 = self.hash.hkdf(self.ck, b"", 2)
-        return CipherState(temp_k1[:KEYLEN]), CipherState(temp_k2[:KEYLEN])
+        cipher = self.cipher.cipher
+        return CipherState(temp_k1[:KEYLEN], cipher), CipherState(temp_k2[:KEYLEN], cipher)
 
 
 # --- HandshakeState (§5.3) -------------------------------------------------------------------------------
@@ -306,10 +334,11 @@ class SymmetricState:
 
 @attrs.frozen(kw_only=True)
 class ProtocolName:
-    """A parsed ``Noise_<pattern>_25519_ChaChaPoly_<hash>`` name (§8)."""
+    """A parsed ``Noise_<pattern>_25519_<cipher>_<hash>`` name (§8); cipher ChaChaPoly or AESGCM."""
 
     text: str
     pattern: Pattern
+    cipher: str
     hash: HashFunction
 
     @classmethod
@@ -317,9 +346,9 @@ class ProtocolName:
         """Raises NoiseError("unsupported-protocol") for any other DH, cipher, hash or a modifier."""
         parts = text.split("_")
         if (len(parts) != 5 or parts[0] != "Noise" or parts[1] not in PATTERNS or parts[2] != "25519"
-                or parts[3] != "ChaChaPoly" or parts[4] not in HASHES):
+                or parts[3] not in NONCE_LAYOUTS or parts[4] not in HASHES):
             raise NoiseError("unsupported-protocol", text)
-        return cls(text=text, pattern=PATTERNS[parts[1]], hash=HASHES[parts[4]])
+        return cls(text=text, pattern=PATTERNS[parts[1]], cipher=parts[3], hash=HASHES[parts[4]])
 
 
 class HandshakeState:
@@ -364,7 +393,7 @@ class HandshakeState:
         theirs_pre = pattern.responder_pre if initiator else pattern.initiator_pre
         if "s" in theirs_pre and rs is None:
             raise NoiseError("missing-key", f"{protocol_name} needs the remote static key")
-        self._ss = SymmetricState(protocol_name.encode("ascii"), name.hash)
+        self._ss = SymmetricState(protocol_name.encode("ascii"), name.hash, name.cipher)
         self._ss.mix_hash(prologue)
         # Pre-message public keys, initiator's first (§5.3 Initialize).
         for pre, is_ours in ((pattern.initiator_pre, initiator), (pattern.responder_pre, not initiator)):
@@ -583,18 +612,12 @@ def encode_handshake_payload(payload: HandshakePayload) -> bytes:
     return out
 
 
-def decode_handshake_payload(data: bytes) -> HandshakePayload:
-    """Parse a NoiseHandshakePayload (proto3 wire format). Raises NoiseError("bad-payload"), nothing else.
+def _protobuf_fields(data: bytes) -> Iterator[tuple[int, int, int, int]]:
+    """Walk protobuf wire format: (field number, wire type, start, end) of each field's value in `data`.
 
-    Fields 1, 2 and 4 must be length-delimited; a repeated field 1 or 2 keeps the last value and repeated
-    field-4 occurrences are concatenated (protobuf merge semantics). Unknown fields of wire types 0, 1, 2 and
-    5 are skipped; groups (3, 4) and field number 0 are refused. Lengths are checked against the input
-    before slicing; the input itself is at most one Noise message (65535 bytes).
+    Wire types 0, 1, 2 and 5 are understood; groups (3, 4) and field number 0 are NoiseError("bad-payload"),
+    as is a value running past the end (checked before anything is sliced).
     """
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise NoiseError("bad-payload", f"{len(data)} bytes")
-    fields: dict[int, bytes] = {}
-    extensions: bytes | None = None
     pos = 0
     while pos < len(data):
         key, pos = _decode_varint(data, pos)
@@ -615,13 +638,29 @@ def decode_handshake_payload(data: bytes) -> HandshakePayload:
             raise NoiseError("bad-payload", f"wire type {wire}")
         if end > len(data):
             raise NoiseError("bad-payload", f"field {field} runs past the end")
+        yield field, wire, pos, end
+        pos = end
+
+
+def decode_handshake_payload(data: bytes) -> HandshakePayload:
+    """Parse a NoiseHandshakePayload (proto3 wire format). Raises NoiseError("bad-payload"), nothing else.
+
+    Fields 1, 2 and 4 must be length-delimited; a repeated field 1 or 2 keeps the last value and repeated
+    field-4 occurrences are concatenated (protobuf merge semantics). Unknown fields of wire types 0, 1, 2 and
+    5 are skipped; groups (3, 4) and field number 0 are refused. Lengths are checked against the input
+    before slicing; the input itself is at most one Noise message (65535 bytes).
+    """
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise NoiseError("bad-payload", f"{len(data)} bytes")
+    fields: dict[int, bytes] = {}
+    extensions: bytes | None = None
+    for field, wire, start, end in _protobuf_fields(data):
         if field in (_FIELD_IDENTITY_KEY, _FIELD_IDENTITY_SIG, _FIELD_EXTENSIONS) and wire != _WIRE_LEN:
             raise NoiseError("bad-payload", f"field {field} has wire type {wire}")
         if field == _FIELD_EXTENSIONS:
-            extensions = (extensions or b"") + data[pos:end]
+            extensions = (extensions or b"") + data[start:end]
         elif field in (_FIELD_IDENTITY_KEY, _FIELD_IDENTITY_SIG):
-            fields[field] = bytes(data[pos:end])
-        pos = end
+            fields[field] = bytes(data[start:end])
     return HandshakePayload(identity_key=fields.get(_FIELD_IDENTITY_KEY, b""),
                             identity_sig=fields.get(_FIELD_IDENTITY_SIG, b""), extensions=extensions)
 
@@ -647,6 +686,60 @@ def verify_handshake_payload(payload: HandshakePayload, remote_static: bytes) ->
     return peer
 
 
+# --- transport cipher negotiation (peerloom's extension, spec/transport.md §1.1) ----------------------------
+# A peerloom node may list, in its NoiseExtensions, the transport ciphers it accepts besides ChaChaPoly, in
+# order of preference: field 20556 ("PL"), a repeated string of Noise cipher names (§12). libp2p knows
+# fields 1 and 2 only and skips unknown ones, so a libp2p peer sends no offer and gets ChaChaPoly.
+EXTENSION_TRANSPORT_CIPHERS = 20556
+MAX_OFFERED_CIPHERS = 8
+MAX_CIPHER_NAME_BYTES = 32
+
+
+def encode_transport_ciphers(names: tuple[str, ...]) -> bytes:
+    """NoiseExtensions protobuf bytes carrying only the transport-cipher offer `names` (b"" if empty).
+
+    Raises NoiseError("unsupported-protocol") for a name that is not a cipher we implement, or more than
+    MAX_OFFERED_CIPHERS names.
+    """
+    if len(names) > MAX_OFFERED_CIPHERS or any(name not in NONCE_LAYOUTS for name in names):
+        raise NoiseError("unsupported-protocol", f"transport ciphers {names!r}")
+    return b"".join(_encode_field(EXTENSION_TRANSPORT_CIPHERS, name.encode("ascii")) for name in names)
+
+
+def decode_transport_ciphers(extensions: bytes | None) -> tuple[str, ...]:
+    """The transport ciphers a peer offers in its NoiseExtensions bytes, in its order (unknown names kept,
+    for `choose_transport_cipher` to skip); () if it offers none.
+
+    Raises NoiseError("bad-payload") for malformed protobuf, an offer field that is not length-delimited,
+    more than MAX_OFFERED_CIPHERS entries, or a name over MAX_CIPHER_NAME_BYTES or not printable ASCII.
+    Other NoiseExtensions fields are not looked at.
+    """
+    if not extensions:
+        return ()
+    names: list[str] = []
+    for field, wire, start, end in _protobuf_fields(extensions):
+        if field != EXTENSION_TRANSPORT_CIPHERS:
+            continue
+        if wire != _WIRE_LEN:
+            raise NoiseError("bad-payload", f"transport-cipher offer with wire type {wire}")
+        if len(names) == MAX_OFFERED_CIPHERS:
+            raise NoiseError("bad-payload", f"more than {MAX_OFFERED_CIPHERS} transport ciphers offered")
+        raw = extensions[start:end]
+        if len(raw) > MAX_CIPHER_NAME_BYTES or not all(0x21 <= byte <= 0x7E for byte in raw):
+            raise NoiseError("bad-payload", "a transport-cipher name that is not short printable ASCII")
+        names.append(raw.decode("ascii"))
+    return tuple(names)
+
+
+def choose_transport_cipher(initiator_offer: tuple[str, ...], responder_offer: tuple[str, ...]) -> str:
+    """The transport cipher of a connection: the first cipher of the initiator's offer that the responder
+    also offers and we implement; ChaChaPoly (libp2p's one cipher, always accepted) if there is none."""
+    for name in initiator_offer:
+        if name in responder_offer and name in NONCE_LAYOUTS:
+            return name
+    return CHACHAPOLY
+
+
 def frame(message: bytes) -> bytes:
     """A Noise message with its 2-byte big-endian length prefix (libp2p noise "Wire Format")."""
     if len(message) > MAX_MESSAGE_BYTES:
@@ -657,18 +750,25 @@ def frame(message: bytes) -> bytes:
 class NoiseTransport:
     """The transport phase: `send` encrypts our messages, `receive` decrypts the peer's (§5.2 Split).
 
-    Each Noise transport message carries at most 65519 bytes of plaintext (65535 with the tag, §3).
+    Each Noise transport message carries at most 65519 bytes of plaintext (65535 with the tag, §3). Both
+    CipherStates use one cipher, `cipher` (ChaChaPoly or AESGCM); NoiseError("unsupported-protocol") if
+    they differ.
     """
 
-    __slots__ = ("_receive_aead", "_send_aead", "receive", "send")
+    __slots__ = ("_nonce", "_receive_aead", "_send_aead", "cipher", "receive", "send")
 
     def __init__(self, send: CipherState, receive: CipherState) -> None:
+        if send.cipher != receive.cipher:
+            raise NoiseError("unsupported-protocol", f"send {send.cipher}, receive {receive.cipher}")
         self.send = send
         self.receive = receive
-        # The bulk path runs OpenSSL's ChaCha20-Poly1305 (RFC 8439, the same AEAD as libsodium's IETF
-        # variant, byte for byte; vectorized, several times faster here). Keys are fixed after Split.
-        self._send_aead = ChaCha20Poly1305(send.k) if send.k is not None else None
-        self._receive_aead = ChaCha20Poly1305(receive.k) if receive.k is not None else None
+        self.cipher = send.cipher
+        self._nonce = NONCE_LAYOUTS[send.cipher]
+        # The in-place paths run OpenSSL's AEAD of the same cipher (for ChaChaPoly the same bytes as
+        # libsodium's, vectorized and several times faster here). Keys are fixed after Split.
+        aead = OPENSSL_AEADS[send.cipher]
+        self._send_aead = aead(send.k) if send.k is not None else None
+        self._receive_aead = aead(receive.k) if receive.k is not None else None
 
     def encrypt(self, plaintext: bytes) -> bytes:
         """One transport message (len(plaintext) + 16 bytes). NoiseError "message-too-long" or
@@ -691,9 +791,9 @@ class NoiseTransport:
         (the buffer needs ``length + 16`` bytes from `offset`); returns ``length + 16``.
 
         Same transport message as `encrypt` (EncryptWithAd, empty ad, §5.1) without allocating: OpenSSL's
-        ChaCha20-Poly1305 (through `cryptography`'s `encrypt_into`) writes the ciphertext over the
-        plaintext. Pass a memoryview to save making one per call (the bulk path does). NoiseError
-        "message-too-long", "nonce-exhausted".
+        AEAD (through `cryptography`'s `encrypt_into`) writes the ciphertext over the plaintext. Pass a
+        memoryview to save making one per call (the bulk path does). NoiseError "message-too-long",
+        "nonce-exhausted".
         """
         if length > MAX_TRANSPORT_PLAINTEXT:
             raise NoiseError("message-too-long", f"{length}-byte plaintext")
@@ -707,7 +807,7 @@ class NoiseTransport:
         if n >= MAX_NONCE:
             raise NoiseError("nonce-exhausted", "n reached 2^64-1 (§5.1); the session must end")
         view = buffer if isinstance(buffer, memoryview) else memoryview(buffer)
-        aead.encrypt_into(_NONCE.pack(n), view[offset:end], b"", view[offset:end + TAGLEN])
+        aead.encrypt_into(self._nonce.pack(n), view[offset:end], b"", view[offset:end + TAGLEN])
         cipher.n = n + 1
         return length + TAGLEN
 
@@ -732,7 +832,7 @@ class NoiseTransport:
         if len(out) != plain:
             out = (out if isinstance(out, memoryview) else memoryview(out))[:plain]
         try:
-            aead.decrypt_into(_NONCE.pack(n), ciphertext, b"", out)
+            aead.decrypt_into(self._nonce.pack(n), ciphertext, b"", out)
         except cryptography.exceptions.InvalidTag:
             raise NoiseError("decrypt-failed", f"{size}-byte ciphertext, nonce {n}") from None
         cipher.n = n + 1
@@ -752,19 +852,31 @@ class Libp2pNoiseHandshake:
     hs.read_message(received)``, then ``hs.transport()``. Messages are unframed; see `frame`.
 
     `static_seed` / `ephemeral_seed` are 32-byte X25519 private keys (generated with `random` if None);
-    `extensions` is raw ``NoiseExtensions`` protobuf bytes to send. Errors: `NoiseError` with reasons from
-    `HandshakeState.read_message`, plus ``bad-payload``, ``bad-identity-key``, ``bad-identity-signature``,
-    ``peer-mismatch``; all of them sticky.
+    `extensions` is raw ``NoiseExtensions`` protobuf bytes to send. `transport_ciphers` offers ciphers for
+    the transport phase besides ChaChaPoly (spec/transport.md §1.1), most preferred first: the offer is
+    added to the extensions (nothing is added when it is empty, so the payload is libp2p's byte for byte),
+    and `transport()` uses `choose_transport_cipher` of both offers. The payloads carrying the offers are
+    encrypted and bound into the handshake hash, so nobody in the middle can change the outcome.
+
+    Errors: `NoiseError` with reasons from `HandshakeState.read_message`, plus ``bad-payload`` (also a
+    malformed cipher offer), ``bad-identity-key``, ``bad-identity-signature``, ``peer-mismatch``; all of
+    them sticky. ``unsupported-protocol`` at construction for an offer of a cipher we do not implement.
     """
 
     def __init__(self, identity: Identity, initiator: bool, *, static_seed: bytes | None = None,
                  ephemeral_seed: bytes | None = None, expected_peer: PeerId | None = None,
-                 extensions: bytes | None = None, random: RandomFn = nacl.utils.random) -> None:
+                 extensions: bytes | None = None, transport_ciphers: tuple[str, ...] = (),
+                 random: RandomFn = nacl.utils.random) -> None:
         self.identity = identity
         self.initiator = initiator
         self.expected_peer = expected_peer
         self.remote_peer: PeerId | None = None
         self.remote_extensions: bytes | None = None
+        self.transport_ciphers = tuple(transport_ciphers)
+        self.remote_transport_ciphers: tuple[str, ...] = ()
+        offer = encode_transport_ciphers(self.transport_ciphers)
+        if offer:
+            extensions = (extensions or b"") + offer
         static = static_seed if static_seed is not None else random(DHLEN)
         self._state = HandshakeState(LIBP2P_PROTOCOL_NAME, initiator=initiator, prologue=b"", s=static,
                                      e=ephemeral_seed, random=random)
@@ -808,15 +920,26 @@ class Libp2pNoiseHandshake:
             peer = verify_handshake_payload(decoded, self._state.rs)
             if self.expected_peer is not None and peer != self.expected_peer:
                 raise NoiseError("peer-mismatch", f"expected {self.expected_peer}, got {peer}")
+            remote_ciphers = decode_transport_ciphers(decoded.extensions)
         except NoiseError as exc:
             self._failed = exc
             raise
         self.remote_peer = peer
         self.remote_extensions = decoded.extensions
+        self.remote_transport_ciphers = remote_ciphers
+
+    @property
+    def transport_cipher(self) -> str:
+        """The cipher the transport phase will use (meaningful once the handshake is finished)."""
+        ours, theirs = self.transport_ciphers, self.remote_transport_ciphers
+        return choose_transport_cipher(*((ours, theirs) if self.initiator else (theirs, ours)))
 
     def transport(self) -> NoiseTransport:
         """The transport ciphers for our role, once the handshake is finished (one call only)."""
         if self._failed is not None:
             raise NoiseError("handshake-failed", self._failed.reason)
         c1, c2 = self._state.split()
+        cipher = self.transport_cipher
+        if cipher != c1.cipher:  # the negotiated cipher keyed with Split's keys, each used by that cipher only
+            c1, c2 = CipherState(c1.k, cipher), CipherState(c2.k, cipher)
         return NoiseTransport(send=c1, receive=c2) if self.initiator else NoiseTransport(send=c2, receive=c1)

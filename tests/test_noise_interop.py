@@ -6,7 +6,10 @@ peerloom.adapters.noise: the NoiseHandshakePayload protobuf is built and parsed 
 an Ed25519 key of `cryptography`. Messages above the handshake are framed by hand per spec/transport.md §3.
 Covered both ways: our `serve` as responder with noiseprotocol initiating, and our `connect` as initiator
 against a noiseprotocol responder; each completes the handshake, checks the other side's identity, and
-exchanges transport messages in both directions (single- and multi-frame).
+exchanges transport messages in both directions (single- and multi-frame). Each test runs twice: with
+libp2p's payload on their side (so ChaChaPoly, whatever we offer), and with their payload offering AESGCM in
+peerloom's NoiseExtensions field (spec/transport.md §1.1), after which their CipherStates switch to
+noiseprotocol's own AESGCM cipher functions, keyed as Split left them.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import pytest
 import trio
 
 noise_connection = pytest.importorskip("noise.connection")
+noise_ciphers = pytest.importorskip("noise.backends.default.ciphers")
 ed25519 = pytest.importorskip("cryptography.hazmat.primitives.asymmetric.ed25519")
 serialization = pytest.importorskip("cryptography.hazmat.primitives.serialization")
 
@@ -53,16 +57,28 @@ def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
             return value, pos
 
 
-def _their_payload(static_public: bytes) -> bytes:
+def _their_payload(static_public: bytes, offer_aesgcm: bool = False) -> bytes:
     key = ed25519.Ed25519PrivateKey.from_private_bytes(THEIR_SEED)
     raw = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     public_key_pb = b"\x08\x01" + b"\x12" + _varint(len(raw)) + raw  # PublicKey{Type: Ed25519=1, Data}
     sig = key.sign(PREFIX + static_public)
-    return b"\x0a" + _varint(len(public_key_pb)) + public_key_pb + b"\x12" + _varint(len(sig)) + sig
+    out = b"\x0a" + _varint(len(public_key_pb)) + public_key_pb + b"\x12" + _varint(len(sig)) + sig
+    if offer_aesgcm:  # NoiseExtensions { field 20556 (length-delimited) = "AESGCM" } as field 4
+        extensions = _varint(20556 << 3 | 2) + _varint(6) + b"AESGCM"
+        out += b"\x22" + _varint(len(extensions)) + extensions
+    return out
+
+
+def _switch_to_aesgcm(conn) -> None:
+    """Re-key noiseprotocol's transport CipherStates with its AESGCM cipher functions (Noise §12.4)."""
+    for state in (conn.noise_protocol.cipher_state_encrypt, conn.noise_protocol.cipher_state_decrypt):
+        state.cipher = noise_ciphers.AESGCMCipher()
+        state.cipher.initialize(state.k)
 
 
 def _check_our_payload(payload: bytes, remote_static: bytes) -> bytes:
-    """Parse fields 1 and 2, check the key type and the signature; the raw Ed25519 key."""
+    """Parse fields 1 and 2, check the key type and the signature; the raw Ed25519 key. (Field 4, our
+    cipher offer when there is one, is left alone, as libp2p leaves it.)"""
     fields: dict[int, bytes] = {}
     pos = 0
     while pos < len(payload):
@@ -149,16 +165,21 @@ async def _echo(conn: SecureConnection) -> None:
         await conn.send_message(await conn.receive_message())
 
 
-def test_our_responder_with_noiseprotocol_initiator() -> None:
+OFFERS = pytest.mark.parametrize("their_offer", [False, True], ids=["libp2p-payload", "aesgcm-offer"])
+
+
+@OFFERS
+def test_our_responder_with_noiseprotocol_initiator(their_offer: bool) -> None:
     seen: list[object] = []
 
     async def handler(conn: SecureConnection) -> None:
-        seen.append(conn.remote_peer)
+        seen.append((conn.remote_peer, conn.transport_cipher))
         await _echo(conn)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            port = await nursery.start(functools.partial(serve, HOST, 0, OURS, handler))
+            port = await nursery.start(functools.partial(serve, HOST, 0, OURS, handler,
+                                                         transport_ciphers=("AESGCM",)))
             with trio.fail_after(20):
                 framed = _Framed(await trio.open_tcp_stream(HOST, port))
                 them = _new(initiator=True)
@@ -166,32 +187,37 @@ def test_our_responder_with_noiseprotocol_initiator() -> None:
                 state = them.noise_protocol.handshake_state  # noiseprotocol drops it when finished
                 payload = bytes(them.read_message(await framed.receive()))
                 assert _check_our_payload(payload, state.rs.public_bytes) == _our_raw_key()
-                await framed.send(bytes(them.write_message(_their_payload(_static_public()))))
+                await framed.send(bytes(them.write_message(_their_payload(_static_public(), their_offer))))
                 assert them.handshake_finished
+                if their_offer:
+                    _switch_to_aesgcm(them)
                 for i, message in enumerate(MESSAGES):
                     await _send_app(framed, them, message, lane=i)
                     lane, echoed = await _receive_app(framed, them)
                     assert echoed == message
                     assert lane == (0 if len(message) <= 65536 else 1)
-                assert seen == [Identity(THEIR_SEED).peer_id]
+                assert seen == [(Identity(THEIR_SEED).peer_id, "AESGCM" if their_offer else "ChaChaPoly")]
                 await framed.stream.aclose()
             nursery.cancel_scope.cancel()
 
     trio.run(main)
 
 
-def test_our_initiator_with_noiseprotocol_responder() -> None:
+@OFFERS
+def test_our_initiator_with_noiseprotocol_responder(their_offer: bool) -> None:
     done: list[bool] = []
 
     async def responder(stream: trio.SocketStream) -> None:
         framed = _Framed(stream)
         them = _new(initiator=False)
         them.read_message(await framed.receive())
-        await framed.send(bytes(them.write_message(_their_payload(_static_public()))))
+        await framed.send(bytes(them.write_message(_their_payload(_static_public(), their_offer))))
         state = them.noise_protocol.handshake_state
         payload = bytes(them.read_message(await framed.receive()))
         assert them.handshake_finished
         assert _check_our_payload(payload, state.rs.public_bytes) == _our_raw_key()
+        if their_offer:
+            _switch_to_aesgcm(them)
         for message in MESSAGES:  # echo, as the peer that does the framing by hand
             lane, received = await _receive_app(framed, them)
             assert received == message
@@ -204,7 +230,9 @@ def test_our_initiator_with_noiseprotocol_responder() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(trio.serve_listeners, responder, listeners)
             with trio.fail_after(20):
-                conn = await connect(HOST, port, OURS, expected_peer=Identity(THEIR_SEED).peer_id)
+                conn = await connect(HOST, port, OURS, expected_peer=Identity(THEIR_SEED).peer_id,
+                                     transport_ciphers=("AESGCM",))
+                assert conn.transport_cipher == ("AESGCM" if their_offer else "ChaChaPoly")
                 for message in MESSAGES:
                     await conn.send_message(message)
                     assert await conn.receive_message() == message

@@ -31,10 +31,11 @@ CASES = _load()
 
 
 def test_vector_files_present_and_nonempty() -> None:
-    assert len(VECTOR_FILES) == 6, VECTOR_FILES
+    assert len(VECTOR_FILES) == 8, VECTOR_FILES
     for path in VECTOR_FILES:
         assert json.loads(path.read_text())["vectors"], f"{path.name} yields zero vectors"
-    assert len(CASES) == 6
+    assert len(CASES) == 8
+    assert sum("_AESGCM_" in case_id for case_id, _ in CASES) == 2
 
 
 def _key(vector: dict, name: str) -> bytes | None:
@@ -175,9 +176,13 @@ def test_oversized_payload_is_refused_without_changing_state() -> None:
     assert len(init.write_message(b"\x00" * (65535 - 32))) == 65535
 
 
-def test_nonce_exhaustion() -> None:
+CIPHERS = ["ChaChaPoly", "AESGCM"]
+
+
+@pytest.mark.parametrize("name", CIPHERS)
+def test_nonce_exhaustion(name: str) -> None:
     """§5.1: n = 2^64-1 is reserved; once reached, encryption and decryption signal an error."""
-    cipher = CipherState(bytes(32))
+    cipher = CipherState(bytes(32), name)
     cipher.set_nonce(2**64 - 2)
     cipher.encrypt_with_ad(b"", b"last")
     for op in (cipher.encrypt_with_ad, cipher.decrypt_with_ad):
@@ -186,8 +191,9 @@ def test_nonce_exhaustion() -> None:
         assert info.value.reason == "nonce-exhausted"
 
 
-def test_decrypt_failure_leaves_nonce_unchanged() -> None:
-    send, receive = CipherState(bytes(32)), CipherState(bytes(32))
+@pytest.mark.parametrize("name", CIPHERS)
+def test_decrypt_failure_leaves_nonce_unchanged(name: str) -> None:
+    send, receive = CipherState(bytes(32), name), CipherState(bytes(32), name)
     ciphertext = send.encrypt_with_ad(b"", b"hi")
     with pytest.raises(NoiseError) as info:
         receive.decrypt_with_ad(b"", ciphertext[:-1] + bytes([ciphertext[-1] ^ 1]))
@@ -196,17 +202,41 @@ def test_decrypt_failure_leaves_nonce_unchanged() -> None:
     assert receive.decrypt_with_ad(b"", ciphertext) == b"hi"
 
 
-def test_rekey_changes_key_on_both_sides_alike() -> None:
-    a, b = CipherState(bytes(32)), CipherState(bytes(32))
+@pytest.mark.parametrize("name", CIPHERS)
+def test_rekey_changes_key_on_both_sides_alike(name: str) -> None:
+    a, b = CipherState(bytes(32), name), CipherState(bytes(32), name)
+    a.encrypt_with_ad(b"", b"first")
+    b.decrypt_with_ad(b"", CipherState(bytes(32), name).encrypt_with_ad(b"", b"first"))
     a.rekey()
     b.rekey()
     assert a.k == b.k != bytes(32)
+    assert a.n == b.n == 1  # Rekey keeps the nonce (§5.1)
     assert b.decrypt_with_ad(b"", a.encrypt_with_ad(b"", b"x")) == b"x"
+
+
+def test_aesgcm_rekey_and_nonce_follow_section_12_4() -> None:
+    """§12.4 and §4.2, computed independently with `cryptography`: the nonce is 32 zero bits then n
+    big-endian, and REKEY(k) is the first 32 bytes of ENCRYPT(k, 2^64-1, empty, 32 zero bytes)."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    key = bytes(range(32))
+    state = CipherState(key, "AESGCM")
+    state.set_nonce(0x0102030405060708)
+    expected = AESGCM(key).encrypt(bytes(4) + bytes([1, 2, 3, 4, 5, 6, 7, 8]), b"msg", b"ad")
+    assert state.encrypt_with_ad(b"ad", b"msg") == expected
+    state.rekey()
+    assert state.k == AESGCM(key).encrypt(bytes(4) + b"\xff" * 8, bytes(32), b"")[:32]
+
+
+def test_unknown_cipher_is_refused() -> None:
+    with pytest.raises(NoiseError) as info:
+        CipherState(bytes(32), "AESSIV")
+    assert info.value.reason == "unsupported-protocol"
 
 
 def test_unsupported_protocol_names() -> None:
     for name in ("Noise_XXpsk3_25519_ChaChaPoly_SHA256", "Noise_XX_448_ChaChaPoly_SHA256",
-                 "Noise_XX_25519_AESGCM_SHA256", "Noise_ZZ_25519_ChaChaPoly_SHA256", "garbage"):
+                 "Noise_XX_25519_AESSIV_SHA256", "Noise_ZZ_25519_ChaChaPoly_SHA256", "garbage"):
         with pytest.raises(NoiseError) as info:
             HandshakeState(name, initiator=True, s=bytes(32))
         assert info.value.reason == "unsupported-protocol"

@@ -1,6 +1,7 @@
 """Fuzzing every transport decoder (issue 3 §6): only the documented error types may escape.
 
-Decoders: the NoiseHandshakePayload protobuf (NoiseError "bad-payload"), the handshake messages
+Decoders: the NoiseHandshakePayload protobuf and the transport-cipher offer in its extensions (NoiseError
+"bad-payload"), the handshake messages
 (NoiseError), the 2-byte Noise framing (`FrameDecoder`, which accepts every byte sequence), the frame layer
 (`MessageAssembler`: TransportError) and the whole receive path of a `SecureConnection` on a socket pair
 (TransportError). Byte-at-a-time feeding must give the same result as feeding at once. Profiles: "quick" by
@@ -26,6 +27,8 @@ from peerloom.adapters.noise import (
     NoiseError,
     NoiseTransport,
     decode_handshake_payload,
+    decode_transport_ciphers,
+    encode_transport_ciphers,
     frame,
 )
 from peerloom.adapters.tcp import (
@@ -39,6 +42,7 @@ from peerloom.adapters.tcp import (
     MessageReceived,
     SecureConnection,
     TransportError,
+    default_transport_ciphers,
     encode_frames,
 )
 from peerloom.core.identity import Identity
@@ -57,6 +61,28 @@ def test_payload_decoder_raises_only_bad_payload(data: bytes) -> None:
         assert isinstance(decode_handshake_payload(data), HandshakePayload)
     except NoiseError as exc:
         assert exc.reason == "bad-payload"
+
+
+_OFFER_KEY = bytes([0xE2, 0x84, 0x0A])  # field 20556, wire type 2: varint of 164450
+_OFFER_PIECES = st.one_of(
+    st.binary(max_size=12),
+    st.sampled_from([b"AESGCM", b"ChaChaPoly", b"x" * 40, "é".encode()]).map(
+        lambda name: _OFFER_KEY + bytes([len(name)]) + name),
+    st.just(b"\x12\x07/yamux1"), st.just(bytes([0xE0, 0x84, 0x0A, 5])))  # a muxer; the offer field as a varint
+
+
+@given(st.lists(_OFFER_PIECES, max_size=12).map(b"".join))
+def test_cipher_offer_decoder_raises_only_bad_payload(data: bytes) -> None:
+    """Hostile NoiseExtensions: the offer decoder returns at most 8 short printable names or says
+    bad-payload; a well-formed offer round-trips."""
+    try:
+        names = decode_transport_ciphers(data)
+    except NoiseError as exc:
+        assert exc.reason == "bad-payload"
+        return
+    assert len(names) <= 8 and all(0 < len(n) <= 32 and n.isascii() and n.isprintable() for n in names)
+    known = tuple(n for n in names if n in ("AESGCM", "ChaChaPoly"))
+    assert decode_transport_ciphers(encode_transport_ciphers(known)) == known
 
 
 @given(st.integers(0, 2), st.binary(max_size=300))
@@ -176,15 +202,15 @@ def test_interleaved_lanes_reassemble_in_order(messages: list[tuple[int, bytes]]
 # --- the whole receive path on a socket pair -------------------------------------------------------------
 
 
-def _transports() -> tuple[NoiseTransport, NoiseTransport]:
-    return (NoiseTransport(send=CipherState(KEY_A), receive=CipherState(KEY_B)),
-            NoiseTransport(send=CipherState(KEY_B), receive=CipherState(KEY_A)))
+def _transports(cipher: str = "ChaChaPoly") -> tuple[NoiseTransport, NoiseTransport]:
+    return (NoiseTransport(send=CipherState(KEY_A, cipher), receive=CipherState(KEY_B, cipher)),
+            NoiseTransport(send=CipherState(KEY_B, cipher), receive=CipherState(KEY_A, cipher)))
 
 
-def _receive_all(wire: bytes, *, chunk: int) -> list[object]:
+def _receive_all(wire: bytes, *, chunk: int, cipher: str = "ChaChaPoly") -> list[object]:
     """Write `wire` to one end of a socket pair (`chunk` bytes per send), close it, and collect what a
     SecureConnection on the other end returns until it raises."""
-    _, ours = _transports()
+    _, ours = _transports(cipher)
     results: list[object] = []
 
     async def main() -> None:
@@ -235,11 +261,12 @@ def test_connection_on_random_frames_raises_only_transport_error(frames: list[by
     assert all(isinstance(m, bytes) for m in messages)
 
 
-def test_connection_byte_at_a_time_delivers_messages() -> None:
-    theirs, _ = _transports()
+@pytest.mark.parametrize("cipher", ["ChaChaPoly", "AESGCM"])
+def test_connection_byte_at_a_time_delivers_messages(cipher: str) -> None:
+    theirs, _ = _transports(cipher)
     messages = [b"", b"x", bytes(range(256)) * 40, b"y" * 66_000]
     wire = b"".join(frame(theirs.encrypt(p)) for m in messages for p in encode_frames(m, len(m) > 65536))
-    assert _receive_all(wire, chunk=1) == [*messages, ("error", "eof")]
+    assert _receive_all(wire, chunk=1, cipher=cipher) == [*messages, ("error", "eof")]
 
 
 # --- the benchmark script ----------------------------------------------------------------------------------
@@ -249,9 +276,12 @@ def test_bench_transport_small_run_prints_the_json_keys() -> None:
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "transport.py"), "--bytes", "5000000"],
                          capture_output=True, text=True, timeout=120, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert set(result) == {"artifact_bytes", "noise_gbps", "plain_gbps", "ratio", "receiver_peak_rss_bytes"}
+    assert set(result) == {"artifact_bytes", "noise_gbps", "plain_gbps", "ratio", "receiver_peak_rss_bytes",
+                           "cipher", "chachapoly_gbps", "chachapoly_ratio"}
     assert result["artifact_bytes"] == 5_000_000
     assert result["noise_gbps"] > 0 and result["plain_gbps"] > 0 and result["receiver_peak_rss_bytes"] > 0
+    assert result["chachapoly_gbps"] > 0
+    assert result["cipher"] == ("AESGCM" if default_transport_ciphers() else "ChaChaPoly")
 
 
 @pytest.mark.parametrize("size", [0, 1, 65514, 65515, 131032, 131033])
