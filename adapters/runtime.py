@@ -409,7 +409,7 @@ class NodeRuntime:
         outbox = _Outbox(channels=(control_out, bulk_out), scope=scope)
         self._conns[peer], self._outboxes[peer] = conn, outbox
         self.store.db.note_peer(peer.to_text(), address=address)
-        self._emit_line("connected", {"peer": peer.to_text(), "address": address})
+        self._emit_line("connected", {"peer": peer.to_text(), "address": address, "cipher": conn.transport_cipher})
         await self._send_events.send(ev.PeerConnected(now=0.0, peer=peer))
         try:
             with scope:

@@ -236,6 +236,10 @@ def test_a_node_bootstrapped_to_one_peer_finds_the_rest_of_the_fleet(tmp_path):
         c.start()
         c.wait_port()
         assert _wait(lambda: _connected(a, c) and _connected(c, a), 20.0), "A and C never met"
+        # Both ends log the transport cipher they negotiated (spec/transport.md §1.1): the same one.
+        ciphers = {e["cipher"] for n, other in ((a, c), (c, a)) for e in n.events()
+                   if e["event"] == "connected" and e.get("peer") == other.identity.peer_id.to_text()}
+        assert len(ciphers) == 1 and ciphers <= {"AESGCM", "ChaChaPoly"}, ciphers
     finally:
         codes = [n.stop() for n in nodes]
     assert codes == [0, 0, 0]
