@@ -47,6 +47,7 @@ from .messages import (
     NextHead,
     PeerExchange,
     Signed,
+    UpdatesRequest,
     decode_message,
     encode_message,
 )
@@ -85,6 +86,9 @@ class EngineConfig:
     announcement_slack: int = 4  # offers a sender may make per window beyond the number of leases
     stop_after_window: int | None = None  # local policy: open no window after this one
     agreement_timeout_s: float = 2.0  # Tendermint base timeout; grows linearly with the round
+    # A head proposal carries its cohort's signed announcements while they and the head fit in this many
+    # bytes; beyond, it names them by id only and validators fetch what they lack (spec/agreement.md §3).
+    proposal_carry_bytes: int = 768 << 10
     keep_chain: bool | None = None  # store and serve every certified head (`chain/<w>`); None = validators do
     max_chain_reply_bytes: int = 512 << 10  # bound on one ChainEntries reply
     admission: SignedEnvelope | None = None  # this trainer's admission certificate (policy "certificate")
@@ -182,8 +186,10 @@ class Engine:
             self.verify_certified(head, cert)
             self.head, self.certificate = head, cert
         self.roles: list[Any] = []
+        self._validator: Any = None  # the ValidatorRole, if we are one: it serves announcements by id
         if "validator" in config.roles:
-            self.roles.append(ValidatorRole(self))
+            self._validator = ValidatorRole(self)
+            self.roles.append(self._validator)
         if "reducer" in config.roles:
             self.roles.append(ReducerRole(self))
         if "trainer" in config.roles:
@@ -536,6 +542,12 @@ class Engine:
                 self._serve_chain(peer, message)
             case ChainEntries():
                 self._on_chain_entries(peer, message)
+            case UpdatesRequest():
+                if not self._take_chunk_token(state):
+                    self.reject(peer, "updates-quota")
+                    return
+                if self._validator is not None:
+                    self._validator.on_updates_request(peer, message)
             case Signed():
                 for role in self.roles:
                     role.on_signed(peer, message.envelope)

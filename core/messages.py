@@ -22,6 +22,7 @@ from .objects import Head, QuorumCertificate, RosterEntry, head_fields, roster_f
 MAX_CONTROL_BYTES = 1 << 20
 MAX_ADDRESS_BYTES = 64  # a "host:port" listen address
 MAX_PEER_ENTRIES = 32  # entries of one PeerExchange
+MAX_UPDATE_IDS = 32  # update ids of one UpdatesRequest (a batch of announcements asked at once)
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -280,6 +281,29 @@ class ChainEntries:
 
 
 @attrs.frozen(kw_only=True)
+class UpdatesRequest:
+    """Ask a validator for the signed update announcements with these ids (spec/agreement.md §3): the
+    announcements a head proposal names by id without carrying them. The answer is one `Signed` message per
+    announcement the peer holds for `window`; ids it does not hold are left out. 1 to 32 distinct ids."""
+
+    KIND = "updates-get"
+    window: int
+    ids: tuple[bytes, ...]
+
+    def body(self) -> Any:
+        return {"window": self.window, "ids": list(self.ids)}
+
+    @classmethod
+    def parse(cls, body: Any) -> UpdatesRequest:
+        b = f.exact_keys(body, frozenset({"window", "ids"}), "updates-get")
+        ids = f.array(b, "ids", max_len=MAX_UPDATE_IDS)  # length checked before any id is read
+        parsed = tuple(f.cid({"id": i}, "id") for i in ids)
+        if not parsed or len(set(parsed)) != len(parsed):
+            raise DecodeError("bad-field", "updates-get needs 1 to 32 distinct ids")
+        return cls(window=f.uint(b, "window"), ids=parsed)
+
+
+@attrs.frozen(kw_only=True)
 class PeerExchange:
     """Listen addresses of other peers the sender is connected to (spec/wire.md §4, discovery): at most
     32 `(peer id, "host:port")` entries, distinct peers and distinct addresses."""
@@ -307,9 +331,10 @@ class PeerExchange:
 
 
 Message = (Hello | CertifiedHead | NextHead | Signed | ChunkRequest | Chunk | ChunkMissing | ChainRequest
-           | ChainEntries | PeerExchange)
+           | ChainEntries | PeerExchange | UpdatesRequest)
 MESSAGE_TYPES: dict[str, Any] = {m.KIND: m for m in (Hello, CertifiedHead, NextHead, Signed, ChunkRequest, Chunk,
-                                                     ChunkMissing, ChainRequest, ChainEntries, PeerExchange)}
+                                                     ChunkMissing, ChainRequest, ChainEntries, PeerExchange,
+                                                     UpdatesRequest)}
 ROLES = ("trainer", "reducer", "validator")
 
 

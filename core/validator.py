@@ -29,7 +29,7 @@ from .envelope import SignedEnvelope
 from .errors import DecodeError, VerificationError
 from .fsm import Table, step
 from .identity import PeerId
-from .messages import Signed
+from .messages import MAX_UPDATE_IDS, Signed, UpdatesRequest
 from .objects import (
     OUTLIER_REASONS,
     PRECOMMIT,
@@ -63,6 +63,14 @@ WINDOWS_AHEAD = 2  # messages for windows this far ahead are held, later ones dr
 MAX_HELD = 4096
 METRIC_TOLERANCE = 1e-4
 PROPOSER_DOMAIN = b"peerloom/proposer/v1"
+# Announcements a head proposal names by id (spec/agreement.md §3): asked MAX_UPDATE_IDS at a time from one
+# provider; a batch that is not complete after UPDATES_RETRY_S is asked of the next provider, and after
+# UPDATES_ROUNDS passes over the providers the proposal is given up (its round then times out as without it).
+UPDATES_RETRY_S = 1.0
+UPDATES_ROUNDS = 2
+# updates-get requests one peer may make of us per window: enough to fetch a whole cohort (MAX_COHORT
+# ids) four times over, so an honest validator retrying never hits it.
+MAX_UPDATES_REQUESTS = 512
 
 
 def metrics_match(mine: Mapping[str, float], claimed: Mapping[str, float]) -> bool:
@@ -98,6 +106,20 @@ def lock_key(window: int) -> str:
 
 def proposal_key(window: int, round_: int) -> str:
     return f"proposal/{window}/{round_}"
+
+
+@attrs.define
+class _Awaiting:
+    """A head proposal whose named announcements are being fetched before it goes to the agreement."""
+
+    proposal: HeadProposal
+    signer: PeerId
+    providers: list[PeerId]
+    rounds: list[HeadProposal]  # every proposal of this head taken while fetching (re-proposals in later rounds)
+    found: dict[bytes, SignedEnvelope]
+    missing: list[bytes]  # named ids not found yet, in the order they are asked for
+    asked: tuple[bytes, ...] = ()
+    attempt: int = 0
 
 
 @attrs.define
@@ -144,6 +166,13 @@ class ValidatorRole:
         self.extra_votes: set[tuple[tuple[int, int, str, PeerId], bytes | None]] = set()  # equivocators' others
         self.visible: set[str] = set()  # record keys of this window's votes and proposals already sent
         self.evidence: dict[PeerId, tuple[SignedEnvelope, SignedEnvelope]] = {}  # not yet in a certified head
+        # Proposals that name announcements by id (spec/agreement.md §3): those still fetching, by head id;
+        # which of them wait for each update id; announcements taken from proposals or fetched this window;
+        # updates-get requests served per peer this window.
+        self.awaiting: dict[bytes, _Awaiting] = {}
+        self.wanted: dict[bytes, set[bytes]] = {}
+        self.known_updates: dict[bytes, SignedEnvelope] = {}
+        self.updates_served: dict[PeerId, int] = {}
 
     def _step(self, event: str) -> None:
         self.state = step("validator", TABLE, self.state, event)
@@ -165,6 +194,7 @@ class ValidatorRole:
         self.proposals_in = {k: v for k, v in self.proposals_in.items() if k[0] >= window}
         self.proposal_givers = {k: v for k, v in self.proposal_givers.items() if k[0] >= window}
         self.proposal_envelopes = set()
+        self.awaiting, self.wanted, self.known_updates, self.updates_served = {}, {}, {}, {}
         self.results = {w: v for w, v in self.results.items() if w >= window}
         self.evidence = {p: x for p, x in self.evidence.items() if p not in head.quarantined}
         for p in head.left + head.expired:  # gone: a later join (with its certificate) starts afresh
@@ -258,6 +288,10 @@ class ValidatorRole:
             self._close()
         elif key[0] == "agreement" and key[1] == c.window and self.agreement is not None:
             self.agreement.on_timeout(key[2], key[3])
+        elif key[0] == "updates" and key[1] == c.window:
+            waiting = self.awaiting.get(key[2])
+            if waiting is not None and waiting.attempt == key[3]:
+                self._ask_next_provider(key[2], waiting)
 
     def _close(self) -> None:
         e, c = self.engine, self.collector
@@ -628,7 +662,8 @@ class ValidatorRole:
 
         locked = self.agreement.locked if self.agreement is not None else None
         if vote_step == PRECOMMIT and head_id is not None and locked is not None:
-            proposal = self._head_proposal(window, round_, None, locked[0], locked[1])
+            # The lock record keeps every envelope, whatever the size: a restart re-checks nothing from it.
+            proposal = self._head_proposal(window, round_, None, locked[0], locked[1], carry=True)
             e.persist_then(lock_key(window), encode({"round": round_, "proposal": proposal.to_cbor()}), persist_vote)
         else:
             persist_vote()
@@ -653,7 +688,15 @@ class ValidatorRole:
             e.persist_then(key, envelope.to_bytes(), send)
 
     def _head_proposal(self, window: int, round_: int, valid_round: int | None, head: Head,
-                       updates: tuple[SignedEnvelope, ...]) -> HeadProposal:
+                       updates: tuple[SignedEnvelope, ...], *, carry: bool | None = None) -> HeadProposal:
+        """The proposal of `head`. It carries the named announcements when `carry`, or (None) while they
+        and the head fit in `proposal_carry_bytes`; otherwise it names them by id only, through the head's
+        `cohort` and `rejected` (spec/agreement.md §3)."""
+        if carry is None:
+            size = len(head.to_bytes()) + sum(len(u.to_bytes()) for u in updates)
+            carry = size <= self.engine.config.proposal_carry_bytes
+        if not carry:
+            updates = ()
         rejected = set(head.rejected)
         return HeadProposal(revision=self.engine.revision.id, window=window, round=round_, valid_round=valid_round,
                             head=head, updates=tuple(u for u in updates if u.id not in rejected),
@@ -760,13 +803,118 @@ class ValidatorRole:
             # gossips proposals). Each peer gives at most one head per round, so at most one per validator
             # is kept.
             e.broadcast(Signed(envelope=envelope), roles=("validator",))
+        carried = proposal.updates + proposal.rejected
+        for u in carried:
+            self.known_updates.setdefault(u.id, u)
+        named = proposal.head.cohort + proposal.head.rejected
+        if len(carried) == len(named) or not {u.id for u in carried} <= set(named):
+            # Everything carried, or a carried envelope the head does not name: `validity` judges it as is.
+            self._to_agreement(proposal, carried, envelope.signer)
+            return
+        found = {u.id: u for u in carried}
+        for update_id in named:
+            if update_id not in found and (known := self._known_update(update_id)) is not None:
+                found[update_id] = known
+        if len(found) == len(named):
+            self._to_agreement(proposal, tuple(found[i] for i in named), envelope.signer)
+            return
+        self._fetch_named(peer, envelope.signer, proposal, found)
+
+    def _to_agreement(self, proposal: HeadProposal, updates: tuple[SignedEnvelope, ...], signer: PeerId) -> None:
         assert self.agreement is not None
-        self.agreement.on_proposal(proposal.round, proposal.head, proposal.updates + proposal.rejected,
-                                   proposal.valid_round, envelope.signer)
+        self.agreement.on_proposal(proposal.round, proposal.head, updates, proposal.valid_round, signer)
+
+    def _known_update(self, update_id: bytes) -> SignedEnvelope | None:
+        """An announcement of this window we hold: taken by the collector, carried by a proposal, or fetched."""
+        entry = self.collector.by_id.get(update_id) if self.collector is not None else None
+        return entry.envelope if entry is not None else self.known_updates.get(update_id)
+
+    def _fetch_named(self, giver: PeerId, signer: PeerId, proposal: HeadProposal,
+                     found: dict[bytes, SignedEnvelope]) -> None:
+        """Ask for the announcements `proposal` names and we lack - first of the peer that gave it, then its
+        proposer, then the other validators - and hand it to the agreement once all are here."""
+        e, head = self.engine, proposal.head
+        if head.id in self.awaiting:
+            self.awaiting[head.id].rounds.append(proposal)
+            return
+        providers = list(dict.fromkeys(p for p in (giver, signer, *sorted(e.peers_with("validator")))
+                                       if p != e.me))
+        missing = [i for i in head.cohort + head.rejected if i not in found]
+        waiting = self.awaiting[head.id] = _Awaiting(proposal=proposal, signer=signer, providers=providers,
+                                                      rounds=[proposal], found=found, missing=missing)
+        for update_id in missing:
+            self.wanted.setdefault(update_id, set()).add(head.id)
+        e.log("proposal-fetching", window=proposal.window, round=proposal.round, missing=len(missing))
+        self._ask(head.id, waiting)
+
+    def _ask(self, head_id: bytes, waiting: _Awaiting) -> None:
+        """Ask the current provider for the next batch of missing announcements (re-armed retry timer)."""
+        e = self.engine
+        if not waiting.providers:
+            return
+        provider = waiting.providers[waiting.attempt % len(waiting.providers)]
+        waiting.asked = tuple(waiting.missing[:MAX_UPDATE_IDS])
+        e.send(provider, UpdatesRequest(window=self.window, ids=waiting.asked))
+        e.set_timer(("updates", self.window, head_id, waiting.attempt), e.now + UPDATES_RETRY_S)
+
+    def _ask_next_provider(self, head_id: bytes, waiting: _Awaiting) -> None:
+        waiting.attempt += 1
+        if waiting.attempt >= UPDATES_ROUNDS * max(1, len(waiting.providers)):
+            del self.awaiting[head_id]
+            for update_id in waiting.missing:
+                heads = self.wanted.get(update_id, set())
+                heads.discard(head_id)
+                if not heads:
+                    self.wanted.pop(update_id, None)
+            self.engine.stats["proposals_unavailable"] += 1
+            self.engine.log("proposal-unavailable", window=waiting.proposal.window, round=waiting.proposal.round,
+                            missing=len(waiting.missing))
+            return
+        self._ask(head_id, waiting)
+
+    def _on_named_update(self, envelope: SignedEnvelope) -> None:
+        """An announcement a waiting proposal names: its id is the hash of these very bytes, so whoever sent
+        it, it is the named one (its signature and content are checked by `validity`, charged to the
+        proposer)."""
+        self.known_updates.setdefault(envelope.id, envelope)
+        self.engine.stats["updates_fetched"] += 1
+        for head_id in self.wanted.pop(envelope.id, set()):
+            waiting = self.awaiting.get(head_id)
+            if waiting is None:
+                continue
+            waiting.found[envelope.id] = envelope
+            named = waiting.proposal.head.cohort + waiting.proposal.head.rejected
+            if len(waiting.found) == len(named):
+                del self.awaiting[head_id]
+                updates = tuple(waiting.found[i] for i in named)
+                for proposal in waiting.rounds:
+                    self._to_agreement(proposal, updates, waiting.signer)
+            elif all(i in waiting.found for i in waiting.asked):
+                # The batch is complete: the next one, of the same provider.
+                waiting.missing = [i for i in waiting.missing if i not in waiting.found]
+                self._ask(head_id, waiting)
+
+    def on_updates_request(self, peer: PeerId, request: UpdatesRequest) -> None:
+        """Serve announcements by id (one `Signed` each) for our current window; unknown ids are skipped."""
+        e = self.engine
+        if request.window != self.window:
+            return
+        served = self.updates_served.get(peer, 0) + 1
+        self.updates_served[peer] = served
+        if served > MAX_UPDATES_REQUESTS:
+            e.reject(peer, "updates-quota", f"window {self.window}")
+            return
+        for update_id in request.ids:
+            envelope = self._known_update(update_id)
+            if envelope is not None:
+                e.stats["updates_served"] += 1
+                e.send(peer, Signed(envelope=envelope))
 
     def on_signed(self, peer: PeerId, envelope: SignedEnvelope) -> None:
         e = self.engine
-        if envelope.kind == "update":
+        if envelope.kind == "update" and envelope.id in self.wanted:
+            self._on_named_update(envelope)
+        elif envelope.kind == "update":
             if self.collector is not None:
                 self.collector.offer(peer, envelope)
                 entry = self.collector.entry_for(envelope)

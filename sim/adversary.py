@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 TRAINER_BEHAVIOURS = (*attacks.ATTACKS, "replay", "lease-squatting", "sybil")
 REDUCER_BEHAVIOURS = ("wrong-aggregate", "silent")
-VALIDATOR_BEHAVIOURS = ("equivocation", "vote-withholding", "late-votes")
+VALIDATOR_BEHAVIOURS = ("equivocation", "vote-withholding", "late-votes", "announcement-withholding")
 BEHAVIOURS = TRAINER_BEHAVIOURS + REDUCER_BEHAVIOURS + VALIDATOR_BEHAVIOURS
 MAX_REFERENCES = 32
 
@@ -194,6 +194,28 @@ class VoteWithholding(Behaviour):
         return [(0.0, data)]
 
 
+class AnnouncementWithholding(Behaviour):
+    """A validator whose head proposals name the cohort's announcements by id only and that never sends an
+    announcement (so it answers no `updates-get`): a data-withholding proposer. Announcements only it heard
+    cannot be checked by anyone else, so its proposals must time out, not stall the window."""
+
+    name = "announcement-withholding"
+    byzantine = True
+
+    def on_send(self, sim: Simulation, node: SimNode, dst: str, data: bytes) -> list[tuple[float, bytes]]:
+        _, envelope = _signed_kind(data)
+        if envelope is None:
+            return [(0.0, data)]
+        if envelope.kind == "update":
+            return []
+        if envelope.kind == HeadProposal.KIND:
+            proposal = HeadProposal.from_cbor(envelope.open(HeadProposal.KIND, PROTOCOL_VERSION))
+            if proposal.updates or proposal.rejected:
+                stripped = seal(node.identity, attrs.evolve(proposal, updates=(), rejected=()))
+                return [(0.0, encode_message(Signed(envelope=stripped)))]
+        return [(0.0, data)]
+
+
 class LateVotes(Behaviour):
     """A validator whose votes leave `delay_s` late (slow or deliberately lagging)."""
 
@@ -304,7 +326,7 @@ def make_behaviour(name: str, **params: Any) -> Behaviour:
     simple: dict[str, Any] = {
         "replay": Replay, "lease-squatting": LeaseSquatting, "sybil": Sybil, "wrong-aggregate": WrongAggregate,
         "silent": SilentReducer, "equivocation": Equivocation, "vote-withholding": VoteWithholding,
-        "late-votes": LateVotes,
+        "late-votes": LateVotes, "announcement-withholding": AnnouncementWithholding,
     }
     if name not in simple:
         raise ValueError(f"unknown behaviour {name!r}; known: {', '.join(BEHAVIOURS)}")

@@ -176,7 +176,7 @@ def run_scenario(scenario: Mapping[str, Any], *, seed: int, trace_out: IO[str] |
             base = len(sybils)
             sybils.extend((f"s{base + i}", adv) for i in range(count))
             continue
-        chosen = list(adv.get("nodes", [])) or [n for n in pool if n not in assigned][-count:] if count else []
+        chosen = list(adv.get("nodes", [])) or ([n for n in pool if n not in assigned][-count:] if count else [])
         for name in chosen:
             assigned[name] = make_behaviour(behaviour, **adv.get("params", {}))
     assigned.update(behaviours or {})

@@ -49,6 +49,11 @@ def test_round_trip(message):
     (["peers", {"peers": [[P1, "127.0.0.1:1", 3]]}], "bad-field"),
     (["peers", {"peers": [[b"\0" * 38, "127.0.0.1:1"]]}], "bad-peer-id"),
     (["peers", {"peers": [], "x": 1}], "bad-fields"),
+    (["updates-get", {"window": 1, "ids": []}], "bad-field"),
+    (["updates-get", {"window": 1, "ids": [CID, CID]}], "bad-field"),
+    (["updates-get", {"window": 1, "ids": [CID] * 33}], "bad-field"),
+    (["updates-get", {"window": -1, "ids": [CID]}], "bad-field"),
+    (["updates-get", {"window": 1, "ids": [b"short"]}], "bad-field"),
     (["nope", {}], "unknown-message"),
     ({"kind": "hello"}, "bad-message"),
 ])
@@ -72,12 +77,12 @@ def test_random_bytes_only_raise_decode_error(data):
         pass
 
 
-kinds = st.sampled_from(["hello", "head", "signed", "chunk-get", "chunk", "chunk-missing", "peers"])
+kinds = st.sampled_from(["hello", "head", "signed", "chunk-get", "chunk", "chunk-missing", "peers", "updates-get"])
 leaf = (st.integers(-5, 5) | st.binary(max_size=40) | st.text(max_size=5) | st.none() | st.just(CID)
         | st.just(P1) | st.sampled_from(["127.0.0.1:1", "[::1]:80", "1.2.3.4:0", "::1:5", "127.0.0.1:01"]))
 body = st.recursive(leaf, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(
     st.sampled_from(["revision", "roles", "head_window", "head", "certificate", "artifact", "index", "data",
-                     "window", "votes", "params", "listen", "peers"]), inner, max_size=6), max_leaves=25)
+                     "window", "votes", "params", "listen", "peers", "ids"]), inner, max_size=6), max_leaves=25)
 
 
 @given(kinds, body)

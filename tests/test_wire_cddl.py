@@ -214,6 +214,11 @@ def instances() -> list[tuple[str, bytes, int]]:
         newer.append(("message", encode_message(CertifiedHead(head=gone, certificate=cert)), 2))
     if "next-head" in MESSAGE_TYPES:  # a head without its roster, for a peer holding the parent (newer kind)
         newer.append(("message", encode_message(MESSAGE_TYPES["next-head"].of(head, genesis, cert)), 2))
+    if "updates-get" in MESSAGE_TYPES:  # announcements a head proposal names by id (newer kind)
+        newer.append(("message", encode_message(MESSAGE_TYPES["updates-get"](window=1, ids=(update.id,))), 0))
+        by_id = seal(validators[0], attrs.evolve(HeadProposal.from_cbor(proposal.open("head-proposal", 1)),
+                                                 updates=(), rejected=()))
+        newer.append(("message", encode_message(Signed(envelope=by_id)), 3))  # itself and 2 evidence votes
     return [
         ("message", encode_message(Hello(revision=revision.id, roles=("trainer", "validator"), head_window=7)), 0),
         ("message", encode_message(Hello(revision=revision.id, roles=("reducer",), head_window=0,
