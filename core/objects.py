@@ -25,10 +25,12 @@ PROTOCOL_VERSION = 1
 MAX_CHUNK_BYTES = 1 << 20
 MAX_ARTIFACT_BYTES = 1 << 32
 MAX_TENSORS = 4096
-MAX_SHARDS = 65536
 MAX_PEERS = 4096  # validators, votes
 MAX_ROSTER = 16384  # trainers: roster entries and per-trainer records (a 16,384-entry head is ~700 KB)
 MAX_COHORT = 4096
+# A window leases every shard once and takes one update per leaseholder, so a cohort is at most the number
+# of shards: bounding shards by MAX_COHORT keeps every window's cohort within what a head may hold.
+MAX_SHARDS = MAX_COHORT
 # Protocol names of aggregation rules and outer optimizers a manifest may choose (spec/protocol.md §7).
 AGGREGATION_RULES = ("mean", "median", "trimmed_mean", "krum", "multi_krum", "centered_clip", "norm_clip")
 OUTER_OPTIMIZERS = ("fedavg", "diloco")
@@ -204,6 +206,8 @@ class Manifest:
             raise DecodeError("bad-field", f"quorum {self.quorum} of {n} validators cannot be safe")
         if self.aggregation not in AGGREGATION_RULES or self.outer_optimizer not in OUTER_OPTIMIZERS:
             raise DecodeError("bad-field", f"unknown rule {self.aggregation!r} or optimizer {self.outer_optimizer!r}")
+        if len(self.shards) > MAX_SHARDS:
+            raise DecodeError("bad-field", f"{len(self.shards)} shards: at most {MAX_SHARDS} (the cohort limit)")
         if self.window_s <= 0 or self.min_updates < 1 or self.max_capacity < 1:
             raise DecodeError("bad-field", "window_s, min_updates and max_capacity must be positive")
         if not (self.max_update_norm >= 0 and self.norm_ratio >= 0 and -1.0 <= self.min_cosine <= 1.0

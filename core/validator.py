@@ -25,7 +25,7 @@ import attrs
 from .agreement import WindowAgreement
 from .collector import Collector, slot_of
 from .encoding import decode, encode
-from .envelope import SignedEnvelope
+from .envelope import MAX_BODY_BYTES, SignedEnvelope
 from .errors import DecodeError, VerificationError
 from .fsm import Table, step
 from .identity import PeerId
@@ -675,6 +675,9 @@ class ValidatorRole:
             envelope = SignedEnvelope.from_bytes(e.records[key])
         else:
             envelope = seal(e.identity, self._head_proposal(window, round_, valid_round, head, updates))
+            if len(envelope.body) > MAX_BODY_BYTES:  # even by id (a huge roster): nobody could open it
+                e.log("proposal-too-large", window=window, round=round_, bytes=len(envelope.body))
+                return  # the round times out as a silent proposer's would
 
         def send() -> None:
             self.visible.add(key)
@@ -694,7 +697,8 @@ class ValidatorRole:
         `cohort` and `rejected` (spec/agreement.md §3)."""
         if carry is None:
             size = len(head.to_bytes()) + sum(len(u.to_bytes()) for u in updates)
-            carry = size <= self.engine.config.proposal_carry_bytes
+            # Never past what an envelope body may hold, whatever the setting (4 KiB for the other fields).
+            carry = size <= min(self.engine.config.proposal_carry_bytes, MAX_BODY_BYTES - 4096)
         if not carry:
             updates = ()
         rejected = set(head.rejected)

@@ -46,6 +46,20 @@ def test_manifest_round_trip_and_revision_id_is_envelope_id():
     assert rev.id == rev.envelope.id
 
 
+def test_a_manifest_has_at_most_max_cohort_shards():
+    """One update per shard at most: a window's cohort then always fits a head (MAX_COHORT)."""
+    from peerloom.core.objects import MAX_COHORT
+
+    manifest = make_revision().manifest
+    assert attrs.evolve(manifest, shards=(1,) * MAX_COHORT).shards == (1,) * MAX_COHORT
+    with pytest.raises(DecodeError) as info:
+        attrs.evolve(manifest, shards=(1,) * (MAX_COHORT + 1))
+    assert "cohort limit" in str(info.value)
+    body = manifest.to_cbor() | {"shards": [1] * (MAX_COHORT + 1)}
+    with pytest.raises(DecodeError):
+        Manifest.from_cbor(body)
+
+
 def test_manifest_wrong_authority_refused():
     rev = make_revision()
     with pytest.raises(VerificationError):

@@ -118,3 +118,17 @@ def test_serving_skips_unknown_ids_other_windows_and_stops_at_the_quota() -> Non
         role.on_updates_request(peer, UpdatesRequest(window=role.window, ids=(known,)))
     assert len(sent()) == 511  # 512 requests per peer and window, one of them above
     assert v0.rejected_by_reason["updates-quota"] > 0
+
+
+def test_a_proposal_never_carries_past_an_envelope_body_whatever_the_setting() -> None:
+    import attrs
+
+    result = _run(seed=2, duration_s=3.0, liveness={})
+    engine = result.sim.nodes["v0"].engine
+    role = next(r for r in engine.roles if hasattr(r, "_head_proposal"))
+    engine.config = attrs.evolve(engine.config, proposal_carry_bytes=4 << 20)
+    head = engine.head
+    big = tuple(SignedEnvelope(kind="update", version=1, body=bytes([i]) * 60_000, signer=engine.me,
+                               signature=bytes(64)) for i in range(20))  # 1.2 MB together
+    assert role._head_proposal(1, 0, None, head, big[:10]).updates == big[:10]  # 600 KB: carried
+    assert role._head_proposal(1, 0, None, head, big).updates == ()  # over 1 MiB: by id
