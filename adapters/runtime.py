@@ -189,6 +189,14 @@ class NodeRuntime:
         (the engine raises LocalProtocolError for a node without the trainer role)."""
         self._send_events.send_nowait(ev.LeaveRequested(now=0.0))
 
+    def join_pending(self) -> bool:
+        """True while this node (a trainer) has sent a join that no head has answered yet."""
+        return any(getattr(role, "join_pending", False) for role in self.engine.roles)
+
+    async def wait_head_change(self) -> None:
+        """Return at the next head the engine promotes."""
+        await self._head_changed.wait()
+
     async def wait_unrostered(self) -> None:
         """Return once the engine's head no longer lists this node in its roster (at once if it does not)."""
         while self.identity.peer_id in self.engine.head.roster_peers:

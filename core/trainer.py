@@ -168,9 +168,19 @@ class TrainerRole:
             self._join()
 
     def set_membership(self, member: bool) -> None:
-        """`LeaveRequested` (member False) or `JoinRequested` (member True) from the operator."""
+        """`LeaveRequested` (member False) or `JoinRequested` (member True) from the operator. Leaving
+        while a join is pending also withdraws the join: the same signed leave, which validators take as
+        a withdrawal from a trainer they have not rostered (spec/protocol.md §5)."""
+        before = self.membership
         self._membership_step("join" if member else "leave")
+        if before == "joining" and self.membership == "left" and self.joined_window >= 0:
+            self._leave()
         self._membership_act()
+
+    @property
+    def join_pending(self) -> bool:
+        """True while this trainer has sent a join that no head has answered (it is not rostered yet)."""
+        return self.membership == "joining" and self.joined_window >= 0
 
     def _leave(self) -> None:
         """Ask the validators to drop this trainer from the roster of the head of the current window."""

@@ -60,6 +60,7 @@ TABLE: Table = {
 }
 
 WINDOWS_AHEAD = 2  # messages for windows this far ahead are held, later ones dropped
+WITHDRAWN_WINDOWS = 2
 MAX_HELD = 4096
 METRIC_TOLERANCE = 1e-4
 PROPOSER_DOMAIN = b"peerloom/proposer/v1"
@@ -141,6 +142,10 @@ class ValidatorRole:
         self.joins: dict[PeerId, int] = {}
         self.admitted: dict[PeerId, int] = {}  # admission policy "certificate": peer -> certified max capacity
         self.leaves: dict[PeerId, int] = {}  # rostered trainer -> window whose head drops it (signed leaves)
+        # Joins withdrawn by a signed leave before any head rostered them: trainer -> window of the leave.
+        # Its join is ignored for WITHDRAWN_WINDOWS windows after (a join carries no window, so a replay of
+        # the withdrawn one could not be told from a new one sooner).
+        self.withdrawn: dict[PeerId, int] = {}
         # Idle expiry (manifest `idle_windows`): the latest window in which each trainer was heard here
         # (heartbeat, update or join), the first window this validator saw (a trainer counts as heard then:
         # a validator that just started never expires anyone early), and heartbeats taken per
@@ -201,6 +206,11 @@ class ValidatorRole:
             self.joins.pop(p, None)
             self.admitted.pop(p, None)
         self.leaves = {p: w for p, w in self.leaves.items() if w >= window and p not in head.left}
+        for p in [p for p, w in self.withdrawn.items() if w + WITHDRAWN_WINDOWS < window]:
+            del self.withdrawn[p]
+            if p not in head.roster_peers:
+                self.joins.pop(p, None)
+                self.admitted.pop(p, None)
         if self.first_window is None:
             self.first_window = window
         known = head.roster_peers | set(self.joins)
@@ -258,7 +268,7 @@ class ValidatorRole:
         if c is None or self.state != "collecting" or self.deadline_armed:
             return
         workers = set(c.leases) | (set(c.claims) if e.manifest.lease_s > 0 else set())
-        joining = any(p not in c.head.roster_peers for p in self.joins)
+        joining = any(p not in c.head.roster_peers and p not in self.withdrawn for p in self.joins)
         if not workers & set(e.peers_with("trainer")) and not joining:
             e.log("window-waiting", window=c.window)
             return
@@ -424,7 +434,7 @@ class ValidatorRole:
         if c is None:
             return False
         reason = self._structural_fault(head, updates)
-        if reason == "expired-heard":
+        if reason in ("expired-heard", "join-withdrawn"):
             # Not cached: refused only while this validator's own view differs and no quorum backs the head
             # (spec/agreement.md §6, view-dependent validity).
             if head.id not in self.refused_expiry:
@@ -495,6 +505,8 @@ class ValidatorRole:
             return "expired-heard"  # this validator heard it within idle_windows: not valid here
         if any(roster.get(p) != cap for p, cap in before.items() if p not in left and p not in expired):
             return "roster-shrunk"  # the roster shrinks only by the peers that left or expired
+        if any(p in self.withdrawn for p in roster if p not in before) and not self._quorum_backs(head.id):
+            return "join-withdrawn"  # it withdrew its join here: not valid here, unless a quorum backs it
         if any(p not in self.joins and p not in before for p in roster) or \
                 any(p in head.quarantined for p in roster if p not in before):
             return "roster-unknown-join"
@@ -629,7 +641,7 @@ class ValidatorRole:
         roster = {p: c for p, c in head.roster if p not in gone}
         quarantined = {p for p, until in quarantine if until > head.window + 2}
         for peer, capacity in self.joins.items():
-            if peer not in quarantined and peer not in roster and peer not in gone:
+            if peer not in quarantined and peer not in roster and peer not in gone and peer not in self.withdrawn:
                 roster[peer] = min(capacity, self.engine.manifest.max_capacity)
         return tuple(sorted(roster.items()))
 
@@ -932,6 +944,9 @@ class ValidatorRole:
             join = JoinRequest.from_cbor(envelope.open(JoinRequest.KIND, PROTOCOL_VERSION))
             if join.revision != e.revision.id:
                 raise VerificationError("wrong-revision", "join")
+            if envelope.signer in self.withdrawn:
+                e.stats["withdrawn_joins_ignored"] += 1  # withdrawn: a late relay or a replay; no penalty
+                return
             capacity = max(1, join.capacity)
             if e.manifest.admission == "certificate":
                 # Raises join-not-admitted, charged to the sender (an honest validator relays only
@@ -974,8 +989,12 @@ class ValidatorRole:
             e.stats["stale_leaves"] += 1  # for a window certified already (or far ahead): no effect, no penalty
             return
         if signer not in c.head.roster_peers:
-            if peer == signer:
+            # A withdrawal of a pending join. Without a join known here (yet: a relayed one may be on its
+            # way) it is still recorded, and costs a direct sender one penalty point (spam of fresh keys).
+            if signer not in self.joins and signer not in self.withdrawn and peer == signer:
                 e.reject(peer, "leave-not-rostered")
+            if len(self.withdrawn) < MAX_HELD:
+                self._withdraw_join(peer, envelope, leave.window)
             return
         if signer in self.leaves:
             return
@@ -983,6 +1002,17 @@ class ValidatorRole:
         e.log("leave", peer=str(signer), window=leave.window)
         if peer == signer:
             e.broadcast(Signed(envelope=envelope), roles=("validator",))  # one hop, like joins
+
+    def _withdraw_join(self, peer: PeerId, envelope: SignedEnvelope, window: int) -> None:
+        """A trainer not yet rostered leaves: its pending join is dropped, so no later head rosters it."""
+        signer = envelope.signer
+        if signer in self.withdrawn:
+            return
+        self.withdrawn[signer] = window  # its join stays known: a head a quorum backs may still roster it
+        self.engine.stats["joins_withdrawn"] += 1
+        self.engine.log("join-withdrawn", peer=str(signer), window=window)
+        if peer == signer:
+            self.engine.broadcast(Signed(envelope=envelope), roles=("validator",))  # one hop, like joins
 
     def _hear(self, peer: PeerId, window: int) -> None:
         if window > self.heard.get(peer, -1):

@@ -319,12 +319,23 @@ async def leave_roster(runtime: NodeRuntime, grace_s: float, signals: Any) -> st
     """Leave the roster before shutting down (config ``leave_on_exit``): feed the engine `LeaveRequested`
     (spec/protocol.md §5 "Leave") and keep running until its head no longer lists this node, at most
     `grace_s` seconds, or until one more signal arrives on `signals` (an async iterable of signal numbers).
-    Returns and logs the outcome: "not-rostered" (at once; the engine stops joining, though a join already
-    sent this window may still roster it), "left", "grace-expired" or "interrupted"."""
+    Returns and logs the outcome: "not-rostered" (at once: not rostered and no join pending),
+    "withdrawn" (a join was pending: the leave withdraws it, and we wait for the next head, within the
+    grace, in case one already rostered us - then we leave as a member does), "left", "grace-expired" or
+    "interrupted"."""
+    me = runtime.identity.peer_id
+    pending = runtime.join_pending()
     runtime.request_leave()
-    if runtime.identity.peer_id not in runtime.engine.head.roster_peers:
-        log.info("leave: not in the roster", extra={"fields": {"window": runtime.engine.head.window}})
-        return "not-rostered"
+    if me not in runtime.engine.head.roster_peers:
+        if not pending:
+            log.info("leave: not in the roster", extra={"fields": {"window": runtime.engine.head.window}})
+            return "not-rostered"
+        log.info("leave: withdrawing a pending join", extra={"fields": {"window": runtime.engine.head.window}})
+        with trio.move_on_after(grace_s) as waited:
+            await runtime.wait_head_change()
+        if me not in runtime.engine.head.roster_peers:
+            return "withdrawn"
+        grace_s = max(0.0, waited.deadline - trio.current_time())  # what is left of it, to leave as a member
     log.info("leaving the roster", extra={"fields": {"window": runtime.engine.head.window, "grace_s": grace_s}})
     outcome = "grace-expired"
 

@@ -252,7 +252,7 @@ def _schedule_faults(sim: Simulation, faults: list[Mapping[str, Any]], names: Ma
     last_heal = None
     for f in faults:
         _check_keys(f, {"at", "kind", "groups", "nodes", "from", "to", "keep_disk", "duration_s", "until",
-                        "restart_after_s"}, "faults")
+                        "restart_after_s", "signed", "linger_s"}, "faults")
         kind, t = f.get("kind"), float(f.get("at", 0.0))
         if kind not in FAULT_KINDS:
             raise ScenarioError(f"unknown fault kind {kind!r}; known: {FAULT_KINDS}")

@@ -178,6 +178,50 @@ async def test_leave_of_an_unrostered_trainer_returns_at_once(tmp_path):
         await wait_for(lambda: trainer.membership == "left", 2.0)
 
 
+class _PendingJoinRuntime:
+    """Stands in for a NodeRuntime whose trainer has a join in flight: `heads` are the rosters of the heads
+    promoted one by one after each `wait_head_change`."""
+
+    def __init__(self, heads: list[frozenset]) -> None:
+        self.identity = TRAINER
+        self.heads = list(heads)
+        self.engine = attrs.make_class("E", ["head"])(attrs.make_class("H", ["roster_peers", "window"])(
+            frozenset(), 3))
+        self.leaves_requested = 0
+
+    def join_pending(self) -> bool:
+        return True
+
+    def request_leave(self) -> None:
+        self.leaves_requested += 1
+
+    async def wait_head_change(self) -> None:
+        await trio.sleep(0.01)
+        if self.heads:
+            self.engine.head.roster_peers = self.heads.pop(0)
+        else:
+            await trio.sleep_forever()
+
+    async def wait_unrostered(self) -> None:
+        while TRAINER.peer_id in self.engine.head.roster_peers:
+            await self.wait_head_change()
+
+
+@trio_test
+async def test_leave_with_a_pending_join_withdraws_it_and_waits_for_one_head():
+    _, signals = trio.open_memory_channel(1)
+    runtime = _PendingJoinRuntime([frozenset()])  # the next head does not roster us: withdrawn
+    with trio.fail_after(2):
+        assert await leave_roster(runtime, 30.0, signals) == "withdrawn"
+    assert runtime.leaves_requested == 1
+    late = _PendingJoinRuntime([frozenset({TRAINER.peer_id}), frozenset()])  # a head had rostered us already
+    with trio.fail_after(2):
+        assert await leave_roster(late, 30.0, signals) == "left"
+    quiet = _PendingJoinRuntime([])  # no head at all within the grace
+    with trio.fail_after(2):
+        assert await leave_roster(quiet, 0.2, signals) == "withdrawn"
+
+
 # --- end to end: real `peerloom node` processes on 127.0.0.1 --------------------------------------------
 
 def chain(node) -> list:

@@ -250,3 +250,21 @@ def test_random_partitions_keep_safety():
     assert out.getvalue().count('"kind":"partition"') >= 3
     for name in result.checkers.SAFETY:
         assert result.summary["invariants"][name]["ok"], result.summary["invariants"]
+
+
+@pytest.mark.parametrize("seed", [0, 4])
+def test_a_trainer_leaving_while_its_join_is_pending_is_never_rostered(seed):
+    """j1 joins at 14 s and leaves 0.1 s later, before any head answered its join: the leave withdraws
+    the join at every validator (before, the next head rostered a trainer that was already gone)."""
+    from peerloom.sim.kernel import sim_identity
+
+    scenario = load_scenario(SCENARIOS / "membership.toml")
+    scenario["faults"] = [*scenario["faults"], {"at": 14.0, "kind": "join", "nodes": ["j1"]},
+                          {"at": 14.1, "kind": "leave", "nodes": ["j1"], "linger_s": 10.0}]
+    result = run_scenario(scenario, seed=seed)
+    assert result.ok, result.summary["invariants"]
+    j1 = sim_identity(seed, "j1").peer_id
+    assert not any(j1 in head.roster_peers for head in result.checkers.final.values())
+    assert max(result.checkers.final) >= 8  # windows went on after it
+    validators = [n.engine for n in result.sim.nodes.values() if n.engine is not None and "validator" in n.roles]
+    assert all(e.stats["joins_withdrawn"] == 1 for e in validators)
