@@ -176,6 +176,7 @@ class ValidatorRole:
         # updates-get requests served per peer this window.
         self.awaiting: dict[bytes, _Awaiting] = {}
         self.wanted: dict[bytes, set[bytes]] = {}
+        self.requested: set[bytes] = set()  # every id asked for this window (late or duplicate answers)
         self.known_updates: dict[bytes, SignedEnvelope] = {}
         self.updates_served: dict[PeerId, int] = {}
 
@@ -200,6 +201,7 @@ class ValidatorRole:
         self.proposal_givers = {k: v for k, v in self.proposal_givers.items() if k[0] >= window}
         self.proposal_envelopes = set()
         self.awaiting, self.wanted, self.known_updates, self.updates_served = {}, {}, {}, {}
+        self.requested = set()
         self.results = {w: v for w, v in self.results.items() if w >= window}
         self.evidence = {p: x for p, x in self.evidence.items() if p not in head.quarantined}
         for p in head.left + head.expired:  # gone: a later join (with its certificate) starts afresh
@@ -870,6 +872,7 @@ class ValidatorRole:
             return
         provider = waiting.providers[waiting.attempt % len(waiting.providers)]
         waiting.asked = tuple(waiting.missing[:MAX_UPDATE_IDS])
+        self.requested.update(waiting.asked)
         e.send(provider, UpdatesRequest(window=self.window, ids=waiting.asked))
         e.set_timer(("updates", self.window, head_id, waiting.attempt), e.now + UPDATES_RETRY_S)
 
@@ -928,8 +931,13 @@ class ValidatorRole:
 
     def on_signed(self, peer: PeerId, envelope: SignedEnvelope) -> None:
         e = self.engine
-        if envelope.kind == "update" and envelope.id in self.wanted:
-            self._on_named_update(envelope)
+        if envelope.kind == "update" and (envelope.id in self.wanted or envelope.id in self.requested):
+            # An answer to updates-get (or the author's own copy of an id we asked for): never counted
+            # against the sender's announcement quota - a late or duplicate answer is simply dropped.
+            if envelope.id in self.wanted:
+                self._on_named_update(envelope)
+            if peer == envelope.signer and self.collector is not None:
+                self.collector.offer(peer, envelope)  # from its author: an announcement like any other
         elif envelope.kind == "update":
             if self.collector is not None:
                 self.collector.offer(peer, envelope)

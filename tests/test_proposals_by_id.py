@@ -132,3 +132,24 @@ def test_a_proposal_never_carries_past_an_envelope_body_whatever_the_setting() -
                                signature=bytes(64)) for i in range(20))  # 1.2 MB together
     assert role._head_proposal(1, 0, None, head, big[:10]).updates == big[:10]  # 600 KB: carried
     assert role._head_proposal(1, 0, None, head, big).updates == ()  # over 1 MiB: by id
+
+
+def test_late_or_duplicate_answers_cost_the_serving_validator_nothing() -> None:
+    """Answers to updates-get may arrive twice (a retry went to a second provider) or after the proposal was
+    given up: they are dropped, never counted as the serving validator's own announcements (whose quota,
+    leases + slack, would soon charge an honest validator)."""
+    result = _run(seed=2, duration_s=3.0, liveness={})
+    v1 = result.sim.nodes["v1"].engine
+    role = next(r for r in v1.roles if hasattr(r, "requested"))
+    server = result.sim.nodes["v0"].peer_id
+    envelopes = [entry.envelope for entry in role.collector.by_id.values()]
+    role.requested.update(u.id for u in envelopes)
+    for _ in range(5):
+        for envelope in envelopes:
+            role.on_signed(server, envelope)
+    assert v1.rejected_by_reason["announce-quota"] == 0
+    role.requested.clear()  # the same copies, unasked: the sender's announcement quota applies
+    for _ in range(5):
+        for envelope in envelopes:
+            role.on_signed(server, envelope)
+    assert v1.rejected_by_reason["announce-quota"] > 0
