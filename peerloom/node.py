@@ -26,7 +26,8 @@ Config keys (TOML)::
                                        # SignedEnvelope from `peerloom admit`), sent with its joins; needed
                                        # under a manifest with admission = "certificate" (spec/protocol.md §5)
     leave_on_exit = false              # optional, trainers only: on SIGTERM/SIGINT first leave the roster
-                                       # (a signed leave, spec/protocol.md §5 "Leave"), then shut down
+                                       # (a signed leave, spec/protocol.md §5 "Leave"; it also withdraws a
+                                       # join still pending), then shut down
     leave_grace_s = 30.0               # how long to wait for a head without this node before shutting
                                        # down anyway (seconds; a second signal stops at once)
 
