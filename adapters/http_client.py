@@ -255,7 +255,8 @@ class LightTrainer:
         me = self.identity.peer_id
         joined = False
         if me not in {p for p, _ in head.roster} and self.joined_at != window:
-            self.client.join(seal(self.identity, JoinRequest(revision=self.revision.id, capacity=self.capacity)))
+            self.client.join(seal(self.identity, JoinRequest(revision=self.revision.id, window=window,
+                                                             capacity=self.capacity)))
             self.joined_at, joined = window, True
         shards = leases_of(head, self.revision.manifest).get(me, ())
         offered = self.client.leases(me)

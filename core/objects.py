@@ -686,28 +686,33 @@ def check_admission(envelope: SignedEnvelope | None, revision_id: bytes, manifes
 class JoinRequest:
     """A trainer asks to be put in the roster of the next head with a declared `capacity` (1..max).
 
-    `admission` is its admission certificate envelope (`AdmissionCertificate`), needed when the manifest's
-    admission policy is "certificate"; the key is absent from the encoding when None.
+    `window` is the window being collected when it asked (it asks again each window until rostered):
+    validators take a join for their current window or up to 2 ahead, so an old join replayed after the
+    trainer left has no effect (spec/protocol.md §5). `admission` is its admission certificate envelope
+    (`AdmissionCertificate`), needed when the manifest's admission policy is "certificate"; the key is
+    absent from the encoding when None.
     """
 
     KIND: ClassVar[str] = "join"
 
     revision: bytes
+    window: int
     capacity: int
     admission: SignedEnvelope | None = None
 
     def to_cbor(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"revision": self.revision, "capacity": self.capacity}
+        body: dict[str, Any] = {"revision": self.revision, "window": self.window, "capacity": self.capacity}
         if self.admission is not None:
             body["admission"] = self.admission.to_cbor()
         return body
 
     @classmethod
     def from_cbor(cls, obj: Any) -> JoinRequest:
-        keys = frozenset({"revision", "capacity"})
+        keys = frozenset({"revision", "window", "capacity"})
         body = f.exact_keys(obj, keys | {"admission"} if isinstance(obj, dict) and "admission" in obj else keys,
                             "join")
-        return cls(revision=f.cid(body, "revision"), capacity=f.uint(body, "capacity", maximum=1 << 16),
+        return cls(revision=f.cid(body, "revision"), window=f.uint(body, "window"),
+                   capacity=f.uint(body, "capacity", maximum=1 << 16),
                    admission=SignedEnvelope.from_cbor(body["admission"]) if "admission" in body else None)
 
 

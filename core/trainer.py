@@ -207,8 +207,8 @@ class TrainerRole:
         validators = e.peers_with("validator")
         if validators:
             self.joined_window = self.window
-            join = seal(e.identity, JoinRequest(revision=e.revision.id, capacity=e.config.capacity,
-                                                   admission=e.config.admission))
+            join = seal(e.identity, JoinRequest(revision=e.revision.id, window=self.window,
+                                                capacity=e.config.capacity, admission=e.config.admission))
             for v in validators:
                 e.send(v, Signed(envelope=join))
 

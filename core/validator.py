@@ -143,8 +143,8 @@ class ValidatorRole:
         self.admitted: dict[PeerId, int] = {}  # admission policy "certificate": peer -> certified max capacity
         self.leaves: dict[PeerId, int] = {}  # rostered trainer -> window whose head drops it (signed leaves)
         # Joins withdrawn by a signed leave before any head rostered them: trainer -> window of the leave.
-        # Its join is ignored for WITHDRAWN_WINDOWS windows after (a join carries no window, so a replay of
-        # the withdrawn one could not be told from a new one sooner).
+        # A join for that window or earlier is the withdrawn one (or a copy); a later one is a new request.
+        # Entries are dropped WITHDRAWN_WINDOWS windows on (older joins are stale by then anyway).
         self.withdrawn: dict[PeerId, int] = {}
         # Idle expiry (manifest `idle_windows`): the latest window in which each trainer was heard here
         # (heartbeat, update or join), the first window this validator saw (a trainer counts as heard then:
@@ -952,9 +952,14 @@ class ValidatorRole:
             join = JoinRequest.from_cbor(envelope.open(JoinRequest.KIND, PROTOCOL_VERSION))
             if join.revision != e.revision.id:
                 raise VerificationError("wrong-revision", "join")
-            if envelope.signer in self.withdrawn:
-                e.stats["withdrawn_joins_ignored"] += 1  # withdrawn: a late relay or a replay; no penalty
+            c = self.collector
+            if c is None or join.window < c.window or join.window > c.window + WINDOWS_AHEAD:
+                e.stats["stale_joins"] += 1  # an old join (a replay cannot re-roster a trainer that left)
                 return
+            if join.window <= self.withdrawn.get(envelope.signer, -1):
+                e.stats["withdrawn_joins_ignored"] += 1  # withdrawn since: a late relay or a replay
+                return
+            self.withdrawn.pop(envelope.signer, None)  # a join for a later window: asked anew
             capacity = max(1, join.capacity)
             if e.manifest.admission == "certificate":
                 # Raises join-not-admitted, charged to the sender (an honest validator relays only

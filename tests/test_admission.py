@@ -53,15 +53,15 @@ def test_check_admission_accepts_only_the_authoritys_certificate_for_that_peer()
         (good, other, rev.id),                                            # someone else's certificate
         (good, me, b"\x12\x20" + bytes(32)),                              # another revision
         (certificate(rev.id, me, 0), me, rev.id),                         # capacity 0 admits nobody
-        (seal(AUTHORITY, JoinRequest(revision=rev.id, capacity=1)), me, rev.id),  # wrong kind
+        (seal(AUTHORITY, JoinRequest(revision=rev.id, window=1, capacity=1)), me, rev.id),  # wrong kind
     ]:
         with pytest.raises(VerificationError) as info:
             check_admission(envelope, revision_id, m, peer)
         assert info.value.reason == "join-not-admitted"
     # a join carries its certificate and round-trips with it
-    join = JoinRequest(revision=rev.id, capacity=2, admission=good)
+    join = JoinRequest(revision=rev.id, window=1, capacity=2, admission=good)
     assert JoinRequest.from_cbor(join.to_cbor()) == join
-    assert "admission" not in JoinRequest(revision=rev.id, capacity=2).to_cbor()
+    assert "admission" not in JoinRequest(revision=rev.id, window=1, capacity=2).to_cbor()
 
 
 @pytest.fixture(scope="module")

@@ -207,7 +207,7 @@ def test_signed_update_is_accepted_and_tampered_ones_change_nothing(world):
 def test_join_needs_a_signature(world):
     view, _, server = world
     newcomer = ident(42)
-    join = seal(newcomer, JoinRequest(revision=view.revision.id, capacity=2)).to_bytes()
+    join = seal(newcomer, JoinRequest(revision=view.revision.id, window=1, capacity=2)).to_bytes()
     tampered = join[:-1] + bytes([join[-1] ^ 0x80])
     assert post(server, "/v1/join", tampered)[0] == 403
     wrong_kind = signed_update(view, leaseholder(view), b"x")

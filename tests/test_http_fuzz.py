@@ -148,7 +148,7 @@ def test_openapi_fuzz(case, edge):
 def test_structured_unsigned_uploads_are_refused(edge, envelope, artifact, flip):
     """Bodies of the right shape whose envelope is garbage or a real envelope with one bit flipped: 4xx."""
     if envelope == "tamper":
-        good = bytearray(seal(ident(10), JoinRequest(revision=edge.revision_id, capacity=1)).to_bytes())
+        good = bytearray(seal(ident(10), JoinRequest(revision=edge.revision_id, window=1, capacity=1)).to_bytes())
         good[flip % len(good)] ^= 1 << (flip % 8)
         envelope = bytes(good)
     for path, body in (("/v1/updates", encode({"envelope": envelope, "artifact": artifact})), ("/v1/join", envelope)):

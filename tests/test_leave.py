@@ -87,6 +87,34 @@ def test_trainer_leaves_and_joins_again(tmp_path, digits):
     assert check_rules(cluster.revision, chain)
 
 
+def test_an_old_join_replayed_after_the_trainer_left_has_no_effect(tmp_path, digits):
+    """Joins carry their window: once t0 has joined and left again, a copy of its join - the same signed
+    bytes, as anyone who relayed it holds - is stale and cannot put it back in the roster."""
+    from peerloom.core.objects import JoinRequest
+
+    cluster = build(tmp_path, digits, trainers=3, validators=4, quorum=3)
+    t0 = cluster.nodes["t0"].identity
+    assert cluster.run_until(lambda c: head_window(c) >= 1, max_time=60.0)
+    command(cluster, "t0", ev.LeaveRequested)
+    assert cluster.run_until(lambda c: t0.peer_id not in roster(c), max_time=cluster.now + 60.0)
+    join_window = head_window(cluster) + 1
+    command(cluster, "t0", ev.JoinRequested)
+    join = seal(t0, JoinRequest(revision=cluster.revision.id, window=join_window, capacity=1))  # what it sent
+    assert cluster.run_until(lambda c: t0.peer_id in roster(c), max_time=cluster.now + 60.0)
+    command(cluster, "t0", ev.LeaveRequested)
+    assert cluster.run_until(lambda c: all(t0.peer_id not in roster(c, n) for n in ("validator", "v1", "v2", "v3")),
+                             max_time=cluster.now + 60.0)
+    for name in ("validator", "v1", "v2", "v3"):  # the replay reaches every validator
+        v = cluster.nodes[name].engine
+        stale = v.stats["stale_joins"]
+        v.handle(ev.MessageReceived(now=cluster.now, peer=cluster.nodes["reducer"].identity.peer_id,
+                                    data=encode_message(Signed(envelope=join))))
+        assert v.stats["stale_joins"] == stale + 1 and t0.peer_id not in validator_role(cluster, name).joins
+    w = head_window(cluster)
+    assert cluster.run_until(lambda c: head_window(c) >= w + 2, max_time=cluster.now + 60.0)
+    assert t0.peer_id not in roster(cluster)
+
+
 def test_check_rules_refuses_a_roster_that_shrinks_without_left(tmp_path, digits):
     cluster = build(tmp_path, digits, trainers=2)
     assert cluster.run_until(lambda c: head_window(c) >= 2, max_time=60.0)

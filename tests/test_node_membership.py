@@ -78,7 +78,7 @@ def test_bad_admission_is_a_config_error(tmp_path, case, message):
         "wrong-signer": certificate(revision, signer=ident(202)).to_bytes(),
         "wrong-peer": certificate(revision, peer=ident(6)).to_bytes(),
         "wrong-revision": certificate(make_revision(authority=AUTHORITY, window_s=7.0)).to_bytes(),
-        "wrong-kind": seal(GATE, JoinRequest(revision=revision.id, capacity=1)).to_bytes(),
+        "wrong-kind": seal(GATE, JoinRequest(revision=revision.id, window=1, capacity=1)).to_bytes(),
         "zero-capacity": certificate(revision, max_capacity=0).to_bytes(),
     }.get(case, certificate(revision).to_bytes())
     path = setup_node(tmp_path, data, make_revision(authority=AUTHORITY) if case == "open-manifest" else revision,

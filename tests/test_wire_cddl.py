@@ -192,14 +192,14 @@ def instances() -> list[tuple[str, bytes, int]]:
                                                 head=head, updates=(update,), rejected=(update,)))
     reduction = seal(ident(20), ReductionProposal(revision=revision.id, window=1, base=genesis.id,
                                                   cohort=(update.id,), params=head.params, params_digest=cid))
-    join = seal(trainer, JoinRequest(revision=revision.id, capacity=3))
+    join = seal(trainer, JoinRequest(revision=revision.id, window=1, capacity=3))
     nil_vote = sign_vote(validators[1], revision.id, 1, 2, PREVOTE, None)
     newer = []
     if hasattr(core_objects, "AdmissionCertificate"):  # a join carrying an admission certificate (newer kind)
         admission = seal(ident(98), core_objects.AdmissionCertificate(revision=revision.id, peer=trainer.peer_id,
                                                                       max_capacity=2))
         newer.append(("message", encode_message(Signed(envelope=seal(trainer, JoinRequest(
-            revision=revision.id, capacity=2, admission=admission)))), 2))
+            revision=revision.id, window=1, capacity=2, admission=admission)))), 2))
         newer.append(("envelope", admission.to_bytes(), 1))
     if hasattr(core_objects, "LeaveRequest"):  # a rostered trainer leaving (newer kind)
         newer.append(("message", encode_message(Signed(envelope=seal(trainer, core_objects.LeaveRequest(
