@@ -1019,7 +1019,7 @@ class ValidatorRole:
     def _withdraw_join(self, peer: PeerId, envelope: SignedEnvelope, window: int) -> None:
         """A trainer not yet rostered leaves: its pending join is dropped, so no later head rosters it."""
         signer = envelope.signer
-        if signer in self.withdrawn:
+        if self.withdrawn.get(signer, -1) >= window:
             return
         self.withdrawn[signer] = window  # its join stays known: a head a quorum backs may still roster it
         self.engine.stats["joins_withdrawn"] += 1
