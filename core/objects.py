@@ -797,9 +797,11 @@ def seal(identity: Identity, obj: Sealable | HeadProposal) -> SignedEnvelope:
 class HeadProposal:
     """A round's proposer proposes the next head (Tendermint PROPOSAL, spec/agreement.md §3).
 
-    `updates` are the signed announcements of every cohort member, so each validator can fetch, screen
-    and re-reduce them itself; `valid_round` is the round in which the proposer saw a quorum of prevotes
-    for this head (None if it never did).
+    `updates` are the signed announcements of every cohort member and `rejected` those of
+    `head.rejected`, so each validator can fetch, screen and re-reduce them itself - or both are empty
+    when they would not fit, and validators fetch the announcements the head names by id (`updates-get`,
+    spec/agreement.md §3). `valid_round` is the round in which the proposer saw a quorum of prevotes for
+    this head (None if it never did).
     """
 
     KIND: ClassVar[str] = "head-proposal"
