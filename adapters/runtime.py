@@ -200,7 +200,7 @@ class NodeRuntime:
     async def wait_unrostered(self) -> None:
         """Return once the engine's head no longer lists this node in its roster (at once if it does not)."""
         while self.identity.peer_id in self.engine.head.roster_peers:
-            await self._head_changed.wait()
+            await self.wait_head_change()
 
     def _advertised(self) -> str | None:
         """The "host:port" our Hello gives for peer exchange: the bound port on `listen_host` when that is

@@ -113,10 +113,9 @@ def proposal_key(window: int, round_: int) -> str:
 class _Awaiting:
     """A head proposal whose named announcements are being fetched before it goes to the agreement."""
 
-    proposal: HeadProposal
+    rounds: list[HeadProposal]  # every proposal of this head taken while fetching (re-proposals in later rounds)
     signer: PeerId
     providers: list[PeerId]
-    rounds: list[HeadProposal]  # every proposal of this head taken while fetching (re-proposals in later rounds)
     found: dict[bytes, SignedEnvelope]
     missing: list[bytes]  # named ids not found yet, in the order they are asked for
     asked: tuple[bytes, ...] = ()
@@ -858,8 +857,8 @@ class ValidatorRole:
         providers = list(dict.fromkeys(p for p in (giver, signer, *sorted(e.peers_with("validator")))
                                        if p != e.me))
         missing = [i for i in head.cohort + head.rejected if i not in found]
-        waiting = self.awaiting[head.id] = _Awaiting(proposal=proposal, signer=signer, providers=providers,
-                                                      rounds=[proposal], found=found, missing=missing)
+        waiting = self.awaiting[head.id] = _Awaiting(rounds=[proposal], signer=signer, providers=providers,
+                                                      found=found, missing=missing)
         for update_id in missing:
             self.wanted.setdefault(update_id, set()).add(head.id)
         e.log("proposal-fetching", window=proposal.window, round=proposal.round, missing=len(missing))
@@ -886,7 +885,8 @@ class ValidatorRole:
                 if not heads:
                     self.wanted.pop(update_id, None)
             self.engine.stats["proposals_unavailable"] += 1
-            self.engine.log("proposal-unavailable", window=waiting.proposal.window, round=waiting.proposal.round,
+            first = waiting.rounds[0]
+            self.engine.log("proposal-unavailable", window=first.window, round=first.round,
                             missing=len(waiting.missing))
             return
         self._ask(head_id, waiting)
@@ -902,7 +902,8 @@ class ValidatorRole:
             if waiting is None:
                 continue
             waiting.found[envelope.id] = envelope
-            named = waiting.proposal.head.cohort + waiting.proposal.head.rejected
+            head = waiting.rounds[0].head
+            named = head.cohort + head.rejected
             if len(waiting.found) == len(named):
                 del self.awaiting[head_id]
                 updates = tuple(waiting.found[i] for i in named)
