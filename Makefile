@@ -1,21 +1,29 @@
-# Each target builds the environment it needs in .venv (Python 3.11 and the package index only).
+# Each target builds the environment it needs in .venv (Python 3.11 and the package index only), installing
+# exact versions with hashes from requirements/*.lock. Run `make lock` after changing a dependency in
+# pyproject.toml (which keeps lower bounds only, so users can still install the library unpinned).
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
+# torch==2.13.0 is the CPU wheel; where this machine keeps it on disk, the lock takes its hash from there.
+WHEELS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
+LOCK := $(BIN)/uv pip compile pyproject.toml --generate-hashes --python-version 3.11 \
+        --python-platform x86_64-manylinux_2_28 $(WHEELS) --quiet
 
-.PHONY: demo test lint fuzz clean
+.PHONY: demo test lint fuzz lock clean
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/python:
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install --upgrade pip -q
-	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[torch,transports,demo,dev]"
+
+# One stamp per lock: `make demo` needs the demo set, `make test` the dev set (a superset, same versions).
+$(VENV)/.%-installed: requirements/%.lock pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q --require-hashes --no-deps -r $<
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
-demo: $(BIN)/.installed
+demo: $(VENV)/.demo-installed
 	$(BIN)/peerloom demo --profile default --out peerloom-demo
 
-test: $(BIN)/.installed
+test: $(VENV)/.dev-installed
 	$(BIN)/python -m pytest -q
 	$(BIN)/ruff check .
 
@@ -23,8 +31,13 @@ test: $(BIN)/.installed
 # the example count is the "fuzz" profile in tests/conftest.py.
 FUZZ_TESTS := tests/test_transport_fuzz.py tests/test_encoding.py tests/test_messages.py tests/test_objects.py
 
-fuzz: $(BIN)/.installed
+fuzz: $(VENV)/.dev-installed
 	HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest -q -p no:cacheprovider $(FUZZ_TESTS)
+
+# Refresh every lock from pyproject.toml: dev first, then each smaller set constrained to dev's versions.
+lock: $(VENV)/.dev-installed
+	$(LOCK) --extra dev -o requirements/dev.lock
+	for set in node torch demo; do $(LOCK) --extra $$set -c requirements/dev.lock -o requirements/$$set.lock; done
 
 clean:
 	rm -rf $(VENV) peerloom-demo .pytest_cache .hypothesis

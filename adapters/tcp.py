@@ -921,7 +921,10 @@ async def serve(host: str, port: int, identity: Identity, handler: Handler, *,
     `TransportError` escaping the handler, ends that connection only; any other exception from the handler
     is a bug and propagates. `transport_ciphers` as for `connect`.
     """
-    listeners = await trio.open_tcp_listeners(port, host=host)
+    try:
+        listeners = await trio.open_tcp_listeners(port, host=host)
+    except OSError as exc:  # name the address: "port in use" is a user error the CLI reports in one line
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
     bound_port = listeners[0].socket.getsockname()[1]
     in_handshake: Counter[str] = Counter()
     open_now: Counter[str] = Counter()

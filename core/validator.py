@@ -64,6 +64,15 @@ WITHDRAWN_WINDOWS = 2
 MAX_HELD = 4096
 METRIC_TOLERANCE = 1e-4
 PROPOSER_DOMAIN = b"peerloom/proposer/v1"
+
+
+def proposer_of(parent: bytes, window: int, round_: int, validators: tuple[PeerId, ...]) -> PeerId:
+    """The proposer of `round_` of `window` on head `parent` (spec/agreement.md): round-robin by hash, the
+    validator with the smallest SHA-256(domain, parent, window, round, id)."""
+    prefix = PROPOSER_DOMAIN + parent + window.to_bytes(8, "big") + round_.to_bytes(4, "big")
+    return min(validators, key=lambda v: hashlib.sha256(prefix + v.to_bytes()).digest())
+
+
 # Announcements a head proposal names by id (spec/agreement.md §3): asked MAX_UPDATE_IDS at a time from one
 # provider; a batch that is not complete after UPDATES_RETRY_S is asked of the next provider, and after
 # UPDATES_ROUNDS passes over the providers the proposal is given up (its round then times out as without it).
@@ -649,11 +658,9 @@ class ValidatorRole:
     # --- agreement host: proposer, votes, proposals, timers, decision -----------------------------
 
     def proposer(self, round_: int) -> PeerId:
-        """Round-robin by hash: the validator with the smallest SHA-256(domain, parent, window, round, id)."""
         c = self.collector
         assert c is not None
-        prefix = PROPOSER_DOMAIN + c.head.id + c.window.to_bytes(8, "big") + round_.to_bytes(4, "big")
-        return min(self.engine.manifest.validators, key=lambda v: hashlib.sha256(prefix + v.to_bytes()).digest())
+        return proposer_of(c.head.id, c.window, round_, self.engine.manifest.validators)
 
     def cast(self, vote_step: str, round_: int, head_id: bytes | None) -> None:
         e, window = self.engine, self.window

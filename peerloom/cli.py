@@ -1,9 +1,15 @@
-"""The `peerloom` command: `demo`, `node`, `verify`, `keygen`, `admit`."""
+"""The `peerloom` command: `demo`, `node`, `verify`, `keygen`, `admit`, `inspect`, `sim`, `light`.
+
+Errors a user can cause (a missing file, invalid TOML, a wrong key or type, a port in use, a missing
+extra) end in one line on stderr and exit status 2; `--debug` shows the traceback instead.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
+import tomllib
 from pathlib import Path
 
 from peerloom import admit as admit_cmd
@@ -13,7 +19,9 @@ from peerloom import simulate
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="peerloom", description=__doc__)
+    parser = argparse.ArgumentParser(prog="peerloom", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="train a real model across local OS processes over TCP+Noise")
@@ -44,18 +52,60 @@ def main(argv: list[str] | None = None) -> None:
     light_cmd.add_parser(sub)
 
     args = parser.parse_args(argv)
+    try:
+        _dispatch(args)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as exc:
+        message = None if args.debug else user_error(exc)
+        if message is None:
+            raise
+        print(f"peerloom {args.command}: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+# Which extra brings each optional module (pyproject.toml's [project.optional-dependencies]).
+EXTRA_OF = {"trio": "node", "aiohttp": "node", "prometheus_client": "node", "cryptography": "node",
+            "zeroconf": "node", "tomli_w": "node", "torch": "torch", "sklearn": "demo", "matplotlib": "demo"}
+
+
+def user_error(exc: BaseException) -> str | None:
+    """The one-line message for an error the user caused, or None for a bug (whose traceback shows).
+
+    An exception group holding a single such error (trio's nurseries wrap them) is unwrapped.
+    """
+    from peerloom.core.errors import LocalProtocolError, PeerloomError
+    from peerloom.sim.scenario import ScenarioError
+
+    node = sys.modules.get("peerloom.node")  # imported only by commands that can raise its ConfigError
+    config_errors = (ScenarioError, PeerloomError, *((node.ConfigError,) if node is not None else ()))
+
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] in EXTRA_OF:
+        extra = EXTRA_OF[(exc.name or "").split(".")[0]]
+        return f"needs the '{extra}' extra ({exc.name} is not installed): pip install 'peerloom[{extra}]'"
+    if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+        return f"{exc.strerror or exc}; pick another port or stop the process that holds it"
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"{exc.filename}: {exc.strerror or exc}"
+    if isinstance(exc, tomllib.TOMLDecodeError):
+        return f"invalid TOML: {exc}"
+    if isinstance(exc, config_errors) and not isinstance(exc, LocalProtocolError):
+        return str(exc)
+    return None
+
+
+def _dispatch(args: argparse.Namespace) -> None:
     if args.command == "demo":
         from peerloom.demo import run_demo
 
         sys.exit(run_demo(profile=args.profile, out=args.out, seed=args.seed,
                           kill_trainer_at=args.kill_trainer_at, rule=args.rule, workload=args.workload))
     elif args.command == "node":
-        from peerloom.node import ConfigError, run_node
+        from peerloom.node import run_node
 
-        try:
-            run_node(args.config)
-        except ConfigError as exc:
-            sys.exit(f"peerloom node: {exc}")
+        run_node(args.config)
     elif args.command == "verify":
         from peerloom.verify import run_verify
 
@@ -67,7 +117,11 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "light":
         sys.exit(light_cmd.run(args))
     elif args.command == "admit":
-        sys.exit(admit_cmd.run(args))
+        result = admit_cmd.run(args)
+        if isinstance(result, str):  # a user error, already one line
+            print(result, file=sys.stderr)
+            sys.exit(2)
+        sys.exit(result)
     elif args.command == "keygen":
         from peerloom.adapters.keys import generate_identity, save_identity
 

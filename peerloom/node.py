@@ -78,6 +78,7 @@ from peerloom.core.objects import (
     Revision,
     check_admission,
 )
+from peerloom.core.tables import TableError, check_keys, typed
 
 REQUIRED = ("name", "roles", "key", "manifest", "authority", "store")
 ROLES = frozenset({"trainer", "reducer", "validator"})
@@ -107,8 +108,10 @@ def load_config(path: Path) -> dict[str, Any]:
     """Read and check a node config (see the module docstring). ConfigError names the file and the key."""
     try:
         config = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"{path}: {exc}") from exc
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
     missing = [k for k in REQUIRED if k not in config]
     if missing:
         raise ConfigError(f"{path}: missing {', '.join(missing)}")
@@ -137,13 +140,12 @@ def load_config(path: Path) -> dict[str, Any]:
 
 
 def _check(config: dict[str, Any]) -> None:
-    unknown = sorted(set(config) - set(KEYS))
-    if unknown:
-        raise ConfigError(f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}")
-    for key, types in KEYS.items():
-        value = config.get(key)
-        if key in config and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
-            raise ConfigError(f"{key} must be a {' or '.join(t.__name__ for t in types)}, got {value!r}")
+    try:
+        check_keys(config, KEYS)
+        for key, types in KEYS.items():
+            typed(config, key, types)
+    except TableError as exc:
+        raise ConfigError(str(exc)) from None
     roles = config["roles"]
     if not roles or not all(isinstance(r, str) and r in ROLES for r in roles):
         raise ConfigError(f"roles must be a non-empty list of {', '.join(sorted(ROLES))}; got {roles!r}")

@@ -1,4 +1,6 @@
-"""`peerloom sim SCENARIO.toml --seed N --out DIR`: run one deterministic simulation (spec/simulator.md).
+"""`peerloom sim SCENARIO --seed N --out DIR`: run one deterministic simulation (spec/simulator.md).
+
+SCENARIO is a TOML file, or the name of a scenario shipped with peerloom (`happy`, `churn`...).
 
 Writes DIR/trace.jsonl (one event per line; byte-identical for the same scenario and seed),
 DIR/summary.json and DIR/plots/*.png. Exit status 0 when every invariant holds; 1 on a violation, after
@@ -8,10 +10,13 @@ printing the seed and the command that reproduces it; 2 for a malformed scenario
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import shlex
 import sys
 import time
+from importlib import resources
+from importlib.abc import Traversable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +26,7 @@ if TYPE_CHECKING:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
     p = subparsers.add_parser("sim", help="run a deterministic simulation of a scenario (TOML)")
-    p.add_argument("scenario", type=Path, help="scenario file, e.g. sim/scenarios/happy.toml")
+    p.add_argument("scenario", type=Path, help=f"scenario file, or a shipped scenario's name: {', '.join(shipped())}")
     p.add_argument("--seed", type=int, default=0, help="master seed (network, churn, compute, adversaries)")
     p.add_argument("--out", type=Path, default=Path("peerloom-sim"), help="output directory")
     p.add_argument("--no-plots", action="store_true", help="skip DIR/plots/*.png")
@@ -30,14 +35,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
+def shipped() -> list[str]:
+    """Names of the scenarios that ship with peerloom (package data of peerloom.sim)."""
+    folder = resources.files("peerloom.sim") / "scenarios"
+    return sorted(p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml"))
+
+
+def resolve(scenario: Path) -> Path | Traversable:
+    """`scenario` if it is a file; else the shipped scenario of that name. FileNotFoundError if neither."""
+    if scenario.exists() or scenario.suffix == ".toml" or len(scenario.parts) > 1:
+        return scenario
+    packaged = resources.files("peerloom.sim") / "scenarios" / f"{scenario}.toml"
+    if packaged.is_file():
+        return packaged
+    raise FileNotFoundError(errno.ENOENT, f"no such file, nor a shipped scenario ({', '.join(shipped())})",
+                            str(scenario))
+
+
 def run(args: argparse.Namespace) -> int:
     from peerloom.sim.scenario import ScenarioError, load_scenario, run_scenario
 
     try:
-        scenario = load_scenario(args.scenario)
-    except (OSError, ValueError) as exc:
-        print(f"peerloom sim: cannot read {args.scenario}: {exc}", file=sys.stderr)
-        return 2
+        scenario = load_scenario(resolve(args.scenario))
+    except ScenarioError as exc:
+        raise ScenarioError(f"{args.scenario}: {exc}") from exc  # one line by the CLI, exit 2
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     wall0 = time.perf_counter()
@@ -52,12 +73,15 @@ def run(args: argparse.Namespace) -> int:
             result = run_scenario(scenario, seed=args.seed, trace_out=trace,
                                   stop_on_violation=not args.keep_going, on_window=progress)
     except ScenarioError as exc:
-        print(f"peerloom sim: {args.scenario}: {exc}", file=sys.stderr)
-        return 2
+        raise ScenarioError(f"{args.scenario}: {exc}") from exc  # one line by the CLI, exit 2
     summary = result.summary
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     if not args.no_plots:
-        write_plots(result, out / "plots")
+        try:
+            write_plots(result, out / "plots")
+        except ModuleNotFoundError as exc:
+            print(f"peerloom sim: plots skipped ({exc.name} is not installed: pip install 'peerloom[demo]')",
+                  file=sys.stderr)
     w = summary["windows"]
     print(f"{summary['scenario']} seed {args.seed}: {w['certified']} windows certified, {w['skipped']} skipped "
           f"in {summary['sim_time_s']:.1f} s virtual ({summary['wall_s']:.1f} s wall, {summary['events']} events)")

@@ -10,6 +10,7 @@ what it checked; exit status 0 only if everything verified.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -58,7 +59,9 @@ def check_rules(revision: Revision, entries: Sequence[tuple[Head, QuorumCertific
 def run_verify(chain_dir: Path, authority: str | None = None, *, echo: Callable[[str], None] = print,
                brief: bool = False) -> int:
     """Verify `chain_dir`; print (via `echo`) each check (`brief`: first and last few windows only);
-    return 0 if all passed, 1 otherwise."""
+    return 0 if all passed, 1 otherwise. FileNotFoundError when `chain_dir` holds no manifest.cbor."""
+    if not (chain_dir / "manifest.cbor").is_file():
+        raise FileNotFoundError(errno.ENOENT, "not a chain directory (no manifest.cbor)", str(chain_dir))
     try:
         envelope = SignedEnvelope.from_bytes((chain_dir / "manifest.cbor").read_bytes())
         revision = Revision.verify(envelope, PeerId.from_text(authority) if authority else None)

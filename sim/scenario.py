@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 import tomllib
 from collections.abc import Callable, Mapping
+from importlib.abc import Traversable
 from pathlib import Path
 from typing import IO, Any
 
@@ -20,6 +21,7 @@ import attrs
 from peerloom.backends.numpy.tensors import schema_of, tensor_digest, to_safetensors
 from peerloom.core.errors import DecodeError
 from peerloom.core.objects import Manifest, Revision, make_artifact_ref
+from peerloom.core.tables import TableError, check_keys, typed
 
 from .adversary import make_behaviour, role_of_behaviour
 from .invariants import Checkers
@@ -53,17 +55,62 @@ class Result:
         return self.checkers.ok
 
 
-def load_scenario(path: str | Path) -> dict[str, Any]:
-    with open(path, "rb") as fh:
-        data = tomllib.load(fh)
-    data.setdefault("name", Path(path).stem)
+# The scalar keys of each table and their types, checked before anything is built, so that a wrong type
+# gets "must be an integer" naming the key (spec/simulator.md §5).
+SCALARS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "scenario": {"name": str, "description": str, "duration_s": float, "stop_window": int},
+    "roles": {"validators": int, "reducers": int, "trainers": int},
+    "manifest": {"window_s": float, "min_updates": int, "quorum": int, "shards": int, "aggregation": str,
+                 "max_capacity": int, "chunk_size": int, "outer_lr": float, **MANIFEST_PASSTHROUGH},
+    "workload": {"name": str, "seed": int, "samples_per_shard": int, "dim": int, "a_min": float,
+                 "data_noise": float, "grad_noise": float, "lr": float, "local_steps": int},
+    "disk": {"persist_s": float, "lose_unsynced": bool},
+    "liveness": {"heal_at": float, "bound_s": float, "min_windows": int},
+    "churn": {"crash_rate_per_s": float, "restart_after_s": float, "disk_loss": float, "until": float,
+              "start": float, "partition_rate_per_s": float, "partition_s": float},
+    "faults": {"at": float, "kind": str, "keep_disk": bool, "duration_s": float, "until": float,
+               "restart_after_s": float, "signed": bool, "linger_s": float},
+    "adversaries": {"behaviour": str, "count": int, "fraction": float, "join_at": float},
+}
+
+
+def load_scenario(path: str | Path | Traversable) -> dict[str, Any]:
+    """Read a scenario TOML file (a path, or a shipped scenario from `importlib.resources`). ScenarioError
+    for invalid TOML; OSError if unreadable. The scenario's name defaults to the file's stem."""
+    path = Path(path) if isinstance(path, str) else path
+    with path.open("rb") as fh:
+        try:
+            data = tomllib.load(fh)
+        except tomllib.TOMLDecodeError as exc:
+            raise ScenarioError(f"invalid TOML: {exc}") from None
+    data.setdefault("name", path.name.removesuffix(".toml"))
     return data
 
 
 def _check_keys(d: Mapping[str, Any], allowed: set[str], where: str) -> None:
-    unknown = set(d) - allowed
-    if unknown:
-        raise ScenarioError(f"{where}: unknown key(s) {sorted(unknown)}")
+    if not isinstance(d, Mapping):
+        raise ScenarioError(f"{where} must be a table, got {d!r}")
+    try:
+        check_keys(d, allowed, where if where != "scenario" else "")
+    except TableError as exc:
+        raise ScenarioError(str(exc)) from None
+
+
+def _check_types(scenario: Mapping[str, Any]) -> None:
+    """ScenarioError naming the first scalar of a known table whose value has the wrong type."""
+    try:
+        for table, keys in SCALARS.items():
+            found = scenario if table == "scenario" else scenario.get(table, {})
+            tables = found if isinstance(found, list) else [found]
+            for item in tables:
+                if not isinstance(item, Mapping):
+                    raise ScenarioError(f"{table} must be a table, got {item!r}")
+                for key, types in keys.items():
+                    typed(item, key, types, where="" if table == "scenario" else table)
+        for key, value in scenario.get("compute", {}).items():
+            typed({key: value}, key, float, where="compute")
+    except TableError as exc:
+        raise ScenarioError(str(exc)) from None
 
 
 def build_workload(spec: Mapping[str, Any], num_shards: int) -> tuple[Any, list[list[int]], list[int]]:
@@ -111,6 +158,7 @@ def run_scenario(scenario: Mapping[str, Any], *, seed: int, trace_out: IO[str] |
     """
     wall0 = time.perf_counter()
     _check_keys(scenario, TOP_KEYS, "scenario")
+    _check_types(scenario)
     roles = scenario.get("roles", {})
     _check_keys(roles, {"validators", "reducers", "trainers"}, "roles")
     n_val, n_red, n_tr = int(roles.get("validators", 4)), int(roles.get("reducers", 1)), int(roles.get("trainers", 4))

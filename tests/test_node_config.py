@@ -41,8 +41,8 @@ def test_relative_paths_resolve_next_to_config(tmp_path):
     ('bootstrap = ["127.0.0.1:x"]\n', "must be host:port"),
     ("bootstrap = [7001]\n", "bootstrap entries"),
     ("capacity = 0\n", "capacity must be at least 1"),
-    ('capacity = "2"\n', "capacity must be a int"),
-    ('lisen = "127.0.0.1:1"\n', "unknown key lisen"),
+    ('capacity = "2"\n', "capacity must be an integer, got '2'"),
+    ('lisen = "127.0.0.1:1"\n', "lisen: unknown key (did you mean 'listen'?); valid keys: admission,"),
     ('log_format = "xml"\n', "log_format"),
     ("[http]\nenabled = 1\n", "http.enabled"),
     ('[http]\nenabled = true\nlisten = "nope"\n', "must be host:port"),
@@ -53,8 +53,9 @@ def test_relative_paths_resolve_next_to_config(tmp_path):
     ('workload = "json:no_such_function"\n', "has no callable"),
 ])
 def test_bad_values_are_named(tmp_path, extra, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError) as caught:
         load_config(_config(tmp_path, extra))
+    assert message in str(caught.value)
 
 
 def test_bad_roles_and_authority(tmp_path):

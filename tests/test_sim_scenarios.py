@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from peerloom.core.engine import Engine
 from peerloom.sim.scenario import ScenarioError, load_scenario, run_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,11 +37,14 @@ def test_shipped_scenario_passes_its_invariants(name):
     assert result.summary["windows"]["certified"] >= 3
 
 
-def test_equivocating_proposer_does_not_stall_a_window():
+@pytest.mark.parametrize("seed", [0, 1, 27])
+def test_equivocating_proposer_does_not_stall_a_window(seed, first_proposer):
     """Seed 27 once took 57 s for window 1: the honest validator shown the other head could not lock on
     the head a quorum prevoted without the proposal in hand (spec/simulator.md §10). Proposals are now
-    relayed, and every head of a round is kept for the polka rule."""
-    result = _run("equivocation", seed=27)
+    relayed, and every head of a round is kept for the polka rule. The equivocator proposes window 1."""
+    scenario = load_scenario(SCENARIOS / "equivocation.toml")
+    scenario["adversaries"] = [{"behaviour": "equivocation", "nodes": [first_proposer(scenario, seed)]}]
+    result = run_scenario(scenario, seed=seed)
     assert result.ok, result.summary["invariants"]
     finals = sorted(result.checkers.final_at.values())
     assert len(finals) >= 6 and finals[-1] < 20.0, finals
@@ -109,25 +113,47 @@ def test_progress_callback_reports_each_final_window_once_as_it_happens():
     assert len(seen) == result.summary["windows"]["certified"] + result.summary["windows"]["skipped"]
 
 
-def test_a_transient_fetch_failure_does_not_make_validators_refuse_a_head_forever():
-    """churn seed 27: v0's fetch of a crashing trainer's delta failed before the window's proposal named
-    that update. v0 fetches it once more (from the proposer and the other servers too), screens it, and
-    judges the head valid; without the retry it prevoted nil on every head naming it, and two validators
-    doing so once stalled the chain for good (churn seed 6 before joins carried a window, which moved
-    the trajectories; if a protocol change moves them again, pick a seed whose trace has update-retry)."""
+class _FirstDeltaFetchFails(Engine):
+    """A validator whose first fetch of a trainer's delta in window `WINDOW` fails at once ("no-provider"),
+    as when the author crashes mid-transfer: the transient failure the retry exists for, planted."""
+
+    WINDOW = 2
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.failed_delta: bytes | None = None
+
+    def fetch(self, ref, providers, on_done, on_fail):
+        collector = self._validator.collector if self._validator is not None else None
+        if self.failed_delta is None and collector is not None and collector.window == self.WINDOW and \
+                any(x.announcement.delta.digest == ref.digest for x in collector.entries.values()):
+            self.failed_delta = ref.digest
+            on_fail("no-provider")
+            return
+        super().fetch(ref, providers, on_done, on_fail)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_transient_fetch_failure_does_not_make_validators_refuse_a_head_forever(seed):
+    """v0's fetch of one trainer's delta fails before the window's proposal names that update. v0 fetches it
+    once more (from the proposer and the other servers too), screens it, and judges the head valid; without
+    the retry it prevoted nil on every head naming it, and two validators doing so once stalled the chain
+    for good. The failure is planted (`_FirstDeltaFetchFails`), so every seed exercises the retry."""
     import io
 
     out = io.StringIO()
-    result = run_scenario(load_scenario(SCENARIOS / "churn.toml"), seed=27, trace_out=out)
+    result = run_scenario(load_scenario(SCENARIOS / "happy.toml"), seed=seed, trace_out=out,
+                          engine_factories={"v0": _FirstDeltaFetchFails})
     assert result.ok, result.summary["invariants"]
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
-    retries = {(x["node"], x["window"]) for x in lines if x.get("event") == "update-retry"}
-    assert retries, "seed 27 no longer exercises the retry"
-    for node, window in retries:
-        final = result.checkers.final[window].id.hex()
-        verdicts = [x["ok"] for x in lines if x.get("event") == "proposal-checked" and x["node"] == node
-                    and x["window"] == window and x["head"] == final]
-        assert verdicts == [True], (node, window, verdicts)
+    window = _FirstDeltaFetchFails.WINDOW
+    retries = [x for x in lines if x.get("event") == "update-retry" and x["node"] == "v0"]
+    assert [x["window"] for x in retries] == [window]
+    final = result.checkers.final[window]
+    assert not final.skipped and final.id.hex() in {x["head"] for x in lines if x.get("event") == "proposal-checked"}
+    verdicts = [x["ok"] for x in lines if x.get("event") == "proposal-checked" and x["node"] == "v0"
+                and x["window"] == window and x["head"] == final.id.hex()]
+    assert verdicts == [True], verdicts
 
 
 def test_lossy_wan_really_loses_and_duplicates():
