@@ -94,6 +94,7 @@ class AddressBook:
         self.ban_inbound_ips = ban_inbound_ips
         self._banned_ips: dict[str, float] = {}
         self._ip_failures: Counter[str] = Counter()
+        self._peer_failures: Counter[PeerId] = Counter()  # protocol violations per peer since its last clean end
         self._entries: dict[Address, _Entry] = {}
         self._banned_peers: dict[PeerId, float] = {}
         self._per_ip: Counter[str] = Counter()  # open connections (both directions) per IP
@@ -243,6 +244,21 @@ class AddressBook:
 
     def inbound_closed(self, ip: str) -> None:
         self._release(ip)
+
+    def connection_failed(self, peer: PeerId, *, now: float) -> bool:
+        """`peer` ended a connection by a protocol violation (a bad frame, an undecryptable message...).
+        `ban_after_failures` of them without a clean connection in between ban the peer for `ban_s`;
+        returns True when this one did."""
+        self._peer_failures[peer] += 1
+        if self._peer_failures[peer] < self.ban_after_failures:
+            return False
+        del self._peer_failures[peer]
+        self.ban_peer(peer, now=now)
+        return True
+
+    def connection_ok(self, peer: PeerId) -> None:
+        """A connection with `peer` ended cleanly: its violations in a row start again from zero."""
+        self._peer_failures.pop(peer, None)
 
     # -- bans --
 

@@ -70,6 +70,8 @@ class NodeMetrics:
         self.rejected = Counter("peerloom_updates_rejected", "Updates rejected by screening", ["reason"],
                                 registry=r)
         self.rejections = Counter("peerloom_rejections", "Rejections charged to peers", ["reason"], registry=r)
+        self.connection_errors = Counter("peerloom_connection_errors", "Connections ended by an error, by reason "
+                                         "(spec/transport.md §6)", ["reason"], registry=r)
         self.votes = Counter("peerloom_votes", "Votes signed and sent", ["step"], registry=r)
         self.head_window = Gauge("peerloom_head_window", "Window of the latest certified head", registry=r)
         self.head_lag = Gauge("peerloom_head_lag_windows", "Best peer head window minus ours", registry=r)

@@ -422,6 +422,9 @@ class NodeRuntime:
         try:
             with scope:
                 await self._run_connection(conn, peer, outbox, control_in, bulk_in)
+            self.book.connection_ok(peer)
+        except Exception as exc:  # containment (spec/transport.md §6): this connection ends, nothing else
+            self._connection_failed(peer, exc)
         finally:
             self.bytes_sent += conn.bytes_sent
             self.bytes_received += conn.bytes_received
@@ -447,9 +450,29 @@ class NodeRuntime:
                         self._note_hello(data)
                         first = False
                     await self._send_events.send(ev.MessageReceived(now=0.0, peer=peer, data=data))
-            except (tcp.TransportError, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            except tcp.TransportError as exc:
+                if tcp.fault_reason(exc) in tcp.PEER_FAULTS:
+                    nursery.cancel_scope.cancel()
+                    raise
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
             nursery.cancel_scope.cancel()
+
+    def _connection_failed(self, peer: PeerId, exc: Exception) -> None:
+        """Log, count and charge to `peer` the failure that ended its connection (a TransportError, found
+        inside an exception group too, or any other exception: ``internal``, logged with its traceback)."""
+        transport = exc if isinstance(exc, tcp.TransportError) else \
+            tcp.first_transport_error(exc) if isinstance(exc, BaseExceptionGroup) else None
+        reason = tcp.fault_reason(transport) if transport is not None else "internal"
+        if transport is None:
+            log.error("connection to %s ended by an internal error", peer.short(), exc_info=exc)
+        else:
+            log.info("connection to %s ended: %s", peer.short(), transport)
+        self.metrics.connection_errors.labels(reason).inc()
+        self._emit_line("connection-error", {"peer": peer.to_text(), "reason": reason})
+        if reason in tcp.PEER_FAULTS or transport is None:
+            if self.book.connection_failed(peer, now=trio.current_time()):
+                self._emit_line("peer-banned", {"peer": peer.to_text(), "reason": reason})
 
     async def _writer(self, conn: tcp.SecureConnection, outbox: _Outbox,
                       channel: trio.MemoryReceiveChannel[bytes], lane: int, scope: trio.CancelScope) -> None:

@@ -96,6 +96,24 @@ _CONTROL_BATCH_FRAMES = 2  # a control message up to AUTO_CONTROL_MAX_BYTES fits
 AESGCM_MIN_SPEEDUP = 1.5
 
 
+# TransportError reasons that only a misbehaving peer causes (not a network failure or a clean close): the
+# runtime charges them to the peer (spec/transport.md §6). "broken" repeats an earlier error in its detail.
+PEER_FAULTS = frozenset({"bad-frame", "flow-control", "message-too-large", "decrypt-failed"})
+
+
+def fault_reason(exc: TransportError) -> str:
+    """The reason that ended a connection: an earlier receive error's for ``broken``, else `exc.reason`."""
+    return exc.detail if exc.reason == "broken" and exc.detail else exc.reason
+
+
+def first_transport_error(group: BaseExceptionGroup) -> TransportError | None:
+    """The first TransportError inside `group` (nested groups included), or None."""
+    matched = group.subgroup(TransportError)
+    while isinstance(matched, BaseExceptionGroup):
+        matched = matched.exceptions[0]
+    return matched
+
+
 @functools.cache
 def default_transport_ciphers() -> tuple[str, ...]:
     """The transport ciphers this process offers by default (spec/transport.md §1.1): ``("AESGCM",)`` when
@@ -723,13 +741,18 @@ class SecureConnection:
         """Write pending control frames while draining the socket, so two peers that both wait to write
         can never deadlock; returns the number of Noise messages processed meanwhile."""
         processed = 0
-        async with trio.open_nursery() as nursery:
-            done = trio.Event()
-            nursery.start_soon(self._flush_control, done)
-            while not done.is_set() and not self._eof:
-                if await self._recv_more() is False:
-                    self._eof = True
-                processed += self._process_buffered()
+        try:
+            async with trio.open_nursery() as nursery:
+                done = trio.Event()
+                nursery.start_soon(self._flush_control, done)
+                while not done.is_set() and not self._eof:
+                    if await self._recv_more() is False:
+                        self._eof = True
+                    processed += self._process_buffered()
+        except BaseExceptionGroup as group:
+            # The nursery wraps what its body or the flush raised; callers (and the per-connection handlers
+            # above them) expect the TransportError itself, which ends this connection and nothing else.
+            raise first_transport_error(group) or group from None
         return processed
 
     def _process_buffered(self) -> int:
@@ -917,9 +940,10 @@ async def serve(host: str, port: int, identity: Identity, handler: Handler, *,
     nothing beyond the cap). Likewise at most `max_connections` inbound connections are open at once
     (handshaking or in the handler), at most `max_connections_per_ip` from one address, and `admit(ip)`
     (e.g. an `AddressBook`'s ban list) may refuse an address. A failed handshake is reported to
-    `on_handshake_failed(ip, error)` (e.g. `AddressBook.inbound_handshake_failed`) and logged; it, or a
-    `TransportError` escaping the handler, ends that connection only; any other exception from the handler
-    is a bug and propagates. `transport_ciphers` as for `connect`.
+    `on_handshake_failed(ip, error)` (e.g. `AddressBook.inbound_handshake_failed`) and logged. Any exception
+    escaping the handler (a TransportError, an exception group from its nurseries, or a bug, logged with its
+    traceback) ends that connection only, never `serve` (spec/transport.md §6). `transport_ciphers` as for
+    `connect`.
     """
     try:
         listeners = await trio.open_tcp_listeners(port, host=host)
@@ -975,6 +999,12 @@ async def serve(host: str, port: int, identity: Identity, handler: Handler, *,
             await handler(conn)
         except TransportError as exc:
             log.info("connection from %s ended: %s", conn.remote_peer.short(), exc)
+        except Exception as exc:  # containment (spec/transport.md §6): it ends this connection only
+            transport = first_transport_error(exc) if isinstance(exc, BaseExceptionGroup) else None
+            if transport is not None:
+                log.info("connection from %s ended: %s", conn.remote_peer.short(), transport)
+            else:
+                log.exception("connection from %s ended by an error in its handler", conn.remote_peer.short())
         finally:
             with trio.CancelScope(shield=True):
                 await conn.aclose()

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception as exc:
-        message = None if args.debug else user_error(exc)
+        message = None if args.debug else user_error(exc, args.command)
         if message is None:
             raise
         print(f"peerloom {args.command}: {message}", file=sys.stderr)
@@ -69,9 +69,10 @@ EXTRA_OF = {"trio": "node", "aiohttp": "node", "prometheus_client": "node", "cry
             "zeroconf": "node", "tomli_w": "node", "torch": "torch", "sklearn": "demo", "matplotlib": "demo"}
 
 
-def user_error(exc: BaseException) -> str | None:
+def user_error(exc: BaseException, command: str = "") -> str | None:
     """The one-line message for an error the user caused, or None for a bug (whose traceback shows).
 
+    A missing optional module names the extra that brings it (`demo` for anything `peerloom demo` lacks).
     An exception group holding a single such error (trio's nurseries wrap them) is unwrapped.
     """
     from peerloom.core.errors import LocalProtocolError, PeerloomError
@@ -83,7 +84,7 @@ def user_error(exc: BaseException) -> str | None:
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] in EXTRA_OF:
-        extra = EXTRA_OF[(exc.name or "").split(".")[0]]
+        extra = "demo" if command == "demo" else EXTRA_OF[(exc.name or "").split(".")[0]]
         return f"needs the '{extra}' extra ({exc.name} is not installed): pip install 'peerloom[{extra}]'"
     if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
         return f"{exc.strerror or exc}; pick another port or stop the process that holds it"

@@ -3,8 +3,9 @@
 SCENARIO is a TOML file, or the name of a scenario shipped with peerloom (`happy`, `churn`...).
 
 Writes DIR/trace.jsonl (one event per line; byte-identical for the same scenario and seed),
-DIR/summary.json and DIR/plots/*.png. Exit status 0 when every invariant holds; 1 on a violation, after
-printing the seed and the command that reproduces it; 2 for a malformed scenario.
+DIR/summary.json, DIR/chain/ (the signed manifest and each final head with its quorum certificate, which
+`peerloom verify DIR/chain` checks) and DIR/plots/*.png. Exit status 0 when every invariant holds; 1 on a
+violation, after printing the seed and the command that reproduces it; 2 for a malformed scenario.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     except ScenarioError as exc:
         raise ScenarioError(f"{args.scenario}: {exc}") from exc  # one line by the CLI, exit 2
     summary = result.summary
+    write_chain(result, out / "chain")
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     if not args.no_plots:
         try:
@@ -96,6 +98,23 @@ def run(args: argparse.Namespace) -> int:
           f"  peerloom sim {shlex.quote(str(args.scenario))} --seed {args.seed} --out {shlex.quote(str(out))}",
           file=sys.stderr)
     return 1
+
+
+def write_chain(result: Result, chain_dir: Path) -> None:
+    """The run's chain as a chain directory (manifest.cbor + NNNNNN.cbor, as `peerloom node` stores it): every
+    final head from window 1 on with the certificate honest nodes promoted it with, up to the first gap."""
+    from peerloom.core.chain import encode_chain_entry
+
+    chain_dir.mkdir(parents=True, exist_ok=True)
+    for old in chain_dir.glob("[0-9]*.cbor"):
+        old.unlink()
+    (chain_dir / "manifest.cbor").write_bytes(result.sim.revision.envelope.to_bytes())
+    checkers = result.checkers
+    window = 1
+    while window in checkers.final and window in checkers.final_certs:
+        entry = encode_chain_entry(checkers.final[window], checkers.final_certs[window])
+        (chain_dir / f"{window:06d}.cbor").write_bytes(entry)
+        window += 1
 
 
 # --- plots (matplotlib, Agg): loss vs time, head height per node, bytes per link --------------------

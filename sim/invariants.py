@@ -66,6 +66,7 @@ class Checkers:
         self.left_seen: set[PeerId] = set()  # peers some final head recorded as left / expired
         self.expired_seen: set[PeerId] = set()
         self.final_ids: dict[int, bytes] = {}
+        self.final_certs: dict[int, QuorumCertificate] = {}  # the first verified certificate of each final head
         self.final_at: dict[int, float] = {}
         self.by_id: dict[bytes, Head] = {}  # verified heads by id
         self.checked_cohorts: set[bytes] = set()
@@ -122,6 +123,7 @@ class Checkers:
         if known is None:
             self.final[head.window] = head
             self.final_ids[head.window] = hid
+            self.final_certs[head.window] = cert
             self.final_at[head.window] = sim.now
             if self.on_final is not None:
                 self.on_final(head.window, sim.now)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 from prometheus_client import CollectorRegistry, Counter
 
 from peerloom.adapters.edge_view import InMemoryEdgeView, PeerInfo
@@ -44,8 +45,19 @@ def make_view(tmp_path: Path, *, revision: Revision | None = None, genesis: byte
     return view
 
 
-def advance(view: InMemoryEdgeView, n: int) -> list[Head]:
-    """Certify `n` more heads with made-up params and rising accuracy; returns them."""
+def populated(head: Head) -> Head:
+    """`head` carrying every kind of record a live chain grows: a quarantine, strikes, a rejected update,
+    a leave and an idle expiry (the edge must render all of them)."""
+    w = head.window
+    return attrs.evolve(head, quarantine=((ident(20).peer_id, w + 3),), strikes=((ident(20).peer_id, 3, w),
+                                                                                (ident(21).peer_id, 1, w)),
+                        rejected=(content_id(b"rejected %d" % w),), left=(ident(22).peer_id,),
+                        expired=(ident(23).peer_id,))
+
+
+def advance(view: InMemoryEdgeView, n: int, *, records: bool = False) -> list[Head]:
+    """Certify `n` more heads with made-up params and rising accuracy (`records`: each one `populated`);
+    returns them."""
     heads = []
     for _ in range(n):
         parent = view.latest().head
@@ -53,6 +65,7 @@ def advance(view: InMemoryEdgeView, n: int) -> list[Head]:
         params = b"params of window %d " % w * 100
         view.put_artifact(params)
         head = next_head(view.revision, parent, params, accuracy=0.5 + 0.04 * w, loss=2.0 / w)
+        head = populated(head) if records else head
         view.promote(head, certify(view.revision, head), accepted=2, rejected=w % 2,
                      bytes_sent=1000 * w, bytes_received=1500 * w, time=1.0e9 + w)
         heads.append(head)

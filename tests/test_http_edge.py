@@ -314,6 +314,34 @@ def test_server_sent_events_follow_promotions(world):
     conn.close()
 
 
+def test_every_head_endpoint_renders_a_chain_with_quarantines_strikes_leaves_and_expiries(tmp_path):
+    """Issue 16 finding 3: quarantine records were rendered as peer ids, so any head holding one was a 500
+    on /v1/heads/latest, /v1/heads/{id} and /v1/chain, and the event stream stopped."""
+    view = make_view(tmp_path)
+    heads = advance(view, 3, records=True)
+    with EdgeServer(view, limits=EdgeLimits(rate=1000, burst=1000)) as server:
+        pages = [fetch(server.url + "/v1/heads/latest"), fetch(server.url + f"/v1/heads/{heads[0].id.hex()}")]
+        for status, _, body in pages:
+            assert status == 200, body
+        latest = json.loads(pages[0][2])
+        assert latest["quarantine"] == [{"peer": ident(20).peer_id.to_text(), "until": 6}]
+        assert latest["strikes"][0] == {"peer": ident(20).peer_id.to_text(), "count": 3, "window": 3}
+        assert latest["left"] == [ident(22).peer_id.to_text()] and latest["expired"] == [ident(23).peer_id.to_text()]
+        assert latest["rejected"] == [heads[-1].rejected[0].hex()]
+        status, _, body = fetch(server.url + "/v1/chain?from=0")
+        assert status == 200 and [h["window"] for h in json.loads(body)["heads"]][-3:] == [1, 2, 3]
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        conn.request("GET", "/v1/events", headers={"Last-Event-ID": "0"})
+        resp = conn.getresponse()
+        data = []
+        while len(data) < 3:
+            line = resp.readline().decode()
+            if line.startswith("data: "):
+                data.append(json.loads(line[6:]))
+        assert [d["window"] for d in data] == [1, 2, 3] and all(d["quarantine"] for d in data)
+        conn.close()
+
+
 def test_dashboard_page_is_self_contained(world):
     _, _, server = world
     status, headers, body = fetch(server.url + "/")

@@ -67,7 +67,7 @@ def _get(url: str) -> tuple[int, bytes]:
 
 def _memory_edge(tmp: Path):
     view = make_view(tmp)
-    advance(view, 3)
+    advance(view, 3, records=True)  # a chain with quarantines, strikes, leaves and expiries
     before = sorted(p.name for p in view._dir.iterdir())
 
     def unchanged() -> None:
