@@ -30,13 +30,41 @@ Endpoints (binary ids are lowercase hex of the 34-byte content id; peer ids are 
                             `EdgeLimits.max_sse_clients` streams are open
 ==========================  ====================================================================================
 
-Posting: the edge decodes the body (at most `EdgeLimits.max_upload_bytes`, checked against Content-Length
-before reading; 411 without one, 413 above it, 415 for another content type), checks the envelope's kind
-and Ed25519 signature (400 malformed or wrong kind, 403 bad signature) and that the artifact matches the
-announced delta (400), then hands it to the node, which verifies everything again: 202 accepted, 422
-rejected by the node (the error code is the node's reason), 503 when the node does not answer in time or
-`EdgeLimits.max_concurrent_uploads` uploads are already being read (so memory stays bounded).
-Nothing changes state without a signature that verifies.
+Posting, and what it may cost the node (issue 16 item 4). The edge decides from the request's headers alone,
+before reading a byte of the body: 411 without a Content-Length, 413 above `EdgeLimits.max_upload_bytes`
+(`EdgeLimits.max_join_bytes` for joins), 415 for a content type other than application/cbor. Each of these
+answers carries ``Connection: close`` and ends the connection: the edge reads at most 64 KiB more of the
+body for at most 0.5 s (so a client that already sent a small body sees the answer rather than a reset)
+and closes, rather than draining a body it will never take. An update whose headers pass then needs one of
+`EdgeLimits.max_concurrent_uploads` slots and its Content-Length of room in `EdgeLimits.upload_memory_bytes`,
+the one memory budget that every upload in progress draws from; without either it gets 503 with
+``Retry-After: 1`` (code ``busy`` / ``memory-budget``), still before its body is read; a request that sent
+``Expect: 100-continue`` gets ``100 Continue`` only when its body would be read, and otherwise its final
+answer before it sends any of the body. After a 503 or a 429 for a body of acceptable size the edge
+discards that body (at most its Content-Length, for at most `EdgeLimits.body_timeout_s`, at most
+`EdgeLimits.max_concurrent_uploads` such bodies at once) so that a client that writes its whole body before
+reading sees the answer, then closes.
+
+An admitted body is streamed to a temporary file in bounded chunks (``.edge-upload-*.tmp`` next to the
+artifacts the node serves, or `EdgeServer`'s `spool_dir`), so receiving it holds at most
+`UPLOAD_BUFFER_BYTES` of memory. The file is then read head by head as the canonical CBOR map
+``{"artifact": bytes, "envelope": bytes}`` (400 ``malformed`` / ``non-canonical`` / ``bad-body``), the
+envelope's kind and Ed25519 signature are checked (400 wrong kind, 403 bad signature) before the artifact is
+read into memory (the room it reserved) and matched against the announced delta (400
+``artifact-mismatch``), and the node verifies everything again: 202 accepted, 422 rejected by the node (the
+error code is the node's reason), 503 when it does not answer within `EdgeLimits.submit_timeout_s`. A slot
+and its room come back only when every worker thread handling that upload has returned, so an upload that
+timed out or whose client left still counts until its bytes are freed. The memory that request bodies hold
+is therefore at most `EdgeLimits.memory_bound_bytes` = ``upload_memory_bytes + 2 x max_concurrent_uploads x
+UPLOAD_BUFFER_BYTES`` (264 MiB by default; `bench/upload_memory.py` measures it). Outside it, per
+connection and briefly: what aiohttp reads ahead of a request's handler (at most ~0.4 MiB, until the
+refusal above closes the connection within 0.5 s) and join bodies (at most `EdgeLimits.max_join_bytes`).
+The edge does not cap the number of connections. Nothing changes state without a signature that verifies.
+
+Timeouts: a connection whose request line and headers are not complete `EdgeLimits.header_timeout_s` seconds
+after it opened, or after the previous response on a kept-alive connection, is closed (`_HeaderDeadline`,
+and aiohttp's keep-alive timer); a request whose body sends nothing for `EdgeLimits.body_timeout_s` seconds
+is answered 408 ``body-timeout`` and closed.
 
 Every client IP has a token bucket of `EdgeLimits.burst` requests refilled at `EdgeLimits.rate` requests per
 second; an empty bucket gives 429 with ``Retry-After``. Errors are JSON:
@@ -48,6 +76,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -56,11 +86,11 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from peerloom.core.encoding import content_id, decode, encode
+from peerloom.core.encoding import content_id, encode
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.errors import DecodeError, VerificationError
 from peerloom.core.identity import PeerId
@@ -76,11 +106,27 @@ MAX_PEER_TEXT = 64
 MAX_PAGE = 256
 CBOR = "application/cbor"
 _STREAM_CHUNK = 256 * 1024
+# What one upload holds in memory while its body is received, outside `EdgeLimits.upload_memory_bytes`:
+# aiohttp's read buffer (it stops reading the socket past 128 KiB), one socket read (<= 256 KiB) and the
+# file's write buffer, rounded up.
+UPLOAD_BUFFER_BYTES = 1 << 20
+SPOOL_PREFIX = ".edge-upload-"  # spooled bodies: ".edge-upload-XXXX.tmp", which ArtifactStore clears on opening
+_LINGER_BYTES = 64 * 1024  # read at most this much of a refused body before closing ...
+_LINGER_S = 0.5  # ... for at most this long
+_BODY_ROUTES = ("/v1/updates", "/v1/join")
 
 
 @attrs.frozen(kw_only=True)
 class EdgeLimits:
-    """Limits of the edge. Sizes in bytes, rates in requests per second per client IP."""
+    """Limits of the edge. Sizes in bytes, times in seconds, rates in requests per second per client IP.
+
+    `upload_memory_bytes` is the one memory budget of all uploads in progress: each reserves its
+    Content-Length before its body is read and keeps it until the last thread handling it is done; at most
+    `max_concurrent_uploads` uploads are in progress at once. `header_timeout_s` bounds the time from a
+    connection's opening (or its previous response) to the end of the next request's headers;
+    `body_timeout_s` the time a body may send nothing. Raises ValueError for a limit that is not positive,
+    or a budget that cannot hold one upload of `max_upload_bytes`.
+    """
 
     max_upload_bytes: int = 64 << 20
     max_join_bytes: int = 4096
@@ -90,7 +136,26 @@ class EdgeLimits:
     max_sse_clients: int = 64
     sse_keepalive_s: float = 15.0
     submit_timeout_s: float = 15.0
-    max_concurrent_uploads: int = 4  # bodies held in memory at once: at most this many x max_upload_bytes
+    max_concurrent_uploads: int = 4
+    upload_memory_bytes: int = 256 << 20
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+
+    @property
+    def memory_bound_bytes(self) -> int:
+        """The most memory request bodies hold at once: `upload_memory_bytes` for the bodies being checked and
+        handed to the node, plus `UPLOAD_BUFFER_BYTES` for each body being received (at most
+        `max_concurrent_uploads` uploads) or discarded after a 429/503 (at most as many again)."""
+        return self.upload_memory_bytes + 2 * self.max_concurrent_uploads * UPLOAD_BUFFER_BYTES
+
+    def __attrs_post_init__(self) -> None:
+        for field in attrs.fields(EdgeLimits):
+            value = getattr(self, field.name)
+            if not value > 0:
+                raise ValueError(f"EdgeLimits.{field.name} must be positive, not {value!r}")
+        if self.upload_memory_bytes < self.max_upload_bytes:
+            raise ValueError(f"EdgeLimits.upload_memory_bytes ({self.upload_memory_bytes}) must hold one upload "
+                             f"of max_upload_bytes ({self.max_upload_bytes})")
 
 
 class ApiError(Exception):
@@ -227,9 +292,10 @@ def parse_range(header: str, size: int) -> tuple[int, int] | None:
 class HttpEdge:
     """The aiohttp application for one node. Use `EdgeServer` to run it on a thread."""
 
-    def __init__(self, view: EdgeView, limits: EdgeLimits | None = None) -> None:
+    def __init__(self, view: EdgeView, limits: EdgeLimits | None = None, *, spool_dir: Path | None = None) -> None:
         self.view = view
         self.limits = limits or EdgeLimits()
+        self.spool_dir = spool_dir
         self.buckets = TokenBuckets(self.limits.rate, self.limits.burst, self.limits.max_clients_tracked)
         self.registry = CollectorRegistry()
         self.requests = Counter("peerloom_http_requests", "HTTP requests by route and status",
@@ -239,7 +305,11 @@ class HttpEdge:
         self.submissions = Counter("peerloom_http_submissions", "Signed submissions by kind and outcome",
                                    ("kind", "outcome"), registry=self.registry)
         self._streams: set[asyncio.Queue[dict[str, Any] | None]] = set()
-        self._uploads = 0
+        self._uploads = 0  # uploads in progress (slots taken)
+        self._reserved = 0  # bytes of `limits.upload_memory_bytes` they hold
+        self._draining = 0  # refused bodies being discarded (at most `limits.max_concurrent_uploads`)
+        # Connections whose first request's headers are not complete yet (see `_HeaderDeadline`).
+        self._awaiting_headers: dict[asyncio.BaseTransport, _HeaderDeadline] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._unsubscribe: Callable[[], None] | None = None
 
@@ -258,8 +328,8 @@ class HttpEdge:
         r.add_get("/v1/certificates/{head_id}", self.certificate)
         r.add_get("/v1/artifacts/{digest}", self.artifact)
         r.add_get("/v1/leases/{peer}", self.leases)
-        r.add_post("/v1/updates", self.post_update)
-        r.add_post("/v1/join", self.post_join)
+        r.add_post("/v1/updates", self.post_update, expect_handler=self._expect)
+        r.add_post("/v1/join", self.post_join, expect_handler=self._expect)
         r.add_get("/v1/peers", self.peers)
         r.add_get("/v1/history", self.history)
         r.add_get("/v1/events", self.events)
@@ -296,39 +366,101 @@ class HttpEdge:
     @web.middleware
     async def _middleware(self, request: web.Request,
                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        guard = self._awaiting_headers.pop(request.transport, None) if request.transport is not None else None
+        if guard is not None:
+            guard.headers_complete()
         route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unknown"
         status = 500
         try:
-            wait = self.buckets.take(request.remote or "?", time.monotonic())
-            if wait > 0:
-                raise ApiError(429, "rate-limited", f"over {self.limits.rate:g} requests/s",
-                               {"Retry-After": str(max(1, round(wait + 0.5)))})
-            if request.method == "POST":
-                limit = self.limits.max_join_bytes if request.path == "/v1/join" else self.limits.max_upload_bytes
-                if request.content_length is None:
-                    raise ApiError(411, "length-required", "send a Content-Length")
-                if request.content_length > limit:
-                    raise ApiError(413, "too-large", f"body over {limit} bytes")
-            response = await handler(request)
-            status = response.status
-            return response
-        except ApiError as exc:
-            status = exc.status
-            return error_response(exc.status, exc.code, exc.message, exc.headers)
-        except web.HTTPException as exc:
-            status = exc.status
-            if exc.status < 400:
+            try:
+                wait = self.buckets.take(request.remote or "?", time.monotonic())
+                if wait > 0:
+                    raise ApiError(429, "rate-limited", f"over {self.limits.rate:g} requests/s",
+                                   {"Retry-After": str(max(1, round(wait + 0.5)))})
+                if request.method == "POST" and (problem := self._body_problem(request, route)) is not None:
+                    raise problem
+                response = await handler(request)
+            except ApiError as exc:
+                response = error_response(exc.status, exc.code, exc.message, exc.headers)
+            except web.HTTPException as exc:
+                if exc.status < 400:
+                    status = exc.status
+                    raise
+                code = exc.reason.lower().replace(" ", "-")
+                response = error_response(exc.status, code, exc.text or exc.reason,
+                                          {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None)
+            except (asyncio.CancelledError, ConnectionResetError):
                 raise
-            code = exc.reason.lower().replace(" ", "-")
-            return error_response(exc.status, code, exc.text or exc.reason, {"Allow": exc.headers["Allow"]}
-                                  if "Allow" in exc.headers else None)
-        except (asyncio.CancelledError, ConnectionResetError):
-            raise
-        except Exception:
-            log.exception("edge handler failed: %s %s", request.method, request.path)
-            return error_response(500, "internal", "internal error")
+            except Exception:
+                log.exception("edge handler failed: %s %s", request.method, request.path)
+                response = error_response(500, "internal", "internal error")
+            status = response.status
+            if request.body_exists and not request.content.is_eof():
+                # Answered before the body was read (or while reading it): never drain what we will not take.
+                wanted = request.method == "POST" and status in (429, 503) and \
+                    self._body_problem(request, route) is None
+                return await self._answer_and_close(request, response, drain=wanted)
+            return response
         finally:
             self.requests.labels(route, str(status)).inc()
+
+    async def _expect(self, request: web.Request) -> None:
+        """``Expect: 100-continue`` (RFC 9110 §10.1.1): invite the body only when it would be read now; a
+        request the edge will refuse (411, 413, 415, no upload slot or room) gets no 100 and its final
+        answer instead, before the client has sent any of the body."""
+        if request.version != HttpVersion11 or request.headers.get("Expect", "").lower() != "100-continue":
+            raise web.HTTPExpectationFailed(text=f"unknown Expect: {request.headers.get('Expect', '')[:64]}")
+        route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unknown"
+        if self._body_problem(request, route) is not None:
+            return
+        if route == "/v1/updates" and self._no_room(request.content_length or 0) is not None:
+            return
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0
+
+    def _body_problem(self, request: web.Request, route: str) -> ApiError | None:
+        """Why a POST's body will not be read, from its headers alone (411, 413, 415); None when it may be."""
+        limit = self.limits.max_join_bytes if route == "/v1/join" else self.limits.max_upload_bytes
+        if request.content_length is None:
+            return ApiError(411, "length-required", "send a Content-Length")
+        if request.content_length > limit:
+            return ApiError(413, "too-large", f"body over {limit} bytes")
+        if route in _BODY_ROUTES and request.content_type != CBOR:
+            return ApiError(415, "unsupported-media-type", f"send {CBOR}")
+        return None
+
+    async def _answer_and_close(self, request: web.Request, response: web.StreamResponse, *,
+                                drain: bool) -> web.StreamResponse:
+        """Send `response` to a request whose body is not (all) read, then close the connection.
+
+        `drain` (a body of acceptable size refused for capacity: 429, 503): discard the rest of the body, at
+        most its Content-Length (which passed the size check), for at most `limits.body_timeout_s`, so that a
+        client that writes its whole body before reading gets the answer and its Retry-After. At most
+        `limits.max_concurrent_uploads` bodies are discarded at once (each holds aiohttp's read buffer); the
+        others, and every other refusal (411, 413, 415, 408, ...), discard at most `_LINGER_BYTES` for at most
+        `_LINGER_S`, enough for a small body already on its way, and close: a larger body gets a reset.
+        """
+        response.force_close()
+        drain = drain and self._draining < self.limits.max_concurrent_uploads
+        limit, seconds = ((request.content_length or 0), self.limits.body_timeout_s) if drain else \
+            (_LINGER_BYTES, _LINGER_S)
+        self._draining += drain
+        try:
+            if not response.prepared:
+                await response.prepare(request)
+            await response.write_eof()
+            async with asyncio.timeout(seconds):
+                while limit > 0 and not request.content.is_eof():
+                    chunk = await request.content.readany()
+                    if not chunk:
+                        break
+                    limit -= len(chunk)
+        except Exception:  # the connection ends either way (a timeout, a reset, a broken body)
+            pass
+        finally:
+            self._draining -= drain
+            request.protocol.force_close()
+        return response
 
     # --- read endpoints ---
 
@@ -456,26 +588,78 @@ class HttpEdge:
 
     # --- signed submissions ---
 
-    async def _read_cbor(self, request: web.Request) -> bytes:
-        if request.content_type != CBOR:
-            raise ApiError(415, "unsupported-media-type", f"send {CBOR}")
-        return await request.read()
+    async def _next_chunk(self, request: web.Request) -> bytes:
+        """The next piece of the body (b"" at its end): ApiError 408 after `limits.body_timeout_s` without one."""
+        try:
+            async with asyncio.timeout(self.limits.body_timeout_s):
+                return await request.content.readany()
+        except TimeoutError:
+            raise ApiError(408, "body-timeout", f"no body bytes for {self.limits.body_timeout_s:g} s") from None
+
+    async def _read_small(self, request: web.Request) -> bytes:
+        """A body already checked to be small (a join: at most `limits.max_join_bytes`), in memory."""
+        body = bytearray()
+        while chunk := await self._next_chunk(request):
+            body += chunk
+        return bytes(body)
+
+    def _spool_directory(self) -> Path:
+        """Where bodies are spooled: `spool_dir`, else next to the artifacts the view serves (the node's store:
+        the same disk, and ArtifactStore removes ``.*.tmp`` leftovers when it opens), else the temp dir."""
+        if self.spool_dir is not None:
+            return self.spool_dir
+        served = self.view.artifact_path(self.view.latest().head.params.digest)
+        return served.parent if served is not None else Path(tempfile.gettempdir())
+
+    async def _spool(self, request: web.Request) -> Path:
+        """Stream the body into a new temporary file, chunk by chunk; returns its path (the caller removes it).
+        ApiError 408 when the body stalls, 503 ``spool-failed`` when the file cannot be written."""
+        try:
+            fd, name = tempfile.mkstemp(prefix=SPOOL_PREFIX, suffix=".tmp", dir=self._spool_directory())
+        except OSError as exc:
+            log.error("cannot spool an upload: %s", exc)
+            raise ApiError(503, "spool-failed", "cannot store the upload now", {"Retry-After": "1"}) from None
+        path = Path(name)
+        try:
+            with open(fd, "wb") as fh:
+                while chunk := await self._next_chunk(request):
+                    try:
+                        fh.write(chunk)
+                    except OSError as exc:
+                        log.error("cannot spool an upload: %s", exc)
+                        raise ApiError(503, "spool-failed", "cannot store the upload now",
+                                       {"Retry-After": "1"}) from None
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        return path
+
+    def _no_room(self, size: int) -> ApiError | None:
+        """503 when no upload slot is free or the budget lacks `size` bytes; None when an upload may start."""
+        if self._uploads >= self.limits.max_concurrent_uploads:
+            return ApiError(503, "busy", f"{self._uploads} uploads in progress", {"Retry-After": "1"})
+        if self._reserved + size > self.limits.upload_memory_bytes:
+            return ApiError(503, "memory-budget", f"{self._reserved} of {self.limits.upload_memory_bytes} bytes "
+                            "of upload memory reserved", {"Retry-After": "1"})
+        return None
 
     async def post_update(self, request: web.Request) -> web.Response:
-        if self._uploads >= self.limits.max_concurrent_uploads:
-            raise ApiError(503, "busy", f"{self._uploads} uploads in progress", {"Retry-After": "1"})
-        self._uploads += 1
+        size = request.content_length or 0  # the middleware refused a POST without one (411) or over the limit
+        if (refusal := self._no_room(size)) is not None:
+            raise refusal
+        upload = _Upload(self, size)
         try:
-            body = await self._read_cbor(request)
-            loop = asyncio.get_running_loop()
-            envelope, artifact = await loop.run_in_executor(None, self._check_update, body)
-            del body
-            return await self._submit(UpdateAnnouncement.KIND, envelope, artifact)
+            path = await self._spool(request)
+            try:
+                envelope, artifact = await upload.in_worker(self._check_update_file, path)
+            finally:
+                path.unlink(missing_ok=True)
+            return await self._submit(UpdateAnnouncement.KIND, envelope, artifact, upload)
         finally:
-            self._uploads -= 1
+            upload.release()
 
     async def post_join(self, request: web.Request) -> web.Response:
-        body = await self._read_cbor(request)
+        body = await self._read_small(request)
         envelope = _open_envelope(body, JoinRequest.KIND)
         try:
             JoinRequest.from_cbor(envelope.open(JoinRequest.KIND, PROTOCOL_VERSION))
@@ -483,30 +667,46 @@ class HttpEdge:
             raise ApiError(400, exc.reason, str(exc)) from None
         return await self._submit(JoinRequest.KIND, body, None)
 
-    def _check_update(self, body: bytes) -> tuple[bytes, bytes]:
-        """Decode and pre-check an upload (runs on a worker thread: it hashes up to the upload limit)."""
-        try:
-            obj = decode(body, max_bytes=self.limits.max_upload_bytes)
-        except DecodeError as exc:
-            raise ApiError(400, exc.reason, str(exc)) from None
-        if not (isinstance(obj, dict) and set(obj) == {"envelope", "artifact"}
-                and isinstance(obj["envelope"], bytes) and isinstance(obj["artifact"], bytes)):
-            raise ApiError(400, "bad-body", 'expected {"envelope": bytes, "artifact": bytes}')
-        envelope = _open_envelope(obj["envelope"], UpdateAnnouncement.KIND)
-        try:
-            ann = UpdateAnnouncement.from_cbor(envelope.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
-        except DecodeError as exc:
-            raise ApiError(400, exc.reason, str(exc)) from None
-        artifact: bytes = obj["artifact"]
-        if len(artifact) != ann.delta.size or content_id(artifact) != ann.delta.digest:
-            raise ApiError(400, "artifact-mismatch", "artifact bytes do not match the announced delta")
-        return obj["envelope"], artifact
+    def _check_update_file(self, path: Path) -> tuple[bytes, bytes]:
+        """Parse and pre-check a spooled upload; returns (envelope, artifact) bytes. Runs on a worker thread.
 
-    async def _submit(self, kind: str, envelope: bytes, artifact: bytes | None) -> web.Response:
-        loop = asyncio.get_running_loop()
+        The body must be the canonical CBOR map ``{"artifact": bytes, "envelope": bytes}`` (RFC 8949
+        §4.2.1: shortest heads, keys in that order), read head by head with every length checked against
+        the file before anything is allocated for it. The envelope is read and its signature checked first;
+        only then is the artifact read into memory (the room reserved for this upload) and matched against
+        the announced delta. Raises ApiError 400 (``malformed``, ``non-canonical``, ``bad-body``,
+        ``artifact-mismatch``, the envelope's decode reasons) or 403 (``bad-signature``).
+        """
+        with open(path, "rb") as fh:
+            body = _CborFile(fh, os.fstat(fh.fileno()).st_size)
+            try:
+                parts = body.update_parts()
+            except DecodeError as exc:
+                raise ApiError(400, exc.reason, str(exc)) from None
+            envelope = body.read_at(*parts["envelope"])
+            env = _open_envelope(envelope, UpdateAnnouncement.KIND)
+            try:
+                ann = UpdateAnnouncement.from_cbor(env.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
+            except DecodeError as exc:
+                raise ApiError(400, exc.reason, str(exc)) from None
+            offset, size = parts["artifact"]
+            if size != ann.delta.size:
+                raise ApiError(400, "artifact-mismatch", "artifact bytes do not match the announced delta")
+            artifact = body.read_at(offset, size)
+        if content_id(artifact) != ann.delta.digest:
+            raise ApiError(400, "artifact-mismatch", "artifact bytes do not match the announced delta")
+        return envelope, artifact
+
+    async def _submit(self, kind: str, envelope: bytes, artifact: bytes | None,
+                      upload: _Upload | None = None) -> web.Response:
         try:
-            result = await asyncio.wait_for(loop.run_in_executor(None, self.view.submit, envelope, artifact),
-                                            self.limits.submit_timeout_s)
+            if upload is not None:
+                result = await upload.in_worker(self.view.submit, envelope, artifact,
+                                                timeout=self.limits.submit_timeout_s)
+            else:
+                loop = asyncio.get_running_loop()
+                result = await asyncio.wait_for(loop.run_in_executor(None, self.view.submit, envelope, artifact),
+                                                self.limits.submit_timeout_s)
         except TimeoutError:
             self.submissions.labels(kind, "timeout").inc()
             raise ApiError(503, "timeout", "the node did not answer in time") from None
@@ -516,6 +716,101 @@ class HttpEdge:
                            f"the node rejected the {kind}")
         self.submissions.labels(kind, "accepted").inc()
         return web.json_response({"accepted": True, "id": result.envelope_id.hex()}, status=202)
+
+
+class _Upload:
+    """One admitted upload: its slot and its `size` bytes of the memory budget, held until the handler and
+    every worker thread it started have finished (a thread outlives a cancelled or timed-out await, and it
+    may still hold the body's bytes)."""
+
+    def __init__(self, edge: HttpEdge, size: int) -> None:
+        self._edge, self._size, self._holders = edge, size, 1
+        edge._uploads += 1
+        edge._reserved += size
+
+    def release(self) -> None:
+        self._holders -= 1
+        if self._holders == 0:
+            self._edge._uploads -= 1
+            self._edge._reserved -= self._size
+
+    def _worker_done(self, future: asyncio.Future[Any]) -> None:
+        if not future.cancelled():
+            future.exception()  # retrieved here, so an abandoned worker's error is not logged as unhandled
+        self.release()
+
+    async def in_worker(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
+        """`fn(*args)` on the loop's executor, this upload held until it returns; TimeoutError after `timeout`."""
+        future = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        self._holders += 1
+        future.add_done_callback(self._worker_done)
+        return await asyncio.wait_for(asyncio.shield(future), timeout)
+
+
+class _CborFile:
+    """Reads the canonical CBOR upload body ``{"artifact": bytes, "envelope": bytes}`` from a file of `size`
+    bytes, head by head, without reading the byte strings (spec/wire.md §1: deterministic encoding)."""
+
+    _KEYS = (b"artifact", b"envelope")  # sorted by their encoded bytes, as deterministic encoding orders them
+
+    def __init__(self, fh: Any, size: int) -> None:
+        self._fh, self._size, self._pos = fh, size, 0
+
+    def _take(self, n: int) -> bytes:
+        if n > self._size - self._pos:
+            raise DecodeError("malformed", f"body ends inside an item at byte {self._pos}")
+        data = self._fh.read(n)
+        if len(data) != n:
+            raise DecodeError("malformed", "body shorter than its file")
+        self._pos += n
+        return data
+
+    def _head(self) -> tuple[int, int]:
+        """(major type, argument) of the next data item's head; definite lengths in their shortest form only."""
+        first = self._take(1)[0]
+        major, info = first >> 5, first & 0x1F
+        if info < 24:
+            return major, info
+        if info > 27:
+            raise DecodeError("malformed" if info < 31 else "non-canonical", f"additional information {info}")
+        width = 1 << (info - 24)
+        value = int.from_bytes(self._take(width), "big")
+        if value < (24 if width == 1 else 1 << (4 * width)):
+            raise DecodeError("non-canonical", "length not in its shortest form")
+        return major, value
+
+    def update_parts(self) -> dict[str, tuple[int, int]]:
+        """{"artifact": (offset, size), "envelope": (offset, size)} of the two byte strings."""
+        if self._size == 0:
+            raise DecodeError("malformed", "empty body")
+        if self._head() != (5, 2):
+            raise DecodeError("bad-body", 'expected {"envelope": bytes, "artifact": bytes}')
+        parts = {}
+        for expected in self._KEYS:
+            major, length = self._head()
+            key = self._take(length) if major == 3 and length <= 16 else b""
+            if key != expected:
+                reason = "non-canonical" if key in self._KEYS else "bad-body"
+                raise DecodeError(reason, 'expected the keys "artifact" then "envelope"')
+            major, length = self._head()
+            if major != 2:
+                raise DecodeError("bad-body", f"{expected.decode()} must be a byte string")
+            if length > self._size - self._pos:
+                raise DecodeError("malformed", f"{expected.decode()} runs past the end of the body")
+            parts[expected.decode()] = (self._pos, length)
+            self._pos += length
+            self._fh.seek(self._pos)
+        if self._pos != self._size:
+            raise DecodeError("malformed", f"{self._size - self._pos} bytes after the body")
+        return parts
+
+    def read_at(self, offset: int, size: int) -> bytes:
+        """`size` bytes at `offset` (a range `update_parts` returned, so within the file)."""
+        self._fh.seek(offset)
+        data = self._fh.read(size)
+        if len(data) != size:
+            raise ApiError(400, "malformed", "body shorter than its file")
+        return data
 
 
 def _open_envelope(data: bytes, kind: str) -> SignedEnvelope:
@@ -539,16 +834,67 @@ def _sse(payload: dict[str, Any]) -> bytes:
     return f"event: head\nid: {payload['window']}\ndata: {json.dumps(payload)}\n\n".encode()
 
 
+class _HeaderDeadline(asyncio.Protocol):
+    """aiohttp's protocol for one connection, wrapped to close the connection when its first request's line
+    and headers are not complete `timeout` seconds after it opened (a client that sends part of a request
+    and then nothing, or trickles it). The edge's middleware calls `headers_complete` when that request
+    arrives. Later requests on a kept-alive connection are bounded by aiohttp's keep-alive timer, which
+    `EdgeServer` sets to the same value."""
+
+    def __init__(self, inner: asyncio.Protocol, timeout: float,
+                 awaiting: dict[asyncio.BaseTransport, _HeaderDeadline]) -> None:
+        self._inner, self._timeout, self._awaiting = inner, timeout, awaiting
+        self._transport: asyncio.BaseTransport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
+        self._awaiting[transport] = self
+        self._timer = asyncio.get_running_loop().call_later(self._timeout, self._expire)
+        self._inner.connection_made(transport)
+
+    def headers_complete(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expire(self) -> None:
+        self._timer = None
+        if self._transport is not None:
+            self._awaiting.pop(self._transport, None)
+            self._transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.headers_complete()
+        if self._transport is not None:
+            self._awaiting.pop(self._transport, None)
+        self._inner.connection_lost(exc)
+
+
 class EdgeServer:
     """Runs an `HttpEdge` on a daemon thread with its own asyncio loop.
 
     `start()` returns once the socket is bound (`port` holds the bound port); `stop()` closes streams and
     the listener and joins the thread (within `shutdown_s` seconds). Binds 127.0.0.1 unless told otherwise.
+    Upload bodies are spooled to temporary files in `spool_dir` (default: the directory of the artifacts
+    the view serves, i.e. the node's artifact store; see `HttpEdge._spool_directory`).
     """
 
     def __init__(self, view: EdgeView, *, host: str = "127.0.0.1", port: int = 0,
-                 limits: EdgeLimits | None = None, shutdown_s: float = 5.0) -> None:
-        self.edge = HttpEdge(view, limits)
+                 limits: EdgeLimits | None = None, shutdown_s: float = 5.0, spool_dir: Path | None = None) -> None:
+        self.edge = HttpEdge(view, limits, spool_dir=spool_dir)
         self.host, self.port, self.shutdown_s = host, port, shutdown_s
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -588,18 +934,27 @@ class EdgeServer:
 
     async def _serve(self) -> None:
         self._stopped = asyncio.Event()
+        limits = self.edge.limits
+        # keepalive_timeout: a kept-alive connection must complete its next request's headers within the header
+        # timeout; lingering_time: aiohttp's own drain of a body a handler left unread stays short.
         runner = web.AppRunner(self.edge.app(), handle_signals=False, access_log=None,
-                               shutdown_timeout=self.shutdown_s)
+                               shutdown_timeout=self.shutdown_s, keepalive_timeout=limits.header_timeout_s,
+                               lingering_time=_LINGER_S)
         await runner.setup()
+        listener: asyncio.Server | None = None
         try:
-            site = web.TCPSite(runner, self.host, self.port)
-            await site.start()
-            server = site._server
+            server = runner.server
             assert server is not None
-            self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+            awaiting = self.edge._awaiting_headers
+            listener = await asyncio.get_running_loop().create_server(
+                lambda: _HeaderDeadline(server(), limits.header_timeout_s, awaiting), self.host, self.port,
+                reuse_address=True)
+            self.port = listener.sockets[0].getsockname()[1]
             self._ready.set()
             await self._stopped.wait()
         finally:
+            if listener is not None:
+                listener.close()
             await runner.cleanup()
 
     def stop(self) -> None:
@@ -639,9 +994,13 @@ def openapi_document() -> dict[str, Any]:
         "202": _ok("Accepted by the node", "Accepted"),
         "400": _err("Malformed body, wrong envelope kind or artifact mismatch"),
         "403": _err("Envelope signature does not verify"),
-        "411": _err("No Content-Length"), "413": _err("Body over the limit"),
-        "415": _err("Not application/cbor"), "422": _err("The node rejected it (code = reason)"),
-        "503": _err("The node did not answer in time, or too many uploads at once"), **_RATE,
+        "408": _err("The body sent nothing for body_timeout_s (the connection is closed)"),
+        "411": _err("No Content-Length (the connection is closed)"),
+        "413": _err("Body over the limit (the connection is closed)"),
+        "415": _err("Not application/cbor (the connection is closed)"),
+        "422": _err("The node rejected it (code = reason)"),
+        "503": _err("The node did not answer in time, or no upload slot or room in the upload memory budget "
+                    "(busy, memory-budget; see Retry-After)"), **_RATE,
     }
     schemas: dict[str, Any] = {
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {
