@@ -9,7 +9,7 @@ WHEELS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 LOCK := $(BIN)/uv pip compile pyproject.toml --generate-hashes --python-version 3.11 \
         --python-platform x86_64-manylinux_2_28 $(WHEELS) --quiet
 
-.PHONY: demo test lint fuzz lock clean
+.PHONY: demo test lint fuzz fuzz-live lock clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,10 +34,15 @@ FUZZ_TESTS := tests/test_transport_fuzz.py tests/test_encoding.py tests/test_mes
 fuzz: $(VENV)/.dev-installed
 	HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest -q -p no:cacheprovider $(FUZZ_TESTS)
 
+# Every attack of tests/live_attacks.py for a minute against a live fleet (by hand; CI runs a short form in
+# tests/test_hostile_peers.py). Prints one JSON line per attack.
+fuzz-live: $(VENV)/.dev-installed
+	$(BIN)/python -m tests.live_attacks --seconds 60 --dir peerloom-fuzz-live
+
 # Refresh every lock from pyproject.toml: dev first, then each smaller set constrained to dev's versions.
 lock: $(VENV)/.dev-installed
 	$(LOCK) --extra dev -o requirements/dev.lock
 	for set in node torch demo; do $(LOCK) --extra $$set -c requirements/dev.lock -o requirements/$$set.lock; done
 
 clean:
-	rm -rf $(VENV) peerloom-demo .pytest_cache .hypothesis
+	rm -rf $(VENV) peerloom-demo peerloom-fuzz-live .pytest_cache .hypothesis

@@ -4,8 +4,10 @@ One file, ``node.db``, next to the artifact store. It holds:
 
 - ``records``: every engine record by key (what `Persist` effects write; what `Engine(records=...)` reads back);
 - typed views kept in the same transaction as the record that feeds them, for operators and tools:
-  ``heads`` (every certified head this node promoted, by window: the chain), ``votes`` (every vote this node
-  signed, one per (window, round, step)), ``claims`` (this trainer's signed lease claims / announcements);
+  ``heads`` (every certified head this node holds, by window: the chain - each head it promoted, from the
+  ``head`` record, and each one it archived, from the ``chain/<w>`` records, those fetched by chain sync
+  included), ``votes`` (every vote this node signed, one per (window, round, step)), ``claims`` (this
+  trainer's signed lease claims / announcements);
 - ``peers`` (addresses seen, last contact), ``reputation`` (rejections charged to a peer, by reason),
   ``pins`` (artifacts garbage collection must keep).
 
@@ -66,8 +68,29 @@ def _v2_import_record_files(conn: sqlite3.Connection, root: Path) -> None:
             _put_record(conn, path.name.replace("~", "/"), path.read_bytes())
 
 
+def _v3_chain_records_and_heads(conn: sqlite3.Connection, root: Path) -> None:
+    """Stores from before ``heads`` took the ``chain/<w>`` records had heads fetched by chain sync in
+    ``records`` only, and trainers archived no ``chain/<w>`` records: make each of the two hold the other's
+    certified heads (both were verified by the engine before it persisted them)."""
+    for (value,) in conn.execute("SELECT value FROM records WHERE key LIKE 'chain/%'").fetchall():
+        _index_head(conn, bytes(value), replace=False)
+    conn.execute("INSERT OR IGNORE INTO records SELECT 'chain/' || window, entry FROM heads WHERE window > 0")
+
+
 # Ordered; never edit a released one, append a new one instead.
-MIGRATIONS: tuple[Callable[[sqlite3.Connection, Path], None], ...] = (_v1_tables, _v2_import_record_files)
+MIGRATIONS: tuple[Callable[[sqlite3.Connection, Path], None], ...] = (
+    _v1_tables, _v2_import_record_files, _v3_chain_records_and_heads)
+
+
+def _index_head(conn: sqlite3.Connection, value: bytes, *, replace: bool = True) -> None:
+    """Add a chain entry record to ``heads``; a record that does not parse is left to the engine, which
+    verifies what it reads back."""
+    try:
+        head, _ = decode_chain_entry(value)
+    except DecodeError:
+        return
+    conn.execute(f"INSERT OR {'REPLACE' if replace else 'IGNORE'} INTO heads VALUES (?, ?, ?, ?)",
+                 (head.window, head.id, value, time.time()))
 
 
 def _put_record(conn: sqlite3.Connection, key: str, value: bytes) -> None:
@@ -83,13 +106,8 @@ def _put_record(conn: sqlite3.Connection, key: str, value: bytes) -> None:
             conn.execute("INSERT INTO votes VALUES (?, ?, ?, ?, ?)", (window, round_, step, value, now))
     elif parts[0] == "claim" and len(parts) == 2:
         conn.execute("INSERT OR REPLACE INTO claims VALUES (?, ?, ?)", (int(parts[1]), value, now))
-    elif key == "head":
-        try:
-            head, _ = decode_chain_entry(value)
-        except DecodeError:
-            pass  # the engine verifies the head record when it reads it back; keep the raw record regardless
-        else:
-            conn.execute("INSERT OR REPLACE INTO heads VALUES (?, ?, ?, ?)", (head.window, head.id, value, now))
+    elif key == "head" or (parts[0] == "chain" and len(parts) == 2):
+        _index_head(conn, value)  # the raw record is kept regardless
     conn.execute("INSERT OR REPLACE INTO records VALUES (?, ?)", (key, value))
 
 

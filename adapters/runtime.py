@@ -7,7 +7,9 @@ events) and a writer task per lane with its own queue, so a slow peer never bloc
 queue grows past `MAX_CONTROL_OUTBOX_BYTES` / `MAX_BULK_OUTBOX_BYTES` is hung up on. Inbound connections
 go through the `AddressBook` like dialed ones (limits, bans); a peer the engine hangs up on for penalties
 is banned for `AddressBook.ban_s`. Compute tasks run on a worker thread, one at a time per node. Persist
-effects are fsynced before `Persisted` is fed back.
+effects are fsynced before `Persisted` is fed back; a persisted certified head (promoted, or archived by
+chain sync) is handed to `on_chain_entry` before that, so a chain directory kept from it never lags the
+store by more than what a crash interrupts (`peerloom.node.fill_chain_dir` repairs that at start).
 
 With `RuntimeOptions.http_listen` set, the node also serves the HTTP edge (`adapters.http_edge`, aiohttp on
 its own thread and asyncio loop) over a `NodeEdgeView`: reads come from thread-safe snapshots, and a light
@@ -32,7 +34,7 @@ import trio
 from peerloom.core import effects as fx
 from peerloom.core import events as ev
 from peerloom.core.chain import decode_chain_entry
-from peerloom.core.engine import Engine, EngineConfig
+from peerloom.core.engine import HEAD_RECORD, Engine, EngineConfig
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.errors import PeerloomError
 from peerloom.core.identity import Identity, PeerId
@@ -104,13 +106,15 @@ class NodeRuntime:
                  store: ArtifactStore, executor: ComputeExecutor, options: RuntimeOptions,
                  events_path: Path | None = None, capacity: int = 1, stop_after_window: int | None = None,
                  on_head: Callable[[Head, QuorumCertificate], None] | None = None,
-                 admission: SignedEnvelope | None = None) -> None:
+                 admission: SignedEnvelope | None = None,
+                 on_chain_entry: Callable[[Head, QuorumCertificate], None] | None = None) -> None:
         self.name = name
         self.identity = identity
         self.store = store
         self.executor = executor
         self.options = options
-        self.on_head = on_head
+        self.on_head = on_head  # each head the engine promotes
+        self.on_chain_entry = on_chain_entry  # each certified head once durable in the store (see module doc)
         config = EngineConfig(roles=frozenset(roles), revision=revision, capacity=capacity,
                               max_message_bytes=options.max_message_bytes, stop_after_window=stop_after_window,
                               admission=admission)
@@ -262,6 +266,7 @@ class NodeRuntime:
                 continue
             if apply_storage_effect(self.store, effect):
                 if isinstance(effect, fx.Persist):
+                    self._note_chain_record(effect)
                     engine.handle(ev.Persisted(now=trio.current_time(), token=effect.token))
                 continue
             match effect:
@@ -286,6 +291,11 @@ class NodeRuntime:
                             self.book.add(parse_address(text), peer, now=now, learned=True)
                     self._book_changed.set()
                 case fx.HeadPromoted():
+                    # windows archived by chain sync just before this head: the edge serves them too
+                    for window in range(self.edge_view.latest().head.window + 1, effect.head.window):
+                        entry = engine.chain_entry(window)
+                        if entry is not None:
+                            self.edge_view.promote(*entry)
                     self.metrics.on_effect(effect)
                     self._head_changed.set()
                     self._head_changed = trio.Event()
@@ -309,6 +319,14 @@ class NodeRuntime:
                             self._reputation[key] = self._reputation.get(key, 0) + 1
                     self._emit_line(effect.event, effect.fields)
                     engine_log.info(effect.event, extra={"fields": effect.fields})
+
+    def _note_chain_record(self, effect: fx.Persist) -> None:
+        """Hand a certified head just made durable to `on_chain_entry`: every ``chain/<w>`` record, and the
+        ``head`` record of an engine that archives no chain (one that does archived the head first)."""
+        if self.on_chain_entry is None:
+            return
+        if effect.key.startswith("chain/") or (effect.key == HEAD_RECORD and not self.engine.config.keeps_chain):
+            self.on_chain_entry(*decode_chain_entry(effect.record))
 
     def _enqueue(self, peer: PeerId, data: bytes) -> None:
         outbox = self._outboxes.get(peer)

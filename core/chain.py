@@ -59,6 +59,10 @@ def verify_chain(revision: Revision, entries: Sequence[tuple[Head, QuorumCertifi
     previous = revision.genesis()
     for head, cert in entries:
         where = f"window {head.window}"
+        if head.window > previous.window + 1:
+            missing = (f"window {previous.window + 1} is" if head.window == previous.window + 2 else
+                       f"windows {previous.window + 1}-{head.window - 1} are")
+            raise VerificationError("window-gap", f"{missing} missing ({where} follows window {previous.window})")
         if head.window != previous.window + 1:
             raise VerificationError("window-gap", f"{where} follows window {previous.window}")
         if head.parent != previous.id:

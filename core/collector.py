@@ -83,6 +83,7 @@ class Collector:
         self.claims_on: dict[PeerId, list[Entry]] = {}  # leaseholder -> claims on its lease
         self.final_own = 0  # leaseholders whose own update is accepted or rejected (complete() fast path)
         self.retried: set[bytes] = set()  # update ids fetched and screened a second time (once each)
+        self.accepted_at: dict[Slot, float] = {}  # engine time at which each accepted update was accepted
         self.on_change = on_change
         self.closed = False
         self.claims_open = False  # set by the host role when the window's leases expire (`lease_s`)
@@ -220,6 +221,8 @@ class Collector:
         entry.reason = reason
         if entry.state == "rejected":
             self.engine.reject(entry.envelope.signer, reason)
+        elif entry.state == "accepted":
+            self.accepted_at.setdefault(entry.slot, self.engine.now)
         self.on_change()
 
     def _fetched(self, window: int, slot: Slot) -> None:

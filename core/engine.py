@@ -11,7 +11,10 @@ and past `penalty_limit` a `HangUp`. Caller misuse raises LocalProtocolError.
 
 Role behaviour lives in one module per state machine: `trainer`, `validator`, `reducer` (the latter two
 share `collector`). This module holds what they share: peers, timers, persist-then-send, artifact
-fetching with verify-on-arrival, compute tasks, and adoption of certified heads.
+fetching with verify-on-arrival, compute tasks, adoption of certified heads, and chain sync: every node
+archives every certified head, and one that learns of a head more than a window ahead of its own fetches
+and verifies the windows in between before it adopts it (spec/protocol.md §8), so its archive runs from
+window 1 to its head with no hole, also after a crash.
 """
 
 from __future__ import annotations
@@ -89,19 +92,22 @@ class EngineConfig:
     # A head proposal carries its cohort's signed announcements while they and the head fit in this many
     # bytes; beyond, it names them by id only and validators fetch what they lack (spec/agreement.md §3).
     proposal_carry_bytes: int = 768 << 10
-    keep_chain: bool | None = None  # store and serve every certified head (`chain/<w>`); None = validators do
+    # Archive and serve every certified head (`chain/<w>`), fetching the windows it skipped before it adopts a
+    # later head (spec/protocol.md §8). Off: the node keeps its current head only and adopts at once.
+    keep_chain: bool = True
     max_chain_reply_bytes: int = 512 << 10  # bound on one ChainEntries reply
     admission: SignedEnvelope | None = None  # this trainer's admission certificate (policy "certificate")
     listen_address: str | None = None  # "host:port" we accept connections on, sent in Hello (peer exchange)
     peer_exchange_interval_s: float = 10.0  # a peer may send one PeerExchange per this many seconds
     peer_exchange_every_s: float = 60.0  # re-tell greeted peers where the others listen (0: on greeting only)
+    chain_request_timeout_s: float = 5.0  # a chain-get unanswered this long is asked of another peer
     # A decode memo shared by the engines of one simulator process (a broadcast is decoded once); None in
     # a real node.
     decode_memo: DecodeMemo | None = attrs.field(default=None, eq=False, repr=False)
 
     @property
     def keeps_chain(self) -> bool:
-        return "validator" in self.roles if self.keep_chain is None else self.keep_chain
+        return self.keep_chain
 
     def __attrs_post_init__(self) -> None:
         if not self.roles or not self.roles <= set(ROLES):
@@ -122,6 +128,9 @@ class PeerState:
     listen: str | None = None  # the listen address its Hello gave
     exchange_at: float = float("-inf")  # when it last sent a PeerExchange
     exchange_sent_at: float = float("-inf")  # when we last sent it one
+    head_window: int = -1  # the highest window it told us it holds (its Hello, heads it sent)
+    chain_lacks: int | None = None  # a window it could not serve us (asked again once its head moves)
+    chain_asked_at: float = float("-inf")  # when we last sent it a chain-get
 
 
 @attrs.define
@@ -178,7 +187,17 @@ class Engine:
         self.seen_deltas: dict[bytes, int] = {}  # accepted delta digest -> window (replay screening)
         records = dict(records or {})
         self.records = records
+        # chain sync (spec/protocol.md §8): chain-gets out, peer -> (first, last); at most one is live (not
+        # timed out) at a time, and a late reply to one that timed out is still taken.
         self._chain_requests: dict[PeerId, tuple[int, int]] = {}
+        # A verified certified head more than one window ahead, its sender: adopted once the windows between
+        # are archived. `_sync_claim`: the highest window an unlinkable next-head announced.
+        self._sync_target: tuple[Head, QuorumCertificate, PeerId] | None = None
+        self._sync_claim = 0
+        self._chain_live: tuple[PeerId, float] | None = None  # the live chain-get: its peer and deadline
+        self._chain_source: PeerId | None = None  # who sent the last segment that verified
+        self._contiguous = 0  # windows 1.._contiguous are all held (archive, or the current head)
+        self._adopting = 0  # the highest window handed to `adopt` (promoted once its record is durable)
         self.head, self.certificate = self.revision.genesis(), QuorumCertificate(
             head=self.revision.genesis().id, window=0, round=0, votes=())
         if HEAD_RECORD in records:
@@ -227,6 +246,10 @@ class Engine:
             case ev.PeerDisconnected():
                 self.peers.pop(event.peer, None)
                 self._listening.pop(event.peer, None)
+                self._chain_requests.pop(event.peer, None)
+                if self._chain_live is not None and self._chain_live[0] == event.peer:
+                    self._chain_live = None
+                    self._sync()  # ask someone else
                 for fetch in list(self._fetches.values()):
                     if event.peer in fetch.providers:
                         fetch.providers.remove(event.peer)
@@ -438,8 +461,10 @@ class Engine:
         """Make a verified certified head canonical: persist it, then announce and start the next window."""
         if head.window <= self.head.window:
             return
+        self._adopting = max(self._adopting, head.window)
         record = encode_chain_entry(head, cert)
-        if self.config.keeps_chain:  # the chain archive first: a promoted head is always served
+        if self.config.keeps_chain and chain_key(head.window) not in self.records:
+            # the chain archive first: a promoted head is always served, and durable before it is visible
             self.persist_then(chain_key(head.window), record, lambda: None)
 
         def promote() -> None:
@@ -500,6 +525,7 @@ class Engine:
                     self.emit(fx.HangUp(peer=peer, reason="wrong-revision"))
                     return
                 state.roles, state.greeted, state.listen = message.roles, True, message.listen
+                state.head_window, state.chain_lacks = message.head_window, None
                 if message.listen is None:
                     self._listening.pop(peer, None)
                 else:
@@ -509,39 +535,57 @@ class Engine:
                 self._send_peer_exchange(peer)
                 for role in self.roles:
                     role.on_peer_ready(peer, message.roles)
+                self._sync()  # a peer that may hold windows we lack
             case CertifiedHead():
-                if message.head.window <= self.head.window:
+                self._note_peer_head(state, message.head.window)
+                if message.head.window <= max(self.head.window, self._adopting):
                     return
                 self.verify_certified(message.head, message.certificate)
-                gap = (self.head.window + 1, message.head.window - 1)
+                if self.config.keeps_chain and message.head.window > max(self.head.window, self._adopting) + 1:
+                    # We missed windows (a restart, a partition): fetch and verify them first, then adopt.
+                    target = self._sync_target
+                    if target is None or message.head.window > target[0].window:
+                        self._sync_target = (message.head, message.certificate, peer)
+                    self._sync()
+                    return
                 self.adopt(message.head, message.certificate)
                 for role in self.roles:
                     role.on_head_source(peer, message.head)
-                if self.config.keeps_chain and gap[0] <= gap[1] and peer not in self._chain_requests:
-                    # We jumped ahead on the strength of one certificate; fetch and verify what we skipped.
-                    self._request_chain(peer, *gap)
             case NextHead():
                 window = message.fields["window"]
-                if window <= self.head.window:
+                self._note_peer_head(state, window)
+                if window <= max(self.head.window, self._adopting):
                     return
-                if message.fields["parent"] != self.head.id:
+                parent = message.fields["parent"]
+                if parent == self.head.id:
+                    head = message.head_after(self.head)
+                    self.verify_certified(head, message.certificate)
+                    self.adopt(head, message.certificate)
+                    for role in self.roles:
+                        role.on_head_source(peer, head)
+                    return
+                target = self._sync_target
+                if target is not None and parent == target[0].id:
+                    # the head after the one we are syncing to becomes the target; that one is archived (it
+                    # links to the windows before it when they arrive, `_take_segment`)
+                    head = message.head_after(target[0])
+                    self.verify_certified(head, message.certificate)
+                    if chain_key(target[0].window) not in self.records:
+                        self.persist_then(chain_key(target[0].window), encode_chain_entry(target[0], target[1]),
+                                          lambda: None)
+                    self._sync_target = (head, message.certificate, peer)
+                else:
                     # We missed a head: the chain segment up to this one carries whole heads (and rosters);
                     # its last entry is adopted once every link verifies.
-                    if peer not in self._chain_requests:
-                        self._request_chain(peer, self.head.window + 1, window)
-                    return
-                head = message.head_after(self.head)
-                self.verify_certified(head, message.certificate)
-                self.adopt(head, message.certificate)
-                for role in self.roles:
-                    role.on_head_source(peer, head)
+                    self._sync_claim = max(self._sync_claim, window)
+                self._sync()
             case ChainRequest():
                 if not self._take_chunk_token(state):
                     self.reject(peer, "chain-quota")
                     return
                 self._serve_chain(peer, message)
             case ChainEntries():
-                self._on_chain_entries(peer, message)
+                self._on_chain_entries(peer, state, message)
             case UpdatesRequest():
                 if not self._take_chunk_token(state):
                     self.reject(peer, "updates-quota")
@@ -622,11 +666,6 @@ class Engine:
         record = self.records.get(chain_key(window))
         return None if record is None else decode_chain_entry(record)
 
-    def _request_chain(self, peer: PeerId, first: int, last: int) -> None:
-        last = min(last, first + MAX_CHAIN_ENTRIES - 1)
-        self._chain_requests[peer] = (first, last)
-        self.send(peer, ChainRequest(from_window=first, to_window=last))
-
     def _serve_chain(self, peer: PeerId, request: ChainRequest) -> None:
         entries: list[tuple[Head, QuorumCertificate]] = []
         size = 0
@@ -640,48 +679,164 @@ class Engine:
             entries.append(entry)
         self.send(peer, ChainEntries(entries=tuple(entries)))
 
-    def _on_chain_entries(self, peer: PeerId, message: ChainEntries) -> None:
-        """Verify a chain segment link by link - window, parent id, quorum certificate - from the head we
-        hold before it; archive what verifies. The first bad entry is charged to the sender."""
+    def _on_chain_entries(self, peer: PeerId, state: PeerState, message: ChainEntries) -> None:
+        """Take a reply to our chain-get: verify and archive it (`_take_segment`), then go on syncing. A peer
+        whose reply brought nothing is not asked for that window again until it reports a newer head."""
         wanted = self._chain_requests.pop(peer, None)
         if wanted is None:
             self.reject(peer, "unsolicited-chain")
             return
-        first, last = wanted
+        if self._chain_live is not None and self._chain_live[0] == peer:
+            self._chain_live = None
+        verified = self._take_segment(peer, *wanted, message.entries)
+        if verified == 0:
+            state.chain_lacks = wanted[0]
+        elif verified:
+            self._chain_source = peer
+        self._sync()
+
+    def _take_segment(self, peer: PeerId, first: int, last: int,
+                      entries: tuple[tuple[Head, QuorumCertificate], ...]) -> int | None:
+        """Verify a chain segment link by link - window, parent id, quorum certificate - from the head we
+        hold before it; archive what verifies (a node that keeps no chain adopts its last entry instead).
+        The first bad entry is charged to the sender and ends the segment. Returns how many entries were
+        verified, or None when we no longer hold the head the segment hangs from."""
         previous = self.chain_entry(first - 1)
         if previous is None:
-            return
+            return None
         prev, prev_cert = previous
-        for head, cert in message.entries:
+        count = 0
+        for head, cert in entries:
             if head.window != prev.window + 1 or not first <= head.window <= last:
                 self.reject(peer, "chain-window", f"window {head.window} after {prev.window}")
-                return
+                return count
             if head.parent != prev.id:
                 self.reject(peer, "chain-parent", f"window {head.window}")
-                return
-            self.verify_certified(head, cert)  # VerificationError -> rejection charged to the sender
+                return count
+            try:
+                self.verify_certified(head, cert)
+            except VerificationError as exc:
+                self.reject(peer, exc.reason, f"window {head.window}: {exc.detail}")
+                return count
             ours = self.chain_entry(head.window)
             if ours is not None and ours[0].id != head.id:
                 # Two certified heads for one window would break safety: keep ours, say so loudly.
                 self.reject(peer, "chain-conflict", f"window {head.window}")
-                return
-            if ours is None:
+                return count
+            if ours is None and self.config.keeps_chain:
                 self.persist_then(chain_key(head.window), encode_chain_entry(head, cert), lambda: None)
             prev, prev_cert = head, cert
+            count += 1
         after = self.chain_entry(prev.window + 1)
+        target = self._sync_target
+        if after is None and target is not None and target[0].window == prev.window + 1:
+            after = target[0], target[1]
         if after is not None and after[0].parent != prev.id:
             self.reject(peer, "chain-parent", f"window {prev.window + 1}")
-            return
-        self.stats["chain_entries_verified"] += len(message.entries)
-        if prev.window > self.head.window:
+            return count
+        self.stats["chain_entries_verified"] += count
+        if not self.config.keeps_chain and prev.window > max(self.head.window, self._adopting):
             # asked for after a next-head we could not link: the segment reaches past our head
             self.adopt(prev, prev_cert)
             for role in self.roles:
                 role.on_head_source(peer, prev)
-        if message.entries and prev.window < self.head.window - 1:
-            missing = [w for w in range(prev.window + 1, self.head.window) if self.chain_entry(w) is None]
-            if missing:
-                self._request_chain(peer, missing[0], missing[-1])
+        return count
+
+    def _note_peer_head(self, state: PeerState, window: int) -> None:
+        if window > state.head_window:
+            state.head_window, state.chain_lacks = window, None
+
+    def _held_through(self) -> int:
+        """The highest window `n` such that we hold the certified heads of windows 1..n."""
+        while self.chain_entry_held(self._contiguous + 1):
+            self._contiguous += 1
+        return self._contiguous
+
+    def chain_entry_held(self, window: int) -> bool:
+        """True if this node holds the certified head of `window` (without decoding it)."""
+        return window == 0 or window == self.head.window or chain_key(window) in self.records
+
+    def _sync(self) -> None:
+        """Chain sync (spec/protocol.md §8), run whenever what we know changes: adopt what the archive now
+        reaches, then ask one peer for the lowest run of windows still missing (at most 64), if none is
+        asked already. Missing: holes below our head, the windows before a verified head we learnt of (the
+        sync target), and those up to a next-head we could not link. Peers asked, in order: not lacking
+        that window, asked longest ago, validators first, highest head, peer id."""
+        self._advance()
+        if self._chain_live is not None:
+            return
+        base = max(self.head.window, self._adopting)
+        if self.config.keeps_chain:
+            lo = self._held_through() + 1
+            goal = max(base - 1, self._sync_claim)
+            if self._sync_target is not None:
+                goal = max(goal, self._sync_target[0].window - 1)
+        else:
+            lo, goal = base + 1, self._sync_claim
+        if lo > goal:
+            return
+        hi = lo
+        while hi < goal and hi - lo + 1 < MAX_CHAIN_ENTRIES and not self.chain_entry_held(hi + 1):
+            hi += 1
+        ahead = [(p, s) for p, s in self.peers.items() if s.greeted and s.head_window >= lo]
+        candidates = sorted((s.chain_asked_at, "validator" not in s.roles, -s.head_window, p)
+                            for p, s in ahead if s.chain_lacks != lo)
+        if candidates:
+            peer = candidates[0][-1]
+            self.peers[peer].chain_asked_at = self.now
+            self._chain_requests[peer] = (lo, hi)
+            self._chain_live = (peer, self.now + self.config.chain_request_timeout_s)
+            self.set_timer(("chain-get",), self._chain_live[1])
+            self.send(peer, ChainRequest(from_window=lo, to_window=hi))
+            return
+        target = self._sync_target
+        if ahead and target is not None and lo < target[0].window:
+            # Every peer ahead of us was asked and lacks these windows: liveness first. Adopt the verified
+            # head; the missing windows stay wanted (holes below the head) and are asked of later peers.
+            self.log("chain-gap", first=lo, head_window=target[0].window)
+            self._sync_target = None
+            self._adopt_from(target[0], target[1], target[2])
+
+    def _advance(self) -> None:
+        """Adopt the sync target once the archive reaches the window before it; without a target, the
+        highest archived head that follows ours without a gap (fetched after a next-head we missed)."""
+        base = max(self.head.window, self._adopting)
+        target = self._sync_target
+        if target is not None and target[0].window <= base:
+            self._sync_target = target = None
+        if not self.config.keeps_chain:
+            return
+        top = base
+        while self.chain_entry_held(top + 1):
+            top += 1
+        if target is not None:
+            if top + 1 == target[0].window:
+                self._sync_target = None
+                entry = self.chain_entry(top)
+                if entry is not None and entry[0].id == target[0].parent:
+                    self._adopt_from(*target)
+                else:  # two certified heads that do not link: keep ours, say so loudly (as `chain-conflict`)
+                    self.reject(target[2], "chain-conflict", f"window {target[0].window} does not follow ours")
+            return
+        if top > base:
+            entry = self.chain_entry(top)
+            if entry is not None:
+                self._adopt_from(entry[0], entry[1], self._chain_source)
+
+    def _adopt_from(self, head: Head, cert: QuorumCertificate, source: PeerId | None) -> None:
+        self.adopt(head, cert)
+        if source is not None and source in self.peers:
+            for role in self.roles:
+                role.on_head_source(source, head)
+
+    def _on_chain_timeout(self) -> None:
+        """The live chain-get went unanswered for `chain_request_timeout_s`: ask someone else (its late
+        reply is still taken)."""
+        live = self._chain_live
+        if live is None or live[1] > self.now:
+            return
+        self._chain_live = None
+        self._sync()
 
     def _take_chunk_token(self, state: PeerState) -> bool:
         """Token bucket per peer: an honest fetcher keeps at most `max_chunks_in_flight` requests out, so
@@ -800,6 +955,8 @@ class Engine:
             del self._timer_deadline[key]
             if key[0] == "fetch":
                 self._on_fetch_timeout(key[1])
+            elif key[0] == "chain-get":
+                self._on_chain_timeout()
             elif key[0] == "peer-exchange":
                 self._peer_exchange_round()
                 self.set_timer(key, self.now + self.config.peer_exchange_every_s)

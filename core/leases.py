@@ -18,6 +18,7 @@ platform can make two honest peers disagree.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 
 from .identity import PeerId
@@ -52,14 +53,37 @@ def assign_shards(head_id: bytes, window: int, num_shards: int,
                                                       excluded).items()}
 
 
+def unproven_cap(num_shards: int, share: float) -> int:
+    """The most shards unproven trainers may hold in one window (spec/protocol.md §4.1): `share` of them,
+    rounded down, but at least one, so that a joiner can always prove itself."""
+    return num_shards if share >= 1.0 else max(1, math.floor(share * num_shards))
+
+
 def rank_shards(head_id: bytes, window: int, num_shards: int, roster: Sequence[tuple[PeerId, int]],
-                max_capacity: int, excluded: frozenset[PeerId] = frozenset()) -> dict[int, tuple[PeerId, ...]]:
+                max_capacity: int, excluded: frozenset[PeerId] = frozenset(),
+                unproven: frozenset[PeerId] = frozenset(), unproven_share: float = 1.0,
+                ) -> dict[int, tuple[PeerId, ...]]:
     """The owner and next-ranked trainer of every shard: (owner,) when only one trainer is eligible, else
-    (owner, next-ranked)."""
+    (owner, next-ranked).
+
+    Shard s goes to slot ``s mod V``. While some eligible trainer is proven, the shards past the first
+    `unproven_cap` ones (in shard order) that would go to `unproven` trainers go instead, in turn, to the
+    proven slots in slot order (spec/protocol.md §4.1)."""
     slots = slot_order(head_id, window, roster, max_capacity, excluded)
     total = len(slots)
     if not total:
         return {}
+    slot_of = [shard % total for shard in range(num_shards)]
+    if unproven and unproven_share < 1.0:
+        proven_slots = [i for i, p in enumerate(slots) if p not in unproven]
+        cap, held, moved = unproven_cap(num_shards, unproven_share), 0, 0
+        for shard in range(num_shards) if proven_slots else ():
+            if slots[slot_of[shard]] in unproven:
+                if held < cap:
+                    held += 1
+                else:
+                    slot_of[shard] = proven_slots[moved % len(proven_slots)]
+                    moved += 1
     # following[i]: index of the first slot after i (cyclically) whose holder differs from slot i's; one
     # backward pass over the slots laid out twice, so long runs of one holder cost nothing extra.
     doubled = slots + slots
@@ -69,7 +93,7 @@ def rank_shards(head_id: bytes, window: int, num_shards: int, roster: Sequence[t
     following = [None if (j := after[i]) is None or j - i >= total else j % total for i in range(total)]
     ranked: dict[int, tuple[PeerId, ...]] = {}
     for shard in range(num_shards):
-        i = shard % total
+        i = slot_of[shard]
         nxt = following[i]
         ranked[shard] = (slots[i],) if nxt is None else (slots[i], slots[nxt])
     return ranked
@@ -107,7 +131,7 @@ def claims_of(head: Head, manifest: Manifest) -> dict[PeerId, dict[PeerId, tuple
 
 def _compute_leases(head: Head, manifest: Manifest) -> dict[PeerId, tuple[int, ...]]:
     ranked = rank_shards(head.id, head.window + 1, len(manifest.shards), head.roster, manifest.max_capacity,
-                         head.quarantined)
+                         head.quarantined, frozenset(head.unproven), manifest.unproven_share)
     by_peer: dict[PeerId, list[int]] = {}
     claims: dict[PeerId, dict[PeerId, list[int]]] = {}
     for shard, peers in ranked.items():

@@ -194,7 +194,13 @@ class Manifest:
     # update or join) for `idle_windows` windows is dropped from the roster, recorded in the head's
     # `expired`. 0 disables expiry (and heartbeats); the key is then absent from the encoding, so a revision
     # without expiry encodes (and hashes) as before the field existed.
-    idle_windows: int = 0
+    idle_windows: int = 3
+    # Liveness under Sybils (spec/protocol.md §4.1): trainers that have not yet had an update in a certified
+    # cohort (a head's `unproven`) hold at most `unproven_share` of a window's shards while a proven trainer
+    # is eligible (1.0: no cap; the key is then absent from the encoding), and a head adds at most
+    # `max_joins` trainers to the roster (0: no limit; absent from the encoding).
+    unproven_share: float = 0.25
+    max_joins: int = 16
 
     def __attrs_post_init__(self) -> None:
         n = len(self.validators)
@@ -228,6 +234,8 @@ class Manifest:
             raise DecodeError("bad-field", "admission must be 'open' (no authority) or 'certificate' (an authority)")
         if self.idle_windows < 0:
             raise DecodeError("bad-field", "idle_windows must be >= 0")
+        if not 0.0 < self.unproven_share <= 1.0 or self.max_joins < 0:
+            raise DecodeError("bad-field", "unproven_share must be in (0, 1] and max_joins >= 0")
         if self.audit and self.codec in ERROR_FEEDBACK_CODECS:
             # The error-feedback residual is private trainer state no validator can recompute, so an
             # audit could not tell an honest update from a forged one.
@@ -251,17 +259,25 @@ class Manifest:
             "admission": self.admission,
             "admission_authority": None if self.admission_authority is None else self.admission_authority.to_bytes(),
         }
+        # Keys whose "off" value is left out, so one setting has one encoding (and older revisions keep theirs).
         if self.idle_windows:
             body["idle_windows"] = self.idle_windows
+        if self.unproven_share != 1.0:
+            body["unproven_share"] = self.unproven_share
+        if self.max_joins:
+            body["max_joins"] = self.max_joins
         return body
 
     @classmethod
     def from_cbor(cls, obj: Any) -> Manifest:
-        optional = {"idle_windows"} if isinstance(obj, dict) and "idle_windows" in obj else set()
+        optional = _MANIFEST_OPTIONAL & set(obj) if isinstance(obj, dict) else set()
         body = f.exact_keys(obj, _MANIFEST_KEYS | optional, "manifest")
-        idle_windows = f.uint(body, "idle_windows", maximum=1 << 16) if optional else 0
-        if optional and idle_windows == 0:
-            raise DecodeError("bad-field", "idle_windows is absent when 0")  # one encoding per manifest
+        idle_windows = f.uint(body, "idle_windows", maximum=1 << 16) if "idle_windows" in body else 0
+        unproven_share = f.number(body, "unproven_share") if "unproven_share" in body else 1.0
+        max_joins = f.uint(body, "max_joins", maximum=1 << 16) if "max_joins" in body else 0
+        if ("idle_windows" in body and idle_windows == 0) or ("unproven_share" in body and unproven_share == 1.0) \
+                or ("max_joins" in body and max_joins == 0):
+            raise DecodeError("bad-field", "idle_windows, unproven_share and max_joins are absent when off")
         schema = []
         for item in f.array(body, "schema", max_len=MAX_TENSORS):
             if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
@@ -295,7 +311,7 @@ class Manifest:
             audit_min_cosine=f.number(body, "audit_min_cosine"), codec=f.text(body, "codec"),
             codec_fraction=f.number(body, "codec_fraction"), admission=f.text(body, "admission"),
             admission_authority=None if body["admission_authority"] is None else f.peer(body, "admission_authority"),
-            idle_windows=idle_windows,
+            idle_windows=idle_windows, unproven_share=unproven_share, max_joins=max_joins,
         )
 
     def seal(self, authority: Identity) -> SignedEnvelope:
@@ -309,7 +325,8 @@ _MANIFEST_KEYS = frozenset({
     "quarantine_strikes", "strike_windows", "quarantine_windows", "outer_momentum", "inner_steps",
     "lease_s", "audit", "audit_min_cosine", "codec", "codec_fraction",
     "admission", "admission_authority",
-})  # and "idle_windows" when non-zero
+})
+_MANIFEST_OPTIONAL = frozenset({"idle_windows", "unproven_share", "max_joins"})  # present only when not off
 
 
 @attrs.frozen(kw_only=True)
@@ -382,9 +399,12 @@ class Head:
     (DiLoCo momentum; None for FedAvg and at genesis, meaning zeros) and `outer_state_digest` its tensor
     digest. `left` lists (sorted) the trainers of the parent's roster that left with a signed `LeaveRequest`;
     `expired` lists (sorted, disjoint from `left`) those the proposer has not heard from in the last
-    `idle_windows` windows (manifest; spec/protocol.md §5): the roster shrinks by exactly `left` and
-    `expired` and by no other peer. Every field is derived deterministically from
-    the parent and the window's inputs (`core/quarantine.py`), so every validator recomputes the same head.
+    `idle_windows` windows (manifest; spec/protocol.md §5), and unproven leaseholders of this window that
+    delivered no update (§4.1): the roster shrinks by exactly `left` and `expired` and by no other peer.
+    `unproven` lists (sorted) the rostered trainers that joined and have not yet had an update in a certified
+    cohort (spec/protocol.md §4.1); they hold a bounded share of the leases. Every field is derived
+    deterministically from the parent and the window's inputs (`core/quarantine.py`), so every validator
+    recomputes the same head.
     """
 
     revision: bytes
@@ -404,6 +424,7 @@ class Head:
     outer_state_digest: bytes | None = None
     left: tuple[PeerId, ...] = ()
     expired: tuple[PeerId, ...] = ()
+    unproven: tuple[PeerId, ...] = ()
 
     @property
     def quarantined(self) -> frozenset[PeerId]:
@@ -429,6 +450,7 @@ class Head:
             "outer_state": None if self.outer_state is None else self.outer_state.to_cbor(),
             "outer_state_digest": self.outer_state_digest, "left": [p.to_bytes() for p in self.left],
             **({"expired": [p.to_bytes() for p in self.expired]} if self.expired else {}),
+            **({"unproven": [p.to_bytes() for p in self.unproven]} if self.unproven else {}),
         }
 
     def to_cbor(self) -> dict[str, Any]:
@@ -475,7 +497,8 @@ class Head:
 
 _HEADER_KEYS = frozenset({"revision", "parent", "window", "skipped", "params", "params_digest", "cohort",
                           "roster_digest", "quarantine", "metrics", "strikes", "rejected", "evidence", "outer_state",
-                          "outer_state_digest", "left"})  # and "expired" when not empty
+                          "outer_state_digest", "left"})
+_HEADER_OPTIONAL = frozenset({"expired", "unproven"})  # present only when not empty
 _HEAD_KEYS = _HEADER_KEYS | {"roster"}
 
 
@@ -487,7 +510,7 @@ def roster_digest(roster: Sequence[RosterEntry]) -> bytes:
 def head_fields(obj: Any) -> dict[str, Any]:
     """Parse and check a head header (a head without its roster; spec/wire.md §7): the `Head` fields but
     the roster, plus ``roster_digest``. Raises DecodeError."""
-    keys = _HEADER_KEYS | {"expired"} if isinstance(obj, dict) and "expired" in obj else _HEADER_KEYS
+    keys = _HEADER_KEYS | (_HEADER_OPTIONAL & set(obj)) if isinstance(obj, dict) else _HEADER_KEYS
     body = f.exact_keys(obj, keys, "head")
     cohort = f.array(body, "cohort", max_len=MAX_COHORT)
     for i in range(len(cohort)):
@@ -516,6 +539,10 @@ def head_fields(obj: Any) -> dict[str, Any]:
         raise DecodeError("bad-field", "expired is absent when empty")  # one encoding per head
     if list(expired) != sorted(set(expired)) or set(expired) & set(left):
         raise DecodeError("bad-field", "expired must be sorted distinct peer ids, none of them in left")
+    unproven = tuple(f.peer({"p": p}, "p") for p in f.array(body, "unproven", max_len=MAX_ROSTER)) \
+        if "unproven" in body else ()
+    if ("unproven" in body and not unproven) or list(unproven) != sorted(set(unproven)):
+        raise DecodeError("bad-field", "unproven must be sorted distinct peer ids, absent when empty")
     return dict(
         revision=f.cid(body, "revision"), parent=f.optional_cid(body, "parent"),
         window=f.uint(body, "window"), skipped=f.boolean(body, "skipped"),
@@ -526,6 +553,7 @@ def head_fields(obj: Any) -> dict[str, Any]:
         strikes=_peer_records(body, "strikes", 3), rejected=tuple(rejected), evidence=tuple(evidence),
         outer_state=None if state is None else ArtifactRef.from_cbor(state),
         outer_state_digest=f.optional_cid(body, "outer_state_digest"), left=left, expired=expired,
+        unproven=unproven,
     )
 
 

@@ -29,6 +29,7 @@ from .envelope import MAX_BODY_BYTES, SignedEnvelope
 from .errors import DecodeError, VerificationError
 from .fsm import Table, step
 from .identity import PeerId
+from .leases import leases_of
 from .messages import MAX_UPDATE_IDS, Signed, UpdatesRequest
 from .objects import (
     OUTLIER_REASONS,
@@ -41,6 +42,7 @@ from .objects import (
     Heartbeat,
     JoinRequest,
     LeaveRequest,
+    Manifest,
     QuorumCertificate,
     ReductionProposal,
     UpdateAnnouncement,
@@ -64,6 +66,7 @@ WITHDRAWN_WINDOWS = 2
 MAX_HELD = 4096
 METRIC_TOLERANCE = 1e-4
 PROPOSER_DOMAIN = b"peerloom/proposer/v1"
+JOIN_PRIORITY_DOMAIN = b"peerloom/join-priority/v1"
 
 
 def proposer_of(parent: bytes, window: int, round_: int, validators: tuple[PeerId, ...]) -> PeerId:
@@ -72,6 +75,38 @@ def proposer_of(parent: bytes, window: int, round_: int, validators: tuple[PeerI
     prefix = PROPOSER_DOMAIN + parent + window.to_bytes(8, "big") + round_.to_bytes(4, "big")
     return min(validators, key=lambda v: hashlib.sha256(prefix + v.to_bytes()).digest())
 
+
+def next_unproven(parent: Head, roster: tuple[tuple[PeerId, int], ...],
+                  proven: frozenset[PeerId]) -> tuple[PeerId, ...]:
+    """The `unproven` of the head after `parent` with `roster` whose cohort's authors are `proven`
+    (spec/protocol.md §4.1): the parent's unproven and the newly rostered trainers, less those that left the
+    roster and those with an update in the cohort; sorted."""
+    before = parent.roster_peers
+    return tuple(sorted(p for p, _ in roster if (p in parent.unproven or p not in before) and p not in proven))
+
+
+def join_priority(head_id: bytes, peer: PeerId) -> bytes:
+    """The order in which joins pending on head `head_id` are rostered and kept (spec/protocol.md §4.1):
+    SHA-256(domain, head id, peer id). Fresh each window, the same at every validator."""
+    return hashlib.sha256(JOIN_PRIORITY_DOMAIN + head_id + peer.to_bytes()).digest()
+
+
+def undelivered(parent: Head, manifest: Manifest, delivered: frozenset[PeerId]) -> frozenset[PeerId]:
+    """Unproven trainers of `parent` that hold a lease in the next window and are not among `delivered` (the
+    authors of the next head's cohort and rejected updates): the next head drops them (§4.1)."""
+    if not parent.unproven:
+        return frozenset()
+    leases = leases_of(parent, manifest)
+    return frozenset(p for p in parent.unproven if p in leases and p not in delivered)
+
+
+# A window whose leaseholders are all unreachable closes at most this many window_s after it opened.
+WAIT_WINDOWS = 3
+# A window's deadline never runs past this many window_s after its clock started (adapted or extended).
+MAX_DEADLINE_WINDOWS = 3
+# Joins a validator holds at once, per manifest `max_joins` (or at least this many); more are refused.
+JOIN_BACKLOG_FACTOR = 4
+MIN_JOIN_BACKLOG = 64
 
 # Announcements a head proposal names by id (spec/agreement.md §3): asked MAX_UPDATE_IDS at a time from one
 # provider; a batch that is not complete after UPDATES_RETRY_S is asked of the next provider, and after
@@ -147,6 +182,9 @@ class ValidatorRole:
         self.collector: Collector | None = None
         self.agreement: WindowAgreement | None = None
         self.deadline_armed = False
+        self.wait_deadline: float | None = None  # set while a window waits for a reachable leaseholder
+        self.armed_at: float | None = None  # when this window's clock started
+        self.deadline_s = engine.manifest.window_s  # adapted to the slowest accepted update (_adapt_deadline)
         self.joins: dict[PeerId, int] = {}
         self.admitted: dict[PeerId, int] = {}  # admission policy "certificate": peer -> certified max capacity
         self.leaves: dict[PeerId, int] = {}  # rostered trainer -> window whose head drops it (signed leaves)
@@ -203,6 +241,8 @@ class ValidatorRole:
         self.collector = Collector(e, head, self._on_collector_change)
         window = self.collector.window
         self.deadline_armed, self.own, self.building = False, None, False
+        self.wait_deadline = None
+        self.armed_at = None
         self.verdicts, self.checks, self.refused_expiry = {}, {}, set()
         self.reducer_proposals = {w: v for w, v in self.reducer_proposals.items() if w >= window}
         self.proposals_in = {k: v for k, v in self.proposals_in.items() if k[0] >= window}
@@ -267,23 +307,30 @@ class ValidatorRole:
         return True
 
     def _arm_deadline(self) -> None:
-        """Start the window's clock once a trainer holding a lease (or, with lease expiry, a next-ranked
-        claimant) is reachable, or a join is waiting; until then it waits.
+        """Start the window's clock: `window_s` once a trainer holding a lease (or, with lease expiry, a
+        next-ranked claimant) is reachable or a join is waiting, and in any case at most
+        `WAIT_WINDOWS * window_s` after the window opened here (spec/protocol.md §6).
 
-        A window that no leaseholder can reach would only be skipped, so its deadline does not run - unless
-        a trainer asked to join: then the skipped head is what brings it into the roster (without it, a
-        revision whose roster is empty, or whose trainers are all gone, would never advance).
+        A window that no leaseholder can reach would only be skipped, so it first waits for one - but never
+        for ever: leaseholders that never come (Sybil joiners, say) must not stall the chain, and the
+        skipped head is also what rosters a waiting joiner.
         """
         e, c = self.engine, self.collector
         if c is None or self.state != "collecting" or self.deadline_armed:
             return
+        key = ("close", "validator", c.window)
         workers = set(c.leases) | (set(c.claims) if e.manifest.lease_s > 0 else set())
         joining = any(p not in c.head.roster_peers and p not in self.withdrawn for p in self.joins)
         if not workers & set(e.peers_with("trainer")) and not joining:
-            e.log("window-waiting", window=c.window)
+            if self.wait_deadline is None:
+                self.wait_deadline = e.now + WAIT_WINDOWS * e.manifest.window_s
+                e.set_timer(key, self.wait_deadline)
+                e.log("window-waiting", window=c.window, until=self.wait_deadline)
             return
         self.deadline_armed = True
-        e.set_timer(("close", "validator", c.window), e.now + e.manifest.window_s)
+        self.armed_at = e.now
+        deadline = e.now + self.deadline_s
+        e.set_timer(key, deadline if self.wait_deadline is None else min(deadline, self.wait_deadline))
         if e.manifest.lease_s > 0:
             e.set_timer(("claims", "validator", c.window), e.now + e.manifest.lease_s)
 
@@ -304,6 +351,8 @@ class ValidatorRole:
             self.engine.log("leases-expired", window=c.window)
             self._on_collector_change()
         elif key[:2] == ("close", "validator") and key[2] == c.window and self.state == "collecting":
+            if self._extend_deadline():
+                return
             self.engine.log("window-deadline", window=c.window, reported=len(c.entries), leases=len(c.leases))
             self._close()
         elif key[0] == "agreement" and key[1] == c.window and self.agreement is not None:
@@ -313,10 +362,45 @@ class ValidatorRole:
             if waiting is not None and waiting.attempt == key[3]:
                 self._ask_next_provider(key[2], waiting)
 
+    def _extend_deadline(self) -> bool:
+        """At the deadline, a window with fewer than `min_updates` accepted updates waits on (in steps of
+        half a `window_s`) while a leaseholder is reachable, up to `MAX_DEADLINE_WINDOWS * window_s` after
+        its clock started: a loaded machine's slow honest cohort is not skipped (spec/protocol.md §6)."""
+        e, c = self.engine, self.collector
+        assert c is not None
+        m = e.manifest
+        limit = (self.armed_at if self.armed_at is not None else e.now) + MAX_DEADLINE_WINDOWS * m.window_s
+        accepted = sum(1 for x in c.entries.values() if x.state == "accepted")
+        reachable = set(c.leases) & set(e.peers_with("trainer"))
+        if accepted >= m.min_updates or not reachable or e.now >= limit or not self.deadline_armed:
+            return False
+        e.log("window-extended", window=c.window, accepted=accepted, needed=m.min_updates)
+        e.set_timer(("close", "validator", c.window), min(limit, e.now + m.window_s / 2))
+        return True
+
+    def _adapt_deadline(self) -> None:
+        """The next window's deadline from this one's slowest accepted update (spec/protocol.md §6): 1.5 times
+        its time since the clock started, within [window_s, MAX_DEADLINE_WINDOWS * window_s]; after a window
+        that closed at its deadline with leases unreported, 1.25 times the current deadline. Local timing
+        only: heads do not depend on it."""
+        e, c = self.engine, self.collector
+        assert c is not None
+        m = e.manifest
+        if self.armed_at is None:
+            return
+        slowest = max((t - self.armed_at for t in c.accepted_at.values()), default=0.0)
+        target = 1.25 * self.deadline_s if not c.complete() else 1.5 * slowest
+        deadline_s = min(max(target, m.window_s), MAX_DEADLINE_WINDOWS * m.window_s)
+        if abs(deadline_s - self.deadline_s) > 1e-9:
+            e.log("deadline-adapted", window=c.window, deadline_s=round(deadline_s, 3),
+                  slowest_s=round(slowest, 3))
+        self.deadline_s = deadline_s
+
     def _close(self) -> None:
         e, c = self.engine, self.collector
         assert c is not None and self.agreement is not None
         self._step("close")
+        self._adapt_deadline()
         c.closed = True
         e.cancel_timer(("close", "validator", c.window))
         if len(c.cohort()) < e.manifest.min_updates:
@@ -378,11 +462,13 @@ class ValidatorRole:
         quarantine, strikes = next_records(parent, window, (), (a.signer for a, _ in evidence), self.engine.manifest)
         left = self._departures(parent)
         expired = self._expirations(parent, left)
+        roster = self._next_roster(parent, quarantine, left, expired)
         return Head(revision=parent.revision, parent=parent.id, window=window, skipped=True,
                     params=parent.params, params_digest=parent.params_digest, cohort=(),
-                    roster=self._next_roster(parent, quarantine, left, expired), quarantine=quarantine,
+                    roster=roster, quarantine=quarantine,
                     metrics=parent.metrics, strikes=strikes, evidence=evidence, outer_state=parent.outer_state,
-                    outer_state_digest=parent.outer_state_digest, left=left, expired=expired)
+                    outer_state_digest=parent.outer_state_digest, left=left, expired=expired,
+                    unproven=next_unproven(parent, roster, frozenset()))
 
     def _make_head(self, result: dict[str, Any], rejected: tuple[SignedEnvelope, ...],
                    evidence: tuple[tuple[SignedEnvelope, SignedEnvelope], ...]) -> Head:
@@ -392,15 +478,19 @@ class ValidatorRole:
         parent, window = c.head, c.window
         quarantine, strikes = next_records(parent, window, (u.signer for u in rejected),
                                            (a.signer for a, _ in evidence), e.manifest)
+        kept = set(result["kept"])
+        proven = frozenset(u.signer for u in result["candidates"] if u.id in kept)
         left = self._departures(parent)
-        expired = self._expirations(parent, left)
+        expired = self._expirations(parent, left, proven | {u.signer for u in rejected})
+        roster = self._next_roster(parent, quarantine, left, expired)
         return Head(revision=e.revision.id, parent=parent.id, window=window, skipped=False,
                     params=result["params"], params_digest=result["params_digest"],
                     cohort=tuple(sorted(result["kept"])),
-                    roster=self._next_roster(parent, quarantine, left, expired), quarantine=quarantine,
+                    roster=roster, quarantine=quarantine,
                     metrics=result["metrics"], strikes=strikes, rejected=tuple(sorted(u.id for u in rejected)),
                     evidence=evidence, outer_state=result["outer_state"],
-                    outer_state_digest=result["outer_state_digest"], left=left, expired=expired)
+                    outer_state_digest=result["outer_state_digest"], left=left, expired=expired,
+                    unproven=next_unproven(parent, roster, proven))
 
     def _compute(self, candidates: tuple[SignedEnvelope, ...], check: _Check | None, done: Any) -> None:
         """Screen the candidates against each other, reduce the rest onto the parent (canonical order),
@@ -508,10 +598,15 @@ class ValidatorRole:
                 any(self.leaves.get(p, c.window + 1) > c.window for p in left):
             return "left-unknown"  # a departure without a signed leave held here for this window
         expired = set(head.expired)
-        if list(head.expired) != sorted(expired) or expired & left or (expired and e.manifest.idle_windows == 0) or \
+        silent = frozenset() if head.skipped else \
+            undelivered(parent, e.manifest, frozenset(u.signer for u in cohort + rejected)) - left
+        if list(head.expired) != sorted(expired) or expired & left or \
+                (e.manifest.idle_windows == 0 and not expired <= silent) or \
                 any(p not in before or p in roster for p in expired):
             return "expired-unknown"  # not a peer of the parent's roster that the new roster drops
-        if any(not self._idle(p, c.window) for p in expired) and not self._quorum_backs(head.id):
+        if not silent <= expired:
+            return "unproven-kept"  # an unproven leaseholder that delivered nothing stays rostered
+        if any(not self._idle(p, c.window) for p in expired - silent) and not self._quorum_backs(head.id):
             return "expired-heard"  # this validator heard it within idle_windows: not valid here
         if any(roster.get(p) != cap for p, cap in before.items() if p not in left and p not in expired):
             return "roster-shrunk"  # the roster shrinks only by the peers that left or expired
@@ -523,6 +618,10 @@ class ValidatorRole:
         if e.manifest.admission == "certificate" and any(
                 p not in self.admitted or cap > self.admitted[p] for p, cap in roster.items() if p not in before):
             return "roster-not-admitted"
+        if e.manifest.max_joins and sum(1 for p in roster if p not in before) > e.manifest.max_joins:
+            return "roster-too-many-joins"
+        if head.unproven != next_unproven(parent, head.roster, frozenset(u.signer for u in cohort)):
+            return "unproven-mismatch"
         if head.skipped:
             if updates or head.cohort or head.rejected or head.params != parent.params or \
                     head.metrics != parent.metrics or head.outer_state != parent.outer_state:
@@ -638,10 +737,31 @@ class ValidatorRole:
         tallies = [*a.prevotes.values(), *a.precommits.values()]
         return any(sum(head_id in v for v in votes.values()) >= a.quorum for votes in tallies)
 
-    def _expirations(self, head: Head, left: tuple[PeerId, ...]) -> tuple[PeerId, ...]:
-        """Trainers of `head`'s roster (not leaving) unheard here for `idle_windows` windows, sorted."""
+    def _expirations(self, head: Head, left: tuple[PeerId, ...],
+                     delivered: frozenset[PeerId] | None = None) -> tuple[PeerId, ...]:
+        """Trainers of `head`'s roster (not leaving) unheard here for `idle_windows` windows, and, for a head
+        with a cohort (`delivered`: the authors of its cohort and rejected updates), the unproven
+        leaseholders of the window that delivered nothing (spec/protocol.md §4.1); sorted."""
         window = head.window + 1
-        return tuple(sorted(p for p, _ in head.roster if p not in left and self._idle(p, window)))
+        silent = undelivered(head, self.engine.manifest, delivered) if delivered is not None else frozenset()
+        return tuple(sorted(p for p, _ in head.roster if p not in left and (self._idle(p, window) or p in silent)))
+
+    def _make_room_for_join(self, joiner: PeerId) -> bool:
+        """True if a new join of `joiner` may be held: the pending joins (not yet rostered) are fewer than
+        the backlog, or `joiner` ranks before the last of them by `join_priority`, which is then dropped.
+        Every honest validator that hears the same joins keeps the same ones, whatever their order."""
+        c = self.collector
+        assert c is not None
+        backlog = max(JOIN_BACKLOG_FACTOR * self.engine.manifest.max_joins, MIN_JOIN_BACKLOG)
+        pending = [p for p in self.joins if p not in c.head.roster_peers]
+        if len(pending) < backlog:
+            return True
+        last = max(pending, key=lambda p: join_priority(c.head.id, p))
+        if join_priority(c.head.id, joiner) >= join_priority(c.head.id, last):
+            return False
+        del self.joins[last]
+        self.admitted.pop(last, None)
+        return True
 
     def _next_roster(self, head: Head, quarantine: tuple[tuple[PeerId, int], ...],
                      left: tuple[PeerId, ...], expired: tuple[PeerId, ...] = ()) -> tuple[tuple[PeerId, int], ...]:
@@ -650,9 +770,12 @@ class ValidatorRole:
         gone = set(left) | set(expired)
         roster = {p: c for p, c in head.roster if p not in gone}
         quarantined = {p for p, until in quarantine if until > head.window + 2}
-        for peer, capacity in self.joins.items():
-            if peer not in quarantined and peer not in roster and peer not in gone and peer not in self.withdrawn:
+        room = self.engine.manifest.max_joins or len(self.joins)  # joins are taken by priority (§4.1)
+        for peer, capacity in sorted(self.joins.items(), key=lambda kv: join_priority(head.id, kv[0])):
+            if room and peer not in quarantined and peer not in roster and peer not in gone and \
+                    peer not in self.withdrawn:
                 roster[peer] = min(capacity, self.engine.manifest.max_capacity)
+                room -= 1
         return tuple(sorted(roster.items()))
 
     # --- agreement host: proposer, votes, proposals, timers, decision -----------------------------
@@ -966,6 +1089,14 @@ class ValidatorRole:
                 return
             if join.window <= self.withdrawn.get(envelope.signer, -1):
                 e.stats["withdrawn_joins_ignored"] += 1  # withdrawn since: a late relay or a replay
+                return
+            if envelope.signer not in self.joins and not self._make_room_for_join(envelope.signer):
+                # A join flood (Sybils) cannot grow this validator's state (spec/protocol.md §4.1). Charged
+                # only to a joiner sending its own join; a relaying validator did nothing wrong.
+                if peer == envelope.signer:
+                    e.reject(peer, "join-backlog-full")
+                else:
+                    e.rejected_by_reason["join-backlog-full"] += 1
                 return
             self.withdrawn.pop(envelope.signer, None)  # a join for a later window: asked anew
             capacity = max(1, join.capacity)

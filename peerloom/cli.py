@@ -40,9 +40,12 @@ def main(argv: list[str] | None = None) -> None:
     node = sub.add_parser("node", help="run one node from a TOML config until SIGTERM")
     node.add_argument("--config", type=Path, required=True)
 
-    verify = sub.add_parser("verify", help="verify a chain directory (manifest.cbor + NNNNNN.cbor) from genesis")
-    verify.add_argument("chain", type=Path)
+    verify = sub.add_parser("verify", help="verify a chain from genesis: a chain directory (manifest.cbor + "
+                                           "NNNNNN.cbor) or a node store (node.db, or a node directory with store/)")
+    verify.add_argument("chain", type=Path, metavar="PATH")
     verify.add_argument("--authority", default=None, help="peer id that must have signed the manifest")
+    verify.add_argument("--manifest", type=Path, default=None, metavar="FILE",
+                        help="the signed manifest, for a store or directory that holds no manifest.cbor")
 
     keygen = sub.add_parser("keygen", help="create an identity key file (mode 0600) and print its peer id")
     keygen.add_argument("path", type=Path)
@@ -110,7 +113,7 @@ def _dispatch(args: argparse.Namespace) -> None:
     elif args.command == "verify":
         from peerloom.verify import run_verify
 
-        sys.exit(run_verify(args.chain, args.authority))
+        sys.exit(run_verify(args.chain, args.authority, manifest=args.manifest))
     elif args.command == "sim":
         sys.exit(simulate.run(args))
     elif args.command == "inspect":

@@ -61,6 +61,7 @@ from typing import Any
 import trio
 
 from peerloom.adapters.compute import ComputeExecutor
+from peerloom.adapters.database import Database
 from peerloom.adapters.keys import load_identity, load_or_create_identity
 from peerloom.adapters.logs import setup_logging
 from peerloom.adapters.runtime import NodeRuntime, RuntimeOptions
@@ -228,9 +229,22 @@ def build_node_workload(config: dict[str, Any], manifest_workload: str, seed: in
 
 
 def write_chain_entry(chain_dir: Path, head: Head, cert: QuorumCertificate) -> None:
-    """Append a certified head to a chain directory as ``<window>.cbor`` (canonical CBOR)."""
+    """Add a certified head to a chain directory as ``<window>.cbor`` (canonical CBOR)."""
     chain_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(chain_dir / f"{head.window:06d}.cbor", encode_chain_entry(head, cert))
+
+
+def fill_chain_dir(db: Database, chain_dir: Path) -> list[int]:
+    """Write every certified head the store's database holds that `chain_dir` lacks (a SIGKILL between the
+    database commit and the file leaves one out); returns the windows written."""
+    chain_dir.mkdir(parents=True, exist_ok=True)
+    present = {p.name for p in chain_dir.glob("[0-9]*.cbor")}
+    written = []
+    for window, _, entry in reversed(db.heads()):
+        if window > 0 and f"{window:06d}.cbor" not in present:
+            atomic_write(chain_dir / f"{window:06d}.cbor", entry)
+            written.append(window)
+    return written
 
 
 def _load_revision(config: dict[str, Any]) -> tuple[SignedEnvelope, Revision]:
@@ -310,12 +324,16 @@ def build_runtime(config: dict[str, Any]) -> NodeRuntime:
     options = RuntimeOptions(listen_host=host, listen_port=port,
                              bootstrap=tuple(_address(a) for a in config.get("bootstrap", [])),
                              http_listen=http_listen, mdns=bool(config.get("discovery", {}).get("mdns", False)))
+    # The store's chain directory: one file per certified head the node holds, kept as they become durable.
     chain_dir = Path(config["store"]) / "chain"
     atomic_write(Path(config["store"]) / "manifest.cbor", envelope.to_bytes())
+    repaired = fill_chain_dir(store.db, chain_dir)
+    if repaired:
+        log.info("chain directory repaired from the store", extra={"fields": {"windows": repaired}})
     return NodeRuntime(name=config["name"], identity=identity, revision=revision, roles=set(config["roles"]),
                        store=store, executor=executor, options=options, events_path=config.get("events"),
                        capacity=int(config.get("capacity", 1)), stop_after_window=config.get("stop_after_window"),
-                       on_head=lambda h, c: write_chain_entry(chain_dir, h, c), admission=admission)
+                       on_chain_entry=lambda h, c: write_chain_entry(chain_dir, h, c), admission=admission)
 
 
 async def leave_roster(runtime: NodeRuntime, grace_s: float, signals: Any) -> str:

@@ -1,11 +1,21 @@
-"""`peerloom verify DIR`: check a chain directory from genesis against its signed manifest.
+"""`peerloom verify PATH`: check a chain from genesis against its signed manifest.
 
-The directory holds ``manifest.cbor`` (the signed revision manifest) and one ``NNNNNN.cbor`` per window
-(a head with its quorum certificate), as the demo and every node write them. Checks, in order: the
-manifest's signature (and its authority, when given); for every head, its certificate's signatures and
-quorum against the manifest's validator set, its parent link and window number
-(`peerloom.core.chain.verify_chain`); and the manifest's cohort and roster rules (`check_rules`). Prints
-what it checked; exit status 0 only if everything verified.
+PATH is either
+
+- a chain directory: ``manifest.cbor`` (the signed revision manifest) and one ``NNNNNN.cbor`` per window
+  (a head with its quorum certificate), as the demo and `peerloom sim` write them; a node's own
+  ``store/chain/`` works too (its manifest is the store's, one level up); or
+- a node store: the directory holding ``node.db``, or a node directory with ``store/`` inside. The chain
+  is every certified head in the store's database (`Database.heads`: promoted and archived), the
+  manifest the store's ``manifest.cbor`` (`peerloom node` keeps it there). When the store has a
+  ``chain/`` directory, it must hold exactly the same heads.
+
+``manifest`` names the manifest file instead (for a store or directory without one). Checks, in order:
+the manifest's signature (and its authority, when given); for every head, its certificate's signatures
+and quorum against the manifest's validator set, its parent link and window number, with no window
+missing from 1 to the last (`peerloom.core.chain.verify_chain`; a hole fails naming the missing window);
+and the manifest's cohort and roster rules (`check_rules`). Prints what it checked; exit status 0 only if
+everything verified.
 """
 
 from __future__ import annotations
@@ -29,8 +39,9 @@ def check_rules(revision: Revision, entries: Sequence[tuple[Head, QuorumCertific
     the roster only by a signed leave, which the head records in ``left``, or by idle expiry (manifest
     ``idle_windows`` > 0), recorded in ``expired``: the roster shrinks by exactly the head's ``left`` and
     ``expired`` (disjoint peers of the previous roster, absent from the new one) and by no other peer
-    (quarantine, not removal, takes a misbehaving peer out of the leases). Raises VerificationError
-    naming the window at the first failure.
+    (quarantine, not removal, takes a misbehaving peer out of the leases); with ``idle_windows`` = 0 only
+    unproven trainers expire. A head adds at most ``max_joins`` trainers, and lists every one of them in
+    ``unproven`` (spec/protocol.md §4.1). Raises VerificationError naming the window at the first failure.
     """
     m = revision.manifest
     previous = revision.genesis()
@@ -45,36 +56,119 @@ def check_rules(revision: Revision, entries: Sequence[tuple[Head, QuorumCertific
             raise VerificationError("roster-duplicate", where)
         if any(not 1 <= cap <= m.max_capacity for _, cap in head.roster):
             raise VerificationError("roster-capacity", where)
-        dropped = {p for p, _ in previous.roster} - set(peers)
-        if head.expired and m.idle_windows == 0:
-            raise VerificationError("expired-disabled", f"{where}: expiry is off in this manifest")
+        before = {p for p, _ in previous.roster}
+        dropped, added = before - set(peers), set(peers) - before
+        if m.idle_windows == 0 and not set(head.expired) <= set(previous.unproven):
+            raise VerificationError("expired-disabled", f"{where}: idle expiry is off in this manifest, and "
+                                                        "only unproven trainers may be dropped (§4.1)")
+        if m.max_joins and len(added) > m.max_joins:
+            raise VerificationError("too-many-joins", f"{where}: {len(added)} joins > max_joins {m.max_joins}")
+        unproven = set(head.unproven)
+        if not added <= unproven or not unproven <= set(peers) or not unproven <= set(previous.unproven) | added:
+            raise VerificationError("unproven-mismatch", f"{where}: unproven must hold every joiner, and only "
+                                                         "rostered trainers that joined since they were proven")
         if set(head.left) & set(head.expired) or dropped != set(head.left) | set(head.expired):
             raise VerificationError("roster-shrunk", f"{where}: {len(dropped)} trainer(s) dropped, "
                                                      f"{len(head.left)} left, {len(head.expired)} expired")
         previous = head
     return [f"cohort and roster rules hold for {len(entries)} heads (cohort >= {m.min_updates}, "
-            f"capacity <= {m.max_capacity}, roster shrinks only by signed leaves and idle expiry)"]
+            f"capacity <= {m.max_capacity}, roster shrinks only by signed leaves and expiry, "
+            f"joins bounded and unproven)"]
 
 
-def run_verify(chain_dir: Path, authority: str | None = None, *, echo: Callable[[str], None] = print,
-               brief: bool = False) -> int:
-    """Verify `chain_dir`; print (via `echo`) each check (`brief`: first and last few windows only);
-    return 0 if all passed, 1 otherwise. FileNotFoundError when `chain_dir` holds no manifest.cbor."""
-    if not (chain_dir / "manifest.cbor").is_file():
-        raise FileNotFoundError(errno.ENOENT, "not a chain directory (no manifest.cbor)", str(chain_dir))
+def _chain_dir_entries(chain_dir: Path) -> list[tuple[int, bytes]]:
+    return [(int(path.stem), path.read_bytes()) for path in sorted(chain_dir.glob("[0-9]*.cbor"))]
+
+
+def _store_entries(store: Path) -> list[tuple[int, bytes]]:
+    """(window, chain entry) of every certified head in the store's database, in window order."""
+    from peerloom.adapters.database import DB_NAME, Database
+
+    db = Database(store / DB_NAME)
     try:
-        envelope = SignedEnvelope.from_bytes((chain_dir / "manifest.cbor").read_bytes())
+        return [(window, entry) for window, _, entry in reversed(db.heads()) if window > 0]
+    finally:
+        db.close()
+
+
+def _locate(path: Path, manifest: Path | None) -> tuple[Path, list[tuple[int, bytes]], list[str]]:
+    """(manifest file, (window, entry) in window order, lines saying what was read) for PATH (see the module
+    docstring). FileNotFoundError when PATH is neither form, or no manifest is found."""
+    from peerloom.adapters.database import DB_NAME
+    from peerloom.inspect import find_store
+
+    if (path / DB_NAME).exists() or (path / "store" / DB_NAME).exists():
+        store = find_store(path)
+        manifest = manifest or store / "manifest.cbor"
+        if not manifest.is_file():
+            raise FileNotFoundError(errno.ENOENT, "node store without manifest.cbor (pass --manifest FILE)",
+                                    str(manifest))
+        entries = _store_entries(store)
+        lines = [f"node store {store}: {len(entries)} certified heads in {DB_NAME}"]
+        chain_dir = store / "chain"
+        if chain_dir.is_dir():
+            files = dict(_chain_dir_entries(chain_dir))
+            files.pop(0, None)
+            held = dict(entries)
+            lacking = sorted(set(held) - set(files))
+            if lacking:
+                raise VerificationError("chain-dir", f"{chain_dir} lacks window(s) {_windows(lacking)} of the "
+                                                     "store's database")
+            extra = sorted(set(files) - set(held))
+            if extra:
+                raise VerificationError("chain-dir", f"{chain_dir} holds window(s) {_windows(extra)} that the "
+                                                     "store's database does not")
+            differ = sorted(w for w in held if files[w] != held[w])
+            if differ:
+                raise VerificationError("chain-dir", f"{chain_dir}: window(s) {_windows(differ)} differ from "
+                                                     "the store's database")
+            lines.append(f"chain directory {chain_dir}: the same {len(files)} heads")
+        return manifest, entries, lines
+    if manifest is None:
+        manifest = path / "manifest.cbor"
+        if not manifest.is_file() and (path.parent / "manifest.cbor").is_file() and path.name == "chain":
+            manifest = path.parent / "manifest.cbor"  # a node's store/chain/: the store keeps the manifest
+        if not manifest.is_file():
+            raise FileNotFoundError(errno.ENOENT, f"not a chain directory (no manifest.cbor) nor a node store "
+                                                  f"(no {DB_NAME})", str(path))
+    return manifest, _chain_dir_entries(path), []
+
+
+def _windows(windows: Sequence[int]) -> str:
+    """``3``, ``3, 7`` or ``3-5, 9``: windows in order, runs shortened."""
+    runs: list[list[int]] = []
+    for w in windows:
+        if runs and w == runs[-1][1] + 1:
+            runs[-1][1] = w
+        else:
+            runs.append([w, w])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def run_verify(path: Path, authority: str | None = None, *, echo: Callable[[str], None] = print,
+               brief: bool = False, manifest: Path | None = None) -> int:
+    """Verify the chain at `path`, a chain directory or a node store (module docstring), against
+    `manifest` (default: the one `path` holds); print (via `echo`) each check (`brief`: first and last few
+    windows only); return 0 if all passed, 1 otherwise. FileNotFoundError when `path` is neither a chain
+    directory nor a node store, or holds no manifest and none is given."""
+    checked: list[str] = []
+    try:
+        manifest_path, raw, checked = _locate(path, manifest)
+        envelope = SignedEnvelope.from_bytes(manifest_path.read_bytes())
         revision = Revision.verify(envelope, PeerId.from_text(authority) if authority else None)
-        paths = sorted(chain_dir.glob("[0-9]*.cbor"))
         entries = []
-        for path in paths:
+        for window, data in raw:
             try:
-                entries.append(decode_chain_entry(path.read_bytes()))
+                entries.append(decode_chain_entry(data))
             except PeerloomError as exc:
-                raise PeerloomError(f"{path.name}: {exc}") from exc
-        checked = verify_chain(revision, entries)
+                raise PeerloomError(f"{window:06d}.cbor: {exc}") from exc
+        checked += verify_chain(revision, entries)
         checked += check_rules(revision, entries)
+    except FileNotFoundError:
+        raise
     except (OSError, PeerloomError) as exc:
+        for line in checked[:1]:
+            echo(line)
         echo(f"FAILED: {exc}")
         return 1
     shown = checked if not brief or len(checked) <= 8 else [*checked[:3], f"... {len(checked) - 6} more windows ...",

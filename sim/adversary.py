@@ -37,7 +37,8 @@ from .kernel import Behaviour, derive_seed
 if TYPE_CHECKING:
     from .kernel import SimNode, Simulation
 
-TRAINER_BEHAVIOURS = (*attacks.ATTACKS, "replay", "lease-squatting", "sybil")
+TRAINER_BEHAVIOURS = (*attacks.ATTACKS, "replay", "lease-squatting", "sybil", "sybil-silent")
+SYBIL_BEHAVIOURS = ("sybil", "sybil-silent")  # extra nodes that join during the run
 REDUCER_BEHAVIOURS = ("wrong-aggregate", "silent")
 VALIDATOR_BEHAVIOURS = ("equivocation", "vote-withholding", "late-votes", "announcement-withholding")
 BEHAVIOURS = TRAINER_BEHAVIOURS + REDUCER_BEHAVIOURS + VALIDATOR_BEHAVIOURS
@@ -50,6 +51,12 @@ def _signed_kind(data: bytes) -> tuple[str, SignedEnvelope | None]:
         return "", None
     message = decode_message(data, max_bytes=1 << 24)
     return ("signed", message.envelope) if isinstance(message, Signed) else ("", None)
+
+
+def _withhold(data: bytes, kind: str) -> list[tuple[float, bytes]]:
+    """`on_send` of a node that never sends signed envelopes of `kind` (and sends everything else)."""
+    _, envelope = _signed_kind(data)
+    return [] if envelope is not None and envelope.kind == kind else [(0.0, data)]
 
 
 class ModelAttack(Behaviour):
@@ -150,6 +157,18 @@ class Sybil(Behaviour):
         return dict(result, delta=node.disk.put(to_safetensors(delta)), delta_digest=tensor_digest(delta))
 
 
+class SilentSybil(Behaviour):
+    """One of many fresh identities that join the roster and then never deliver an update: every lease it
+    is given goes unserved (the Sybil stall, spec/protocol.md §4.1). It still sends its joins and
+    heartbeats, so idle expiry alone never removes it."""
+
+    name = "sybil-silent"
+    byzantine = True
+
+    def on_send(self, sim: Simulation, node: SimNode, dst: str, data: bytes) -> list[tuple[float, bytes]]:
+        return _withhold(data, "update")
+
+
 class WrongAggregate(Behaviour):
     """A reducer whose proposed aggregate is off by `offset` in every coordinate (still well-formed)."""
 
@@ -175,10 +194,7 @@ class SilentReducer(Behaviour):
     byzantine = True
 
     def on_send(self, sim: Simulation, node: SimNode, dst: str, data: bytes) -> list[tuple[float, bytes]]:
-        _, envelope = _signed_kind(data)
-        if envelope is not None and envelope.kind == "proposal":
-            return []
-        return [(0.0, data)]
+        return _withhold(data, "proposal")
 
 
 class VoteWithholding(Behaviour):
@@ -309,7 +325,7 @@ class Equivocation(Behaviour):
             engine.note_stored(reduced["outer_state"])
         kept = [members[i] for i in reduced["kept"]]
         result = {"params": reduced["params"], "params_digest": reduced["params_digest"],
-                  "kept": [u.id for u in kept], "outer_state": reduced.get("outer_state"),
+                  "kept": [u.id for u in kept], "candidates": tuple(kept), "outer_state": reduced.get("outer_state"),
                   "outer_state_digest": reduced.get("outer_state_digest"),
                   "metrics": {"test_loss": float(metrics["loss"]), "test_accuracy": float(metrics["accuracy"]),
                               "train_loss": float(sum(entries[i].announcement.train_loss for i in reduced["kept"])
@@ -324,7 +340,8 @@ def make_behaviour(name: str, **params: Any) -> Behaviour:
     if name in attacks.ATTACKS:
         return ModelAttack(name, **params)
     simple: dict[str, Any] = {
-        "replay": Replay, "lease-squatting": LeaseSquatting, "sybil": Sybil, "wrong-aggregate": WrongAggregate,
+        "replay": Replay, "lease-squatting": LeaseSquatting, "sybil": Sybil, "sybil-silent": SilentSybil,
+        "wrong-aggregate": WrongAggregate,
         "silent": SilentReducer, "equivocation": Equivocation, "vote-withholding": VoteWithholding,
         "late-votes": LateVotes, "announcement-withholding": AnnouncementWithholding,
     }

@@ -92,6 +92,10 @@ class SimDisk:
         """Durable records only (what a restarted engine reads back)."""
         return dict(self._records)
 
+    def has_record(self, key: str) -> bool:
+        """True if record `key` is durable (synced; a pending write does not count)."""
+        return key in self._records
+
     # --- faults -----------------------------------------------------------------------------------
 
     def crash(self, *, lose_unsynced: bool = True) -> int:

@@ -16,9 +16,19 @@ Safety (checked on every head an honest node promotes):
   across crashes and restarts (DESIGN §2, durable before visible). Checked on what it sends.
 - ``roster-changes``: a final head's roster is its parent's less exactly its `left` and `expired` (peers
   of the parent's roster), plus joiners; kept peers keep their capacity.
+- ``contiguous-chain``: an honest node that keeps the chain (`EngineConfig.keep_chain`, the default)
+  promotes the head of window `w` only with the certified heads of windows 1..w durable on its disk
+  (``chain/<w>`` records): no hole after a crash, a restart, a lost disk or a partition (spec/protocol.md
+  §8).
 
 Liveness (checked as virtual time passes): ``liveness``: once the faults end (`heal_at`), honest
 validators certify at least `min_windows` new windows within `bound_s` seconds.
+
+Under attack (only when the scenario's [liveness] table sets them; spec/protocol.md §4.1):
+
+- ``certified-often``: no more than `max_skipped_run` final heads in a row are skipped.
+- ``honest-shards``: in every window, honest trainers lease at least `honest_share` of the shards that
+  are leased at all.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from peerloom.core.engine import chain_key
 from peerloom.core.errors import DecodeError, VerificationError
 from peerloom.core.identity import PeerId
 from peerloom.core.leases import claims_of
@@ -56,12 +67,18 @@ class Checkers:
     """All invariants over one simulation. Register with `sim.observers.append(checkers)`."""
 
     SAFETY = ("one-final-head", "prefix-consistent", "valid-leases", "no-quarantined-cohort", "no-double-vote",
-              "roster-changes")
+              "roster-changes", "contiguous-chain")
 
     def __init__(self, *, heal_at: float | None = None, bound_s: float | None = None, min_windows: int = 1,
-                 stop_on_violation: bool = True, on_final: Callable[[int, float], None] | None = None) -> None:
+                 stop_on_violation: bool = True, on_final: Callable[[int, float], None] | None = None,
+                 max_skipped_run: int | None = None, honest_share: float | None = None) -> None:
         self.on_final = on_final  # called (window, virtual time) when a window first becomes final
         self.verdicts = {name: Verdict() for name in (*self.SAFETY, "liveness")}
+        self.max_skipped_run, self.honest_share = max_skipped_run, honest_share
+        if max_skipped_run is not None:
+            self.verdicts["certified-often"] = Verdict()
+        if honest_share is not None:
+            self.verdicts["honest-shards"] = Verdict()
         self.final: dict[int, Head] = {}  # window -> the final head
         self.left_seen: set[PeerId] = set()  # peers some final head recorded as left / expired
         self.expired_seen: set[PeerId] = set()
@@ -79,6 +96,7 @@ class Checkers:
         self.first_violation: tuple[float, str, str] | None = None
         self._genesis_id: bytes | None = None
         self.votes: dict[tuple[Any, ...], bytes | None] = {}
+        self.held: dict[str, tuple[int, int]] = {}  # node -> (incarnation, n): its disk holds windows 1..n
 
     @property
     def ok(self) -> bool:
@@ -107,6 +125,7 @@ class Checkers:
     def on_head(self, sim: Simulation, node: SimNode, head: Head, cert: QuorumCertificate) -> None:
         if not node.honest or head.window == 0:
             return
+        self._check_contiguous(sim, node, head)
         one = self.verdicts["one-final-head"]
         one.checked += 1
         hid = cert.head
@@ -134,6 +153,22 @@ class Checkers:
             return
         self._check_prefix(sim, head, hid)
         self._check_cohort(sim, head, hid)
+
+    def _check_contiguous(self, sim: Simulation, node: SimNode, head: Head) -> None:
+        """The node's disk holds the certified heads of windows 1..head.window as durable chain records."""
+        if node.engine is None or not node.engine.config.keeps_chain:
+            return
+        verdict = self.verdicts["contiguous-chain"]
+        verdict.checked += 1
+        incarnation, n = self.held.get(node.name, (node.incarnation, 0))
+        if incarnation != node.incarnation:
+            n = 0  # restarted, perhaps without its disk: look again from window 1
+        while n < head.window and node.disk.has_record(chain_key(n + 1)):
+            n += 1
+        self.held[node.name] = (node.incarnation, n)
+        if n < head.window:
+            self._fail(sim, "contiguous-chain", f"{node.name} promoted window {head.window} without window {n + 1} "
+                                                "in its store")
 
     def _check_prefix(self, sim: Simulation, head: Head, hid: bytes) -> None:
         verdict = self.verdicts["prefix-consistent"]
@@ -191,6 +226,7 @@ class Checkers:
         if head.quarantine or parent.quarantine:
             self.quarantine_seen = True
         leases = sim.leases(parent)
+        self._check_under_attack(sim, head, leases)
         claims = claims_of(parent, sim.manifest)
         quarantined: set[PeerId] = set(parent.quarantined)
         lease_v, quar_v = self.verdicts["valid-leases"], self.verdicts["no-quarantined-cohort"]
@@ -216,6 +252,25 @@ class Checkers:
         child = self.final.get(head.window + 1)
         if child is not None:
             self._check_cohort(sim, child, self.final_ids[head.window + 1])
+
+    def _check_under_attack(self, sim: Simulation, head: Head, leases: dict[PeerId, tuple[int, ...]]) -> None:
+        if self.max_skipped_run is not None:
+            verdict = self.verdicts["certified-often"]
+            verdict.checked += 1
+            run = 0
+            while head.window - run in self.final and self.final[head.window - run].skipped:
+                run += 1
+            if run > self.max_skipped_run:
+                self._fail(sim, "certified-often", f"windows {head.window - run + 1}..{head.window} all skipped "
+                                                   f"(at most {self.max_skipped_run} in a row)")
+        if self.honest_share is not None and leases:
+            verdict = self.verdicts["honest-shards"]
+            verdict.checked += 1
+            total = sum(len(s) for s in leases.values())
+            honest = sum(len(s) for p, s in leases.items() if p in sim.by_peer and sim.by_peer[p].honest)
+            if honest < self.honest_share * total:
+                self._fail(sim, "honest-shards", f"window {head.window}: honest trainers lease {honest} of {total} "
+                                                 f"shards (need {self.honest_share:.0%})")
 
     def on_validator_message(self, sim: Simulation, node: SimNode, data: bytes) -> None:
         if not node.honest or b"signed" not in data[:16]:

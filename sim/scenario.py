@@ -23,7 +23,7 @@ from peerloom.core.errors import DecodeError
 from peerloom.core.objects import Manifest, Revision, make_artifact_ref
 from peerloom.core.tables import TableError, check_keys, typed
 
-from .adversary import make_behaviour, role_of_behaviour
+from .adversary import SYBIL_BEHAVIOURS, make_behaviour, role_of_behaviour
 from .invariants import Checkers
 from .kernel import Simulation, Trace, sim_identity
 from .network import LinkSpec
@@ -34,7 +34,8 @@ FAULT_KINDS = ("partition", "block", "heal", "crash", "restart", "leave", "join"
 MANIFEST_PASSTHROUGH = {"quarantine_strikes": int, "strike_windows": int, "quarantine_windows": int,
                         "norm_ratio": float, "min_cosine": float, "max_update_norm": float, "lease_s": float,
                         "outer_optimizer": str, "outer_momentum": float, "inner_steps": int,
-                        "audit": bool, "audit_min_cosine": float, "idle_windows": int}
+                        "audit": bool, "audit_min_cosine": float, "idle_windows": int,
+                        "unproven_share": float, "max_joins": int}
 TOP_KEYS = {"name", "description", "duration_s", "stop_window", "workload", "roles", "manifest", "compute",
             "network", "faults", "churn", "adversaries", "liveness", "engine", "disk", "trace"}
 
@@ -65,7 +66,8 @@ SCALARS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "workload": {"name": str, "seed": int, "samples_per_shard": int, "dim": int, "a_min": float,
                  "data_noise": float, "grad_noise": float, "lr": float, "local_steps": int},
     "disk": {"persist_s": float, "lose_unsynced": bool},
-    "liveness": {"heal_at": float, "bound_s": float, "min_windows": int},
+    "liveness": {"heal_at": float, "bound_s": float, "min_windows": int, "max_skipped_run": int,
+                 "honest_share": float},
     "churn": {"crash_rate_per_s": float, "restart_after_s": float, "disk_loss": float, "until": float,
               "start": float, "partition_rate_per_s": float, "partition_s": float},
     "faults": {"at": float, "kind": str, "keep_disk": bool, "duration_s": float, "until": float,
@@ -220,7 +222,7 @@ def run_scenario(scenario: Mapping[str, Any], *, seed: int, trace_out: IO[str] |
         role = role_of_behaviour(behaviour)
         pool = names[role]
         count = int(adv["count"]) if "count" in adv else round(float(adv.get("fraction", 0.0)) * len(pool))
-        if behaviour == "sybil":
+        if behaviour in SYBIL_BEHAVIOURS:
             base = len(sybils)
             sybils.extend((f"s{base + i}", adv) for i in range(count))
             continue
@@ -253,18 +255,19 @@ def run_scenario(scenario: Mapping[str, Any], *, seed: int, trace_out: IO[str] |
         sim.boot(name)
 
     for name, adv in sybils:
-        behaviour = make_behaviour("sybil", **adv.get("params", {}))
+        behaviour = make_behaviour(str(adv["behaviour"]), **adv.get("params", {}))
         sim.at(float(adv.get("join_at", 0.0)), lambda n=name, b=behaviour: spawn(n, b))
 
     heal_at = _schedule_faults(sim, scenario.get("faults", []), names, spawn)
     _schedule_churn(sim, scenario.get("churn", {}), names, heal_at)
 
     live = scenario.get("liveness", {})
-    _check_keys(live, {"heal_at", "bound_s", "min_windows"}, "liveness")
+    _check_keys(live, {"heal_at", "bound_s", "min_windows", "max_skipped_run", "honest_share"}, "liveness")
     heal = float(live["heal_at"]) if "heal_at" in live else heal_at
     checkers = Checkers(heal_at=heal if "bound_s" in live else None, bound_s=live.get("bound_s"),
                         min_windows=int(live.get("min_windows", 1)), stop_on_violation=stop_on_violation,
-                        on_final=on_window)
+                        on_final=on_window, max_skipped_run=live.get("max_skipped_run"),
+                        honest_share=live.get("honest_share"))
     sim.observers.append(checkers)
 
     duration = float(scenario.get("duration_s", 60.0))

@@ -112,11 +112,12 @@ def test_proposal_adding_an_unadmitted_peer_is_invalid(tmp_path, digits):
     skip = role._skip_head(parent, ())
     assert role._structural_fault(skip, ()) == ""
     newcomer = ident(20).peer_id
-    added = attrs.evolve(skip, roster=tuple(sorted((*parent.roster, (newcomer, 1)))))
+    added = attrs.evolve(skip, roster=tuple(sorted((*parent.roster, (newcomer, 1)))), unproven=(newcomer,))
     assert role._structural_fault(added, ()) == "roster-unknown-join"  # no join seen at all
     role.joins[newcomer] = 1  # a join this validator took without a certificate (e.g. before the policy)
     assert role._structural_fault(added, ()) == "roster-not-admitted"
     role.admitted[newcomer] = 1
     assert role._structural_fault(added, ()) == ""
+    assert role._structural_fault(attrs.evolve(added, unproven=()), ()) == "unproven-mismatch"  # a joiner is unproven
     more = attrs.evolve(skip, roster=tuple(sorted((*parent.roster, (newcomer, 2)))))
     assert role._structural_fault(more, ()) == "roster-not-admitted"  # above the certified capacity

@@ -1,5 +1,6 @@
 """Crash test: SIGKILL a validator at random moments, many times; after every restart its store is consistent
-and it has never signed two different votes for one (window, round, step) (DESIGN §6, issue 7).
+(its chain has no hole) and it has never signed two different votes for one (window, round, step) (DESIGN §6,
+issue 7). A trainer SIGKILLed and restarted fills in every window it missed (issue 16 item 5).
 
 Fleet: two validators (quorum 2, so every window needs the victim's votes) and two trainers, each a
 `peerloom node` OS process on 127.0.0.1. validator-1 is killed a random 0-1 s or 2.5-4 s after it is up
@@ -44,6 +45,9 @@ def _check_store(directory) -> dict[tuple[int, int, str], bytes]:
         if "head" in records:
             head, _ = decode_chain_entry(records["head"])
             assert store.has(head.params.digest) or head.window == 0
+            # no hole at any moment: every window up to the head is in the store's chain (issue 16 item 5)
+            held = {w for w, _, _ in store.db.heads()}
+            assert [w for w in range(1, head.window + 1) if w not in held] == []
         return votes
     finally:
         store.close()
@@ -168,3 +172,70 @@ def test_sigkill_during_store_writes_leaves_no_torn_artifact_or_record(tmp_path)
         last = max(votes, default=0)
         store.close()
     assert last > ITERATIONS  # the writer made progress between kills
+
+
+def _head_windows(node) -> list[int]:
+    return [e["window"] for e in node.events() if e["event"] == "head"]
+
+
+def _wait(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.05)
+
+
+def _store_chain(store_dir) -> tuple[list[int], list[int]]:
+    """(windows of the store's database chain, windows of its chain directory), each in order."""
+    from peerloom.adapters.database import DB_NAME, Database
+
+    db = Database(store_dir / DB_NAME)
+    try:
+        windows = sorted(w for w, _, _ in db.heads() if w > 0)
+    finally:
+        db.close()
+    files = sorted(int(p.stem) for p in (store_dir / "chain").glob("[0-9]*.cbor"))
+    return windows, [w for w in files if w > 0]
+
+
+@pytest.mark.slow
+def test_sigkilled_trainer_restarts_with_no_hole_in_its_chain(tmp_path):
+    """Issue 16 item 5: a trainer SIGKILLed at a random moment and restarted after the fleet has certified
+    several windows without it fills in every head it missed (verified, with certificates) from its peers,
+    so its store's chain - the database and the chain directory - runs from window 1 to its head with no
+    hole, and `peerloom verify` accepts the store. Two lives end this way: one short, one long enough that
+    the validator certifies at least three windows while the trainer is down."""
+    from peerloom.verify import run_verify
+
+    rng = random.Random(5)
+    nodes = make_fleet(tmp_path, validators=1, trainers=2, quorum=1, window_s=1.0)
+    validator, victim = nodes[0], nodes[1]
+    try:
+        for node in nodes:
+            node.start()
+        for node in nodes:
+            node.wait_port()
+        _wait(lambda: len(set(_head_windows(victim))) >= 2, 60.0, "the victim never held two heads")
+        for downtime_windows in (0, 3):
+            time.sleep(rng.uniform(0.0, 1.0))  # somewhere inside a window: training, announcing or adopting
+            victim.kill()
+            down_at = max(_head_windows(validator), default=0)
+            _wait(lambda d=down_at, n=downtime_windows: max(_head_windows(validator), default=0) >= d + n, 60.0,
+                  "the fleet stopped while the victim was down")
+            restart_at = max(_head_windows(validator), default=0)
+            victim.start()
+            victim.wait_port()
+            _wait(lambda r=restart_at: max(_head_windows(victim), default=0) > r, 60.0,
+                  "the restarted victim never caught up")
+    finally:
+        for node in nodes:
+            node.stop()
+    victim_windows, victim_files = _store_chain(victim.directory / "store")
+    head = max(victim_windows)
+    assert head > 5
+    assert victim_windows == list(range(1, head + 1)), f"holes: {sorted(set(range(1, head + 1)) - set(victim_windows))}"
+    assert victim_files == victim_windows
+    lines: list[str] = []
+    assert run_verify(victim.directory / "store", echo=lines.append) == 0, lines
+    assert run_verify(victim.directory, echo=lines.append) == 0, lines

@@ -8,7 +8,7 @@ from peerloom.adapters.database import MIGRATIONS, Database, DoubleVoteError
 from peerloom.adapters.storage import ArtifactStore
 from peerloom.core.chain import encode_chain_entry
 from peerloom.core.objects import QuorumCertificate
-from tests.helpers import make_revision
+from tests.helpers import ident, make_revision
 
 
 def test_wal_mode_and_schema_version(tmp_path):
@@ -64,6 +64,47 @@ def test_head_records_build_the_chain_view(tmp_path):
     assert db.heads() == [(0, genesis.id, entry)]
     assert db.head_entry(genesis.id) == entry and db.head_entry(b"nope") is None
     assert db.records()["head"] == b"not a chain entry"
+
+
+def _entries(n):
+    from tests.test_objects import certify, child
+
+    revision = make_revision()
+    head, out = revision.genesis(), []
+    for _ in range(n):
+        head = child(revision, head)
+        out.append((head, encode_chain_entry(head, certify(revision, head, [ident(1)]))))
+    return out
+
+
+def test_archived_chain_records_join_the_chain_view(tmp_path):
+    """Heads archived by chain sync (``chain/<w>``) are part of the store's chain, like promoted ones."""
+    entries = _entries(3)
+    db = Database(tmp_path / "node.db")
+    db.put_record("chain/1", entries[0][1])
+    db.put_record("chain/2", entries[1][1])
+    db.put_record("head", entries[2][1])
+    assert db.heads() == [(w, h.id, e) for w, (h, e) in zip((3, 2, 1), reversed(entries), strict=True)]
+
+
+def test_migration_3_makes_chain_records_and_the_chain_view_agree(tmp_path):
+    """A store from before: a validator's chain-synced heads were in ``records`` only, a trainer's
+    promoted heads in ``heads`` only. Opening it with this version puts each in the other."""
+    entries = _entries(4)
+    db = Database(tmp_path / "node.db")
+    conn = db._conn
+    conn.execute("DELETE FROM heads")
+    conn.execute("INSERT INTO records VALUES ('chain/1', ?)", (entries[0][1],))
+    conn.execute("INSERT INTO records VALUES ('chain/2', ?)", (entries[1][1],))
+    conn.execute("INSERT INTO heads VALUES (2, ?, ?, 0)", (entries[1][0].id, entries[1][1]))
+    conn.execute("INSERT INTO heads VALUES (4, ?, ?, 0)", (entries[3][0].id, entries[3][1]))
+    conn.execute("UPDATE schema_version SET version=2")
+    db.close()
+    db = Database(tmp_path / "node.db")
+    assert db.schema_version == len(MIGRATIONS) == 3
+    assert [w for w, _, _ in db.heads()] == [4, 2, 1]
+    assert {k: v for k, v in db.records().items() if k.startswith("chain/")} == {
+        "chain/1": entries[0][1], "chain/2": entries[1][1], "chain/4": entries[3][1]}
 
 
 def test_peers_reputation_and_pins(tmp_path):

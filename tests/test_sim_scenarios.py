@@ -305,3 +305,74 @@ def test_a_trainer_leaving_while_its_join_is_pending_is_never_rostered(seed):
     assert max(result.checkers.final) >= 8  # windows went on after it
     validators = [n.engine for n in result.sim.nodes.values() if n.engine is not None and "validator" in n.roles]
     assert all(e.stats["joins_withdrawn"] == 1 for e in validators)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_sybil_flood_keeps_windows_certified_and_shards_honest(seed):
+    """300 joiners that never deliver (issue 16, finding 2): unproven trainers hold at most a quarter of the
+    shards, non-delivering unproven leaseholders are dropped, at most 16 joins a head, the deadline always
+    runs. The scenario's invariants: no two skipped windows in a row, honest trainers lease >= 70%."""
+    result = _run("sybil-flood", seed=seed)
+    assert result.ok, result.summary["invariants"]
+    assert {"certified-often", "honest-shards"} <= set(result.summary["invariants"])
+    final = result.checkers.final
+    assert result.summary["windows"]["certified"] >= 12
+    sybils = {n.identity.peer_id for n in result.sim.nodes.values() if n.name.startswith("s")}
+    assert len(sybils) == 300
+    rostered = set().union(*(h.roster_peers for h in final.values())) & sybils
+    assert 0 < len(rostered) <= 16 * len(final)  # some joined, at most max_joins a head
+    assert result.checkers.expired_seen & sybils  # non-delivering unproven leaseholders were dropped
+
+
+def test_sybil_flood_stalls_without_the_defences():
+    """The same flood with no unproven cap and no join limit: honest trainers lose their shards."""
+    scenario = load_scenario(SCENARIOS / "sybil-flood.toml")
+    scenario["manifest"] = dict(scenario["manifest"], unproven_share=1.0, max_joins=0)
+    result = run_scenario(scenario, seed=1, stop_on_violation=False)
+    assert not result.summary["invariants"]["honest-shards"]["ok"]
+
+
+# Crashes and restarts: a trainer that loses its disk (down from 1.5 s to 20 s), one that keeps it (3 s to
+# 13 s: with window_s = 2 and only trainers down, the fleet certifies at least two windows meanwhile), then a
+# validator and the reducer. Every node keeps the chain (the engine's default, spelled out).
+CRASH_RESTART = {
+    "name": "crash-restart", "duration_s": 45.0,
+    "workload": {"name": "synthetic", "dim": 8},
+    "roles": {"validators": 4, "reducers": 1, "trainers": 6},
+    "manifest": {"window_s": 2.0, "min_updates": 2, "shards": 6},
+    "compute": {"train": 0.3, "jitter": 0.2},
+    "engine": {"keep_chain": True},
+    "faults": [{"at": 1.5, "kind": "crash", "nodes": ["t1"], "keep_disk": False, "restart_after_s": 18.5},
+               {"at": 3.0, "kind": "crash", "nodes": ["t0"], "restart_after_s": 10.0},
+               {"at": 24.0, "kind": "crash", "nodes": ["v1"], "restart_after_s": 10.0},
+               {"at": 26.0, "kind": "crash", "nodes": ["r0"], "restart_after_s": 7.0}],
+}
+RESTARTS = {"t1": (1.5, 20.0), "t0": (3.0, 13.0), "v1": (24.0, 34.0), "r0": (26.0, 33.0)}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_restarted_nodes_fill_in_the_windows_they_missed_before_they_move_on(seed):
+    """Issue 16 item 5: after crashes and restarts, with or without the disk, every honest node promotes
+    window w only with the certified heads of windows 1..w durable in its store (`contiguous-chain`,
+    checked on every promotion), and at the end every node's store holds windows 1..its head. Not vacuous:
+    t1 comes back with an empty disk to a fleet windows ahead, and t0 comes back at least two windows
+    behind, so each could only move on by fetching what it missed."""
+    from peerloom.core.engine import chain_key
+
+    result = run_scenario(CRASH_RESTART, seed=seed, trace=False)
+    assert result.ok, result.summary["invariants"]
+    assert result.checkers.verdicts["contiguous-chain"].checked > 100
+    sim = result.sim
+    for node in sim.nodes.values():
+        assert node.engine is not None and node.up, node.name
+        head = node.engine.head.window
+        assert [w for w in range(1, head + 1) if not node.disk.has_record(chain_key(w))] == [], node.name
+    first_after, last_before = {}, {}
+    for name, (down, up) in RESTARTS.items():
+        heads = sim.nodes[name].heads
+        assert sim.nodes[name].incarnation == 1, name
+        last_before[name] = max((w for t, w, _ in heads if t <= down), default=0)
+        first_after[name] = min((w for t, w, _ in heads if t >= up), default=None)
+        assert first_after[name] is not None, (name, heads)  # it moved on after its restart
+    assert first_after["t1"] >= 2, first_after
+    assert first_after["t0"] >= last_before["t0"] + 2, (last_before, first_after)
