@@ -24,6 +24,7 @@ import logging
 import math
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,9 @@ MAX_CONTROL_OUTBOX_BYTES = 4 << 20
 """Bytes queued for one peer on the control lane (not yet handed to the transport) past which the runtime
 hangs up on it. Control messages are at most `tcp.AUTO_CONTROL_MAX_BYTES` each and the transport's lane
 window is `tcp.LANE_WINDOW` (4 MiB), so a peer that keeps reading never comes near this."""
+PEER_INBOX_BYTES = 32 << 20
+"""Bytes of one peer's received messages that may wait for the engine; past this the connection's reader
+stops reading, and flow control makes the peer wait (`NodeRuntime._inbox_room`)."""
 MAX_BULK_OUTBOX_BYTES = 64 << 20
 """The same for the bulk lane (artifact chunks). Flow control makes a sender wait per lane, so without a
 cap a peer that stops reading would make its outbox, and this node's memory, grow without limit. Above the
@@ -121,6 +125,9 @@ class NodeRuntime:
         self.engine = Engine(config, identity, random.Random(), stored=store.refs(), records=store.records())
         self._events_file = open(events_path, "a", buffering=1) if events_path else None
         self._send_events, self._receive_events = trio.open_memory_channel[ev.Event | _Submit](math.inf)
+        # Bytes of each peer's messages queued for the engine, bounded per peer (`_inbox_room`).
+        self._inbox: Counter[PeerId] = Counter()
+        self._inbox_room_events: dict[PeerId, trio.Event] = {}
         self._conns: dict[PeerId, tcp.SecureConnection] = {}
         # Two outboxes per peer (control, bulk), each with its own writer task, so a vote or a chunk request
         # never waits behind a large artifact message queued before it (the transport interleaves lanes).
@@ -240,7 +247,8 @@ class NodeRuntime:
     def _start_edge(self, host: str, port: int) -> None:
         from .http_edge import EdgeServer  # aiohttp only when the edge is on
 
-        self.edge = EdgeServer(self.edge_view, host=host, port=port).start()
+        # Upload bodies spool next to the artifacts (same disk; leftovers are cleaned when the store opens).
+        self.edge = EdgeServer(self.edge_view, host=host, port=port, spool_dir=self.store.root / "artifacts").start()
         self.http_port = self.edge.port
         log.info("http edge listening", extra={"fields": {"url": self.edge.url}})
 
@@ -253,6 +261,8 @@ class NodeRuntime:
                     self._submit(item)
                 else:
                     self.engine.handle(_with_now(item, trio.current_time()))
+                    if isinstance(item, ev.MessageReceived):
+                        self._inbox_done(item.peer, len(item.data))
                 await self._drain()
                 continue
             self.engine.handle(ev.TimerDue(now=trio.current_time()))
@@ -463,10 +473,12 @@ class NodeRuntime:
             try:
                 first = True
                 while True:
+                    await self._inbox_room(peer)  # backpressure: stop reading while the engine is behind
                     data = await conn.receive_message()
                     if first:  # a Hello says how far the peer's chain is: the head-lag metric
                         self._note_hello(data)
                         first = False
+                    self._inbox[peer] += len(data)
                     await self._send_events.send(ev.MessageReceived(now=0.0, peer=peer, data=data))
             except tcp.TransportError as exc:
                 if tcp.fault_reason(exc) in tcp.PEER_FAULTS:
@@ -475,6 +487,24 @@ class NodeRuntime:
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
             nursery.cancel_scope.cancel()
+
+    async def _inbox_room(self, peer: PeerId) -> None:
+        """Wait while more than `PEER_INBOX_BYTES` of `peer`'s messages wait for the engine. The reader then
+        stops taking messages from the connection, so its lanes grant no credit and the peer's sends block
+        (spec/transport.md §4): one fast peer cannot grow this process's memory (spec/transport.md §5)."""
+        while self._inbox[peer] > PEER_INBOX_BYTES:
+            room = self._inbox_room_events.setdefault(peer, trio.Event())
+            await room.wait()
+
+    def _inbox_done(self, peer: PeerId, size: int) -> None:
+        """The engine handled one of `peer`'s messages of `size` bytes: wake its reader if there is room."""
+        left = self._inbox[peer] - size
+        if left > 0:
+            self._inbox[peer] = left
+        else:
+            del self._inbox[peer]
+        if left <= PEER_INBOX_BYTES and (room := self._inbox_room_events.pop(peer, None)) is not None:
+            room.set()
 
     def _connection_failed(self, peer: PeerId, exc: Exception) -> None:
         """Log, count and charge to `peer` the failure that ended its connection (a TransportError, found

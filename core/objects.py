@@ -131,6 +131,11 @@ def _strictly_ascending(items: Sequence[Any]) -> bool:
     return all(a < b for a, b in itertools.pairwise(items))
 
 
+def byzantine_quorum(n: int) -> int:
+    """Smallest quorum q of n validators with 3q > 2n (spec/agreement.md §2): tolerates n - q Byzantine."""
+    return 2 * n // 3 + 1
+
+
 @attrs.frozen(kw_only=True)
 class Manifest:
     """A revision of an experiment, signed by the experiment's authority key (DESIGN §4).

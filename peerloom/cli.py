@@ -13,6 +13,7 @@ import tomllib
 from pathlib import Path
 
 from peerloom import admit as admit_cmd
+from peerloom import experiment as experiment_cmd
 from peerloom import inspect as inspect_cmd
 from peerloom import light as light_cmd
 from peerloom import simulate
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     keygen = sub.add_parser("keygen", help="create an identity key file (mode 0600) and print its peer id")
     keygen.add_argument("path", type=Path)
     admit_cmd.add_parser(sub)
+    experiment_cmd.add_parsers(sub)
     simulate.add_parser(sub)
     inspect_cmd.add_parser(sub)
     light_cmd.add_parser(sub)
@@ -126,6 +128,8 @@ def _dispatch(args: argparse.Namespace) -> None:
             print(result, file=sys.stderr)
             sys.exit(2)
         sys.exit(result)
+    elif args.command in experiment_cmd.COMMANDS:
+        sys.exit(experiment_cmd.run(args))
     elif args.command == "keygen":
         from peerloom.adapters.keys import generate_identity, save_identity
 

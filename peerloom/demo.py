@@ -37,7 +37,7 @@ from peerloom.backends.registry import build_workload
 from peerloom.core.chain import decode_chain_entry
 from peerloom.core.identity import Identity
 from peerloom.core.leases import leases_of
-from peerloom.core.objects import Manifest, Revision
+from peerloom.core.objects import Manifest, Revision, byzantine_quorum
 from peerloom.demo_report import build_report, defence_verdict, plot_report
 
 WORKLOADS = {"digits": "digits-mlp", "charlm": "charlm"}
@@ -122,11 +122,6 @@ def _prepare_out(out: Path) -> None:
         shutil.rmtree(out)
     out.mkdir(parents=True)
     (out / MARKER).touch()
-
-
-def byzantine_quorum(n: int) -> int:
-    """Smallest quorum q with 3q > 2n (spec/agreement.md §2): tolerates n - q Byzantine validators."""
-    return 2 * n // 3 + 1
 
 
 def _free_port() -> int:

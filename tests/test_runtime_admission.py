@@ -158,3 +158,37 @@ async def test_outbox_over_its_byte_cap_hangs_up_a_slow_peer_only(tmp_path):
             nursery.cancel_scope.cancel()
         await fast.aclose()
         await slow.aclose()
+
+
+@trio_test
+async def test_a_peer_faster_than_the_engine_is_held_back_by_flow_control(tmp_path):
+    """Messages received but not yet handled by the engine are bounded per peer (PEER_INBOX_BYTES): past
+    that the reader stops taking messages, the lanes grant no credit, and the peer's sends wait - instead
+    of queueing without bound in this process (issue 16, resource bounds on TCP lanes)."""
+    from peerloom.adapters.runtime import PEER_INBOX_BYTES
+
+    async with running_node(tmp_path) as runtime:
+        conn = await connect(runtime, 40)
+        await first_message(conn)
+        peer = ident(40).peer_id
+        runtime._inbox[peer] += PEER_INBOX_BYTES + 1  # as if the engine were that far behind this peer
+        blob = b"\x00" * (1 << 20)
+        sent = 0
+        with trio.move_on_after(3):
+            for _ in range(3 * tcp.LANE_WINDOW // len(blob)):
+                await conn.send_message(blob, lane=tcp.LANE_BULK)
+                sent += len(blob)
+        # At most one message reached the engine, then the lane window, then nothing: the sender waits.
+        assert sent <= tcp.LANE_WINDOW + 2 * len(blob), sent
+        runtime._inbox_done(peer, PEER_INBOX_BYTES + 1)  # the engine caught up: reading resumes
+        resumed = 0
+        with trio.move_on_after(10):
+            try:
+                for _ in range(2 * tcp.LANE_WINDOW // len(blob)):
+                    await conn.send_message(blob, lane=tcp.LANE_BULK)
+                    resumed += len(blob)
+            except tcp.TransportError:
+                pass  # the engine may hang up on these meaningless messages once it reads them
+        await wait_for(lambda: runtime._inbox[peer] == 0)  # everything read was handed to the engine
+        assert resumed >= len(blob) or runtime.engine.rejected_by_reason, resumed
+        await conn.aclose()

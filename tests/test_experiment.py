@@ -1,0 +1,91 @@
+"""`peerloom init`, `up` and `status` (issue 17 item 1): an experiment directory from the public API, run as
+a local fleet of OS processes, stopped cleanly, its chain verified."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from peerloom.experiment import Experiment, Fleet
+from tests.node_cluster import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOAD = "tests.node_cluster:numpy_digits"  # numpy: no torch import in each node
+
+
+def _peerloom(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "peerloom", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=180, **kwargs)
+
+
+def test_write_makes_a_verifiable_experiment_directory(tmp_path):
+    root = Experiment(workload=WORKLOAD, trainers=2, validators=4, reducers=0, window_s=2.0,
+                      base_port=free_port()).write(tmp_path / "exp")
+    fleet = Fleet.open(root)
+    revision = fleet.revision()  # signed by the authority the layout names
+    assert revision.manifest.quorum == 3 and len(revision.manifest.validators) == 4
+    assert len(revision.manifest.roster) == 2 and len(revision.manifest.shards) == 4
+    names = [n["name"] for n in fleet.layout["nodes"]]
+    assert names == ["validator-1", "validator-2", "validator-3", "validator-4", "trainer-1", "trainer-2"]
+    for name in names:
+        assert (root / "nodes" / name / "node.toml").exists()
+        assert oct((root / "nodes" / name / "key").stat().st_mode & 0o777) == "0o600"
+    assert oct((root / "authority.key").stat().st_mode & 0o777) == "0o600"
+    with pytest.raises(FileExistsError):
+        Experiment(workload=WORKLOAD).write(root)  # never overwritten
+    with pytest.raises(ValueError):
+        Experiment(workload=WORKLOAD, trainers=0)
+    with pytest.raises(ValueError):
+        Experiment(workload=WORKLOAD, aggregation="avg")
+
+
+def test_init_errors_are_one_line(tmp_path):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    for args in (["init", str(tmp_path / "full"), "--workload", WORKLOAD],
+                 ["init", str(tmp_path / "a"), "--workload", WORKLOAD, "--trainers", "0"],
+                 ["init", str(tmp_path / "b"), "--workload", "no_such_module:factory"],
+                 ["up", str(tmp_path / "nothing-here")], ["status", str(tmp_path / "nothing-here")]):
+        out = _peerloom(*args)
+        assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, (args, out.stderr)
+        assert "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_init_up_status_then_ctrl_c_stops_every_node(tmp_path):
+    root = tmp_path / "exp"
+    out = _peerloom("init", str(root), "--workload", WORKLOAD, "--trainers", "2", "--window-s", "2",
+                    "--base-port", str(free_port()))
+    assert out.returncode == 0 and "peerloom up" in out.stdout, out.stderr
+    up = _peerloom("up", str(root), "--windows", "2")
+    assert up.returncode == 0, up.stdout + up.stderr
+    lines = up.stdout.splitlines()
+    assert any(line.startswith("dashboard: http://127.0.0.1:") for line in lines)
+    assert [line.split()[1] for line in lines if line.startswith("window")][:2] == ["1", "2"]
+    assert "stopped 4 nodes" in up.stdout
+    status = _peerloom("status", str(root))
+    assert status.returncode == 0 and status.stdout.count("stopped") == 4, status.stdout
+    assert "latest head: window" in status.stdout and "test_accuracy" in status.stdout
+    verify = _peerloom("verify", str(root / "nodes" / "validator-1"))
+    assert verify.returncode == 0 and "OK:" in verify.stdout, verify.stdout + verify.stderr
+
+    # Ctrl-C: `up` stops every node it started and exits cleanly.
+    process = subprocess.Popen([sys.executable, "-m", "peerloom", "up", str(root)], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    pids_dir = [root / "nodes" / n for n in ("validator-1", "reducer-1", "trainer-1", "trainer-2")]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all((d / "pid").exists() and (d / "port").exists() for d in pids_dir):
+        time.sleep(0.1)
+    pids = [int((d / "pid").read_text()) for d in pids_dir]
+    running = _peerloom("status", str(root))
+    assert running.stdout.count("running") == 4, running.stdout
+    process.send_signal(signal.SIGINT)
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 0 and "stopped 4 nodes" in output, output
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
