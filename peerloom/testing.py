@@ -20,13 +20,12 @@ from __future__ import annotations
 from importlib import resources
 from typing import Any
 
-from peerloom.simulate import shipped  # the names of the scenarios that ship with peerloom
-
 from peerloom.sim.adversary import BEHAVIOURS, REDUCER_BEHAVIOURS, VALIDATOR_BEHAVIOURS, make_behaviour
 from peerloom.sim.cluster import Cluster
 from peerloom.sim.invariants import Checkers
 from peerloom.sim.kernel import Simulation
 from peerloom.sim.scenario import Result, ScenarioError, load_scenario, run_scenario
+from peerloom.simulate import shipped  # the names of the scenarios that ship with peerloom
 
 try:
     from hypothesis import strategies as st
