@@ -11,7 +11,7 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 
 
 def test_there_are_examples():
-    assert {p.name for p in EXAMPLES} >= {"property_test.py"}
+    assert {p.name for p in EXAMPLES} >= {"property_test.py", "embed_engine_asyncio.py"}
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
