@@ -13,32 +13,26 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import attrs
-import tomli_w
 from rich.console import Console
 
 import peerloom
-from peerloom.adapters.keys import generate_identity, save_identity
-from peerloom.adapters.storage import ArtifactStore, atomic_write
 from peerloom.backends.attacks import ATTACKS
-from peerloom.backends.numpy.tensors import schema_of, tensor_digest, to_safetensors
 from peerloom.backends.registry import build_workload
 from peerloom.core.chain import decode_chain_entry
-from peerloom.core.identity import Identity
+from peerloom.core.identity import PeerId
 from peerloom.core.leases import leases_of
-from peerloom.core.objects import Manifest, Revision, byzantine_quorum
+from peerloom.core.objects import Revision
 from peerloom.demo_report import build_report, defence_verdict, plot_report
+from peerloom.experiment import Experiment, Fleet
 
 WORKLOADS = {"digits": "digits-mlp", "charlm": "charlm"}
 MARKER = ".peerloom-demo"
@@ -100,11 +94,9 @@ PROFILES = {
 class NodeProc:
     name: str
     role: str
-    identity: Identity
+    peer: PeerId
     directory: Path
     behaviour: str = "honest"
-    port: int = 0
-    http_port: int = 0  # the seed's HTTP edge and dashboard; 0 = no edge
     process: subprocess.Popen[bytes] | None = None
 
 
@@ -124,12 +116,6 @@ def _prepare_out(out: Path) -> None:
     (out / MARKER).touch()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def for_charlm(p: Profile) -> Profile:
     """The same fleet for the character transformer: a trainer's lease takes seconds per shard on one core
     (digits: a fraction of a second), and the centralized baseline trains one epoch per window, so the run
@@ -142,43 +128,6 @@ def for_charlm(p: Profile) -> Profile:
     return attrs.evolve(p, windows=windows, window_s=max(p.window_s, 30.0), time_limit_s=240.0 + 60.0 * windows,
                         kill_at=fit(p.kill_at), restart_at=fit(p.restart_at) + (1 if p.restart_at else 0),
                         join_at=fit(p.join_at), max_gap_points=p.max_gap_points)
-
-
-def _write_config(node: NodeProc, manifest_path: Path, authority: Identity, bootstrap: list[str],
-                  windows: int) -> Path:
-    d = node.directory
-    config: dict[str, Any] = {
-        "name": node.name, "roles": [node.role], "key": "key", "manifest": str(manifest_path),
-        "authority": authority.peer_id.to_text(), "store": "store", "listen": f"127.0.0.1:{node.port}",
-        "bootstrap": bootstrap, "port_file": "port", "events": "events.jsonl", "stats": "stats.json",
-        "threads": 1, "stop_after_window": windows,
-    }
-    if node.behaviour in ATTACKS:
-        config["behaviour"] = node.behaviour
-    if node.http_port:
-        config["http"] = {"enabled": True, "listen": f"127.0.0.1:{node.http_port}"}
-    path = d / "node.toml"
-    path.write_text(tomli_w.dumps(config))
-    return path
-
-
-def _spawn(node: NodeProc, config: Path) -> None:
-    # Append: a restarted node keeps the log of its first life above the new one.
-    log = open(node.directory / "node.log", "ab")
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    node.process = subprocess.Popen([sys.executable, "-m", "peerloom", "node", "--config", str(config)],
-                                    stdout=log, stderr=subprocess.STDOUT, env=env)
-
-
-def _wait_port(node: NodeProc, deadline: float) -> int:
-    path = node.directory / "port"
-    while time.monotonic() < deadline:
-        if path.exists():
-            return int(path.read_text())
-        if node.process is not None and node.process.poll() is not None:
-            raise SystemExit(f"peerloom demo: {node.name} exited early; see {node.directory / 'node.log'}")
-        time.sleep(0.05)
-    raise SystemExit(f"peerloom demo: {node.name} did not start in time")
 
 
 class EventTail:
@@ -220,7 +169,7 @@ def _kill(victim: NodeProc, leases: dict[Any, Any], window: int, behaviour: str)
     victim.process.wait()
     victim.behaviour = behaviour
     _say(f"  killed {victim.name} (pid {victim.process.pid}, lease on shards "
-         f"{list(leases.get(victim.identity.peer_id, ()))}) with SIGKILL as window {window} opened")
+         f"{list(leases.get(victim.peer, ()))}) with SIGKILL as window {window} opened")
 
 
 def _stop(nodes: list[NodeProc]) -> None:
@@ -269,79 +218,63 @@ def run_demo(*, profile: str = "default", out: Path = Path("peerloom-demo"), see
     _say(f"peerloom {peerloom.__version__} demo: profile {profile}, workload {workload_name}, rule {rule}, "
          f"seed {seed}, {len(p.trainers) + p.late_joiners} trainers, {p.windows} windows, output {out}")
 
-    model, shards = build_workload(workload_name, seed, p.shards)
+    model, _ = build_workload(workload_name, seed, p.shards)  # the baseline trains it on all the data
     _say("training the centralized baseline on the same data ...")
     baseline = _baseline(workload_name, model, p.windows, seed)
     _say(f"  baseline: test accuracy {baseline['test_accuracy']:.4f}, loss {baseline['test_loss']:.4f} after "
          f"{baseline['epochs']} epochs ({baseline['wall_s']:.1f} s)")
 
-    authority = generate_identity()
-    nodes = [NodeProc(name=f"validator-{i}", role="validator", identity=generate_identity(),
-                      directory=out / "nodes" / f"validator-{i}") for i in range(1, p.validators + 1)]
-    nodes.append(NodeProc(name="reducer", role="reducer", identity=generate_identity(),
-                          directory=out / "nodes" / "reducer"))
+    # The fleet is an experiment directory written through the public API (peerloom.experiment), the
+    # same one `peerloom init` writes: the demo only adds Byzantine behaviours and its fault schedule.
     behaviours = [*p.trainers, *([LATE_JOINER] * p.late_joiners)]
-    nodes += [NodeProc(name=f"trainer-{i}", role="trainer", identity=generate_identity(),
-                       directory=out / "nodes" / f"trainer-{i}", behaviour=b) for i, b in enumerate(behaviours, 1)]
-    for node in nodes:
-        node.directory.mkdir(parents=True)
-        save_identity(node.identity, node.directory / "key")
-
-    params = model.initial_params(seed)
-    genesis_bytes = to_safetensors(params)
-    chunk_size = 64 * 1024
-    genesis_refs = [ArtifactStore(n.directory / "store", chunk_size=chunk_size).put(genesis_bytes)
-                    for n in nodes if n.role in ("validator", "reducer")]
-    trainers = [n for n in nodes if n.role == "trainer"]
-    manifest = Manifest(
-        experiment=f"peerloom-demo-{seed}", workload=workload_name, workload_seed=seed,
-        schema=schema_of(params), shards=tuple(len(s) for s in shards),
-        validators=tuple(n.identity.peer_id for n in nodes if n.role == "validator"),
-        quorum=byzantine_quorum(p.validators), window_s=p.window_s, min_updates=p.min_updates,
-        max_capacity=4, aggregation=rule, outer_optimizer=p.outer_optimizer, outer_lr=p.outer_lr,
+    every_node = {"threads": 1, "stop_after_window": p.windows}
+    node_options = {f"trainer-{i}": {**every_node, **({"behaviour": b} if b in ATTACKS else {})}
+                    for i, b in enumerate(behaviours, 1)}
+    node_options.update({name: every_node for name in [*(f"validator-{i}" for i in range(1, p.validators + 1)),
+                                                       "reducer-1"]})
+    experiment = Experiment(
+        workload=workload_name, name=f"peerloom-demo-{seed}", seed=seed, validators=p.validators, reducers=1,
+        trainers=len(p.trainers), late_joiners=p.late_joiners, shards=p.shards, window_s=p.window_s,
+        min_updates=p.min_updates, aggregation=rule, outer_optimizer=p.outer_optimizer, outer_lr=p.outer_lr,
         inner_steps=p.inner_steps,
-        norm_ratio=0.0 if rule == UNDEFENDED_RULE else p.norm_ratio,
-        min_cosine=-1.0 if rule == UNDEFENDED_RULE else p.min_cosine,
         # Validators and the reducer re-run every update's training (core/audit.py): the only check that
         # catches an update crafted to look typical, like ALIE's.
-        audit=rule != UNDEFENDED_RULE,
-        chunk_size=chunk_size, genesis_params=genesis_refs[0], genesis_params_digest=tensor_digest(params),
-        # Late joiners are not in the genesis roster: they must ask to join (spec/protocol.md).
-        roster=tuple(sorted((t.identity.peer_id, 1) for t in trainers if t.behaviour != LATE_JOINER)),
-    )
-    envelope = manifest.seal(authority)
-    revision = Revision.verify(envelope, authority.peer_id)
-    manifest_path = out / "manifest.cbor"
-    atomic_write(manifest_path, envelope.to_bytes())
+        audit=rule != UNDEFENDED_RULE, chunk_size=64 * 1024, base_port=0, node_options=node_options,
+        manifest_options={"norm_ratio": 0.0 if rule == UNDEFENDED_RULE else p.norm_ratio,
+                          "min_cosine": -1.0 if rule == UNDEFENDED_RULE else p.min_cosine})
+    fleet = Fleet.open(experiment.write(out))
+    revision = fleet.revision()
+    manifest = revision.manifest
+    nodes = [NodeProc(name=n["name"], role=n["role"], peer=PeerId.from_text(n["peer"]),
+                      directory=fleet.node_dir(n["name"]),
+                      behaviour=behaviours[int(n["name"].split("-")[1]) - 1] if n["role"] == "trainer" else HONEST)
+             for n in fleet.layout["nodes"]]
+    trainers = [n for n in nodes if n.role == "trainer"]
 
     deadline = started + p.time_limit_s
-    configs: dict[str, Path] = {}
     heads: list[dict[str, Any]] = []
+
+    def spawn(group: list[NodeProc]) -> None:
+        fleet.start([n.name for n in group])
+        for node in group:
+            node.process = fleet.processes[node.name]
+        try:
+            fleet.wait_started(max(1.0, deadline - time.monotonic()), names=[n.name for n in group])
+        except RuntimeError as exc:
+            raise SystemExit(f"peerloom demo: {exc}") from None
+
     try:
         validator = nodes[0]
-        for node in nodes:
-            node.port = _free_port()
-        # The first validator is the fleet's seed: everyone dials it, and it serves the HTTP edge.
-        validator.http_port = _free_port()
-        servers = [n for n in nodes if n.role in ("validator", "reducer")]
-        for node in nodes:
-            # Trainers dial every validator and the reducer; servers dial the servers listed before them.
-            targets = servers if node.role == "trainer" else servers[:servers.index(node)]
-            configs[node.name] = _write_config(node, manifest_path, authority,
-                                               [f"127.0.0.1:{t.port}" for t in targets], p.windows)
         first = [n for n in nodes if n.behaviour != LATE_JOINER]
         # Trainers first: a validator opens window 1 as soon as it starts, so every trainer should already
         # be up (importing torch takes seconds on a loaded machine) and dialing it by then.
-        for group in ([n for n in first if n.role == "trainer"], [n for n in first if n.role != "trainer"]):
-            for node in group:
-                _spawn(node, configs[node.name])
-            for node in group:
-                _wait_port(node, deadline)
+        spawn([n for n in first if n.role == "trainer"])
+        spawn([n for n in first if n.role != "trainer"])
         _say(f"started {len(first)} node processes on 127.0.0.1: {p.validators} validators (quorum "
              f"{manifest.quorum}), 1 reducer, {len(first) - p.validators - 1} trainers "
              f"({', '.join(f'{n.name} {n.behaviour}' for n in first if n.behaviour != HONEST)}); pids "
              f"{', '.join(str(n.process.pid) for n in first if n.process)}")
-        _say(f"dashboard: [bold]http://127.0.0.1:{validator.http_port}/[/] (served by {validator.name}'s HTTP edge; "
+        _say(f"dashboard: [bold]{fleet.layout['dashboard']}[/] (served by {validator.name}'s HTTP edge; "
              "also /openapi.json, /metrics)", markup=True)
         tail = EventTail(validator.directory / "events.jsonl")
         wire_tails = {n.name: EventTail(n.directory / "events.jsonl") for n in nodes}
@@ -380,7 +313,7 @@ def run_demo(*, profile: str = "default", out: Path = Path("peerloom-demo"), see
                     window = line["window"]
                     if window == kill_trainer_at:
                         leases = _leases_in(validator, revision, window)
-                        victim = next((t for t in trainers if t.identity.peer_id in leases
+                        victim = next((t for t in trainers if t.peer in leases
                                        and t.behaviour == HONEST), trainers[0])
                         _kill(victim, leases, window, KILLED)
                     if window == p.kill_at:
@@ -388,13 +321,13 @@ def run_demo(*, profile: str = "default", out: Path = Path("peerloom-demo"), see
                         _kill(victim, _leases_in(validator, revision, window), window, KILLED_RESTARTED)
                         restart_pending = victim
                     if window == p.restart_at and restart_pending is not None:
-                        _spawn(restart_pending, configs[restart_pending.name])
+                        spawn([restart_pending])
                         _say(f"  restarted {restart_pending.name} from its disk (pid {restart_pending.process.pid})"
                              if restart_pending.process else "")
                         restart_pending = None
                     if window == p.join_at:
                         for joiner in (t for t in trainers if t.behaviour == LATE_JOINER):
-                            _spawn(joiner, configs[joiner.name])
+                            spawn([joiner])
                             _say(f"  {joiner.name} joins late (pid {joiner.process.pid if joiner.process else '?'}),"
                                  " not in the genesis roster")
             time.sleep(0.1)
@@ -421,7 +354,7 @@ def _finish(out: Path, profile: str, seed: int, p: Profile, nodes: list[NodeProc
     final = entries[-1][0] if entries else revision.genesis()
     certified = sum(1 for h, _ in entries if not h.skipped)
     skipped = sum(1 for h, _ in entries if h.skipped)
-    node_dicts = [{"name": n.name, "role": n.role, "peer_id": n.identity.peer_id.to_text(),
+    node_dicts = [{"name": n.name, "role": n.role, "peer_id": n.peer.to_text(),
                    "behaviour": n.behaviour, "directory": n.directory} for n in nodes]
     details = build_report(nodes=node_dicts, entries=entries, observer=nodes[0].name)
     metric = "test_loss" if workload_name == "charlm" else "test_accuracy"
@@ -434,7 +367,7 @@ def _finish(out: Path, profile: str, seed: int, p: Profile, nodes: list[NodeProc
     report = {
         "peerloom_version": peerloom.__version__, "profile": profile, "seed": seed, "workload": workload_name,
         "rule": rule, "outer_optimizer": p.outer_optimizer, "metric": metric, "transport": "tcp+noise",
-        "nodes": [{"name": n.name, "role": n.role, "peer_id": n.identity.peer_id.to_text(),
+        "nodes": [{"name": n.name, "role": n.role, "peer_id": n.peer.to_text(),
                    "pid": n.process.pid if n.process else None, "behaviour": n.behaviour,
                    "accepted": by_name[n.name]["accepted"], "accepted_windows": by_name[n.name]["accepted_windows"],
                    "rejected": by_name[n.name]["rejected"],
@@ -484,7 +417,7 @@ def _finish(out: Path, profile: str, seed: int, p: Profile, nodes: list[NodeProc
 
 
 def _name_of(nodes: list[NodeProc], peer_text: str) -> str:
-    return next((n.name for n in nodes if n.identity.peer_id.to_text() == peer_text), peer_text)
+    return next((n.name for n in nodes if n.peer.to_text() == peer_text), peer_text)
 
 
 def _verify_echo(line: str) -> None:

@@ -41,6 +41,11 @@ import attrs
 from peerloom.core.objects import AGGREGATION_RULES, CODECS, OUTER_OPTIMIZERS, Manifest, Revision
 
 LAYOUT_FILE = "experiment.toml"
+# Manifest fields an Experiment sets itself (the rest may come from `manifest_options`).
+MANIFEST_FROM_EXPERIMENT = frozenset({
+    "experiment", "workload", "workload_seed", "schema", "shards", "validators", "quorum", "window_s",
+    "min_updates", "max_capacity", "aggregation", "outer_optimizer", "outer_lr", "inner_steps", "codec",
+    "audit", "chunk_size", "genesis_params", "genesis_params_digest", "roster"})
 ROLES = ("validator", "reducer", "trainer")
 
 
@@ -52,6 +57,13 @@ def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 @attrs.frozen(kw_only=True)
 class Experiment:
     """What to train, by whom, and how (spec/protocol.md). Every field but `workload` has a default.
+
+    `late_joiners` more trainers get keys and configs but are not in the genesis roster: they ask to join
+    when started (spec/protocol.md §5). `manifest_options` sets any other `Manifest` field (screening
+    thresholds, `lease_s`, `idle_windows`, ...; ValueError for an unknown or derived one);
+    `node_options` adds keys to a node's config by node name (see `peerloom.node`: `behaviour`,
+    `threads`, `stop_after_window`, `device`, ...), checked when the node starts. `base_port` 0 picks free
+    ports when the directory is written.
 
     `trainers`, `validators` and `reducers` are process counts; the validators' quorum is the Byzantine
     quorum ``floor(2n/3) + 1`` (spec/agreement.md §2). `shards` is how many data shards the workload is cut
@@ -77,17 +89,44 @@ class Experiment:
     codec: str = attrs.field(default="none", validator=attrs.validators.in_(CODECS))
     audit: bool = False
     chunk_size: int = 1 << 20
-    base_port: int = attrs.field(default=7100, validator=attrs.validators.in_(range(1025, 65000)))
+    base_port: int = attrs.field(default=7100, validator=attrs.validators.in_((0, *range(1025, 65000))))
+    late_joiners: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    manifest_options: dict[str, Any] = attrs.field(factory=dict, converter=dict)
+    node_options: dict[str, dict[str, Any]] = attrs.field(factory=dict, converter=dict)
+
+    @manifest_options.validator
+    def _check_manifest_options(self, attribute: attrs.Attribute, value: dict[str, Any]) -> None:
+        settable = {f.name for f in attrs.fields(Manifest)} - MANIFEST_FROM_EXPERIMENT
+        unknown = sorted(set(value) - settable)
+        if unknown:
+            raise ValueError(f"manifest_options: unknown or derived key(s) {', '.join(unknown)}; settable: "
+                             f"{', '.join(sorted(settable))}")
 
     @property
     def num_shards(self) -> int:
         return self.shards if self.shards is not None else 2 * self.trainers
 
     def node_names(self) -> list[tuple[str, str]]:
-        """(name, role) of every node, validators first (the first one is the fleet's seed)."""
+        """(name, role) of every node, validators first (the first one is the fleet's seed), late joiners
+        last."""
         names = [(f"validator-{i}", "validator") for i in range(1, self.validators + 1)]
         names += [(f"reducer-{i}", "reducer") for i in range(1, self.reducers + 1)]
-        return names + [(f"trainer-{i}", "trainer") for i in range(1, self.trainers + 1)]
+        return names + [(f"trainer-{i}", "trainer") for i in range(1, self.trainers + self.late_joiners + 1)]
+
+    def _ports(self, count: int) -> list[int]:
+        """`count` + 1 ports: the HTTP edge's, then each node's."""
+        if self.base_port:
+            return list(range(self.base_port - 1, self.base_port + count))
+        import socket
+
+        sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count + 1)]
+        try:
+            for s in sockets:
+                s.bind(("127.0.0.1", 0))
+            return [s.getsockname()[1] for s in sockets]
+        finally:
+            for s in sockets:
+                s.close()
 
     def write(self, directory: str | Path) -> Path:
         """Create the experiment directory (see the module docstring); returns its path.
@@ -105,8 +144,8 @@ class Experiment:
         from peerloom.node import build_node_workload
 
         root = Path(directory)
-        if root.exists() and any(root.iterdir()):
-            raise FileExistsError(17, "exists and is not empty; an experiment is never overwritten", str(root))
+        if root.exists() and any(p.name in (LAYOUT_FILE, "nodes", "manifest.cbor") for p in root.iterdir()):
+            raise FileExistsError(17, "holds an experiment already; an experiment is never overwritten", str(root))
         workload, shards = build_node_workload({"workload": self.workload}, self.workload, self.seed,
                                                self.num_shards)
         params = workload.initial_params(self.seed)
@@ -115,7 +154,10 @@ class Experiment:
         authority = generate_identity()
         save_identity(authority, root / "authority.key")
         nodes = []
-        for i, (name, role) in enumerate(self.node_names()):
+        names = self.node_names()
+        http_port, *ports = self._ports(len(names))
+        joiners = {name for name, _ in names[len(names) - self.late_joiners:]} if self.late_joiners else set()
+        for i, (name, role) in enumerate(names):
             identity = generate_identity()
             directory_i = root / "nodes" / name
             directory_i.mkdir(parents=True)
@@ -123,7 +165,7 @@ class Experiment:
             if role != "trainer":
                 ArtifactStore(directory_i / "store", chunk_size=self.chunk_size).put(genesis)
             nodes.append({"name": name, "role": role, "peer": identity.peer_id.to_text(),
-                          "listen": f"127.0.0.1:{self.base_port + i}"})
+                          "listen": f"127.0.0.1:{ports[i]}", "late_joiner": name in joiners})
         manifest = Manifest(
             experiment=self.name, workload=self.workload, workload_seed=self.seed, schema=schema_of(params),
             shards=tuple(len(s) for s in shards),
@@ -133,10 +175,11 @@ class Experiment:
             outer_lr=self.outer_lr, inner_steps=self.inner_steps, codec=self.codec, audit=self.audit,
             chunk_size=self.chunk_size, genesis_params=make_artifact_ref(genesis, self.chunk_size),
             genesis_params_digest=tensor_digest(params),
-            roster=tuple(sorted((_peer(n), 1) for n in nodes if n["role"] == "trainer")))
+            roster=tuple(sorted((_peer(n), 1) for n in nodes if n["role"] == "trainer" and not n["late_joiner"])),
+            **self.manifest_options)
         atomic_write(root / "manifest.cbor", manifest.seal(authority).to_bytes())
         servers = [n for n in nodes if n["role"] != "trainer"]
-        http = f"127.0.0.1:{self.base_port - 1}"
+        http = f"127.0.0.1:{http_port}"
         for node in nodes:
             # Trainers dial every server; servers dial the servers listed before them.
             targets = servers if node["role"] == "trainer" else servers[:servers.index(node)]
@@ -148,6 +191,7 @@ class Experiment:
             }
             if node is nodes[0]:
                 config["http"] = {"enabled": True, "listen": http}
+            config.update(self.node_options.get(node["name"], {}))
             (root / "nodes" / node["name"] / "node.toml").write_text(tomli_w.dumps(config))
         layout = {"experiment": attrs.asdict(self, filter=lambda a, v: v is not None), "authority":
                   authority.peer_id.to_text(), "dashboard": f"http://{http}/", "nodes": nodes}
@@ -182,13 +226,15 @@ class Fleet:
     def node_dir(self, name: str) -> Path:
         return self.root / "nodes" / name
 
-    def start(self) -> None:
-        """Start every node as `python -m peerloom node`, trainers first (a validator opens window 1 as
-        soon as it starts), in the current directory so a workload module there can be imported."""
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+    def start(self, names: list[str] | None = None) -> None:
+        """Start `names` (default: every node but the late joiners) as `python -m peerloom node`, trainers
+        first (a validator opens window 1 as soon as it starts), in the current directory so a workload
+        module there can be imported. A node's output is appended to its node.log."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH", "")) if p)
-        nodes = self.layout["nodes"]
-        for node in sorted(nodes, key=lambda n: n["role"] != "trainer"):
+        chosen = [n for n in self.layout["nodes"] if (n["name"] in names if names is not None
+                                                       else not n.get("late_joiner"))]
+        for node in sorted(chosen, key=lambda n: n["role"] != "trainer"):
             directory = self.node_dir(node["name"])
             (directory / "port").unlink(missing_ok=True)
             with open(directory / "node.log", "ab") as log:
@@ -197,11 +243,13 @@ class Fleet:
                     stdout=log, stderr=subprocess.STDOUT, env=env)
             (directory / "pid").write_text(f"{self.processes[node['name']].pid}\n")
 
-    def wait_started(self, timeout_s: float = 60.0) -> None:
-        """Wait until every node wrote its port. RuntimeError naming a node that exited (with its log's
-        last line) or did not start in time."""
+    def wait_started(self, timeout_s: float = 60.0, names: list[str] | None = None) -> None:
+        """Wait until every started node (or `names`) wrote its port. RuntimeError naming a node that exited
+        (with its log's last line) or did not start in time."""
         deadline = time.monotonic() + timeout_s
         for name, process in self.processes.items():
+            if names is not None and name not in names:
+                continue
             port = self.node_dir(name) / "port"
             while not (port.exists() and port.read_text().strip()):
                 if process.poll() is not None or time.monotonic() > deadline:

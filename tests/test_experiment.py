@@ -45,7 +45,7 @@ def test_write_makes_a_verifiable_experiment_directory(tmp_path):
 
 def test_init_errors_are_one_line(tmp_path):
     (tmp_path / "full").mkdir()
-    (tmp_path / "full" / "x").write_text("x")
+    (tmp_path / "full" / "experiment.toml").write_text("")  # an experiment is never overwritten
     for args in (["init", str(tmp_path / "full"), "--workload", WORKLOAD],
                  ["init", str(tmp_path / "a"), "--workload", WORKLOAD, "--trainers", "0"],
                  ["init", str(tmp_path / "b"), "--workload", "no_such_module:factory"],
@@ -89,3 +89,25 @@ def test_init_up_status_then_ctrl_c_stops_every_node(tmp_path):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_late_joiners_manifest_and_node_options(tmp_path):
+    import tomllib
+
+    experiment = Experiment(workload=WORKLOAD, trainers=2, late_joiners=1, base_port=0,
+                            manifest_options={"norm_ratio": 3.0, "lease_s": 1.0},
+                            node_options={"trainer-2": {"behaviour": "alie", "threads": 1}})
+    root = experiment.write(tmp_path / "exp")
+    fleet = Fleet.open(root)
+    manifest = fleet.revision().manifest
+    assert (manifest.norm_ratio, manifest.lease_s) == (3.0, 1.0)
+    peers = {n["name"]: n for n in fleet.layout["nodes"]}
+    roster = {p for p, _ in manifest.roster}
+    assert peers["trainer-3"]["late_joiner"] and len(roster) == 2  # the late joiner must ask to join
+    assert all(p.to_text() != peers["trainer-3"]["peer"] for p in roster)
+    config = tomllib.loads((root / "nodes" / "trainer-2" / "node.toml").read_text())
+    assert config["behaviour"] == "alie" and config["threads"] == 1
+    ports = [int(n["listen"].rsplit(":", 1)[1]) for n in fleet.layout["nodes"]]
+    assert len(set(ports)) == len(ports) and all(p > 1024 for p in ports)  # base_port 0: free ports
+    with pytest.raises(ValueError, match="unknown or derived"):
+        Experiment(workload=WORKLOAD, manifest_options={"quorum": 1})
