@@ -48,6 +48,19 @@ def atomic_write(path: Path, data: bytes | memoryview) -> None:
     _fsync_dir(path.parent)
 
 
+def read_artifact(root: str | Path, digest: bytes) -> bytes:
+    """The bytes of artifact `digest` in the store at `root`, read without opening the store: no recovery
+    sweep and no database, so it is safe beside a running node (e.g. `peerloom export`).
+
+    FileNotFoundError when the store does not hold it; VerificationError("corrupt-artifact") when the
+    bytes on disk do not hash to `digest` (a content id, DESIGN §6).
+    """
+    data = (Path(root) / "artifacts" / digest[2:].hex()).read_bytes()
+    if content_id(data) != digest:
+        raise VerificationError("corrupt-artifact", f"{digest.hex()} in {root}")
+    return data
+
+
 class ArtifactStore:
     """Artifacts by content id plus the node database, in one directory.
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-WORKLOADS = ("digits-mlp", "digits-numpy", "quadratic", "charlm")
+WORKLOADS = ("digits-mlp", "digits-numpy", "mnist1d-mlp", "mnist1d-numpy", "quadratic", "charlm")
 
 
 def _contiguous_shards(n: int, num_shards: int) -> list[list[int]]:
@@ -53,6 +53,13 @@ def build_workload(name: str, seed: int, num_shards: int, **options: Any) -> tup
             from .numpy.workload import make_digits_numpy_workload
 
             workload = make_digits_numpy_workload(seed=seed, **options)
+        return workload, shard_indices(workload.num_train, num_shards, seed)
+    if name in ("mnist1d-mlp", "mnist1d-numpy"):
+        from .datasets import shard_indices
+        from .mnist1d import make_mnist1d_numpy_workload, make_mnist1d_workload
+
+        make = make_mnist1d_workload if name == "mnist1d-mlp" else make_mnist1d_numpy_workload
+        workload = make(seed=seed, **options)
         return workload, shard_indices(workload.num_train, num_shards, seed)
     if name == "charlm":
         from .datasets import shard_indices

@@ -34,6 +34,7 @@ import numpy as np
 
 from peerloom.backends.attacks import alie_z, craft_update, label_flipped
 from peerloom.backends.datasets import shard_indices
+from peerloom.backends.mnist1d import make_mnist1d_numpy_workload
 from peerloom.backends.numpy.aggregate import aggregate, outer_step
 from peerloom.backends.numpy.workload import make_digits_numpy_workload
 
@@ -115,7 +116,7 @@ def choose_default(cells: list[dict[str, Any]], clean: float) -> str | None:
 
 
 def plot(cells: list[dict[str, Any]], clean: float, default: str | None, path: str, trainers: int = TRAINERS,
-         byzantine: int = BYZANTINE) -> None:
+         byzantine: int = BYZANTINE, workload: str = "digits") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -134,7 +135,7 @@ def plot(cells: list[dict[str, Any]], clean: float, default: str | None, path: s
             v = grid[y, x]
             ax.text(x, y, f"{100 * v:.0f}", ha="center", va="center", color="white" if v < 0.6 else "black",
                     fontweight="bold" if v < 0.9 * clean else "normal")
-    ax.set_title(f"digits test accuracy (%), {trainers} trainers, {byzantine} Byzantine; clean {100 * clean:.1f}%")
+    ax.set_title(f"{workload} test accuracy (%), {trainers} trainers, {byzantine} Byzantine; clean {100 * clean:.1f}%")
     fig.colorbar(im, ax=ax, fraction=0.03)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -153,6 +154,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--trainers", type=int, default=TRAINERS)
     parser.add_argument("--byzantine", type=int, default=BYZANTINE)
     parser.add_argument("--outer", choices=("fedavg", "diloco"), default="fedavg", help="outer optimizer")
+    parser.add_argument("--workload", choices=("digits", "mnist1d"), default="digits",
+                        help="digits (64-128-10 MLP) or mnist1d (harder: 40-100-10 MLP, backends/mnist1d.py)")
     parser.add_argument("--plot", default=None, help="write the heatmap PNG here")
     args = parser.parse_args(argv)
     attacks = args.attacks.split(",")
@@ -167,7 +170,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name in rules:
         if name not in RULES:
             parser.error(f"unknown rule {name!r}; known: {', '.join(RULES)}")
-    workload = make_digits_numpy_workload(args.seed, local_epochs=args.epochs)
+    if args.workload == "mnist1d":
+        workload = make_mnist1d_numpy_workload(args.seed, local_epochs=args.epochs)
+    else:
+        workload = make_digits_numpy_workload(args.seed, local_epochs=args.epochs)
     flipped = label_flipped(workload, 10)
     shards = shard_indices(workload.num_train, args.trainers, args.seed)
     table = columns(args.trainers, args.byzantine)
@@ -197,10 +203,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "local_epochs": args.epochs,
         "outer": args.outer,
         "seed": args.seed,
+        "workload": args.workload,
         "wall_s": time.perf_counter() - start,
     }
     if args.plot:
-        plot(cells, clean, default, args.plot, args.trainers, args.byzantine)
+        plot(cells, clean, default, args.plot, args.trainers, args.byzantine, args.workload)
     print(json.dumps(report))
     return report
 

@@ -1,4 +1,4 @@
-"""The `peerloom` command: `demo`, `node`, `verify`, `keygen`, `admit`, `inspect`, `sim`, `light`.
+"""The `peerloom` command: `demo`, `node`, `verify`, `export`, `keygen`, `admit`, `inspect`, `sim`, `light`.
 
 Errors a user can cause (a missing file, invalid TOML, a wrong key or type, a port in use, a missing
 extra) end in one line on stderr and exit status 2; `--debug` shows the traceback instead.
@@ -14,6 +14,7 @@ from pathlib import Path
 
 from peerloom import admit as admit_cmd
 from peerloom import experiment as experiment_cmd
+from peerloom import export as export_cmd
 from peerloom import inspect as inspect_cmd
 from peerloom import light as light_cmd
 from peerloom import simulate
@@ -34,8 +35,9 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--rule", default=None, metavar="RULE",
                       help="aggregation rule for the manifest (default: the profile's robust rule; "
                            "`mean` shows what the defence is worth)")
-    demo.add_argument("--workload", choices=("digits", "charlm"), default="digits",
-                      help="digits: MLP on scikit-learn digits; charlm: character-level transformer on the "
+    demo.add_argument("--workload", choices=("digits", "mnist1d", "charlm"), default="digits",
+                      help="digits: MLP on scikit-learn digits; mnist1d: MLP on MNIST-1D, generated locally and "
+                           "harder; charlm: character-level transformer on the "
                            "Python docs that ship with CPython")
 
     node = sub.add_parser("node", help="run one node from a TOML config until SIGTERM")
@@ -50,6 +52,7 @@ def main(argv: list[str] | None = None) -> None:
 
     keygen = sub.add_parser("keygen", help="create an identity key file (mode 0600) and print its peer id")
     keygen.add_argument("path", type=Path)
+    export_cmd.add_parser(sub)
     admit_cmd.add_parser(sub)
     experiment_cmd.add_parsers(sub)
     simulate.add_parser(sub)
@@ -116,6 +119,8 @@ def _dispatch(args: argparse.Namespace) -> None:
         from peerloom.verify import run_verify
 
         sys.exit(run_verify(args.chain, args.authority, manifest=args.manifest))
+    elif args.command == "export":
+        sys.exit(export_cmd.run(args))
     elif args.command == "sim":
         sys.exit(simulate.run(args))
     elif args.command == "inspect":

@@ -34,7 +34,7 @@ from peerloom.core.objects import Revision
 from peerloom.demo_report import build_report, defence_verdict, plot_report
 from peerloom.experiment import Experiment, Fleet
 
-WORKLOADS = {"digits": "digits-mlp", "charlm": "charlm"}
+WORKLOADS = {"digits": "digits-mlp", "mnist1d": "mnist1d-mlp", "charlm": "charlm"}
 MARKER = ".peerloom-demo"
 
 # Behaviours a demo node can have (report.json's per-node "behaviour").
@@ -209,7 +209,7 @@ def run_demo(*, profile: str = "default", out: Path = Path("peerloom-demo"), see
     import torch
 
     torch.set_num_threads(1)
-    p = PROFILES[profile] if workload == "digits" else for_charlm(PROFILES[profile])
+    p = for_charlm(PROFILES[profile]) if workload == "charlm" else PROFILES[profile]
     rule = rule or p.rule
     workload_name = WORKLOADS[workload]
     started = time.monotonic()

@@ -145,6 +145,33 @@ def _windows(windows: Sequence[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
+def verified_chain(path: Path, authority: str | None = None, *, manifest: Path | None = None,
+                   checked: list[str] | None = None) -> tuple[Revision, list[tuple[Head, QuorumCertificate]]]:
+    """The revision and certified heads (window 1 on, in order) of the chain at `path`, a chain directory or
+    a node store (module docstring), after every check `peerloom verify` makes (spec/protocol.md §3).
+
+    `manifest` names the manifest file instead of the one `path` holds; `authority` (a peer id's text) must
+    have signed it. `checked`, when given, collects a line per check as it passes, so that a caller can show
+    how far verification got before a failure. Raises FileNotFoundError when `path` is neither form or no
+    manifest is found; `PeerloomError` (VerificationError, DecodeError) at the first check that fails;
+    OSError for an unreadable file. An empty chain (no certified head yet) is returned, not refused.
+    """
+    checked = [] if checked is None else checked
+    manifest_path, raw, lines = _locate(path, manifest)
+    checked += lines
+    envelope = SignedEnvelope.from_bytes(manifest_path.read_bytes())
+    revision = Revision.verify(envelope, PeerId.from_text(authority) if authority else None)
+    entries = []
+    for window, data in raw:
+        try:
+            entries.append(decode_chain_entry(data))
+        except PeerloomError as exc:
+            raise PeerloomError(f"{window:06d}.cbor: {exc}") from exc
+    checked += verify_chain(revision, entries)
+    checked += check_rules(revision, entries)
+    return revision, entries
+
+
 def run_verify(path: Path, authority: str | None = None, *, echo: Callable[[str], None] = print,
                brief: bool = False, manifest: Path | None = None) -> int:
     """Verify the chain at `path`, a chain directory or a node store (module docstring), against
@@ -153,17 +180,7 @@ def run_verify(path: Path, authority: str | None = None, *, echo: Callable[[str]
     directory nor a node store, or holds no manifest and none is given."""
     checked: list[str] = []
     try:
-        manifest_path, raw, checked = _locate(path, manifest)
-        envelope = SignedEnvelope.from_bytes(manifest_path.read_bytes())
-        revision = Revision.verify(envelope, PeerId.from_text(authority) if authority else None)
-        entries = []
-        for window, data in raw:
-            try:
-                entries.append(decode_chain_entry(data))
-            except PeerloomError as exc:
-                raise PeerloomError(f"{window:06d}.cbor: {exc}") from exc
-        checked += verify_chain(revision, entries)
-        checked += check_rules(revision, entries)
+        _, entries = verified_chain(path, authority, manifest=manifest, checked=checked)
     except FileNotFoundError:
         raise
     except (OSError, PeerloomError) as exc:
