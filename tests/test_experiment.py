@@ -1,6 +1,7 @@
 """`peerloom init`, `up` and `status` (issue 17 item 1): an experiment directory from the public API, run as
 a local fleet of OS processes, stopped cleanly, its chain verified."""
 
+import json
 import os
 import signal
 import subprocess
@@ -111,3 +112,31 @@ def test_late_joiners_manifest_and_node_options(tmp_path):
     assert len(set(ports)) == len(ports) and all(p > 1024 for p in ports)  # base_port 0: free ports
     with pytest.raises(ValueError, match="unknown or derived"):
         Experiment(workload=WORKLOAD, manifest_options={"quorum": 1})
+
+
+@pytest.mark.slow
+def test_own_model_through_init_up_export_and_plain_torch(tmp_path):
+    """Issue 17 done-when: a model trained with peers through `init` and `up`, exported, loaded into plain
+    torch, evaluates to the accuracy the validators certified in the head."""
+    import torch
+
+    from peerloom import load_head
+    from peerloom.backends.datasets import load_digits_split
+    from peerloom.backends.torch.models import mlp
+
+    root = tmp_path / "exp"
+    assert _peerloom("init", str(root), "--workload", "digits-mlp", "--trainers", "2", "--window-s", "3",
+                     "--base-port", str(free_port())).returncode == 0
+    up = _peerloom("up", str(root), "--windows", "2")
+    assert up.returncode == 0, up.stdout + up.stderr
+    model_file = tmp_path / "model.safetensors"
+    export = _peerloom("export", str(root / "nodes" / "validator-1"), "--head", "2", "--out", str(model_file))
+    assert export.returncode == 0, export.stdout + export.stderr
+    model = load_head(model_file, mlp((64, 128, 10)))
+    _, _, x_test, y_test = load_digits_split(0)
+    with torch.no_grad():
+        accuracy = float((model(torch.from_numpy(x_test)).argmax(dim=1).numpy() == y_test).mean())
+    head = [json.loads(line) for line in (root / "nodes" / "validator-1" / "events.jsonl").read_text().splitlines()
+            if '"event": "head"' in line or '"event":"head"' in line]
+    certified = next(h for h in head if h["window"] == 2)
+    assert accuracy == pytest.approx(certified["metrics"]["test_accuracy"], abs=1e-9)
