@@ -10,6 +10,13 @@ error-feedback residual per trainer across windows. Given a `state_dir` (a node'
 keeps it on disk too (`residual-<peer id>.safetensors`, written atomically after every encoding), so a
 restarted trainer carries on with what earlier windows dropped instead of losing it; a file whose
 tensors do not match the manifest's schema is ignored.
+
+Compute backends (node config key ``compute``): ``"numpy"`` (the default) or ``"torch"`` runs screening
+statistics, cohort screening, aggregation and the outer optimizer step; the two produce the same bytes
+(`peerloom.backends._robust`; tests/test_aggregation.py, tests/test_outer.py), so validators with either
+agree on every head. Tensors stay float32 numpy arrays on the CPU between tasks (the torch backend works on
+CPU tensors sharing or copying their memory); codecs decode with numpy in both. Training and evaluation
+run wherever the workload runs (its device).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import numpy as np
 from peerloom.backends.numpy import codecs as np_codecs
 from peerloom.backends.numpy import reduce as np_reduce
 from peerloom.backends.numpy.aggregate import aggregate, outer_step, screening_stats
-from peerloom.backends.numpy.screening import screen_delta
+from peerloom.backends.numpy.screening import schema_matches
 from peerloom.backends.numpy.tensors import from_safetensors, tensor_digest, to_safetensors
 from peerloom.core.errors import DecodeError
 from peerloom.core.identity import PeerId
@@ -32,17 +39,95 @@ from peerloom.core.objects import ERROR_FEEDBACK_CODECS, ArtifactRef, Manifest
 
 from .storage import ArtifactStore, atomic_write
 
+COMPUTE_BACKENDS = ("numpy", "torch")
+MAX_EVAL_METRICS = 63
+"""A head holds at most 64 metrics (spec/wire.md): the workload's, as ``test_<name>``, and ``train_loss``."""
+
+
+class NumpyCompute:
+    """Screening statistics, aggregation and outer steps on numpy arrays (`peerloom.backends.numpy.aggregate`)."""
+
+    name = "numpy"
+
+    def aggregate(self, rule: str, deltas: list[dict[str, np.ndarray]], weights: list[int]) -> dict[str, np.ndarray]:
+        return aggregate(rule, deltas, weights)
+
+    def outer(self, optimizer: str, params: dict[str, np.ndarray], centre: dict[str, np.ndarray],
+              state: dict[str, np.ndarray] | None, lr: float,
+              momentum: float) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
+        if optimizer == "fedavg":
+            return np_reduce.outer_sgd_step(params, centre, lr), None
+        return outer_step(optimizer, params, centre, state, lr=lr, momentum=momentum)
+
+    def stats(self, delta: dict[str, np.ndarray], reference: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+        return screening_stats(delta, reference=reference)
+
+
+class TorchCompute(NumpyCompute):
+    """The same on torch CPU tensors (`peerloom.backends.torch.aggregate`, `.reduce`), byte for byte; numpy in,
+    numpy out. Needs torch (ImportError otherwise)."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        import torch
+
+        from peerloom.backends.torch import aggregate as torch_aggregate
+        from peerloom.backends.torch import reduce as torch_reduce
+
+        self._torch, self._aggregate, self._reduce = torch, torch_aggregate, torch_reduce
+
+    def _in(self, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
+        # from_numpy shares memory; a read-only array (decoded from bytes) is copied first, never written.
+        return {n: self._torch.from_numpy(a if a.flags.writeable else a.copy()) for n, a in tensors.items()}
+
+    @staticmethod
+    def _out(tensors: dict[str, Any]) -> dict[str, np.ndarray]:
+        return {n: t.numpy() for n, t in tensors.items()}
+
+    def aggregate(self, rule: str, deltas: list[dict[str, np.ndarray]], weights: list[int]) -> dict[str, np.ndarray]:
+        return self._out(self._aggregate.aggregate(rule, [self._in(d) for d in deltas], weights))
+
+    def outer(self, optimizer: str, params: dict[str, np.ndarray], centre: dict[str, np.ndarray],
+              state: dict[str, np.ndarray] | None, lr: float,
+              momentum: float) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
+        if optimizer == "fedavg":
+            return self._out(self._reduce.outer_sgd_step(self._in(params), self._in(centre), lr)), None
+        new, new_state = self._aggregate.outer_step(optimizer, self._in(params), self._in(centre),
+                                                    None if state is None else self._in(state), lr=lr,
+                                                    momentum=momentum)
+        return self._out(new), None if new_state is None else self._out(new_state)
+
+    def stats(self, delta: dict[str, np.ndarray], reference: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+        return self._aggregate.screening_stats(self._in(delta),
+                                               reference=None if reference is None else self._in(reference))
+
+
+def compute_backend(name: str) -> NumpyCompute:
+    """The compute backend called `name` (one of `COMPUTE_BACKENDS`). ValueError for another name; ImportError
+    for ``"torch"`` without torch installed."""
+    if name == "numpy":
+        return NumpyCompute()
+    if name == "torch":
+        return TorchCompute()
+    raise ValueError(f"compute must be one of {', '.join(COMPUTE_BACKENDS)}, got {name!r}")
+
 
 class ComputeExecutor:
-    """Runs train / screen / reduce / evaluate tasks synchronously (hosts put it on a worker thread)."""
+    """Runs train / screen / reduce / evaluate tasks synchronously (hosts put it on a worker thread).
+
+    `compute` picks the backend of screening statistics, aggregation and outer steps (``"numpy"`` or
+    ``"torch"``, module docstring); training and evaluation are the workload's.
+    """
 
     def __init__(self, store: ArtifactStore, manifest: Manifest, workload: Any,
-                 shards: Sequence[Sequence[int]], *, state_dir: Path | None = None) -> None:
+                 shards: Sequence[Sequence[int]], *, state_dir: Path | None = None, compute: str = "numpy") -> None:
         self.store = store
         self.manifest = manifest
         self.workload = workload
         self.shards = shards
         self.state_dir = state_dir
+        self.compute = compute_backend(compute)
         # Error-feedback residual per trainer (its peer id; None when the task names none), across windows.
         self.residuals: dict[PeerId | None, np_codecs.ErrorFeedback] = {}
 
@@ -91,7 +176,7 @@ class ComputeExecutor:
                     delta = self._decode(encoded)
                 except DecodeError:
                     return {"ok": False, "reason": "undecodable", "norm": float("nan")}
-                ok, reason, norm = screen_delta(delta, self.manifest.schema)
+                ok, reason, norm = self._screen(delta)
                 if ok and tensor_digest(encoded) != args["delta_digest"]:
                     ok, reason = False, "digest-mismatch"
                 max_norm = float(args.get("max_norm", 0.0))
@@ -104,9 +189,33 @@ class ComputeExecutor:
             case "reduce":
                 return self._reduce(args)
             case "evaluate":
-                metrics = self.workload.evaluate(self.load(args["params"]))
-                return {"loss": float(metrics["loss"]), "accuracy": float(metrics["accuracy"])}
+                return self._evaluate(self.load(args["params"]))
         raise ValueError(f"unknown task kind {kind!r}")
+
+    def _screen(self, delta: dict[str, np.ndarray]) -> tuple[bool, str, float]:
+        """(ok, reason, norm) of a decoded delta: ``schema`` (names, dtypes, shapes as the manifest's),
+        ``non-finite``, else ok with the global L2 norm (the backends' lane-summed float64 norm, equal on
+        numpy and torch); norm NaN when not ok."""
+        if not schema_matches(delta, self.manifest.schema):
+            return False, "schema", float("nan")
+        stats = self.compute.stats(delta)
+        if not stats["finite"]:
+            return False, "non-finite", float("nan")
+        return True, "", float(stats["global_norm"])
+
+    def _evaluate(self, params: dict[str, np.ndarray]) -> dict[str, float]:
+        """Every metric the workload's ``evaluate`` reports, as a float by its name (``loss`` and ``accuracy``
+        for the bundled workloads; heads carry each as ``test_<name>``). ValueError for more than
+        `MAX_EVAL_METRICS` metrics, a name that is not a non-empty string, or a value that is not a number."""
+        metrics = self.workload.evaluate(params)
+        if not 1 <= len(metrics) <= MAX_EVAL_METRICS:
+            raise ValueError(f"a workload reports 1 to {MAX_EVAL_METRICS} metrics, got {len(metrics)}")
+        out: dict[str, float] = {}
+        for name, value in metrics.items():
+            if not isinstance(name, str) or not name or isinstance(value, bool):
+                raise ValueError(f"metric {name!r}: {value!r} is not a named number")
+            out[name] = float(value)
+        return out
 
     def _train(self, params: dict[str, np.ndarray], shards: Sequence[int], seed: int,
                inner_steps: int) -> tuple[dict[str, np.ndarray], dict[str, float]]:
@@ -160,10 +269,10 @@ class ComputeExecutor:
             encoded, _ = np_codecs.encode(self.manifest.codec, expected, fraction=self.manifest.codec_fraction)
             expected = self._decode(encoded)
         # The backends' screening statistics: float64 lane sums in reused buffers, equal on numpy and torch.
-        stats = screening_stats(delta, reference=expected)
+        stats = self.compute.stats(delta, reference=expected)
         cosine = stats["cosine"]
         if math.isnan(cosine):  # a zero norm on one side: only "both zero" reproduces
-            cosine = 1.0 if stats["global_norm"] == 0.0 and screening_stats(expected)["global_norm"] == 0.0 else 0.0
+            cosine = 1.0 if stats["global_norm"] == 0.0 and self.compute.stats(expected)["global_norm"] == 0.0 else 0.0
         return (True, "") if cosine >= float(audit["min_cosine"]) else (False, "audit")
 
     def _reduce(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -187,15 +296,15 @@ class ComputeExecutor:
         if not kept:
             out.update(params=args["params"], params_digest=tensor_digest(params))
             return out
-        centre = aggregate(args["rule"], [deltas[i] for i in kept], [weights[i] for i in kept])
+        centre = self.compute.aggregate(args["rule"], [deltas[i] for i in kept], [weights[i] for i in kept])
         optimizer = args["outer_optimizer"]
         if optimizer == "fedavg":
-            new = np_reduce.outer_sgd_step(params, centre, args["outer_lr"])
+            new, _ = self.compute.outer("fedavg", params, centre, None, args["outer_lr"], 0.0)
         elif optimizer == "diloco":
             state_ref = args.get("outer_state")
             state = self.load(state_ref) if state_ref is not None else None
-            new, new_state = outer_step("diloco", params, centre, state, lr=args["outer_lr"],
-                                        momentum=args.get("outer_momentum", 0.9))
+            new, new_state = self.compute.outer("diloco", params, centre, state, args["outer_lr"],
+                                                args.get("outer_momentum", 0.9))
             if new_state is not None:
                 out["outer_state"], out["outer_state_digest"] = self.save(new_state)
         else:
@@ -203,12 +312,11 @@ class ComputeExecutor:
         out["params"], out["params_digest"] = self.save(new)
         return out
 
-    @staticmethod
-    def _outliers(deltas: list[dict[str, np.ndarray]], norm_ratio: float, min_cosine: float) -> list[list[Any]]:
+    def _outliers(self, deltas: list[dict[str, np.ndarray]], norm_ratio: float, min_cosine: float) -> list[list[Any]]:
         if len(deltas) < 2 or (norm_ratio <= 0.0 and min_cosine <= -1.0):
             return []
-        centre = aggregate("median", deltas, [1] * len(deltas))
-        stats = [screening_stats(d, reference=centre) for d in deltas]
+        centre = self.compute.aggregate("median", deltas, [1] * len(deltas))
+        stats = [self.compute.stats(d, reference=centre) for d in deltas]
         norms = sorted(s["global_norm"] for s in stats)
         mid = len(norms) // 2
         median_norm = norms[mid] if len(norms) % 2 else (norms[mid - 1] + norms[mid]) * 0.5

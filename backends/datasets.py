@@ -10,6 +10,8 @@ import numpy as np
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
+from .sharding import shards_for
+
 
 def load_digits_split(
     seed: int = 0, test_fraction: float = 0.25
@@ -36,13 +38,8 @@ def load_digits_split(
 
 
 def shard_indices(n: int, num_shards: int, seed: int) -> list[list[int]]:
-    """A seeded permutation of ``range(n)`` cut into `num_shards` contiguous, near-equal shards.
-
-    Shard sizes differ by at most one (the first ``n % num_shards`` shards get the extra sample). Uses
-    numpy's PCG64 generator (``np.random.default_rng(seed)``), so it is stable across platforms. Raises
-    ValueError unless ``1 <= num_shards <= n``.
+    """A seeded permutation of ``range(n)`` cut into `num_shards` contiguous, near-equal shards: the same
+    function as `peerloom.backends.sharding.shards_for` (which documents it; kept under this name for the
+    bundled workloads). Raises ValueError unless ``1 <= num_shards <= n``.
     """
-    if n < 0 or num_shards < 1 or num_shards > n:
-        raise ValueError(f"need 1 <= num_shards <= n, got num_shards={num_shards}, n={n}")
-    order = np.random.default_rng(seed).permutation(n)
-    return [[int(i) for i in part] for part in np.array_split(order, num_shards)]
+    return shards_for(n, num_shards, seed)

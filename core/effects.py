@@ -50,7 +50,8 @@ class RunTask:
       (float); the delta is decoded with the manifest's codec first
     - ``reduce``: params, deltas (tuple[ArtifactRef]), weights (tuple[int]), rule, outer_optimizer,
       outer_lr -> result params (ArtifactRef), params_digest
-    - ``evaluate``: params -> result loss, accuracy
+    - ``evaluate``: params -> result {metric name: float}, every metric the workload reports (``loss`` and
+      ``accuracy`` for the bundled workloads; at most 63); heads carry each as ``test_<name>``
     """
     task_id: str
     kind: str

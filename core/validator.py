@@ -137,6 +137,13 @@ def metrics_match(mine: Mapping[str, float], claimed: Mapping[str, float]) -> bo
     return True
 
 
+def head_metrics(evaluated: Mapping[str, float], train_loss: float) -> dict[str, float]:
+    """A head's metrics (spec/protocol.md §2 "Head"): every metric the ``evaluate`` task reported, named
+    ``test_<name>`` (``test_loss``, ``test_accuracy`` for the bundled workloads), and ``train_loss``, the
+    mean of the kept updates' announced training losses."""
+    return {**{f"test_{name}": float(value) for name, value in evaluated.items()}, "train_loss": float(train_loss)}
+
+
 # A proposed value: the head and the signed announcements it names - its cohort's and its rejected ones.
 Value = tuple[Head, tuple[SignedEnvelope, ...]]
 
@@ -519,8 +526,7 @@ class ValidatorRole:
                 done({"window": window, "outliers": outliers, "kept": kept, "candidates": candidates,
                       "params": result["params"], "params_digest": result["params_digest"],
                       "outer_state": result.get("outer_state"), "outer_state_digest": result.get("outer_state_digest"),
-                      "metrics": {"test_loss": float(metrics["loss"]), "test_accuracy": float(metrics["accuracy"]),
-                                  "train_loss": float(train_loss)}})
+                      "metrics": head_metrics(metrics, train_loss)})
 
             e.run_task("evaluate", {"params": result["params"]}, evaluated, lambda why: done(None))
 

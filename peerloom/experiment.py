@@ -195,8 +195,26 @@ class Experiment:
             (root / "nodes" / node["name"] / "node.toml").write_text(tomli_w.dumps(config))
         layout = {"experiment": attrs.asdict(self, filter=lambda a, v: v is not None), "authority":
                   authority.peer_id.to_text(), "dashboard": f"http://{http}/", "nodes": nodes}
+        source = _import_root(self.workload)
+        if source is not None:
+            layout["pythonpath"] = str(source)  # where `up` finds the workload module, whatever its cwd
         (root / LAYOUT_FILE).write_text(tomli_w.dumps(layout))
         return root
+
+
+def _import_root(workload: str) -> Path | None:
+    """The sys.path entry the workload factory's module was imported from (None for a registry name)."""
+    if ":" not in workload:
+        return None
+    module_name = workload.partition(":")[0]
+    module = sys.modules.get(module_name)
+    file = getattr(module, "__file__", None)
+    if file is None:
+        return None
+    root = Path(file).resolve().parent
+    for _ in range(module_name.count(".")):
+        root = root.parent
+    return root
 
 
 def _peer(node: dict[str, str]) -> Any:
@@ -231,7 +249,8 @@ class Fleet:
         first (a validator opens window 1 as soon as it starts), in the current directory so a workload
         module there can be imported. A node's output is appended to its node.log."""
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH", "")) if p)
+        paths = (self.layout.get("pythonpath", ""), os.getcwd(), env.get("PYTHONPATH", ""))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         chosen = [n for n in self.layout["nodes"] if (n["name"] in names if names is not None
                                                        else not n.get("late_joiner"))]
         for node in sorted(chosen, key=lambda n: n["role"] != "trainer"):

@@ -15,6 +15,15 @@ Config keys (TOML)::
     events = "trainer-1/events.jsonl"  # optional: structured event log
     stats = "trainer-1/stats.json"     # optional: counters written at shutdown
     threads = 1                        # compute threads (torch)
+    device = "auto"                    # optional: where a torch workload trains and evaluates: cpu, cuda,
+                                       # cuda:N, mps or auto (cuda if available, else mps if available, else
+                                       # cpu); updates move to the CPU as float32 for hashing and encoding.
+                                       # A device this machine lacks is a ConfigError naming it; a numpy
+                                       # workload takes only cpu or auto (= cpu). Default: where the workload
+                                       # factory put it (the CPU unless it chose a device)
+    compute = "numpy"                  # optional: backend of screening, cohort screening, aggregation and the
+                                       # outer step on validators and reducers: numpy or torch (needs torch).
+                                       # Both give the same bytes, so a fleet may mix them. Default numpy
     stop_after_window = 20             # optional: open no window after this one
     workload = "mypkg.train:factory"   # optional: a user's workload factory (module:function) or a registry
                                        # name; default: the manifest's workload from the registry
@@ -48,6 +57,7 @@ file's directory. `load_config` checks every key and type and raises ConfigError
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -66,6 +76,7 @@ from peerloom.adapters.keys import load_identity, load_or_create_identity
 from peerloom.adapters.logs import setup_logging
 from peerloom.adapters.runtime import NodeRuntime, RuntimeOptions
 from peerloom.adapters.storage import ArtifactStore, atomic_write
+from peerloom.backends.devices import DeviceError, resolve_device
 from peerloom.behaviours import wrap_workload
 from peerloom.core.chain import encode_chain_entry
 from peerloom.core.envelope import SignedEnvelope
@@ -89,8 +100,9 @@ KEYS: dict[str, tuple[type, ...]] = {
     "listen": (str,), "bootstrap": (list,), "capacity": (int,), "port_file": (str,), "events": (str,),
     "stats": (str,), "threads": (int,), "stop_after_window": (int,), "workload": (str,), "log_format": (str,),
     "log_level": (str,), "http": (dict,), "discovery": (dict,), "behaviour": (str,), "admission": (str,),
-    "leave_on_exit": (bool,), "leave_grace_s": (float, int),
+    "leave_on_exit": (bool,), "leave_grace_s": (float, int), "device": (str,), "compute": (str,),
 }
+COMPUTE = ("numpy", "torch")
 log = logging.getLogger("peerloom.node")
 
 
@@ -193,6 +205,16 @@ def _check(config: dict[str, Any]) -> None:
     grace = config.get("leave_grace_s", 30.0)
     if not 0 <= grace < float("inf"):
         raise ConfigError(f"leave_grace_s must be a finite number of seconds >= 0, got {grace!r}")
+    if "device" in config:
+        try:
+            resolve_device(config["device"])  # spelt right and present on this machine
+        except DeviceError as exc:
+            raise ConfigError(str(exc)) from None
+    compute = config.get("compute", "numpy")
+    if compute not in COMPUTE:
+        raise ConfigError(f"compute must be numpy or torch, got {compute!r}")
+    if compute == "torch" and importlib.util.find_spec("torch") is None:
+        raise ConfigError("compute = \"torch\" needs torch: pip install 'peerloom[torch]'")
 
 
 def _workload_factory(spec: str) -> Callable[[int, int], tuple[Any, Any]]:
@@ -226,6 +248,23 @@ def build_node_workload(config: dict[str, Any], manifest_workload: str, seed: in
     if len(shards) != num_shards:
         raise ConfigError(f"workload {spec!r} returned {len(shards)} shards, the manifest has {num_shards}")
     return workload, shards
+
+
+def place_workload(workload: Any, device: str) -> Any:
+    """Move `workload`'s training and evaluation to `device` (config key ``device``; `resolve_device`):
+    a workload with ``to_device`` (`TorchWorkload`) moves there; any other (numpy) runs on the CPU, so it
+    takes only ``"cpu"`` or ``"auto"``. Returns the workload. ConfigError names a device that is absent or
+    that the workload cannot use."""
+    try:
+        resolved = resolve_device(device)
+    except DeviceError as exc:
+        raise ConfigError(str(exc)) from None
+    if hasattr(workload, "to_device"):
+        workload.to_device(resolved)
+    elif device not in ("cpu", "auto"):
+        raise ConfigError(f"device {device!r}: the workload {type(workload).__name__} runs on the CPU only "
+                          "(device applies to torch workloads); use cpu or auto")
+    return workload
 
 
 def write_chain_entry(chain_dir: Path, head: Head, cert: QuorumCertificate) -> None:
@@ -312,12 +351,15 @@ def build_runtime(config: dict[str, Any]) -> NodeRuntime:
     except OSError as exc:
         raise ConfigError(f"store: {exc}") from None
     workload, shards = build_node_workload(config, manifest.workload, manifest.workload_seed, len(manifest.shards))
+    if "device" in config:  # else the workload stays where its factory put it (the CPU by default)
+        place_workload(workload, config["device"])
     if config.get("behaviour", "honest") != "honest":
         workload = wrap_workload(workload, config["behaviour"], seed=manifest.workload_seed)
         log.warning("byzantine trainer", extra={"fields": {"behaviour": config["behaviour"]}})
     if "torch" in sys.modules:  # only workloads that use torch pay for importing it
         sys.modules["torch"].set_num_threads(int(config.get("threads", 1)))
-    executor = ComputeExecutor(store, manifest, workload, shards, state_dir=Path(config["store"]))
+    executor = ComputeExecutor(store, manifest, workload, shards, state_dir=Path(config["store"]),
+                               compute=config.get("compute", "numpy"))
     host, port = _address(config.get("listen", "127.0.0.1:0"))
     http = config.get("http", {})
     http_listen = _address(http.get("listen", "127.0.0.1:0")) if http.get("enabled", False) else None

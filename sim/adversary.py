@@ -31,6 +31,7 @@ from peerloom.core.objects import (
     seal,
     sign_vote,
 )
+from peerloom.core.validator import head_metrics
 
 from .kernel import Behaviour, derive_seed
 
@@ -327,9 +328,8 @@ class Equivocation(Behaviour):
         result = {"params": reduced["params"], "params_digest": reduced["params_digest"],
                   "kept": [u.id for u in kept], "candidates": tuple(kept), "outer_state": reduced.get("outer_state"),
                   "outer_state_digest": reduced.get("outer_state_digest"),
-                  "metrics": {"test_loss": float(metrics["loss"]), "test_accuracy": float(metrics["accuracy"]),
-                              "train_loss": float(sum(entries[i].announcement.train_loss for i in reduced["kept"])
-                                                  / len(kept))}}
+                  "metrics": head_metrics(metrics, sum(entries[i].announcement.train_loss
+                                                       for i in reduced["kept"]) / len(kept))}
         other = role._make_head(result, proposal.rejected, head.evidence)
         fork = role._head_proposal(proposal.window, proposal.round, None, other, tuple(kept) + proposal.rejected)
         return other, fork.updates

@@ -60,10 +60,12 @@ class Cluster:
         self._seq = 0
 
     def add_node(self, name: str, identity: Identity, roles: set[str], store_dir: Path,
-                 workload: Any, shards: list[list[int]]) -> SimNode:
+                 workload: Any, shards: list[list[int]], *, compute: str = "numpy") -> SimNode:
+        """A node with its own store; `compute` is its backend for screening and reduction (node config key
+        ``compute``: numpy or torch)."""
         store = ArtifactStore(store_dir, chunk_size=self.revision.manifest.chunk_size)
         node = SimNode(name=name, identity=identity, roles=frozenset(roles), store=store,
-                       executor=ComputeExecutor(store, self.revision.manifest, workload, shards))
+                       executor=ComputeExecutor(store, self.revision.manifest, workload, shards, compute=compute))
         self.nodes[name] = node
         self.by_peer[identity.peer_id] = node
         return node

@@ -36,7 +36,10 @@ def ident(n: int) -> Identity:
 
 
 def build(tmp_path: Path, workload, *, trainers=2, min_updates=1, window_s=5.0, validators=1, quorum=1,
-          rule="mean", **manifest_fields):
+          rule="mean", compute="numpy", **manifest_fields):
+    """A validator (or `validators` of them), a reducer and `trainers` trainers, connected, on `workload`'s
+    (workload, shards); validators and the reducer screen and reduce with the `compute` backend, either one
+    name for all or a list (validators, then the reducer)."""
     wl, shards = workload
     params = wl.initial_params(SEED)
     genesis = to_safetensors(params)
@@ -55,9 +58,11 @@ def build(tmp_path: Path, workload, *, trainers=2, min_updates=1, window_s=5.0, 
     revision = Revision.verify(manifest.seal(authority), authority.peer_id)
     cluster = Cluster(revision, seed=SEED)
     names = ["validator"] + [f"v{i}" for i in range(1, validators)]
-    for name, identity in zip(names, vals, strict=True):
-        cluster.add_node(name, identity, {"validator"}, tmp_path / name, wl, shards).store.put(genesis)
-    cluster.add_node("reducer", reducer, {"reducer"}, tmp_path / "r", wl, shards).store.put(genesis)
+    computes = [compute] * (validators + 1) if isinstance(compute, str) else list(compute)
+    for name, identity, backend in zip(names, vals, computes[:-1], strict=True):
+        cluster.add_node(name, identity, {"validator"}, tmp_path / name, wl, shards, compute=backend).store.put(genesis)
+    reducer_node = cluster.add_node("reducer", reducer, {"reducer"}, tmp_path / "r", wl, shards, compute=computes[-1])
+    reducer_node.store.put(genesis)
     for i, t in enumerate(tr):
         cluster.add_node(f"t{i}", t, {"trainer"}, tmp_path / f"t{i}", wl, shards)
     cluster.start()

@@ -11,7 +11,7 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 
 
 def test_there_are_examples():
-    assert {p.name for p in EXAMPLES} >= {"property_test.py", "embed_engine_asyncio.py"}
+    assert {p.name for p in EXAMPLES} >= {"property_test.py", "embed_engine_asyncio.py", "train_your_model.py"}
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
@@ -19,3 +19,12 @@ def test_example_runs(example, tmp_path):
     out = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, cwd=tmp_path,
                          timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def test_train_your_model_is_at_most_25_lines_of_user_code():
+    import ast
+
+    source = (ROOT / "examples" / "train_your_model.py").read_text()
+    after_docstring = source.splitlines()[ast.parse(source).body[0].end_lineno:]
+    code = [line for line in after_docstring if line.strip() and not line.strip().startswith("#")]
+    assert len(code) <= 25, len(code)

@@ -18,7 +18,7 @@ across windows); otherwise each call starts from zeros.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -41,6 +41,16 @@ def _softmax_xent(logits: np.ndarray, y: np.ndarray, grad: bool) -> tuple[float,
     return loss, p
 
 
+def _xy(data: Any) -> tuple[Any, Any]:
+    """``(x, y)`` from an ``(x, y)`` pair, or stacked from a sequence of ``(x_i, y_i)`` items."""
+    if isinstance(data, tuple) and len(data) == 2:
+        return data
+    if not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
+        raise TypeError(f"data must be an (x, y) pair or a sequence of (x_i, y_i) items, got {type(data).__name__}")
+    items = [data[i] for i in range(len(data))]
+    return np.stack([np.asarray(x) for x, _ in items]), np.asarray([np.asarray(y) for _, y in items])
+
+
 class NumpyWorkload:
     """FedAvg / DiLoCo local training of an MLP ``sizes[0] -> ... -> sizes[-1]`` (ReLU between layers;
     ``sizes=(64, 10)`` is softmax regression) with Adam and cross-entropy, in float32 numpy.
@@ -54,6 +64,12 @@ class NumpyWorkload:
         local_epochs: FedAvg's E (passes over the lease per `train`), used when `inner_steps` is None.
         inner_steps: DiLoCo's H (optimizer steps per `train`); overrides `local_epochs`.
         keep_optimizer_state: keep Adam's state across `train` calls, per ``state_key``.
+        metrics: ``{name: (logits float32 [n, C], labels int64 [n]) -> float}`` computed by `evaluate` over the
+            whole eval set (heads carry them as ``test_<name>``); default ``{"loss": mean cross-entropy,
+            "accuracy": fraction of argmax == label}``. At most 63.
+
+    `train_data` and `eval_data` are ``(x, y)`` arrays or any sequence of ``(x_i, y_i)`` items (e.g. a
+    map-style dataset of arrays), stacked once at construction.
 
     Not thread-safe: one workload per thread of compute.
     """
@@ -71,7 +87,10 @@ class NumpyWorkload:
         local_epochs: int = 1,
         inner_steps: int | None = None,
         keep_optimizer_state: bool = False,
+        metrics: Mapping[str, Callable[[np.ndarray, np.ndarray], float]] | None = None,
     ) -> None:
+        if metrics is not None and not 1 <= len(metrics) <= 63:
+            raise ValueError(f"metrics must name 1 to 63 metrics, got {len(metrics)}")
         if len(sizes) < 2 or min(sizes) < 1:
             raise ValueError(f"sizes must hold >= 2 positive widths, got {sizes}")
         if batch_size < 1 or local_epochs < 1 or (inner_steps is not None and inner_steps < 1):
@@ -82,10 +101,13 @@ class NumpyWorkload:
         self.local_epochs = local_epochs
         self.inner_steps = inner_steps
         self.keep_optimizer_state = keep_optimizer_state
-        self.x_train = np.ascontiguousarray(train_data[0], dtype=np.float32)
-        self.y_train = np.ascontiguousarray(train_data[1], dtype=np.int64)
-        self.x_eval = np.ascontiguousarray(eval_data[0], dtype=np.float32)
-        self.y_eval = np.ascontiguousarray(eval_data[1], dtype=np.int64)
+        self.metrics = dict(metrics) if metrics is not None else None
+        train_x, train_y = _xy(train_data)
+        eval_x, eval_y = _xy(eval_data)
+        self.x_train = np.ascontiguousarray(train_x, dtype=np.float32)
+        self.y_train = np.ascontiguousarray(train_y, dtype=np.int64)
+        self.x_eval = np.ascontiguousarray(eval_x, dtype=np.float32)
+        self.y_eval = np.ascontiguousarray(eval_y, dtype=np.int64)
         if len(self.x_train) != len(self.y_train) or len(self.x_eval) != len(self.y_eval):
             raise ValueError("x and y of a dataset must have the same length")
         if self.x_train.ndim != 2 or self.x_train.shape[1] != self.sizes[0]:
@@ -202,12 +224,16 @@ class NumpyWorkload:
         return delta, {"train_loss": sum(loss * c for loss, c in recent) / seen, "samples": n}
 
     def evaluate(self, params: TensorDict) -> dict[str, float]:
-        """``{"loss": mean cross-entropy, "accuracy": fraction of argmax == label}`` over the eval set."""
+        """``{"loss": mean cross-entropy, "accuracy": fraction of argmax == label}`` over the eval set, or the
+        ``metrics`` given at construction (NaN each for an empty eval set)."""
         if schema_of(params) != self._schema:
             raise ValueError(f"params have schema {schema_of(params)}, expected {self._schema}")
+        names = ("loss", "accuracy") if self.metrics is None else tuple(self.metrics)
         if len(self.x_eval) == 0:
-            return {"loss": math.nan, "accuracy": math.nan}
+            return dict.fromkeys(names, math.nan)
         logits = self._forward(params, self.x_eval)[-1]
+        if self.metrics is not None:
+            return {name: float(metric(logits, self.y_eval)) for name, metric in self.metrics.items()}
         loss, _ = _softmax_xent(logits, self.y_eval, grad=False)
         return {"loss": loss, "accuracy": float(np.mean(logits.argmax(axis=1) == self.y_eval))}
 
@@ -287,3 +313,26 @@ def make_digits_numpy_workload(
     return NumpyWorkload((x_train, y_train), (x_test, y_test), sizes=sizes, lr=lr, batch_size=batch_size,
                          local_epochs=local_epochs, inner_steps=inner_steps,
                          keep_optimizer_state=keep_optimizer_state)
+
+
+def numpy_workload(
+    *,
+    sizes: Sequence[int],
+    train_data: Any,
+    eval_data: Any,
+    lr: float = 5e-3,
+    batch_size: int = 32,
+    inner_steps: int | None = None,
+    local_epochs: int = 1,
+    metrics: Mapping[str, Callable[[np.ndarray, np.ndarray], float]] | None = None,
+    keep_optimizer_state: bool = False,
+) -> NumpyWorkload:
+    """A pure-numpy workload on the user's data, shaped like `peerloom.backends.torch.workload.torch_workload`:
+    an MLP ``sizes[0] -> ... -> sizes[-1]`` (ReLU between layers) trained with Adam(`lr`) on cross-entropy,
+    the same schema as ``torch.nn.Sequential(Linear, ReLU, ..., Linear)``. `train_data` / `eval_data`: ``(x
+    float32 [n, sizes[0]], y int [n])`` or a sequence of ``(x_i, y_i)`` items; a lease's shard ``s`` trains on
+    rows ``shards[s]`` of ``shards = shards_for(len(train x), num_shards, seed)``. `metrics`: see
+    `NumpyWorkload`. Raises ValueError/TypeError for bad arguments.
+    """
+    return NumpyWorkload(train_data, eval_data, sizes=sizes, lr=lr, batch_size=batch_size, inner_steps=inner_steps,
+                         local_epochs=local_epochs, keep_optimizer_state=keep_optimizer_state, metrics=metrics)

@@ -91,7 +91,7 @@ class TinyCharTransformer(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         t = ids.shape[1]
-        h = self.tok(ids) + self.pos(torch.arange(t))
+        h = self.tok(ids) + self.pos(torch.arange(t, device=ids.device))
         h = self.blocks(h, mask=self.mask[:t, :t], is_causal=True)
         return self.head(self.norm(h))
 
@@ -108,15 +108,14 @@ class CharLMWorkload(TorchWorkload):
     def evaluate(self, params: dict[str, np.ndarray]) -> dict[str, float]:
         """``{"loss": nats per character, "accuracy": next-character accuracy, "bits_per_char": loss / ln 2}``
         over the whole validation split."""
-        self._load(params)
-        model = self.model
+        model, device, _ = self._eval_model(params)
         model.eval()
         total = 0
         loss_sum = 0.0
         correct = 0
         for start in range(0, len(self.x_eval), self.eval_batch_size):
-            x = self.x_eval[start : start + self.eval_batch_size]
-            y = self.y_eval[start : start + self.eval_batch_size]
+            x = self.x_eval[start : start + self.eval_batch_size].to(device)
+            y = self.y_eval[start : start + self.eval_batch_size].to(device)
             out = model(x)
             loss_sum += float(self.loss_fn(out, y)) * y.numel()
             correct += int((out.argmax(dim=-1) == y).sum())

@@ -1,28 +1,58 @@
 """`TorchWorkload`: an ordinary PyTorch model, optimizer, loss and datasets as a peerloom workload
-(DESIGN §5).
+(DESIGN §5; spec/protocol.md §5-6).
 
 A workload turns (params, lease) into a pseudo-gradient and params into metrics. Parameters cross the
 boundary as numpy float32 `TensorDict`s (name -> array, the model's ``state_dict`` names), so the
 protocol never sees torch objects. One model instance is kept for the workload's life; params are
 loaded into it in place with ``copy_``, never reallocated.
+
+`torch_workload` builds one from the user's own torch objects: a model factory, a loss, an inner-optimizer
+factory and a ``torch.utils.data.Dataset`` for training and one for evaluation (or DataLoader factories),
+with an LR scheduler, gradient clipping, bf16 autocast, a device and evaluation metrics of the user's
+choosing. A node loads it through a ``factory(seed, num_shards) -> (workload, shards)`` named by its
+config key ``workload`` (``peerloom/node.py``), the shards coming from
+`peerloom.backends.sharding.shards_for`.
+
+Determinism (what recomputation audits rely on, spec/protocol.md §6): `train` is a function of (params,
+indices, seed, inner steps, kept optimizer state). It reshuffles with a ``torch.Generator`` seeded with
+the seed, forks the global torch RNG (CPU, and the CUDA device it trains on) and seeds it with the seed
+(dropout and other random layers), so the same inputs give the same bytes in one process on one platform.
+On CUDA, `to_device` sets ``torch.backends.cudnn.deterministic = True`` and ``benchmark = False``
+(process-wide); bit-for-bit repeats on a GPU also need the kernels themselves to be deterministic
+(``CUBLAS_WORKSPACE_CONFIG=:4096:8``, no atomics-based ops), else audits see floating-point drift and
+compare by cosine (``audit_min_cosine``).
+
+Evaluation runs on the CPU in float32 unless ``eval_on_device``: validators compare each other's head
+metrics within ``METRIC_TOLERANCE`` (1e-4, spec/agreement.md), and a GPU's arithmetic (TF32 convolutions,
+other kernels, bf16) can differ from a CPU's by more than that, so validators on different devices would
+refuse each other's heads.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import Dataset, Subset, TensorDataset, default_collate
 
+from peerloom.backends.devices import resolve_device
 from peerloom.backends.numpy.tensors import Schema, TensorDict, schema_of
 
 ModelFactory = Callable[[], nn.Module]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[Any, Any], torch.Tensor]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+Metric = Callable[[Any, Any], "float | torch.Tensor"]
+Batch = tuple[Any, Any]
+TrainLoaderFactory = Callable[[Dataset, torch.Generator], Iterable[Batch]]
+EvalLoaderFactory = Callable[[Dataset], Iterable[Batch]]
+MAX_METRICS = 63
+"""A head holds at most 64 metrics (spec/wire.md): the workload's, each as ``test_<name>``, and ``train_loss``."""
 
 
 def set_num_threads(n: int = 1) -> None:
@@ -46,24 +76,92 @@ def _as_tensor(data: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
     return tensor.contiguous()
 
 
+def _pair(data: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(x, y)`` tensors for an ``(x, y)`` tuple or a two-tensor `TensorDataset`; None for another dataset."""
+    if isinstance(data, tuple) and len(data) == 2:
+        return _as_tensor(data[0]), _as_tensor(data[1])
+    if isinstance(data, TensorDataset) and len(data.tensors) == 2:
+        return _as_tensor(data.tensors[0]), _as_tensor(data.tensors[1])
+    if not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
+        raise TypeError(f"data must be an (x, y) tuple or a map-style torch Dataset, got {type(data).__name__}")
+    return None
+
+
+def _batch_len(targets: Any) -> int:
+    return int(targets.shape[0]) if isinstance(targets, torch.Tensor) else len(targets)
+
+
+def _move(data: Any, device: torch.device) -> Any:
+    """`data` (a tensor, or lists, tuples and dicts of them) on `device`; other values as they are."""
+    if isinstance(data, torch.Tensor):
+        return data.to(device)
+    if isinstance(data, Mapping):
+        return {k: _move(v, device) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return type(data)(_move(v, device) for v in data)
+    return data
+
+
+def _float32(out: Any) -> Any:
+    """Floating-point model outputs as float32 (bf16 autocast leaves them bf16)."""
+    if isinstance(out, torch.Tensor) and out.is_floating_point() and out.dtype != torch.float32:
+        return out.float()
+    return out
+
+
+def argmax_accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> float:
+    """Fraction of rows whose argmax over the last dimension equals the integer target (class logits
+    ``[n, C]`` against labels ``[n]``, or ``[n, T, C]`` against ``[n, T]``)."""
+    return float((outputs.argmax(dim=-1) == targets).float().mean())
+
+
 class TorchWorkload:
     """FedAvg / DiLoCo local training for a user's `nn.Module` (DESIGN §5).
 
     Args:
-        model_factory: builds the model (called once here and once per `initial_params`).
+        model_factory: builds the model with no arguments (e.g. the model's class). `initial_params` calls it
+            under a forked global torch RNG seeded with its seed, so every peer building the revision's
+            genesis gets the same params; it is called once more here for the working model.
         optimizer_factory: ``params -> torch.optim.Optimizer``; a fresh inner optimizer per `train` call.
         loss_fn: ``(outputs, targets) -> scalar mean loss`` (e.g. ``nn.functional.cross_entropy``).
-        train_data: ``(x, y)`` tensors or arrays; a lease names row indices into them.
-        eval_data: ``(x, y)`` for `evaluate`. Accuracy assumes class logits ``[n, C]`` and integer labels.
+        train_data: ``(x, y)`` tensors or arrays, or a map-style ``torch.utils.data.Dataset`` whose items are
+            ``(input, target)``; a lease names item indices into it. A `TensorDataset` of two tensors is
+            batched by indexing its tensors, any other dataset by ``collate_fn`` over its items.
+        eval_data: the same for `evaluate`.
         batch_size: inner mini-batch size (samples).
         local_epochs: passes over the leased samples per `train` call (FedAvg's E).
         inner_steps: DiLoCo's H — optimizer steps per `train` call (mini-batches cycle through reshuffled
             passes of the lease); overrides `local_epochs` when given (Douillard et al., arXiv 2311.08105).
-        keep_optimizer_state: keep the inner optimizer's state (e.g. Adam moments) from one `train` call to
-            the next under the same ``state_key`` (DiLoCo keeps it across windows); default: fresh per call.
+        keep_optimizer_state: keep the inner optimizer's state (e.g. Adam moments) and the scheduler's from
+            one `train` call to the next under the same ``state_key`` (DiLoCo keeps it across windows); default:
+            fresh per call. A validator's audit cannot see a trainer's kept state: audit only without it.
         eval_batch_size: batch size for `evaluate` (memory only; does not change results beyond float
             summation order).
         num_threads: if given, calls `set_num_threads` (process-wide) at construction.
+        scheduler_factory: ``optimizer -> LR scheduler`` (``torch.optim.lr_scheduler``), stepped after every
+            optimizer step; fresh per `train` call unless ``keep_optimizer_state``.
+        clip_grad_norm: if given, ``nn.utils.clip_grad_norm_(params, clip_grad_norm)`` (global L2 norm) before
+            every optimizer step.
+        bf16: run the training forward pass and loss under ``torch.autocast(dtype=torch.bfloat16)`` on the
+            workload's device; params, gradients and deltas stay float32 (evaluation too, unless
+            ``eval_on_device``).
+        metrics: ``{name: (outputs, targets) -> float}`` for `evaluate`, each a mean over its batch; `evaluate`
+            reports their sample-weighted means over the eval set, and heads carry them as ``test_<name>``.
+            Default: ``{"loss": loss_fn, "accuracy": argmax accuracy}`` (``test_loss``, ``test_accuracy``).
+            At most `MAX_METRICS`.
+        collate_fn: list of items -> batch, for datasets that are not two-tensor `TensorDataset` s (default
+            ``torch.utils.data.default_collate``).
+        train_loader: ``(leased subset: Dataset, generator: torch.Generator) -> iterable of (inputs, targets)``
+            (e.g. a ``DataLoader(subset, batch_size=..., shuffle=True, generator=generator)``); replaces the
+            built-in batching of the lease. Each pass iterates it once more; it must draw its randomness from
+            `generator` (seeded with the training seed), or audits cannot reproduce it.
+        eval_loader: ``eval dataset -> iterable of (inputs, targets)``; replaces the built-in eval batching.
+        device: where training and evaluation run: ``"cpu"`` (default), ``"cuda"``, ``"cuda:N"``, ``"mps"``
+            or ``"auto"`` (`peerloom.backends.devices.resolve_device`; DeviceError if absent). `to_device`
+            moves it later (a node does, from its config key ``device``).
+        eval_on_device: evaluate on the device too (under bf16 autocast if ``bf16``). Default False: `evaluate`
+            runs a CPU float32 copy of the model, so validators on any devices agree on a head's metrics
+            (module docstring); set it only when every validator of the revision uses the same device kind.
 
     Params are the floating-point entries of the model's ``state_dict`` (parameters and float buffers,
     which must all be float32); integer buffers (e.g. BatchNorm's ``num_batches_tracked``) stay local.
@@ -75,8 +173,8 @@ class TorchWorkload:
         model_factory: ModelFactory,
         optimizer_factory: OptimizerFactory,
         loss_fn: LossFn,
-        train_data: tuple[Any, Any],
-        eval_data: tuple[Any, Any],
+        train_data: Any,
+        eval_data: Any,
         *,
         batch_size: int = 32,
         local_epochs: int = 1,
@@ -84,11 +182,28 @@ class TorchWorkload:
         keep_optimizer_state: bool = False,
         eval_batch_size: int = 1024,
         num_threads: int | None = None,
+        scheduler_factory: SchedulerFactory | None = None,
+        clip_grad_norm: float | None = None,
+        bf16: bool = False,
+        metrics: Mapping[str, Metric] | None = None,
+        collate_fn: Callable[[list[Any]], Batch] | None = None,
+        train_loader: TrainLoaderFactory | None = None,
+        eval_loader: EvalLoaderFactory | None = None,
+        device: str = "cpu",
+        eval_on_device: bool = False,
     ) -> None:
         if batch_size < 1 or local_epochs < 1 or eval_batch_size < 1:
             raise ValueError("batch_size, local_epochs and eval_batch_size must be >= 1")
         if inner_steps is not None and inner_steps < 1:
             raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
+        if clip_grad_norm is not None and not 0.0 < clip_grad_norm < math.inf:
+            raise ValueError(f"clip_grad_norm must be a positive finite number, got {clip_grad_norm}")
+        if metrics is not None:
+            if not metrics or len(metrics) > MAX_METRICS:
+                raise ValueError(f"metrics must name 1 to {MAX_METRICS} metrics, got {len(metrics)}")
+            for name, fn in metrics.items():
+                if not isinstance(name, str) or not name or not callable(fn):
+                    raise ValueError(f"metrics must map non-empty names to callables, got {name!r}: {fn!r}")
         if num_threads is not None:
             set_num_threads(num_threads)
         self.model_factory = model_factory
@@ -98,59 +213,101 @@ class TorchWorkload:
         self.local_epochs = local_epochs
         self.inner_steps = inner_steps
         self.keep_optimizer_state = keep_optimizer_state
+        self.scheduler_factory = scheduler_factory
+        self.clip_grad_norm = clip_grad_norm
+        self.bf16 = bool(bf16)
+        self.metrics = dict(metrics) if metrics is not None else None
+        self.collate_fn = collate_fn if collate_fn is not None else default_collate
+        self.train_loader = train_loader
+        self.eval_loader = eval_loader
         self._saved_optimizers: dict[Any, dict[str, Any]] = {}
+        self._saved_schedulers: dict[Any, dict[str, Any]] = {}
         self.eval_batch_size = eval_batch_size
-        self.x_train = _as_tensor(train_data[0])
-        self.y_train = _as_tensor(train_data[1])
-        self.x_eval = _as_tensor(eval_data[0])
-        self.y_eval = _as_tensor(eval_data[1])
-        if len(self.x_train) != len(self.y_train) or len(self.x_eval) != len(self.y_eval):
-            raise ValueError("x and y of a dataset must have the same length")
+        # (x, y) tensors when the data are two tensors (indexed directly), else the dataset itself.
+        train, evals = _pair(train_data), _pair(eval_data)
+        self.x_train, self.y_train = train if train is not None else (None, None)
+        self.x_eval, self.y_eval = evals if evals is not None else (None, None)
+        self.train_dataset = None if train is not None else train_data
+        self.eval_dataset = None if evals is not None else eval_data
+        for pair in (train, evals):
+            if pair is not None and len(pair[0]) != len(pair[1]):
+                raise ValueError("x and y of a dataset must have the same length")
+        self.device = torch.device("cpu")
+        self.eval_on_device = bool(eval_on_device)
+        self._cpu_model: nn.Module | None = None  # evaluate's CPU copy while training runs elsewhere
         self.model = model_factory()
         self._state = self._state_tensors(self.model)
+        self._staging: dict[str, torch.Tensor] = {}
         self._schema = schema_of({n: t.numpy() for n, t in self._state.items()})
+        if device != "cpu":
+            self.to_device(device)
 
     @staticmethod
-    def _state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    def _state_tensors(model: nn.Module, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        device = torch.device("cpu") if device is None else device
         state = {n: t for n, t in model.state_dict(keep_vars=True).items() if t.is_floating_point()}
         for name, tensor in state.items():
-            if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
-                raise ValueError(f"state {name!r} is {tensor.dtype} on {tensor.device}; need float32 on CPU")
+            if tensor.dtype != torch.float32 or tensor.device.type != device.type:
+                raise ValueError(f"state {name!r} is {tensor.dtype} on {tensor.device}; need float32 on {device}")
         return {n: t.detach() for n, t in sorted(state.items())}
+
+    def to_device(self, device: str) -> TorchWorkload:
+        """Train and evaluate on `device` from now on (``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"mps"``, ``"auto"``;
+        `peerloom.backends.devices.resolve_device` raises DeviceError naming an absent one). Moves the
+        working model; params and deltas stay float32 numpy arrays on the CPU, copied through reused
+        staging buffers. On CUDA also sets cuDNN to deterministic, non-benchmarking mode (process-wide).
+        Returns self."""
+        target = torch.device(resolve_device(device))
+        if target.type == "cuda":
+            torch.backends.cudnn.deterministic = True
+            torch.backends.cudnn.benchmark = False
+        self.model.to(target)
+        self.device = target
+        self._state = self._state_tensors(self.model, target)
+        self._staging = {} if target.type == "cpu" else {
+            n: torch.empty(t.shape, dtype=torch.float32) for n, t in self._state.items()}
+        return self
 
     @property
     def num_train(self) -> int:
         """Number of training samples (valid lease indices are ``0 .. num_train - 1``)."""
-        return len(self.x_train)
+        return len(self.x_train) if self.x_train is not None else len(self.train_dataset)  # type: ignore[arg-type]
 
     @property
     def train_labels(self) -> np.ndarray:
-        """The training targets as a numpy array (a copy)."""
+        """The training targets as a numpy array (a copy). TypeError for a dataset that is not two tensors."""
+        if self.y_train is None:
+            raise TypeError("train_labels needs training data given as (x, y) tensors or a two-tensor TensorDataset")
         return self.y_train.numpy().copy()
 
     def with_train_labels(self, y: Any) -> TorchWorkload:
         """A copy of this workload training on targets `y` (same length; used by label-flip attackers). It
         shares this workload's model object (params are loaded in place before every use) but keeps its own
-        optimizer state."""
+        optimizer state. TypeError for a dataset that is not two tensors."""
+        if self.y_train is None:
+            raise TypeError("with_train_labels needs training data given as (x, y) tensors")
         labels = _as_tensor(y, self.y_train.dtype)
         if labels.shape != self.y_train.shape:
             raise ValueError(f"labels must have shape {tuple(self.y_train.shape)}, got {tuple(labels.shape)}")
-        other = TorchWorkload.__new__(TorchWorkload)
+        other = TorchWorkload.__new__(type(self))
         other.__dict__.update(self.__dict__)
         other.y_train = labels
         other._saved_optimizers = {}
+        other._saved_schedulers = {}
         return other
 
     def reset_optimizer_state(self, state_key: Any = None) -> None:
-        """Forget the kept inner optimizer state of `state_key` (no-op if none)."""
+        """Forget the kept inner optimizer (and scheduler) state of `state_key` (no-op if none)."""
         self._saved_optimizers.pop(state_key, None)
+        self._saved_schedulers.pop(state_key, None)
 
     def schema(self) -> Schema:
         """``((name, "float32", shape), ...)`` of the params, sorted by name."""
         return self._schema
 
     def initial_params(self, seed: int) -> TensorDict:
-        """Fresh float32 params from ``model_factory`` under ``torch.manual_seed(seed)``.
+        """Fresh float32 params from ``model_factory`` under ``torch.manual_seed(seed)``, built on the CPU
+        whatever the workload's device (so they are the same on every peer).
 
         The global torch RNG is forked (``torch.random.fork_rng``), so callers' random state is untouched.
         """
@@ -164,11 +321,70 @@ class TorchWorkload:
         if schema_of(params) != self._schema:
             raise ValueError(f"params have schema {schema_of(params)}, expected {self._schema}")
         for name, tensor in self._state.items():
-            np.copyto(tensor.numpy(), params[name], casting="no")
+            if self._staging:
+                np.copyto(self._staging[name].numpy(), params[name], casting="no")
+                tensor.copy_(self._staging[name])
+            else:
+                np.copyto(tensor.numpy(), params[name], casting="no")
+
+    def _host(self, name: str) -> np.ndarray:
+        """The working param `name` as a CPU float32 array (a view on the CPU; the staging buffer otherwise)."""
+        tensor = self._state[name]
+        if not self._staging:
+            return tensor.numpy()
+        return self._staging[name].copy_(tensor).numpy()
 
     def params(self) -> TensorDict:
         """A copy of the model's current params."""
-        return {n: t.numpy().copy() for n, t in self._state.items()}
+        return {n: self._host(n).copy() for n in self._state}
+
+    def _forked_rng(self) -> Any:
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        return torch.random.fork_rng(devices=devices)
+
+    def _autocast(self) -> Any:
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+
+    def _train_dataset(self) -> Dataset:
+        if self.train_dataset is not None:
+            return self.train_dataset  # type: ignore[no-any-return]
+        return TensorDataset(self.x_train, self.y_train)  # type: ignore[arg-type]
+
+    def _train_batch(self, batch: torch.Tensor) -> Batch:
+        if self.x_train is not None:
+            return self.x_train[batch], self.y_train[batch]  # type: ignore[index]
+        dataset = self.train_dataset
+        return self.collate_fn([dataset[i] for i in batch.tolist()])  # type: ignore[index]
+
+    def _train_batches(self, index: torch.Tensor, generator: torch.Generator, steps: int | None,
+                       epochs: int) -> Iterator[tuple[bool, Batch]]:
+        """``(first of a pass, (inputs, targets))`` for every optimizer step of one `train` call."""
+        n = len(index)
+        if self.train_loader is None:
+            per_pass = -(-n // self.batch_size)
+            total = steps if steps is not None else epochs * per_pass
+            order = index
+            for k in range(total):
+                pos = k % per_pass
+                if pos == 0:
+                    order = index[torch.randperm(n, generator=generator)]
+                yield pos == 0, self._train_batch(order[pos * self.batch_size : (pos + 1) * self.batch_size])
+            return
+        loader = self.train_loader(Subset(self._train_dataset(), index.tolist()), generator)
+        done = passes = 0
+        while True:
+            first = True
+            for batch in loader:
+                yield first, batch
+                first = False
+                done += 1
+                if steps is not None and done >= steps:
+                    return
+            if first:
+                raise ValueError("train_loader yielded no batch for a non-empty lease")
+            passes += 1
+            if steps is None and passes >= epochs:
+                return
 
     def train(
         self,
@@ -184,15 +400,17 @@ class TorchWorkload:
 
         Loads `params` (copied in place) and runs either `inner_steps` optimizer steps (argument, else the
         workload's; DiLoCo's H) or `local_epochs` (or `epochs`) passes (FedAvg's E) over ``indices`` in
-        mini-batches of `batch_size`, reshuffled every pass by a ``torch.Generator`` seeded with `seed`; the
-        global torch RNG (dropout etc.) is forked and seeded with `seed` too, so the same (params, indices,
-        seed, kept optimizer state) gives the same bytes in one process. The inner optimizer is fresh, or,
-        with ``keep_optimizer_state``, restored from the state this workload saved for `state_key` at the
-        end of its previous call (the host passes one key per trainer when one workload serves several).
+        mini-batches of `batch_size`, reshuffled every pass by a ``torch.Generator`` seeded with `seed` (or
+        the batches of ``train_loader``, given that generator); the global torch RNG (dropout etc.) is forked
+        and seeded with `seed` too, so the same (params, indices, seed, kept optimizer state) gives the same
+        bytes in one process. Each step: forward and loss (under bf16 autocast if set), backward, gradient
+        clipping (if set), optimizer step, scheduler step (if set). The inner optimizer is fresh, or, with
+        ``keep_optimizer_state``, restored from the state this workload saved for `state_key` at the end of its
+        previous call (the host passes one key per trainer when one workload serves several).
 
-        Returns the pseudo-gradient ``delta = params_before - params_after`` (numpy float32, same schema;
-        DiLoCo sign convention, arXiv 2311.08105, so the outer step is ``params - lr * mean(delta)``) and
-        ``{"train_loss": sample-weighted mean loss of the last pass (inner steps: of the batches since the
+        Returns the pseudo-gradient ``delta = params_before - params_after`` (numpy float32 on the CPU, same
+        schema; DiLoCo sign convention, arXiv 2311.08105, so the outer step is ``params - lr * mean(delta)``)
+        and ``{"train_loss": sample-weighted mean loss of the last pass (inner steps: of the batches since the
         last reshuffle), "samples": len(indices)}``.
         Raises ValueError for an empty lease, out-of-range indices or params of the wrong schema.
         """
@@ -209,51 +427,138 @@ class TorchWorkload:
         model = self.model
         model.train()
         optimizer = self.optimizer_factory(model.parameters())
-        saved = self._saved_optimizers.get(state_key) if self.keep_optimizer_state else None
-        if saved is not None:
-            optimizer.load_state_dict(saved)
+        scheduler = self.scheduler_factory(optimizer) if self.scheduler_factory is not None else None
+        if self.keep_optimizer_state:
+            # The scheduler first: building one writes the learning rate that the saved state then restores.
+            if (saved := self._saved_optimizers.get(state_key)) is not None:
+                optimizer.load_state_dict(saved)
+            if scheduler is not None and (saved := self._saved_schedulers.get(state_key)) is not None:
+                scheduler.load_state_dict(saved)
         generator = torch.Generator().manual_seed(seed)
-        n = len(index)
-        per_pass = -(-n // self.batch_size)
-        total = steps if steps is not None else n_epochs * per_pass
         loss_sum, seen = 0.0, 0
-        order = index
-        with torch.random.fork_rng(devices=[]):
+        with self._forked_rng():
             torch.manual_seed(seed)
-            for k in range(total):
-                pos = k % per_pass
-                if pos == 0:
-                    order = index[torch.randperm(n, generator=generator)]
+            for first, (inputs, targets) in self._train_batches(index, generator, steps, n_epochs):
+                if first:
                     loss_sum, seen = 0.0, 0
-                batch = order[pos * self.batch_size : (pos + 1) * self.batch_size]
+                inputs, targets = _move(inputs, self.device), _move(targets, self.device)
                 optimizer.zero_grad(set_to_none=True)
-                loss = self.loss_fn(model(self.x_train[batch]), self.y_train[batch])
+                with self._autocast():
+                    loss = self.loss_fn(model(inputs), targets)
                 loss.backward()
+                if self.clip_grad_norm is not None:
+                    nn.utils.clip_grad_norm_(model.parameters(), self.clip_grad_norm)
                 optimizer.step()
-                loss_sum += float(loss.detach()) * len(batch)
-                seen += len(batch)
+                if scheduler is not None:
+                    scheduler.step()
+                count = _batch_len(targets)
+                loss_sum += float(loss.detach()) * count
+                seen += count
         if self.keep_optimizer_state:
             self._saved_optimizers[state_key] = copy.deepcopy(optimizer.state_dict())
-        delta = {
-            name: np.subtract(params[name], tensor.numpy(), dtype=np.float32) for name, tensor in self._state.items()
-        }
-        return delta, {"train_loss": loss_sum / seen, "samples": n}
+            if scheduler is not None:
+                self._saved_schedulers[state_key] = copy.deepcopy(scheduler.state_dict())
+        delta = {name: np.subtract(params[name], self._host(name), dtype=np.float32) for name in self._state}
+        return delta, {"train_loss": loss_sum / seen, "samples": len(index)}
+
+    def _eval_batches(self) -> Iterable[Batch]:
+        if self.eval_loader is not None:
+            dataset = self.eval_dataset if self.eval_dataset is not None else TensorDataset(self.x_eval, self.y_eval)
+            yield from self.eval_loader(dataset)
+            return
+        size = self.eval_batch_size
+        if self.x_eval is not None:
+            for start in range(0, len(self.x_eval), size):
+                yield self.x_eval[start : start + size], self.y_eval[start : start + size]  # type: ignore[index]
+            return
+        dataset = self.eval_dataset
+        for start in range(0, len(dataset), size):  # type: ignore[arg-type]
+            yield self.collate_fn([dataset[i] for i in range(start, min(start + size, len(dataset)))])  # type: ignore
+
+    def _eval_model(self, params: TensorDict) -> tuple[nn.Module, torch.device, bool]:
+        """(model holding `params`, its device, autocast on) for `evaluate`."""
+        if self.device.type == "cpu" or self.eval_on_device:
+            self._load(params)
+            return self.model, self.device, self.bf16 and self.eval_on_device
+        if schema_of(params) != self._schema:
+            raise ValueError(f"params have schema {schema_of(params)}, expected {self._schema}")
+        if self._cpu_model is None:
+            with torch.random.fork_rng(devices=[]):
+                self._cpu_model = self.model_factory()
+        state = self._state_tensors(self._cpu_model)
+        for name, tensor in state.items():
+            np.copyto(tensor.numpy(), params[name], casting="no")
+        return self._cpu_model, torch.device("cpu"), False
 
     @torch.no_grad()
     def evaluate(self, params: TensorDict) -> dict[str, float]:
-        """``{"loss": mean loss, "accuracy": fraction of argmax == label}`` over the eval set."""
-        self._load(params)
-        model = self.model
+        """Metrics of `params` over the eval set, in eval mode, on the CPU in float32 (unless
+        ``eval_on_device``): by default ``{"loss": mean loss, "accuracy": fraction of argmax == label}``; with
+        ``metrics``, each one's sample-weighted mean over the eval batches (floats; NaN for an empty eval set).
+        Outputs are cast to float32 before loss and metrics. ValueError for params of the wrong schema."""
+        model, device, autocast = self._eval_model(params)
         model.eval()
-        n = len(self.x_eval)
-        loss_sum = 0.0
-        correct = 0
-        for start in range(0, n, self.eval_batch_size):
-            x = self.x_eval[start : start + self.eval_batch_size]
-            y = self.y_eval[start : start + self.eval_batch_size]
-            out = model(x)
-            loss_sum += float(self.loss_fn(out, y)) * len(x)
-            correct += int((out.argmax(dim=-1) == y).sum())
+        names = ("loss", "accuracy") if self.metrics is None else tuple(self.metrics)
+        sums = dict.fromkeys(names, 0.0)
+        correct = n = 0
+        for inputs, targets in self._eval_batches():
+            inputs, targets = _move(inputs, device), _move(targets, device)
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
+                out = model(inputs)
+            out = _float32(out)
+            count = _batch_len(targets)
+            n += count
+            if self.metrics is None:
+                sums["loss"] += float(self.loss_fn(out, targets)) * count
+                correct += int((out.argmax(dim=-1) == targets).sum())
+            else:
+                for name, metric in self.metrics.items():
+                    sums[name] += float(metric(out, targets)) * count
         if n == 0:
-            return {"loss": math.nan, "accuracy": math.nan}
-        return {"loss": loss_sum / n, "accuracy": correct / n}
+            return dict.fromkeys(names, math.nan)
+        if self.metrics is None:
+            return {"loss": sums["loss"] / n, "accuracy": correct / n}
+        return {name: total / n for name, total in sums.items()}
+
+
+def torch_workload(
+    *,
+    model: ModelFactory,
+    loss: LossFn,
+    optimizer: OptimizerFactory,
+    train_data: Any,
+    eval_data: Any,
+    batch_size: int = 32,
+    inner_steps: int | None = None,
+    local_epochs: int = 1,
+    scheduler: SchedulerFactory | None = None,
+    clip_grad_norm: float | None = None,
+    bf16: bool = False,
+    metrics: Mapping[str, Metric] | None = None,
+    collate_fn: Callable[[list[Any]], Batch] | None = None,
+    train_loader: TrainLoaderFactory | None = None,
+    eval_loader: EvalLoaderFactory | None = None,
+    eval_batch_size: int = 1024,
+    keep_optimizer_state: bool = False,
+    device: str = "cpu",
+    eval_on_device: bool = False,
+    num_threads: int | None = None,
+) -> TorchWorkload:
+    """A workload from the user's own torch objects (issue 17): `TorchWorkload` with keyword names.
+
+    ``model``: zero-argument callable returning the ``nn.Module`` (e.g. its class), called under a seeded,
+    forked global RNG for the initial params; all floating-point state float32. ``loss``: ``(outputs,
+    targets) -> scalar tensor``. ``optimizer``: ``params -> torch.optim.Optimizer``. ``train_data`` /
+    ``eval_data``: map-style ``torch.utils.data.Dataset`` s of ``(input, target)`` items (or ``(x, y)``
+    tuples); a lease's shard ``s`` trains on the items ``shards[s]`` where the factory returns ``shards =
+    shards_for(len(train_data), num_shards, seed)``. The rest: `TorchWorkload`'s arguments (``scheduler`` is
+    its ``scheduler_factory``: ``optimizer -> LR scheduler``). Raises ValueError/TypeError for bad arguments
+    and DeviceError for an absent device.
+    """
+    return TorchWorkload(
+        model, optimizer, loss, train_data, eval_data, batch_size=batch_size, local_epochs=local_epochs,
+        inner_steps=inner_steps, keep_optimizer_state=keep_optimizer_state, eval_batch_size=eval_batch_size,
+        num_threads=num_threads, scheduler_factory=scheduler, clip_grad_norm=clip_grad_norm, bf16=bf16,
+        metrics=metrics, collate_fn=collate_fn, train_loader=train_loader, eval_loader=eval_loader, device=device,
+        eval_on_device=eval_on_device,
+    )
