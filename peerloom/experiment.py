@@ -334,9 +334,9 @@ def run_up(directory: Path, *, windows: int | None = None, echo: Callable[[str],
             heads = list(fleet.heads())
             for head in heads[seen:]:
                 metrics = head.get("metrics", {})
-                result = "skipped" if head.get("skipped") else (
-                    f"accuracy {metrics.get('test_accuracy', float('nan')):.4f}  loss "
-                    f"{metrics.get('test_loss', float('nan')):.4f}  cohort {head.get('cohort')}")
+                shown = "  ".join(f"{k.removeprefix('test_')} {v:.4f}" for k, v in sorted(metrics.items())
+                                  if k.startswith("test_"))
+                result = "skipped" if head.get("skipped") else f"{shown}  cohort {head.get('cohort')}"
                 echo(f"window {head['window']:>4}  {result}")
             seen = len(heads)
             exited = [n for n, p in fleet.processes.items() if p.poll() is not None]

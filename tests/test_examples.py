@@ -11,11 +11,14 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 
 
 def test_there_are_examples():
-    assert {p.name for p in EXAMPLES} >= {"property_test.py", "embed_engine_asyncio.py", "train_your_model.py"}
+    assert {p.name for p in EXAMPLES} >= {"property_test.py", "embed_engine_asyncio.py", "train_your_model.py",
+                                              "hf_causal_lm.py"}
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
 def test_example_runs(example, tmp_path):
+    if example.name == "hf_causal_lm.py":
+        pytest.importorskip("transformers", reason="examples/hf_causal_lm.py needs the hf extra")
     out = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, cwd=tmp_path,
                          timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
