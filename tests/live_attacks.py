@@ -301,22 +301,54 @@ def attacked_fleet(root: Path, *, trainers: int, window_s: float) -> Iterator[tu
             node.stop()
 
 
+def head_events(node) -> list[dict]:
+    return [e for e in node.events() if e.get("event") == "head"]
+
+
+def accuracy_at(node, window: int) -> float:
+    """The test accuracy of the node's certified head of `window` (NaN if it has none)."""
+    return next((e["metrics"].get("test_accuracy", float("nan")) for e in head_events(node)
+                 if e["window"] == window and not e.get("skipped")), float("nan"))
+
+
+def longest_skip_run(node) -> int:
+    """The most consecutive windows whose final head was skipped, in the node's event log."""
+    run = best = 0
+    for event in sorted(head_events(node), key=lambda e: e["window"]):
+        run = run + 1 if event.get("skipped") else 0
+        best = max(best, run)
+    return best
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`make fuzz-live`: a fleet of 1 validator (with the HTTP edge) and 3 trainers, each attack for
-    `--seconds` against every node at once; prints one JSON line per attack and a summary."""
+    """`make fuzz-live`: first an undisturbed fleet of 1 validator (with the HTTP edge) and 3 trainers up to
+    window `--check-window`, then the same fleet under each attack for `--seconds` against every node at
+    once. Prints one JSON line per attack and a summary; exit 1 unless every process stayed alive, at most
+    2 windows in a row went without a certified head, and the accuracy at `--check-window` is within 2
+    points of the undisturbed run's."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--check-window", type=int, default=40)
     parser.add_argument("--dir", type=Path, default=Path("peerloom-fuzz-live"))
     args = parser.parse_args(argv)
     root = Path(args.dir) / f"run-{int(time.time())}"
     root.parent.mkdir(parents=True, exist_ok=True)
+    with attacked_fleet(root.with_name(root.name + "-undisturbed"), trainers=3, window_s=2.0) as (nodes, _):
+        assert wait_certified(nodes[0], args.check_window, 600), "the undisturbed fleet stalled"
+        undisturbed = accuracy_at(nodes[0], args.check_window)
     with attacked_fleet(root, trainers=3, window_s=2.0) as (nodes, targets):
         for record in campaign(nodes, targets, ATTACKS, args.seconds, args.seed):
             print(json.dumps(record), flush=True)
-        print(json.dumps({"attacks": len(ATTACKS), "alive": all(n.process.poll() is None for n in nodes),
-                          "certified": certified(nodes[0])}))
-    return 0
+        wait_certified(nodes[0], args.check_window, 300)
+        summary = {"attacks": len(ATTACKS), "alive": all(n.process.poll() is None for n in nodes),
+                   "certified": certified(nodes[0]), "longest_skip_run": longest_skip_run(nodes[0]),
+                   "check_window": args.check_window, "undisturbed_accuracy": undisturbed,
+                   "attacked_accuracy": accuracy_at(nodes[0], args.check_window)}
+    summary["ok"] = summary["alive"] and summary["longest_skip_run"] <= 2 and \
+        abs(summary["attacked_accuracy"] - undisturbed) <= 0.02
+    print(json.dumps(summary))
+    return 0 if summary["ok"] else 1
 
 
 if __name__ == "__main__":
