@@ -188,9 +188,8 @@ class ValidatorRole:
         self.state = "collecting"
         self.collector: Collector | None = None
         self.agreement: WindowAgreement | None = None
-        self.deadline_armed = False
         self.wait_deadline: float | None = None  # set while a window waits for a reachable leaseholder
-        self.armed_at: float | None = None  # when this window's clock started
+        self.armed_at: float | None = None  # when this window's clock started (None: not started yet)
         self.deadline_s = engine.manifest.window_s  # adapted to the slowest accepted update (_adapt_deadline)
         self.joins: dict[PeerId, int] = {}
         self.admitted: dict[PeerId, int] = {}  # admission policy "certificate": peer -> certified max capacity
@@ -247,9 +246,8 @@ class ValidatorRole:
         self._step("head")
         self.collector = Collector(e, head, self._on_collector_change)
         window = self.collector.window
-        self.deadline_armed, self.own, self.building = False, None, False
-        self.wait_deadline = None
-        self.armed_at = None
+        self.own, self.building = None, False
+        self.wait_deadline = self.armed_at = None
         self.verdicts, self.checks, self.refused_expiry = {}, {}, set()
         self.reducer_proposals = {w: v for w, v in self.reducer_proposals.items() if w >= window}
         self.proposals_in = {k: v for k, v in self.proposals_in.items() if k[0] >= window}
@@ -323,7 +321,7 @@ class ValidatorRole:
         skipped head is also what rosters a waiting joiner.
         """
         e, c = self.engine, self.collector
-        if c is None or self.state != "collecting" or self.deadline_armed:
+        if c is None or self.state != "collecting" or self.armed_at is not None:
             return
         key = ("close", "validator", c.window)
         workers = set(c.leases) | (set(c.claims) if e.manifest.lease_s > 0 else set())
@@ -334,7 +332,6 @@ class ValidatorRole:
                 e.set_timer(key, self.wait_deadline)
                 e.log("window-waiting", window=c.window, until=self.wait_deadline)
             return
-        self.deadline_armed = True
         self.armed_at = e.now
         deadline = e.now + self.deadline_s
         e.set_timer(key, deadline if self.wait_deadline is None else min(deadline, self.wait_deadline))
@@ -376,10 +373,12 @@ class ValidatorRole:
         e, c = self.engine, self.collector
         assert c is not None
         m = e.manifest
-        limit = (self.armed_at if self.armed_at is not None else e.now) + MAX_DEADLINE_WINDOWS * m.window_s
+        if self.armed_at is None:
+            return False  # the wait deadline (no leaseholder reachable): nothing to wait for
+        limit = self.armed_at + MAX_DEADLINE_WINDOWS * m.window_s
         accepted = sum(1 for x in c.entries.values() if x.state == "accepted")
         reachable = set(c.leases) & set(e.peers_with("trainer"))
-        if accepted >= m.min_updates or not reachable or e.now >= limit or not self.deadline_armed:
+        if accepted >= m.min_updates or not reachable or e.now >= limit:
             return False
         e.log("window-extended", window=c.window, accepted=accepted, needed=m.min_updates)
         e.set_timer(("close", "validator", c.window), min(limit, e.now + m.window_s / 2))
@@ -1096,6 +1095,13 @@ class ValidatorRole:
             if join.window <= self.withdrawn.get(envelope.signer, -1):
                 e.stats["withdrawn_joins_ignored"] += 1  # withdrawn since: a late relay or a replay
                 return
+            capacity = max(1, join.capacity)
+            cert = None
+            if e.manifest.admission == "certificate":
+                # Raises join-not-admitted, charged to the sender (an honest validator relays only
+                # admitted joins). Checked before the backlog: a join that is not admitted evicts nobody.
+                cert = check_admission(join.admission, e.revision.id, e.manifest, envelope.signer)
+                capacity = min(capacity, cert.max_capacity)
             if envelope.signer not in self.joins and not self._make_room_for_join(envelope.signer):
                 # A join flood (Sybils) cannot grow this validator's state (spec/protocol.md §4.1). Charged
                 # only to a joiner sending its own join; a relaying validator did nothing wrong.
@@ -1105,13 +1111,8 @@ class ValidatorRole:
                     e.rejected_by_reason["join-backlog-full"] += 1
                 return
             self.withdrawn.pop(envelope.signer, None)  # a join for a later window: asked anew
-            capacity = max(1, join.capacity)
-            if e.manifest.admission == "certificate":
-                # Raises join-not-admitted, charged to the sender (an honest validator relays only
-                # admitted joins).
-                cert = check_admission(join.admission, e.revision.id, e.manifest, envelope.signer)
+            if cert is not None:
                 self.admitted[envelope.signer] = cert.max_capacity
-                capacity = min(capacity, cert.max_capacity)
             if envelope.signer not in self.joins:
                 e.log("join", peer=str(envelope.signer), capacity=join.capacity)
                 if peer == envelope.signer:

@@ -122,3 +122,32 @@ def test_a_join_flood_keeps_the_same_joins_whatever_their_order(tmp_path):
     added = {p for p, _ in roster} - role.collector.head.roster_peers
     assert added == {i.peer_id for i in ranked[:16]}  # max_joins a head, by priority
     assert role.engine.rejected_by_reason["join-backlog-full"] > 0
+
+
+def test_a_join_without_admission_evicts_no_admitted_join(tmp_path):
+    """Under admission = "certificate" a join is checked before the backlog: a flood of unadmitted joins
+    (whatever their priority) is refused as join-not-admitted and leaves the admitted backlog intact."""
+    from peerloom.core.errors import VerificationError
+    from tests.test_admission import AUTHORITY, certificate
+
+    workload = build_workload("digits-mlp", SEED, N_SHARDS)
+    cluster = build(tmp_path, workload, trainers=2, admission="certificate", admission_authority=AUTHORITY.peer_id)
+    assert cluster.run_until(lambda c: head_window(c) >= 1, max_time=60.0)
+    role = next(r for r in cluster.nodes["validator"].engine.roles if isinstance(r, ValidatorRole))
+    revision, window = cluster.revision, role.window
+    admitted = [Identity(os.urandom(32)) for _ in range(64)]
+    for who in admitted:
+        join = JoinRequest(revision=revision.id, window=window, capacity=1,
+                           admission=certificate(revision.id, who.peer_id))
+        role.on_signed(who.peer_id, seal(who, join))
+    pending = {p for p in role.joins if p not in role.collector.head.roster_peers}
+    assert pending == {w.peer_id for w in admitted}  # the backlog is full
+    refused = 0
+    for _ in range(50):
+        stranger = Identity(os.urandom(32))
+        try:
+            role.on_signed(stranger.peer_id, _join(revision, stranger, window))
+        except VerificationError as exc:
+            refused += exc.reason == "join-not-admitted"
+    assert refused == 50
+    assert {p for p in role.joins if p not in role.collector.head.roster_peers} == pending
