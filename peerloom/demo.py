@@ -32,7 +32,7 @@ from peerloom.core.identity import PeerId
 from peerloom.core.leases import leases_of
 from peerloom.core.objects import Revision
 from peerloom.demo_report import build_report, defence_verdict, plot_report
-from peerloom.experiment import Experiment, Fleet
+from peerloom.experiment import EventTail, Experiment, Fleet
 
 WORKLOADS = {"digits": "digits-mlp", "mnist1d": "mnist1d-mlp", "charlm": "charlm"}
 MARKER = ".peerloom-demo"
@@ -128,30 +128,6 @@ def for_charlm(p: Profile) -> Profile:
     return attrs.evolve(p, windows=windows, window_s=max(p.window_s, 30.0), time_limit_s=240.0 + 60.0 * windows,
                         kill_at=fit(p.kill_at), restart_at=fit(p.restart_at) + (1 if p.restart_at else 0),
                         join_at=fit(p.join_at), max_gap_points=p.max_gap_points)
-
-
-class EventTail:
-    """Reads new JSON lines from a node's event log as they are written."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-
-    def read(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        with open(self.path, "rb") as fh:
-            fh.seek(self.offset)
-            data = fh.read()
-        end = data.rfind(b"\n") + 1
-        self.offset += end
-        lines = []
-        for line in data[:end].splitlines():
-            try:
-                lines.append(json.loads(line))
-            except ValueError:  # a line torn by SIGKILL
-                continue
-        return lines
 
 
 def _leases_in(validator: NodeProc, revision: Revision, window: int) -> dict[Any, Any]:

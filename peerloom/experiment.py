@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 import tomllib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -223,6 +223,30 @@ def _peer(node: dict[str, str]) -> Any:
     return PeerId.from_text(node["peer"])
 
 
+class EventTail:
+    """Reads the new JSON lines of a node's event log as they are written (from where the last read ended)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as fh:
+            fh.seek(self.offset)
+            data = fh.read()
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        lines = []
+        for line in data[:end].splitlines():
+            try:
+                lines.append(json.loads(line))
+            except ValueError:  # a line torn by SIGKILL
+                continue
+        return lines
+
+
 @attrs.define
 class Fleet:
     """An experiment directory's nodes as local processes (`peerloom up`)."""
@@ -280,18 +304,13 @@ class Fleet:
         lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
         return lines[-1] if lines else "(no log)"
 
-    def heads(self) -> Iterator[dict[str, Any]]:
+    def heads(self) -> list[dict[str, Any]]:
         """Every head line of the first validator's event log so far (certified or skipped)."""
-        events = self.node_dir(self.layout["nodes"][0]["name"]) / "events.jsonl"
-        if not events.exists():
-            return
-        for line in events.read_text().splitlines():
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line being written
-            if event.get("event") == "head":
-                yield event
+        return [e for e in self.events().read() if e.get("event") == "head"]
+
+    def events(self) -> EventTail:
+        """A reader of the first validator's event log, from its start."""
+        return EventTail(self.node_dir(self.layout["nodes"][0]["name"]) / "events.jsonl")
 
     def stop(self, timeout_s: float = 15.0) -> dict[str, int | None]:
         """SIGTERM every node, SIGKILL what has not exited after `timeout_s`; returns exit statuses."""
@@ -329,16 +348,15 @@ def run_up(directory: Path, *, windows: int | None = None, echo: Callable[[str],
     try:
         fleet.wait_started()
         echo(f"dashboard: {fleet.layout['dashboard']}")
-        seen = 0
+        seen, events = 0, fleet.events()
         while windows is None or seen < windows:
-            heads = list(fleet.heads())
-            for head in heads[seen:]:
+            for head in (e for e in events.read() if e.get("event") == "head"):  # only lines new since last time
                 metrics = head.get("metrics", {})
                 shown = "  ".join(f"{k.removeprefix('test_')} {v:.4f}" for k, v in sorted(metrics.items())
                                   if k.startswith("test_"))
                 result = "skipped" if head.get("skipped") else f"{shown}  cohort {head.get('cohort')}"
                 echo(f"window {head['window']:>4}  {result}")
-            seen = len(heads)
+                seen += 1
             exited = [n for n, p in fleet.processes.items() if p.poll() is not None]
             if exited:
                 echo(f"{exited[0]} exited: {fleet.last_log_line(exited[0])}")
@@ -376,7 +394,7 @@ def status_lines(directory: Path) -> list[str]:
                 db.close()
         lines.append(f"  {node['name']:<14} {node['role']:<9} {'running' if running else 'stopped':<8} "
                      f"head window {window:>4}  {node['listen']}")
-    last = list(fleet.heads())
+    last = fleet.heads()
     if last:
         metrics = last[-1].get("metrics", {})
         lines.append(f"latest head: window {last[-1]['window']}, " +
