@@ -8,7 +8,7 @@ way, and a test replays it exactly.
 Typical dial loop (the runtime's)::
 
     book = AddressBook(random.Random(seed))
-    book.add(("127.0.0.1", 4001), now=now)                  # bootstrap; peer id learnt on connect
+    book.add("/ip4/127.0.0.1/tcp/4001", now=now)            # bootstrap; peer id learnt on connect
     while True:
         for address in book.due(now):                       # not connected, not dialing, not banned,
             book.dial_started(address, now=now)             #   backoff over, under the limits
@@ -33,6 +33,9 @@ scaled by a factor drawn uniformly from ``[1 - jitter, 1]`` ("equal jitter", AWS
 success resets the count. `ban_after_failures` consecutive *handshake* failures (the other end answered
 but could not prove the identity we expect, or sent garbage) ban the address for `ban_s` seconds;
 `ban_peer` bans a peer id (e.g. after the engine hung up on it for penalties) wherever it connects from.
+Addresses are transport-qualified strings (``/ip4/H/tcp/P``, ``http://H:P``, ``memory://NAME``; use one
+canonical spelling, `adapters.transport.canonical_address`) or, as before, ``(host, port)`` tuples (tcp);
+per-IP limits count an address under its IP literal (``"memory"`` for in-process ones).
 Addresses learnt from peers (``add(..., learned=True)``) are capped (`max_learned`) and forgotten after
 `forget_after_failures` consecutive failed dials; configured (bootstrap) addresses are kept for good.
 """
@@ -46,7 +49,14 @@ import attrs
 
 from peerloom.core.identity import PeerId
 
-Address = tuple[str, int]  # (host, port); the host is an IP address literal
+from .transport import address_host
+
+Address = str | tuple[str, int]  # a transport address (canonical text), or (host, port) for tcp
+
+
+def ip_of(address: Address) -> str:
+    """What the per-IP limits count `address` under: its IP literal, or ``"memory"``."""
+    return address[0] if isinstance(address, tuple) else address_host(address)
 
 # TransportError reasons that mean "someone answered but could not prove the identity we expect, or spoke
 # garbage" (spec/transport.md §1, §6): these count toward a ban. connect-failed, handshake-timeout, truncated
@@ -141,16 +151,16 @@ class AddressBook:
         peer), backoff over, and a connection to them would fit under both limits."""
         out = []
         per_ip = Counter(self._per_ip)  # open connections plus dials in progress, per IP
-        per_ip.update(a[0] for a, e in self._entries.items() if e.dialing)
+        per_ip.update(ip_of(a) for a, e in self._entries.items() if e.dialing)
         total = per_ip.total()
         for address in sorted(self._entries):
             entry = self._entries[address]
             if entry.dialing or entry.connected or entry.next_attempt > now or self._banned(entry, now):
                 continue
-            if total >= self.max_connections or per_ip[address[0]] >= self.max_connections_per_ip:
+            if total >= self.max_connections or per_ip[ip_of(address)] >= self.max_connections_per_ip:
                 continue
             total += 1
-            per_ip[address[0]] += 1
+            per_ip[ip_of(address)] += 1
             out.append(address)
         return out
 
@@ -198,12 +208,12 @@ class AddressBook:
         entry = self._entry(address)
         entry.dialing = False
         entry.peer = peer
-        if self._banned(entry, now) or not self._fits(address[0]):
+        if self._banned(entry, now) or not self._fits(ip_of(address)):
             entry.next_attempt = now + self.backoff(max(entry.failures, 1))
             return False
         entry.connected = True
         entry.failures = entry.handshake_failures = 0
-        self._per_ip[address[0]] += 1
+        self._per_ip[ip_of(address)] += 1
         return True
 
     def disconnected(self, address: Address, *, now: float) -> None:
@@ -212,7 +222,7 @@ class AddressBook:
         if not entry.connected:
             return
         entry.connected = False
-        self._release(address[0])
+        self._release(ip_of(address))
         entry.next_attempt = now + self.backoff(1)
 
     # -- inbound --

@@ -32,7 +32,13 @@ from peerloom.backends.numpy import codecs as np_codecs
 from peerloom.backends.numpy import reduce as np_reduce
 from peerloom.backends.numpy.aggregate import aggregate, outer_step, screening_stats
 from peerloom.backends.numpy.screening import schema_matches
-from peerloom.backends.numpy.tensors import from_safetensors, tensor_digest, to_safetensors
+from peerloom.backends.numpy.tensors import (
+    from_safetensors,
+    safetensors_parts,
+    safetensors_views,
+    tensor_digest,
+    to_safetensors,
+)
 from peerloom.core.errors import DecodeError
 from peerloom.core.identity import PeerId
 from peerloom.core.objects import ERROR_FEEDBACK_CODECS, ArtifactRef, Manifest
@@ -157,10 +163,15 @@ class ComputeExecutor:
             atomic_write(path, to_safetensors(state.residual))
 
     def load(self, ref: ArtifactRef) -> dict[str, np.ndarray]:
-        return from_safetensors(self.store.get(ref.digest))
+        """The stored artifact's tensors: read-only views into its bytes, read once (no parse copy)."""
+        return safetensors_views(self.store.get(ref.digest))
 
     def save(self, tensors: dict[str, np.ndarray]) -> tuple[ArtifactRef, bytes]:
-        return self.store.put(to_safetensors(tensors)), tensor_digest(tensors)
+        """Store `tensors` as safetensors, written and hashed from the arrays' own memory where the
+        container allows (`safetensors_parts`; else serialized first). Returns (ref, tensor digest)."""
+        parts = safetensors_parts(tensors) if hasattr(self.store, "put_parts") else None
+        ref = self.store.put(to_safetensors(tensors)) if parts is None else self.store.put_parts(parts)
+        return ref, tensor_digest(tensors)
 
     def run(self, kind: str, args: dict[str, Any]) -> dict[str, Any]:
         """Run one task; raises on failure (the host turns that into TaskFailed)."""
@@ -285,8 +296,11 @@ class ComputeExecutor:
         FedAvg (SGD, lr `outer_lr`) or DiLoCo (Nesterov momentum `outer_momentum`, state = the parent head's
         `outer_state` artifact or zeros). Result: params, params_digest, outer_state (ArtifactRef or None),
         outer_state_digest, outliers ([[candidate index, reason]]) and kept (candidate indices reduced).
+
+        Memory (issue 20): the inputs are views of their stored bytes (`load`), the deltas are dropped once
+        aggregated and the inputs once the step is taken, so the peak is about five model sizes (params,
+        optimizer state, centre, new params, new state) plus the candidates while they are aggregated.
         """
-        params = self.load(args["params"])
         deltas = [self._decode(self.load(ref)) for ref in args["deltas"]]
         weights = list(args["weights"])
         outliers = self._outliers(deltas, float(args.get("norm_ratio", 0.0)), float(args.get("min_cosine", -1.0)))
@@ -294,10 +308,13 @@ class ComputeExecutor:
         kept = [i for i in range(len(deltas)) if i not in bad]
         out: dict[str, Any] = {"outliers": outliers, "kept": kept, "outer_state": None, "outer_state_digest": None}
         if not kept:
-            out.update(params=args["params"], params_digest=tensor_digest(params))
+            out.update(params=args["params"], params_digest=tensor_digest(self.load(args["params"])))
             return out
         centre = self.compute.aggregate(args["rule"], [deltas[i] for i in kept], [weights[i] for i in kept])
+        del deltas
+        params = self.load(args["params"])
         optimizer = args["outer_optimizer"]
+        new_state = None
         if optimizer == "fedavg":
             new, _ = self.compute.outer("fedavg", params, centre, None, args["outer_lr"], 0.0)
         elif optimizer == "diloco":
@@ -305,10 +322,13 @@ class ComputeExecutor:
             state = self.load(state_ref) if state_ref is not None else None
             new, new_state = self.compute.outer("diloco", params, centre, state, args["outer_lr"],
                                                 args.get("outer_momentum", 0.9))
-            if new_state is not None:
-                out["outer_state"], out["outer_state_digest"] = self.save(new_state)
+            del state
         else:
             raise ValueError(f"unknown outer optimizer {optimizer!r}")
+        del params, centre
+        if new_state is not None:
+            out["outer_state"], out["outer_state_digest"] = self.save(new_state)
+            del new_state
         out["params"], out["params_digest"] = self.save(new)
         return out
 

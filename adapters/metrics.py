@@ -1,8 +1,9 @@
 """Prometheus metrics of one node, fed from the engine's effects by the runtime (issue 7 observability).
 
 Each node owns a `prometheus_client.CollectorRegistry` (several nodes may share a process in tests); the
-HTTP edge exposes it at ``/metrics``. The runtime calls `on_effect` for every `HeadPromoted` and `Log`
-effect; wire bytes per peer and head age are read at scrape time from a callback.
+HTTP edge exposes it at ``/metrics``. The runtime calls `on_effect` for every `HeadPromoted` and `Rejected`
+effect; wire bytes per peer, head age and votes (the engine's ``votes_<step>`` stats) are read at scrape
+time from callbacks, so no metric depends on parsing log lines.
 
 ==================================================== =======================================================
 metric                                               meaning
@@ -25,7 +26,7 @@ metric                                               meaning
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -33,16 +34,20 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from peerloom.core import effects as fx
+from peerloom.core.objects import PRECOMMIT, PREVOTE
 
 # Rejections that name an update that failed screening (spec/protocol.md §6) rather than a bad message.
 _UPDATE_REASON_PREFIXES = ("screen-", "outlier", "cohort-")
 
 PeerBytes = Callable[[], Iterable[tuple[str, int, int]]]
+EngineStats = Callable[[], Mapping[str, int]]
+VOTE_STEPS = (PREVOTE, PRECOMMIT)
 
 
 class _WireCollector(Collector):
-    def __init__(self, peer_bytes: PeerBytes, metrics: NodeMetrics) -> None:
+    def __init__(self, peer_bytes: PeerBytes, engine_stats: EngineStats, metrics: NodeMetrics) -> None:
         self._peer_bytes = peer_bytes
+        self._engine_stats = engine_stats
         self._metrics = metrics
 
     def collect(self) -> Iterator[Any]:
@@ -57,12 +62,20 @@ class _WireCollector(Collector):
         promoted = self._metrics.promoted_at
         age = time.time() - promoted if promoted is not None else float("nan")
         yield GaugeMetricFamily("peerloom_head_age_seconds", "Seconds since the latest head promotion", value=age)
+        # The engine counts the votes it signed and sent per step (core/voting.py); read with .get, which is
+        # safe while the engine thread adds keys.
+        stats = self._engine_stats()
+        votes = CounterMetricFamily("peerloom_votes", "Votes signed and sent", labels=["step"])
+        for step in VOTE_STEPS:
+            if count := stats.get(f"votes_{step}", 0):
+                votes.add_metric([step], count)
+        yield votes
 
 
 class NodeMetrics:
     """The metrics of one node. `on_effect` is called from the engine loop; scrapes from any thread."""
 
-    def __init__(self, peer_bytes: PeerBytes = lambda: ()) -> None:
+    def __init__(self, peer_bytes: PeerBytes = lambda: (), engine_stats: EngineStats = dict) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.windows = Counter("peerloom_windows", "Windows closed by outcome", ["outcome"], registry=r)
@@ -72,15 +85,14 @@ class NodeMetrics:
         self.rejections = Counter("peerloom_rejections", "Rejections charged to peers", ["reason"], registry=r)
         self.connection_errors = Counter("peerloom_connection_errors", "Connections ended by an error, by reason "
                                          "(spec/transport.md §6)", ["reason"], registry=r)
-        self.votes = Counter("peerloom_votes", "Votes signed and sent", ["step"], registry=r)
         self.head_window = Gauge("peerloom_head_window", "Window of the latest certified head", registry=r)
         self.head_lag = Gauge("peerloom_head_lag_windows", "Best peer head window minus ours", registry=r)
         self.promoted_at: float | None = None
         self._best_peer_window = 0
-        r.register(_WireCollector(peer_bytes, self))
+        r.register(_WireCollector(peer_bytes, engine_stats, self))
 
     def on_effect(self, effect: fx.Effect) -> None:
-        """Count what a HeadPromoted or Log effect says; other effects are ignored."""
+        """Count what a HeadPromoted or Rejected effect says; other effects are ignored."""
         match effect:
             case fx.HeadPromoted():
                 head = effect.head
@@ -89,13 +101,11 @@ class NodeMetrics:
                 self.head_window.set(head.window)
                 self.promoted_at = time.time()
                 self.head_lag.set(max(0, self._best_peer_window - head.window))
-            case fx.Log(event="reject"):
-                reason = str(effect.fields.get("reason", ""))
+            case fx.Rejected():
+                reason = effect.reason
                 self.rejections.labels(reason=reason).inc()
                 if reason.startswith(_UPDATE_REASON_PREFIXES):
                     self.rejected.labels(reason=reason).inc()
-            case fx.Log(event="vote"):
-                self.votes.labels(step=str(effect.fields.get("step", ""))).inc()
             case _:
                 pass
 

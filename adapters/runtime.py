@@ -1,20 +1,22 @@
-"""The trio host loop that drives one engine with the TCP+Noise transport, a compute executor and the
-on-disk store (DESIGN §6).
+"""The trio host loop that drives one engine with its transports (`adapters.transport`: TCP+Noise, HTTP,
+in-memory; dialed and listened on only through that interface), a compute executor and the on-disk store
+(DESIGN §6).
 
 One main task owns the engine: it waits for the next event (or the engine's next deadline), feeds it to
-`Engine.handle`, and executes the effects in order. Each connection has a reader task (messages become
+`Engine.handle`, and executes the effects in order through the shared host driver (`adapters.host.drain`;
+this runtime is the `Host`). Each connection has a reader task (messages become
 events) and a writer task per lane with its own queue, so a slow peer never blocks the engine; a peer whose
 queue grows past `MAX_CONTROL_OUTBOX_BYTES` / `MAX_BULK_OUTBOX_BYTES` is hung up on. Inbound connections
-go through the `AddressBook` like dialed ones (limits, bans); a peer the engine hangs up on for penalties
-is banned for `AddressBook.ban_s`. Compute tasks run on a worker thread, one at a time per node. Persist
+go through the `AddressBook` like dialed ones (limits, bans); a peer the engine bans (a `Ban` effect) is
+refused, inbound and dialed, until the ban ends. Compute tasks run on a worker thread, one at a time per node. Persist
 effects are fsynced before `Persisted` is fed back; a persisted certified head (promoted, or archived by
 chain sync) is handed to `on_chain_entry` before that, so a chain directory kept from it never lags the
 store by more than what a crash interrupts (`peerloom.node.fill_chain_dir` repairs that at start).
 
 With `RuntimeOptions.http_listen` set, the node also serves the HTTP edge (`adapters.http_edge`, aiohttp on
 its own thread and asyncio loop) over a `NodeEdgeView`: reads come from thread-safe snapshots, and a light
-trainer's signed submission crosses into trio through the trio token and reaches the engine as a message
-from its signer (its artifact stored first), handled by the main loop like any other event.
+trainer's signed submission crosses into trio through the trio token and reaches the engine as
+`events.Submit` (its artifact stored first); the engine's `SubmitReply` is the verdict the edge returns.
 """
 
 from __future__ import annotations
@@ -39,16 +41,18 @@ from peerloom.core.engine import HEAD_RECORD, Engine, EngineConfig
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.errors import PeerloomError
 from peerloom.core.identity import Identity, PeerId
-from peerloom.core.messages import Hello, Signed, decode_message, encode_message, parse_address
+from peerloom.core.messages import Hello, decode_message
 from peerloom.core.objects import Head, QuorumCertificate, Revision
 
 from . import tcp
 from .addressbook import HANDSHAKE_FAILURES, AddressBook
 from .compute import ComputeExecutor
 from .edge_view import SUBMIT_TIMEOUT_S, NodeEdgeView, PeerInfo, SubmitResult
-from .host import apply_storage_effect, chunk_message, stored_event
+from .host import chunk_message, drain, stored_event
 from .metrics import NodeMetrics
+from .relay import RelayServer, RelayTransport
 from .storage import ArtifactStore
+from .transport import Connection, Transport, canonical_address
 
 log = logging.getLogger("peerloom.runtime")
 engine_log = logging.getLogger("peerloom.engine")
@@ -68,15 +72,26 @@ largest message (`RuntimeOptions.max_message_bytes`, 16 MiB by default), so one 
 
 @attrs.frozen(kw_only=True)
 class RuntimeOptions:
-    listen_host: str = "127.0.0.1"
+    listen_host: str = "127.0.0.1"  # the tcp listener when `listen` is empty
     listen_port: int = 0
-    bootstrap: tuple[tuple[str, int], ...] = ()
+    # Transport addresses to listen on (spec/transport.md §9): "/ip4/H/tcp/P" or "H:P" (tcp), "http://H:P",
+    # "memory://NAME" (needs `memory_network`); port 0 picks one. Empty: tcp on listen_host:listen_port.
+    listen: tuple[str, ...] = ()
+    # Addresses to dial and keep dialing: transport addresses, or (host, port) pairs meaning tcp.
+    bootstrap: tuple[str | tuple[str, int], ...] = ()
+    memory_network: Any = None  # an adapters.memory.MemoryNetwork: dial and listen on memory:// addresses
     redial_s: float = 0.5  # base dial backoff (AddressBook: doubles per failure, with jitter)
     max_redial_s: float = 5.0  # cap: a restarted seed is found again within seconds
     max_connections: int = 64
     max_connections_per_ip: int = 64  # a whole fleet on one machine shares 127.0.0.1
     max_message_bytes: int = 16 << 20
     http_listen: tuple[str, int] | None = None  # serve the HTTP edge here (None: no edge)
+    # Relay for others (spec/transport.md §12): serve relay requests on this direct address with these
+    # limits (an adapters.relay.RelayLimits; None: the defaults). A listen address "<relay>/p2p-circuit"
+    # in `listen` instead makes a reservation at a relay (adapters.relay.RelayTransport).
+    relay_listen: str | None = None
+    relay_limits: Any = None
+    relay_only: bool = False  # dial circuit addresses only (a network that lets nothing but relays through)
     mdns: bool = False  # advertise and browse `_peerloom._tcp.local.` on 127.0.0.1 (adapters.discovery)
     max_control_outbox_bytes: int = MAX_CONTROL_OUTBOX_BYTES  # per peer; over it: hang up ("outbox-full")
     max_bulk_outbox_bytes: int = MAX_BULK_OUTBOX_BYTES  # per peer; over it: hang up ("outbox-full")
@@ -95,8 +110,10 @@ class _Outbox:
 
 @attrs.define
 class _Submit:
-    """A light peer's signed envelope from the HTTP edge, waiting for the main loop (not an engine event)."""
+    """A light peer's signed envelope from the HTTP edge, waiting for the main loop to feed it as
+    `events.Submit` and for the engine's `SubmitReply` with the same `request_id`."""
 
+    request_id: int
     envelope: SignedEnvelope
     artifact: bytes | None
     done: trio.Event = attrs.Factory(trio.Event)
@@ -128,7 +145,7 @@ class NodeRuntime:
         # Bytes of each peer's messages queued for the engine, bounded per peer (`_inbox_room`).
         self._inbox: Counter[PeerId] = Counter()
         self._inbox_room_events: dict[PeerId, trio.Event] = {}
-        self._conns: dict[PeerId, tcp.SecureConnection] = {}
+        self._conns: dict[PeerId, Connection] = {}
         # Two outboxes per peer (control, bulk), each with its own writer task, so a vote or a chunk request
         # never waits behind a large artifact message queued before it (the transport interleaves lanes).
         # Each lane's queued bytes are capped (RuntimeOptions.max_*_outbox_bytes): a peer that stops reading
@@ -139,14 +156,18 @@ class NodeRuntime:
         self.bytes_sent = 0
         self.bytes_received = 0
         self._closed_bytes: dict[PeerId, tuple[int, int]] = {}  # wire bytes of closed connections, per peer
-        self.metrics = NodeMetrics(peer_bytes=self._peer_bytes)
-        self.port: int | None = None
+        self.metrics = NodeMetrics(peer_bytes=self._peer_bytes, engine_stats=lambda: self.engine.stats)
+        self.port: int | None = None  # the first listener's port (0 for a memory:// listener)
+        self.listen_addresses: list[str] = []  # bound addresses, one per listener (transport-qualified)
+        self.transports: list[Transport] = []  # made when `run` starts (`_make_transports`)
         self._nursery: trio.Nursery | None = None
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self._rejected_in_window = 0
         # Rejections per (peer, reason), written to the database once per window: an attacker's flood of
         # bad messages must not become a flood of fsyncs.
         self._reputation: dict[tuple[str, str], int] = {}
+        self._submits: dict[int, _Submit] = {}  # fed to the engine, awaiting its SubmitReply
+        self._submit_ids = 0
         self.edge_view = NodeEdgeView(peer_id=identity.peer_id, roles=roles, revision=revision,
                                       registry=self.metrics.registry, artifact_path=self._artifact_path,
                                       relay=self._relay, peers=self.peer_infos, entries=self._stored_chain())
@@ -159,6 +180,8 @@ class NodeRuntime:
         self._book_changed = trio.Event()
         self._head_changed = trio.Event()  # set on every promoted head (`wait_unrostered`)
         self.http_port: int | None = None
+        self.relay: Any = None  # adapters.relay.RelayServer when `options.relay_listen` is set
+        self.relay_address: str | None = None  # its bound address
 
     def _emit_line(self, event: str, fields: dict[str, Any]) -> None:
         if self._events_file is not None:
@@ -170,15 +193,25 @@ class NodeRuntime:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                self.port = await nursery.start(self._serve)
+                self.transports = self._make_transports()
+                for address in self._listen_addresses():
+                    bound = await nursery.start(self._serve, address)
+                    self.listen_addresses.append(bound)
+                if self.options.relay_listen is not None:
+                    await self._start_relay(nursery, self.options.relay_listen)
+                self.port = _port_of(self.listen_addresses[0])
                 self.engine.config = attrs.evolve(self.engine.config, listen_address=self._advertised())
                 if self.options.http_listen is not None:
                     await trio.to_thread.run_sync(self._start_edge, *self.options.http_listen)
                 self.engine.handle(ev.Start(now=trio.current_time()))
-                await self._drain()
+                self._drain()
                 now = trio.current_time()
                 for address in self.options.bootstrap:
-                    self.book.add(address, now=now)
+                    text = _tcp_text(address) if isinstance(address, tuple) else address
+                    if self._transport_for(text) is not None:
+                        self.book.add(canonical_address(text), now=now)
+                    else:
+                        log.warning("no transport for bootstrap address %s", text)
                 nursery.start_soon(self._dialer)
                 if self.options.mdns:
                     await trio.to_thread.run_sync(self._start_discovery)
@@ -214,20 +247,68 @@ class NodeRuntime:
             await self.wait_head_change()
 
     def _advertised(self) -> str | None:
-        """The "host:port" our Hello gives for peer exchange: the bound port on `listen_host` when that is
-        a specific IP literal (a wildcard or a host name is not something a peer could dial), else None."""
-        host = self.options.listen_host
-        address = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
-        try:
-            parse_address(address)
-        except PeerloomError:
-            return None
-        return address
+        """The address our Hello gives for peer exchange: the first bound listener whose host is a specific
+        IP literal (a wildcard or a host name is not something a peer could dial), else None."""
+        for address in self.listen_addresses:
+            try:
+                return canonical_address(address)
+            except ValueError:
+                continue
+        return None
+
+    def _make_transports(self) -> list[Transport]:
+        """TCP and HTTP (dial and listen), memory when the options give a network, and relay (circuit
+        addresses through any of those, spec/transport.md §12). Inbound connections of each go through the
+        address book (bans, limits) before their handshake."""
+        from .http_transport import HttpTransport
+        from .memory import MemoryNetworkTransport
+
+        book = self.book
+        options = tcp.SecureOptions(
+            max_connections=self.options.max_connections,
+            max_connections_per_ip=self.options.max_connections_per_ip,
+            admit=lambda ip: book.admit_inbound(ip, now=trio.current_time()),
+            on_handshake_failed=lambda ip, exc: book.inbound_handshake_failed(ip, now=trio.current_time()))
+        transports: list[Transport] = [tcp.TcpTransport(options), HttpTransport(options)]
+        if self.options.memory_network is not None:
+            transports.append(MemoryNetworkTransport(self.options.memory_network, options))
+        transports.append(RelayTransport(list(transports), options))  # dials circuits through the others
+        return transports
+
+    async def _start_relay(self, nursery: trio.Nursery, address: str) -> None:
+        """Serve the relay role (adapters.relay.RelayServer, spec/transport.md §12) on the direct `address`,
+        through the transport of its kind (so the address book's inbound admission applies)."""
+        transport = self._transport_for(address, listening=True)
+        if transport is None or transport.kind == "relay":
+            raise ValueError(f"no transport listens on {address!r} for the relay")
+        self.relay = RelayServer(self.options.relay_limits)
+        self.relay_address = await nursery.start(self.relay.serve, transport, address, self.identity)
+        log.info("relaying for others on %s", self.relay_address)
+        self._emit_line("relay", {"address": self.relay_address})
+
+    def _listen_addresses(self) -> tuple[str, ...]:
+        if self.options.listen:
+            return self.options.listen
+        return (_tcp_text((self.options.listen_host, self.options.listen_port)),)
+
+    def _transport_for(self, address: str, *, listening: bool = False) -> Transport | None:
+        """The transport that dials (or, `listening`, listens on) `address`, or None."""
+        if listening:  # a listen address may have port 0 or a wildcard host, which `handles` refuses
+            kind = "relay" if "/p2p-circuit" in address else "http" if address.startswith("http://") \
+                else "memory" if address.startswith("memory://") \
+                else "tcp"
+            return next((t for t in self.transports if t.kind == kind), None)
+        return next((t for t in self.transports if t.handles(address)
+                     and (t.kind == "relay" or not self.options.relay_only)), None)
 
     def _start_discovery(self) -> None:
         from .discovery import MdnsDiscovery  # zeroconf only when discovery is on
 
-        self.discovery = MdnsDiscovery(self.identity.peer_id, self.port or 0, self.engine.revision.id,
+        tcp_ports = [_port_of(a) for a in self.listen_addresses if a.startswith("/ip")]  # mDNS announces tcp
+        if not tcp_ports:
+            log.warning("mdns discovery needs a tcp listener; not started")
+            return
+        self.discovery = MdnsDiscovery(self.identity.peer_id, tcp_ports[0], self.engine.revision.id,
                                        self._on_discovered, interface=self.options.listen_host).start()
 
     def _on_discovered(self, peer: PeerId, address: tuple[str, int]) -> None:
@@ -241,7 +322,11 @@ class NodeRuntime:
             pass
 
     def _learn_address(self, address: tuple[str, int], peer: PeerId | None = None) -> None:
-        self.book.add(address, peer, now=trio.current_time(), learned=True)
+        try:
+            text = canonical_address(_tcp_text(address))
+        except ValueError:
+            return  # not a dialable IP literal and port: nothing to learn
+        self.book.add(text, peer, now=trio.current_time(), learned=True)
         self._book_changed.set()
 
     def _start_edge(self, host: str, port: int) -> None:
@@ -263,72 +348,103 @@ class NodeRuntime:
                     self.engine.handle(_with_now(item, trio.current_time()))
                     if isinstance(item, ev.MessageReceived):
                         self._inbox_done(item.peer, len(item.data))
-                await self._drain()
+                self._drain()
                 continue
             self.engine.handle(ev.TimerDue(now=trio.current_time()))
-            await self._drain()
+            self._drain()
 
-    async def _drain(self) -> None:
-        engine = self.engine
-        while (effect := engine.next_effect()) is not None:
-            if isinstance(effect, fx.CommitArtifact):
-                engine.handle(stored_event(self.store, effect, trio.current_time()))
-                continue
-            if apply_storage_effect(self.store, effect):
-                if isinstance(effect, fx.Persist):
-                    self._note_chain_record(effect)
-                    engine.handle(ev.Persisted(now=trio.current_time(), token=effect.token))
-                continue
-            match effect:
-                case fx.Send():
-                    self._enqueue(effect.peer, effect.data)
-                case fx.ServeChunk():
-                    self._enqueue(effect.peer, chunk_message(self.store, effect))
-                case fx.RunTask():
-                    assert self._nursery is not None
-                    self._nursery.start_soon(self._run_task, effect)
-                case fx.HangUp():
-                    if effect.reason == "penalty-limit":  # not re-admitted, inbound or dialed, until the ban ends
-                        self.book.ban_peer(effect.peer, now=trio.current_time())
-                        log.info("banned %s: %s", effect.peer.short(), effect.reason)
-                    conn = self._conns.get(effect.peer)
-                    if conn is not None:
-                        await conn.aclose()
-                case fx.PeersDiscovered():
-                    now = trio.current_time()
-                    for peer, text in effect.peers:
-                        if peer not in self._conns:
-                            self.book.add(parse_address(text), peer, now=now, learned=True)
-                    self._book_changed.set()
-                case fx.HeadPromoted():
-                    # windows archived by chain sync just before this head: the edge serves them too
-                    for window in range(self.edge_view.latest().head.window + 1, effect.head.window):
-                        entry = engine.chain_entry(window)
-                        if entry is not None:
-                            self.edge_view.promote(*entry)
-                    self.metrics.on_effect(effect)
-                    self._head_changed.set()
-                    self._head_changed = trio.Event()
-                    if self.on_head is not None:
-                        self.on_head(effect.head, effect.certificate)
-                    sent, received = self.wire_bytes()
-                    self.edge_view.promote(effect.head, effect.certificate, accepted=len(effect.head.cohort),
-                                           rejected=self._rejected_in_window, bytes_sent=sent,
-                                           bytes_received=received, time=time.time())
-                    self._rejected_in_window = 0
-                    self._flush_reputation()
-                    self.store.pin("head", effect.head.params.digest)  # what `ArtifactStore.gc` must keep
-                    self._emit_line("wire", {"window": effect.head.window, "sent": sent, "received": received})
-                case fx.Log():
-                    self.metrics.on_effect(effect)
-                    if effect.event == "reject":
-                        self._rejected_in_window += 1
-                        peer = effect.fields.get("peer")
-                        if peer:
-                            key = (str(peer), str(effect.fields.get("reason", "")))
-                            self._reputation[key] = self._reputation.get(key, 0) + 1
-                    self._emit_line(effect.event, effect.fields)
-                    engine_log.info(effect.event, extra={"fields": effect.fields})
+    def _drain(self) -> None:
+        drain(self.engine, self)
+
+    # --- effects (this runtime is the engine's `adapters.host.Host`) ---------------------------------
+
+    def send(self, effect: fx.Send) -> None:
+        self._enqueue(effect.peer, effect.data)
+
+    def serve_chunk(self, effect: fx.ServeChunk) -> None:
+        self._enqueue(effect.peer, chunk_message(self.store, effect))
+
+    def hang_up(self, effect: fx.HangUp) -> None:
+        """Cancel the connection's scope: its owner (`_adopt_connection`) closes it and feeds
+        `PeerDisconnected`."""
+        outbox = self._outboxes.get(effect.peer)
+        if outbox is not None:
+            outbox.scope.cancel()
+
+    def persist(self, effect: fx.Persist) -> None:
+        """Committed to the node database (SQLite WAL, synchronous=FULL) before `Persisted` is fed back, so the
+        messages the engine then releases follow a durable record. A conflicting vote raises DoubleVoteError:
+        the node stops rather than equivocate."""
+        self.store.put_record(effect.key, effect.record)
+        self._note_chain_record(effect)
+        self.engine.handle(ev.Persisted(now=trio.current_time(), token=effect.token))
+
+    def store_chunk(self, effect: fx.StoreChunk) -> None:
+        self.store.write_chunk(effect.ref, effect.index, effect.data)
+
+    def commit_artifact(self, effect: fx.CommitArtifact) -> None:
+        self.engine.handle(stored_event(self.store, effect, trio.current_time()))
+
+    def run_task(self, effect: fx.RunTask) -> None:
+        assert self._nursery is not None
+        self._nursery.start_soon(self._run_task, effect)
+
+    def peers_discovered(self, effect: fx.PeersDiscovered) -> None:
+        """Learnt addresses go to the address book, which dials them within its limits and backoff."""
+        now = trio.current_time()
+        for peer, text in effect.peers:
+            if peer not in self._conns and self._transport_for(text) is not None:  # syntax checked by the engine
+                self.book.add(canonical_address(text), peer, now=now, learned=True)
+        self._book_changed.set()
+
+    def rejected(self, effect: fx.Rejected) -> None:
+        """Metrics, the per-window count the edge reports, and the peer's reputation (flushed per window)."""
+        self.metrics.on_effect(effect)
+        self._rejected_in_window += 1
+        if effect.peer is not None:
+            key = (effect.peer.to_text(), effect.reason)
+            self._reputation[key] = self._reputation.get(key, 0) + 1
+
+    def ban(self, effect: fx.Ban) -> None:
+        """Not re-admitted, inbound or dialed, until the ban ends (the engine's `HangUp` follows)."""
+        now = trio.current_time()
+        self.book.ban_peer(effect.peer, now=now, seconds=max(0.0, effect.until - now))
+        log.info("banned %s for %.0f s", effect.peer.short(), max(0.0, effect.until - now))
+        self._emit_line("peer-banned", {"peer": effect.peer.to_text(), "reason": "penalties",
+                                        "seconds": round(max(0.0, effect.until - now), 3)})
+
+    def submit_reply(self, effect: fx.SubmitReply) -> None:
+        """Wake the HTTP edge's request waiting for this verdict (`_relay`)."""
+        item = self._submits.pop(effect.request_id, None)
+        if item is not None:
+            item.result = SubmitResult(accepted=effect.accepted, reason=effect.reason,
+                                       envelope_id=item.envelope.id)
+            item.done.set()
+
+    def head_promoted(self, effect: fx.HeadPromoted) -> None:
+        # windows archived by chain sync just before this head: the edge serves them too
+        for window in range(self.edge_view.latest().head.window + 1, effect.head.window):
+            entry = self.engine.chain_entry(window)
+            if entry is not None:
+                self.edge_view.promote(*entry)
+        self.metrics.on_effect(effect)
+        self._head_changed.set()
+        self._head_changed = trio.Event()
+        if self.on_head is not None:
+            self.on_head(effect.head, effect.certificate)
+        sent, received = self.wire_bytes()
+        self.edge_view.promote(effect.head, effect.certificate, accepted=len(effect.head.cohort),
+                               rejected=self._rejected_in_window, bytes_sent=sent,
+                               bytes_received=received, time=time.time())
+        self._rejected_in_window = 0
+        self._flush_reputation()
+        self.store.pin("head", effect.head.params.digest)  # what `ArtifactStore.gc` must keep
+        self._emit_line("wire", {"window": effect.head.window, "sent": sent, "received": received})
+
+    def log(self, effect: fx.Log) -> None:
+        self.metrics.on_effect(effect)
+        self._emit_line(effect.event, effect.fields)
+        engine_log.info(effect.event, extra={"fields": effect.fields})
 
     def _note_chain_record(self, effect: fx.Persist) -> None:
         """Hand a certified head just made durable to `on_chain_entry`: every ``chain/<w>`` record, and the
@@ -361,11 +477,13 @@ class NodeRuntime:
     async def _run_task(self, effect: fx.RunTask) -> None:
         try:
             async with self._compute_limiter:
+                started = time.monotonic()
                 result = await trio.to_thread.run_sync(self.executor.run, effect.kind, effect.args)
         except Exception as exc:
             log.exception("task %s failed", effect.task_id)
             await self._send_events.send(ev.TaskFailed(now=0.0, task_id=effect.task_id, reason=repr(exc)))
             return
+        self._emit_line("task-done", {"kind": effect.kind, "seconds": round(time.monotonic() - started, 4)})
         await self._send_events.send(ev.TaskFinished(now=0.0, task_id=effect.task_id, result=result))
 
     async def _dialer(self) -> None:
@@ -381,12 +499,14 @@ class NodeRuntime:
             with trio.move_on_at(wake if wake is not None else math.inf):
                 await self._book_changed.wait()
 
-    async def _dial_once(self, address: tuple[str, int]) -> None:
-        host, port = address
+    async def _dial_once(self, address: str) -> None:
+        transport = self._transport_for(address)
         try:
-            conn = await tcp.connect(host, port, self.identity, max_message_bytes=self.options.max_message_bytes)
+            if transport is None:
+                raise tcp.TransportError("bad-address", f"no transport dials {address}")
+            conn = await transport.dial(address, self.identity, max_message_bytes=self.options.max_message_bytes)
         except (OSError, tcp.TransportError) as exc:
-            log.debug("dial %s:%s failed: %s", host, port, exc)
+            log.debug("dial %s failed: %s", address, exc)
             # Only a failed handshake counts toward a ban; a refused connection (a peer still starting) never does.
             handshake = isinstance(exc, tcp.TransportError) and exc.reason in HANDSHAKE_FAILURES
             self.book.dial_failed(address, now=trio.current_time(), handshake=handshake)
@@ -397,25 +517,24 @@ class NodeRuntime:
             self._book_changed.set()
             return
         try:
-            await self._adopt_connection(conn, f"{host}:{port}")
+            await self._adopt_connection(conn, address)
         finally:
             self.book.disconnected(address, now=trio.current_time())
             self._book_changed.set()
 
-    async def _serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """Accept inbound connections; the address book refuses banned or over-limit IPs before the
-        handshake, and both directions count toward its connection limits."""
-        book = self.book
-        await tcp.serve(self.options.listen_host, self.options.listen_port, self.identity, self._serve_inbound,
-                        max_message_bytes=self.options.max_message_bytes,
-                        max_connections=self.options.max_connections,
-                        max_connections_per_ip=self.options.max_connections_per_ip,
-                        admit=lambda ip: book.admit_inbound(ip, now=trio.current_time()),
-                        on_handshake_failed=lambda ip, exc: book.inbound_handshake_failed(ip, now=trio.current_time()),
-                        task_status=task_status)
+    async def _serve(self, address: str, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Accept inbound connections on `address` through its transport; reports the bound address. The
+        address book refuses banned or over-limit IPs before the handshake (`_make_transports`), and both
+        directions count toward its connection limits. Raises ValueError for an address no transport
+        listens on (memory:// without a network)."""
+        transport = self._transport_for(address, listening=True)
+        if transport is None:
+            raise ValueError(f"no transport listens on {address!r}")
+        await transport.listen(address, self.identity, self._serve_inbound,
+                               max_message_bytes=self.options.max_message_bytes, task_status=task_status)
 
-    async def _serve_inbound(self, conn: tcp.SecureConnection) -> None:
-        """Own one accepted connection (tcp.serve closes it when this returns)."""
+    async def _serve_inbound(self, conn: Connection) -> None:
+        """Own one accepted connection (the transport's listener closes it when this returns)."""
         address = conn.remote_address
         if address is None:
             return  # the socket is already gone
@@ -433,7 +552,7 @@ class NodeRuntime:
             self.book.inbound_closed(ip)
             self._book_changed.set()  # a slot is free: the dialer may go on
 
-    async def _adopt_connection(self, conn: tcp.SecureConnection, address: str | None = None) -> None:
+    async def _adopt_connection(self, conn: Connection, address: str | None = None) -> None:
         """Own a connection until it closes (or its outbox overflows): a reader loop and a writer per lane."""
         peer = conn.remote_peer
         if peer in self._conns or peer == self.identity.peer_id:
@@ -445,7 +564,9 @@ class NodeRuntime:
         outbox = _Outbox(channels=(control_out, bulk_out), scope=scope)
         self._conns[peer], self._outboxes[peer] = conn, outbox
         self.store.db.note_peer(peer.to_text(), address=address)
-        self._emit_line("connected", {"peer": peer.to_text(), "address": address, "cipher": conn.transport_cipher})
+        self._emit_line("connected", {"peer": peer.to_text(), "address": address,
+                                      "transport": getattr(conn, "transport_kind", None),
+                                      "cipher": getattr(conn, "transport_cipher", None)})
         await self._send_events.send(ev.PeerConnected(now=0.0, peer=peer))
         try:
             with scope:
@@ -463,7 +584,7 @@ class NodeRuntime:
                 await conn.aclose()
                 await self._send_events.send(ev.PeerDisconnected(now=0.0, peer=peer))
 
-    async def _run_connection(self, conn: tcp.SecureConnection, peer: PeerId, outbox: _Outbox,
+    async def _run_connection(self, conn: Connection, peer: PeerId, outbox: _Outbox,
                               control_in: trio.MemoryReceiveChannel[bytes],
                               bulk_in: trio.MemoryReceiveChannel[bytes]) -> None:
         """The reader loop here, one writer task per lane; returns when any of them stops."""
@@ -507,8 +628,10 @@ class NodeRuntime:
             room.set()
 
     def _connection_failed(self, peer: PeerId, exc: Exception) -> None:
-        """Log, count and charge to `peer` the failure that ended its connection (a TransportError, found
-        inside an exception group too, or any other exception: ``internal``, logged with its traceback)."""
+        """Log and count the failure that ended `peer`'s connection: a TransportError (found inside an
+        exception group too), charged to the peer when it is a peer fault (`tcp.PEER_FAULTS`), or any other
+        exception: ``internal``, logged with its traceback and never charged to the peer (our own bug must
+        not ban an honest peer)."""
         transport = exc if isinstance(exc, tcp.TransportError) else \
             tcp.first_transport_error(exc) if isinstance(exc, BaseExceptionGroup) else None
         reason = tcp.fault_reason(transport) if transport is not None else "internal"
@@ -518,11 +641,11 @@ class NodeRuntime:
             log.info("connection to %s ended: %s", peer.short(), transport)
         self.metrics.connection_errors.labels(reason).inc()
         self._emit_line("connection-error", {"peer": peer.to_text(), "reason": reason})
-        if reason in tcp.PEER_FAULTS or transport is None:
+        if transport is not None and reason in tcp.PEER_FAULTS:
             if self.book.connection_failed(peer, now=trio.current_time()):
                 self._emit_line("peer-banned", {"peer": peer.to_text(), "reason": reason})
 
-    async def _writer(self, conn: tcp.SecureConnection, outbox: _Outbox,
+    async def _writer(self, conn: Connection, outbox: _Outbox,
                       channel: trio.MemoryReceiveChannel[bytes], lane: int, scope: trio.CancelScope) -> None:
         try:
             async for data in channel:
@@ -565,10 +688,12 @@ class NodeRuntime:
     def _relay(self, envelope: SignedEnvelope, artifact: bytes | None) -> SubmitResult:
         """Hand a checked submission to the main loop and wait (at most SUBMIT_TIMEOUT_S) for the verdict."""
         async def submit() -> SubmitResult:
-            item = _Submit(envelope=envelope, artifact=artifact)
+            self._submit_ids += 1
+            item = _Submit(request_id=self._submit_ids, envelope=envelope, artifact=artifact)
             await self._send_events.send(item)
             with trio.move_on_after(SUBMIT_TIMEOUT_S):
                 await item.done.wait()
+            self._submits.pop(item.request_id, None)
             return item.result or SubmitResult(accepted=False, reason="timeout")
 
         if self._trio_token is None:
@@ -579,27 +704,12 @@ class NodeRuntime:
             return SubmitResult(accepted=False, reason="not-running")
 
     def _submit(self, item: _Submit) -> None:
-        """On the trio thread: store the artifact, then feed the envelope as a message from its signer.
-
-        A signer with no open connection gets a short virtual session (connected, Hello as a trainer, the
-        message, disconnected), so the engine applies the same checks and charges as for any peer.
-        """
-        engine, signer, now = self.engine, item.envelope.signer, trio.current_time()
-        if item.artifact is not None:
-            engine.note_stored(self.store.put(item.artifact))
-        before = dict(engine.rejected_by_reason)
-        virtual = signer not in self._conns and signer not in engine.peers
-        if virtual:
-            engine.handle(ev.PeerConnected(now=now, peer=signer))
-            hello = Hello(revision=engine.revision.id, roles=("trainer",), head_window=engine.head.window)
-            engine.handle(ev.MessageReceived(now=now, peer=signer, data=encode_message(hello)))
-        engine.handle(ev.MessageReceived(now=now, peer=signer, data=encode_message(Signed(envelope=item.envelope))))
-        if virtual:
-            engine.handle(ev.PeerDisconnected(now=now, peer=signer))
-        grown = [r for r, n in engine.rejected_by_reason.items() if n > before.get(r, 0)]
-        item.result = SubmitResult(accepted=not grown, reason=grown[0] if grown else "",
-                                   envelope_id=item.envelope.id)
-        item.done.set()
+        """On the trio thread: store the artifact, then feed the envelope as `events.Submit`; the engine
+        judges it like a `Signed` message from its signer and answers with `SubmitReply` (`submit_reply`)."""
+        stored = self.store.put(item.artifact) if item.artifact is not None else None
+        self._submits[item.request_id] = item
+        self.engine.handle(ev.Submit(now=trio.current_time(), request_id=item.request_id, envelope=item.envelope,
+                                     stored=stored))
 
     def _note_hello(self, data: bytes) -> None:
         if len(data) > 4096:
@@ -637,6 +747,19 @@ class NodeRuntime:
         sent = self.bytes_sent + sum(c.bytes_sent for c in self._conns.values())
         received = self.bytes_received + sum(c.bytes_received for c in self._conns.values())
         return sent, received
+
+
+def _tcp_text(address: tuple[str, int]) -> str:
+    """"H:P" (or "[H6]:P") for a (host, port) pair: the legacy tcp address form."""
+    host, port = address
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _port_of(address: str) -> int:
+    """The port of a bound transport address ("/ip4/H/tcp/P", "http://H:P"); 0 for memory://."""
+    if address.startswith("memory://") or "/p2p-circuit" in address:
+        return 0
+    return int(address.rstrip("/").replace("/tcp/", ":").rpartition(":")[2])
 
 
 def _with_now(event: ev.Event, now: float) -> ev.Event:

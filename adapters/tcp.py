@@ -16,7 +16,10 @@ Wire format, bottom up (spec/transport.md has the byte layouts):
    receiver that stops reading bulk stalls only bulk (spec/transport.md §4).
 
 Decoding is sans-IO (`FrameDecoder`, `MessageAssembler`) so it can be fuzzed byte by byte; `SecureConnection`
-adds the socket, the locks and the timers.
+adds the socket, the locks and the timers. `secure_stream` runs the handshake over any trio byte stream and
+`Acceptor` is the inbound side (caps, admission, containment), so the HTTP and in-memory transports reuse
+all of this (spec/transport.md §9-§11); `TcpTransport` is this module as an `adapters.transport.Transport`.
+The errors, lanes and `PEER_FAULTS` come from `adapters.transport` (re-exported here).
 
 Errors are `TransportError` with a stable ``reason``: ``connect-failed``, ``handshake-timeout``,
 ``message-too-large``, ``bad-frame`` (a frame breaking the rules of spec/transport.md §3), ``flow-control``
@@ -36,12 +39,14 @@ import os
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import attrs
 import trio
 
 from peerloom.core.errors import PeerloomError
 from peerloom.core.identity import Identity, PeerId
+from peerloom.core.messages import format_peer_address, parse_peer_address
 
 from .noise import (
     AESGCM_CIPHER,
@@ -56,6 +61,20 @@ from .noise import (
     NoiseTransport,
     frame,
 )
+from .transport import (
+    LANE_BULK,
+    LANE_CONTROL,
+    PEER_FAULTS,
+    Connection,
+    ConnectionClosed,
+    TransportError,
+    fault_reason,
+    first_transport_error,
+)
+
+__all__ = ["LANE_BULK", "LANE_CONTROL", "PEER_FAULTS", "Acceptor", "Connection", "ConnectionClosed", "FrameDecoder",
+           "FrameMessage", "MessageAssembler", "SecureConnection", "SecureOptions", "TcpTransport", "TransportError",
+           "connect", "encode_frames", "fault_reason", "first_transport_error", "secure_stream", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +88,6 @@ DEFAULT_MAX_CONNECTIONS = 256  # inbound connections (handshake or handler runni
 DEFAULT_MAX_CONNECTIONS_PER_IP = 64  # the same, per remote IP address (loopback demos share one IP)
 
 APP_LENGTH_PREFIX_BYTES = 4
-LANE_CONTROL = 0
-LANE_BULK = 1
 LANES = (LANE_CONTROL, LANE_BULK)
 AUTO_CONTROL_MAX_BYTES = 64 * 1024  # send_message(lane=None): messages up to this size go on the control lane
 KIND_START, KIND_CONTINUE, KIND_PING, KIND_PONG, KIND_CREDIT = 1, 2, 3, 4, 5
@@ -96,24 +113,6 @@ _CONTROL_BATCH_FRAMES = 2  # a control message up to AUTO_CONTROL_MAX_BYTES fits
 AESGCM_MIN_SPEEDUP = 1.5
 
 
-# TransportError reasons that only a misbehaving peer causes (not a network failure or a clean close): the
-# runtime charges them to the peer (spec/transport.md §6). "broken" repeats an earlier error in its detail.
-PEER_FAULTS = frozenset({"bad-frame", "flow-control", "message-too-large", "decrypt-failed"})
-
-
-def fault_reason(exc: TransportError) -> str:
-    """The reason that ended a connection: an earlier receive error's for ``broken``, else `exc.reason`."""
-    return exc.detail if exc.reason == "broken" and exc.detail else exc.reason
-
-
-def first_transport_error(group: BaseExceptionGroup) -> TransportError | None:
-    """The first TransportError inside `group` (nested groups included), or None."""
-    matched = group.subgroup(TransportError)
-    while isinstance(matched, BaseExceptionGroup):
-        matched = matched.exceptions[0]
-    return matched
-
-
 @functools.cache
 def default_transport_ciphers() -> tuple[str, ...]:
     """The transport ciphers this process offers by default (spec/transport.md §1.1): ``("AESGCM",)`` when
@@ -135,20 +134,6 @@ def default_transport_ciphers() -> tuple[str, ...]:
 
     faster = seconds(CHACHAPOLY) >= AESGCM_MIN_SPEEDUP * seconds(AESGCM_CIPHER)
     return (AESGCM_CIPHER,) if faster else ()
-
-
-class TransportError(PeerloomError):
-    """The secure connection failed. `reason` is a stable code (see the module docstring)."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-        self.detail = detail
-
-
-class ConnectionClosed(TransportError):
-    """The connection is closed: ``eof`` (peer closed cleanly between messages), ``closed`` (by us),
-    ``reset`` (the socket broke)."""
 
 
 # --- sans-IO decoding ------------------------------------------------------------------------------------
@@ -221,8 +206,9 @@ class FrameDecoder:
 
 
 @attrs.frozen(kw_only=True)
-class MessageReceived:
-    """A whole application message arrived on `lane`."""
+class FrameMessage:
+    """A whole application message arrived on `lane` (the decoder's event; the engine's event of that name
+    is `peerloom.core.events.MessageReceived`)."""
 
     lane: int
     data: bytes
@@ -246,13 +232,13 @@ class CreditReceived:
     increment: int
 
 
-FrameEvent = MessageReceived | PingReceived | PongReceived | CreditReceived
+FrameEvent = FrameMessage | PingReceived | PongReceived | CreditReceived
 
 
 class MessageAssembler:
     """Reassembles application messages from decrypted frames, sans-IO (spec/transport.md §3).
 
-    `handle(plaintext)` takes one transport plaintext and returns a `MessageReceived` when it completes a
+    `handle(plaintext)` takes one transport plaintext and returns a `FrameMessage` when it completes a
     message, a `PingReceived`/`PongReceived` for keep-alives, a `CreditReceived` for a CREDIT frame, or
     None. Raises TransportError ``bad-frame`` (empty frame, unknown kind or lane, START on a lane with an
     open message, CONTINUE without one or empty, a fragment longer than the rest of the message, a
@@ -293,13 +279,13 @@ class MessageAssembler:
         """True when no lane has a partly received message."""
         return self._length[0] < 0 and self._length[1] < 0
 
-    def _complete(self, lane: int) -> MessageReceived:
+    def _complete(self, lane: int) -> FrameMessage:
         length, buffer = self._length[lane], self._buffer[lane]
         data = bytes(memoryview(buffer)[:length])
         if len(buffer) > self._KEEP_BYTES:
             self._buffer[lane] = bytearray()
         self._length[lane], self._have[lane] = -1, 0
-        return MessageReceived(lane=lane, data=data)
+        return FrameMessage(lane=lane, data=data)
 
     def window(self, n: int) -> memoryview | None:
         """Where to decrypt a plaintext of `n` bytes that is probably the bulk lane's next CONTINUE: a view
@@ -354,7 +340,7 @@ class MessageAssembler:
                 raise TransportError("bad-frame", f"fragment of {len(fragment)} bytes for a {length}-byte message")
             self._take(lane, len(fragment))
             if len(fragment) == length:
-                return MessageReceived(lane=lane, data=bytes(fragment))
+                return FrameMessage(lane=lane, data=bytes(fragment))
             if len(self._buffer[lane]) < length:
                 self._buffer[lane] = bytearray(length)
             self._buffer[lane][:len(fragment)] = fragment
@@ -388,7 +374,9 @@ def encode_frames(data: bytes | bytearray | memoryview, lane: int) -> list[bytes
 
 
 class SecureConnection:
-    """One Noise-secured TCP connection carrying whole application messages on two lanes.
+    """One Noise-secured connection carrying whole application messages on two lanes, over a TCP socket
+    or any other trio byte stream (the HTTP transport's WebSocket, an in-memory stream). Implements
+    `adapters.transport.Connection`.
 
     `remote_peer` is the verified PeerId of the other end; `transport_cipher` the Noise cipher of the
     transport messages ("ChaChaPoly" or "AESGCM", spec/transport.md §1.1). `bytes_sent` /
@@ -416,10 +404,10 @@ class SecureConnection:
     still delivered, then every `receive_message` raises.
     """
 
-    def __init__(self, stream: trio.SocketStream, transport: NoiseTransport, remote_peer: PeerId, *,
+    def __init__(self, stream: trio.abc.Stream, transport: NoiseTransport, remote_peer: PeerId, *,
                  max_message_bytes: int, bytes_sent: int, bytes_received: int,
                  decoder: FrameDecoder | None = None, keepalive_interval: float = DEFAULT_KEEPALIVE_INTERVAL,
-                 idle_timeout: float = DEFAULT_IDLE_TIMEOUT) -> None:
+                 idle_timeout: float = DEFAULT_IDLE_TIMEOUT, remote_address: tuple[str, int] | None = None) -> None:
         self.remote_peer = remote_peer
         self.transport_cipher = transport.cipher
         self.max_message_bytes = max_message_bytes
@@ -430,6 +418,7 @@ class SecureConnection:
         self.pings_sent = 0
         self.pongs_received = 0
         self._stream = stream
+        self._remote_address = remote_address
         self._transport = transport
         self._decoder = decoder if decoder is not None else FrameDecoder()
         self._assembler = MessageAssembler(max_message_bytes)
@@ -448,6 +437,7 @@ class SecureConnection:
         self._broken_reported = False
         self._last_received = trio.current_time()
         self._last_ping = -math.inf
+        self.transport_kind = "tcp" if isinstance(stream, trio.SocketStream) else "stream"
         # receiving side of flow control
         self._queues: tuple[deque[tuple[int, bytes]], deque[tuple[int, bytes]]] = (deque(), deque())
         self._queued_bytes = [0, 0]
@@ -467,7 +457,10 @@ class SecureConnection:
 
     @property
     def remote_address(self) -> tuple[str, int] | None:
-        """(ip, port) of the other end, or None once the socket is gone (for `AddressBook` accounting)."""
+        """(ip, port) of the other end, or None once the socket is gone (for `AddressBook` accounting); for
+        a stream that is not a TCP socket, the address given when the connection was made."""
+        if not isinstance(self._stream, trio.SocketStream):
+            return None if self._closed else self._remote_address
         try:
             host, port = self._stream.socket.getpeername()[:2]
         except OSError:
@@ -769,7 +762,7 @@ class SecureConnection:
             else:
                 event = assembler.handle_window(n)
             count += 1
-            if isinstance(event, MessageReceived):
+            if isinstance(event, FrameMessage):
                 self._queues[event.lane].append((self._seq, event.data))
                 self._queued_bytes[event.lane] += len(event.data)
                 self._seq += 1
@@ -803,10 +796,10 @@ class SecureConnection:
         with trio.move_on_at(min(idle_deadline, ping_deadline)) as scope:
             self._recv_scope = scope
             try:
-                n = await self._stream.socket.recv_into(self._decoder.writable())
+                n = await _receive_into(self._stream, self._decoder.writable())
             except trio.ClosedResourceError as exc:
                 raise ConnectionClosed("closed") from exc
-            except OSError as exc:
+            except (OSError, trio.BrokenResourceError) as exc:
                 if self._closed:
                     raise ConnectionClosed("closed") from exc
                 raise ConnectionClosed("reset", str(exc)) from exc
@@ -841,11 +834,25 @@ class _Counter:
         self.bytes_received = 0
 
 
-async def _read_handshake_frame(stream: trio.SocketStream, decoder: FrameDecoder, counter: _Counter) -> bytes:
+async def _receive_into(stream: trio.abc.Stream, buffer: memoryview) -> int:
+    """Read from `stream` into `buffer`: zero-copy `recv_into` on a TCP socket, the stream's own
+    `receive_into` where it has one (the HTTP transport's WebSocket), else `receive_some` (memory streams).
+    Returns 0 at EOF; raises OSError or trio.BrokenResourceError/ClosedResourceError."""
+    if isinstance(stream, trio.SocketStream):
+        return await stream.socket.recv_into(buffer)
+    receive_into = getattr(stream, "receive_into", None)  # http_transport.WebSocketStream: one copy fewer
+    if receive_into is not None:
+        return int(await receive_into(buffer))
+    data = await stream.receive_some(len(buffer))
+    buffer[:len(data)] = data
+    return len(data)
+
+
+async def _read_handshake_frame(stream: trio.abc.Stream, decoder: FrameDecoder, counter: _Counter) -> bytes:
     while (message := decoder.next_frame()) is None:
         try:
-            n = await stream.socket.recv_into(decoder.writable())
-        except OSError as exc:
+            n = await _receive_into(stream, decoder.writable())
+        except (OSError, trio.BrokenResourceError) as exc:
             raise ConnectionClosed("reset", "during the handshake") from exc
         if not n:
             raise TransportError("truncated", "EOF during the handshake")
@@ -854,11 +861,17 @@ async def _read_handshake_frame(stream: trio.SocketStream, decoder: FrameDecoder
     return bytes(message)
 
 
-async def _secure(stream: trio.SocketStream, identity: Identity, *, initiator: bool,
-                  expected_peer: PeerId | None, max_message_bytes: int, handshake_timeout: float,
-                  keepalive_interval: float, idle_timeout: float,
-                  transport_ciphers: tuple[str, ...] | None) -> SecureConnection:
-    """Run the libp2p noise handshake on `stream`; close the stream and raise TransportError on failure."""
+async def secure_stream(stream: trio.abc.Stream, identity: Identity, *, initiator: bool,
+                        expected_peer: PeerId | None, max_message_bytes: int,
+                        handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+                        keepalive_interval: float = DEFAULT_KEEPALIVE_INTERVAL,
+                        idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+                        transport_ciphers: tuple[str, ...] | None = None,
+                        remote_address: tuple[str, int] | None = None) -> SecureConnection:
+    """Run the libp2p noise handshake on any trio byte `stream` (a TCP socket, an in-memory stream, a
+    WebSocket) and return the `SecureConnection` over it; close the stream and raise TransportError on
+    failure (``handshake-timeout`` after `handshake_timeout` seconds, ``peer-mismatch``, ...).
+    `remote_address` is what `SecureConnection.remote_address` reports for a stream that is not a socket."""
     counter = _Counter()
     decoder = FrameDecoder()
     offer = default_transport_ciphers() if transport_ciphers is None else transport_ciphers
@@ -886,7 +899,8 @@ async def _secure(stream: trio.SocketStream, identity: Identity, *, initiator: b
     assert handshake.remote_peer is not None
     return SecureConnection(stream, transport, handshake.remote_peer, max_message_bytes=max_message_bytes,
                             bytes_sent=counter.bytes_sent, bytes_received=counter.bytes_received,
-                            decoder=decoder, keepalive_interval=keepalive_interval, idle_timeout=idle_timeout)
+                            decoder=decoder, keepalive_interval=keepalive_interval, idle_timeout=idle_timeout,
+                            remote_address=remote_address)
 
 
 async def connect(host: str, port: int, identity: Identity, *, expected_peer: PeerId | None = None,
@@ -908,13 +922,106 @@ async def connect(host: str, port: int, identity: Identity, *, expected_peer: Pe
             stream = await trio.open_tcp_stream(host, port)
     except (OSError, trio.TooSlowError) as exc:
         raise TransportError("connect-failed", f"{host}:{port}: {exc!r}") from exc
-    return await _secure(stream, identity, initiator=True, expected_peer=expected_peer,
-                         max_message_bytes=max_message_bytes, handshake_timeout=handshake_timeout,
-                         keepalive_interval=keepalive_interval, idle_timeout=idle_timeout,
-                         transport_ciphers=transport_ciphers)
+    return await secure_stream(stream, identity, initiator=True, expected_peer=expected_peer,
+                               max_message_bytes=max_message_bytes, handshake_timeout=handshake_timeout,
+                               keepalive_interval=keepalive_interval, idle_timeout=idle_timeout,
+                               transport_ciphers=transport_ciphers)
 
 
 Handler = Callable[[SecureConnection], Awaitable[object]]
+
+
+@attrs.frozen(kw_only=True)
+class SecureOptions:
+    """Settings shared by the transports that run `secure_stream` (tcp, http, memory); seconds for times.
+
+    `admit(ip)` may refuse an inbound connection before its handshake (e.g. `AddressBook.admit_inbound`);
+    `on_handshake_failed(ip, error)` hears about failed inbound handshakes. See `serve` for the caps."""
+
+    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT
+    keepalive_interval: float = DEFAULT_KEEPALIVE_INTERVAL
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT
+    transport_ciphers: tuple[str, ...] | None = None
+    max_handshakes: int = DEFAULT_MAX_HANDSHAKES
+    max_handshakes_per_ip: int = DEFAULT_MAX_HANDSHAKES_PER_IP
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_connections_per_ip: int = DEFAULT_MAX_CONNECTIONS_PER_IP
+    admit: Callable[[str], bool] | None = None
+    on_handshake_failed: Callable[[str, TransportError], object] | None = None
+
+
+class Acceptor:
+    """Inbound side of every stream transport: caps and admission before any byte is read, the responder
+    handshake, then ``await handler(conn)`` with containment (spec/transport.md §5, §6).
+
+    `accept(stream, remote)` serves one accepted byte stream from `remote` ((ip, port); the ip is what the
+    per-IP caps and `admit` see) and returns when the handler has returned and the connection is closed.
+    Never raises for anything the peer or the handler does (cancellation aside)."""
+
+    def __init__(self, identity: Identity, handler: Callable[[Any], Awaitable[object]], *,
+                 max_message_bytes: int, options: SecureOptions) -> None:
+        self.identity = identity
+        self.handler = handler
+        self.max_message_bytes = max_message_bytes
+        self.options = options
+        self._in_handshake: Counter[str] = Counter()
+        self._open: Counter[str] = Counter()
+
+    async def accept(self, stream: trio.abc.Stream, remote: tuple[str, int]) -> None:
+        options, ip = self.options, remote[0]
+        in_handshake, open_now = self._in_handshake, self._open
+        if in_handshake.total() >= options.max_handshakes or in_handshake[ip] >= options.max_handshakes_per_ip:
+            log.info("refused a connection from %s: handshake cap reached", ip)
+            await stream.aclose()
+            return
+        if open_now.total() >= options.max_connections or open_now[ip] >= options.max_connections_per_ip:
+            log.info("refused a connection from %s: connection cap reached", ip)
+            await stream.aclose()
+            return
+        if options.admit is not None and not options.admit(ip):
+            log.info("refused a connection from %s: not admitted", ip)
+            await stream.aclose()
+            return
+        open_now[ip] += 1
+        try:
+            await self._serve_admitted(stream, remote)
+        finally:
+            open_now[ip] -= 1
+            if not open_now[ip]:
+                del open_now[ip]
+
+    async def _serve_admitted(self, stream: trio.abc.Stream, remote: tuple[str, int]) -> None:
+        options, ip, in_handshake = self.options, remote[0], self._in_handshake
+        in_handshake[ip] += 1
+        try:
+            conn = await secure_stream(stream, self.identity, initiator=False, expected_peer=None,
+                                       max_message_bytes=self.max_message_bytes,
+                                       handshake_timeout=options.handshake_timeout,
+                                       keepalive_interval=options.keepalive_interval,
+                                       idle_timeout=options.idle_timeout,
+                                       transport_ciphers=options.transport_ciphers, remote_address=remote)
+        except TransportError as exc:
+            log.info("inbound handshake from %s failed: %s", ip, exc)
+            if options.on_handshake_failed is not None:
+                options.on_handshake_failed(ip, exc)
+            return
+        finally:
+            in_handshake[ip] -= 1
+            if not in_handshake[ip]:
+                del in_handshake[ip]
+        try:
+            await self.handler(conn)
+        except TransportError as exc:
+            log.info("connection from %s ended: %s", conn.remote_peer.short(), exc)
+        except Exception as exc:  # containment (spec/transport.md §6): it ends this connection only
+            transport = first_transport_error(exc) if isinstance(exc, BaseExceptionGroup) else None
+            if transport is not None:
+                log.info("connection from %s ended: %s", conn.remote_peer.short(), transport)
+            else:
+                log.exception("connection from %s ended by an error in its handler", conn.remote_peer.short())
+        finally:
+            with trio.CancelScope(shield=True):
+                await conn.aclose()
 
 
 async def serve(host: str, port: int, identity: Identity, handler: Handler, *,
@@ -945,70 +1052,96 @@ async def serve(host: str, port: int, identity: Identity, handler: Handler, *,
     traceback) ends that connection only, never `serve` (spec/transport.md §6). `transport_ciphers` as for
     `connect`.
     """
+    options = SecureOptions(handshake_timeout=handshake_timeout, keepalive_interval=keepalive_interval,
+                            idle_timeout=idle_timeout, transport_ciphers=transport_ciphers,
+                            max_handshakes=max_handshakes, max_handshakes_per_ip=max_handshakes_per_ip,
+                            max_connections=max_connections, max_connections_per_ip=max_connections_per_ip,
+                            admit=admit, on_handshake_failed=on_handshake_failed)
+    acceptor = Acceptor(identity, handler, max_message_bytes=max_message_bytes, options=options)
     try:
         listeners = await trio.open_tcp_listeners(port, host=host)
     except OSError as exc:  # name the address: "port in use" is a user error the CLI reports in one line
         raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
     bound_port = listeners[0].socket.getsockname()[1]
-    in_handshake: Counter[str] = Counter()
-    open_now: Counter[str] = Counter()
 
     async def serve_one(stream: trio.SocketStream) -> None:
         try:
-            ip = str(stream.socket.getpeername()[0])
+            host, port = stream.socket.getpeername()[:2]
         except OSError:
             await stream.aclose()
             return
-        if in_handshake.total() >= max_handshakes or in_handshake[ip] >= max_handshakes_per_ip:
-            log.info("refused a connection from %s: handshake cap reached", ip)
-            await stream.aclose()
-            return
-        if open_now.total() >= max_connections or open_now[ip] >= max_connections_per_ip:
-            log.info("refused a connection from %s: connection cap reached", ip)
-            await stream.aclose()
-            return
-        if admit is not None and not admit(ip):
-            log.info("refused a connection from %s: not admitted", ip)
-            await stream.aclose()
-            return
-        open_now[ip] += 1
-        try:
-            await _serve_admitted(stream, ip)
-        finally:
-            open_now[ip] -= 1
-            if not open_now[ip]:
-                del open_now[ip]
-
-    async def _serve_admitted(stream: trio.SocketStream, ip: str) -> None:
-        in_handshake[ip] += 1
-        try:
-            conn = await _secure(stream, identity, initiator=False, expected_peer=None,
-                                 max_message_bytes=max_message_bytes, handshake_timeout=handshake_timeout,
-                                 keepalive_interval=keepalive_interval, idle_timeout=idle_timeout,
-                                 transport_ciphers=transport_ciphers)
-        except TransportError as exc:
-            log.info("inbound handshake from %s failed: %s", ip, exc)
-            if on_handshake_failed is not None:
-                on_handshake_failed(ip, exc)
-            return
-        finally:
-            in_handshake[ip] -= 1
-            if not in_handshake[ip]:
-                del in_handshake[ip]
-        try:
-            await handler(conn)
-        except TransportError as exc:
-            log.info("connection from %s ended: %s", conn.remote_peer.short(), exc)
-        except Exception as exc:  # containment (spec/transport.md §6): it ends this connection only
-            transport = first_transport_error(exc) if isinstance(exc, BaseExceptionGroup) else None
-            if transport is not None:
-                log.info("connection from %s ended: %s", conn.remote_peer.short(), transport)
-            else:
-                log.exception("connection from %s ended by an error in its handler", conn.remote_peer.short())
-        finally:
-            with trio.CancelScope(shield=True):
-                await conn.aclose()
+        await acceptor.accept(stream, (str(host), int(port)))
 
     async with trio.open_nursery() as nursery:
         task_status.started(bound_port)
         await trio.serve_listeners(serve_one, listeners, handler_nursery=nursery)
+
+
+class TcpTransport:
+    """`Transport` over TCP + Noise (spec/transport.md): addresses ``/ip4/H/tcp/P``, ``/ip6/H/tcp/P`` and
+    the legacy ``H:P``. `options` holds the timeouts, the inbound caps and the admission hooks."""
+
+    kind = "tcp"
+
+    def __init__(self, options: SecureOptions | None = None) -> None:
+        self.options = options or SecureOptions()
+
+    def handles(self, address: str) -> bool:
+        try:
+            return parse_peer_address(address)[0] == "tcp"
+        except PeerloomError:
+            return False
+
+    async def dial(self, address: str, identity: Identity, *, expected_peer: PeerId | None = None,
+                   max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> SecureConnection:
+        """Connect to a tcp `address`; raises TransportError (``bad-address`` for a malformed one)."""
+        host, port = _tcp_endpoint(address)
+        o = self.options
+        return await connect(host, port, identity, expected_peer=expected_peer,
+                             max_message_bytes=max_message_bytes, handshake_timeout=o.handshake_timeout,
+                             keepalive_interval=o.keepalive_interval, idle_timeout=o.idle_timeout,
+                             transport_ciphers=o.transport_ciphers)
+
+    async def listen(self, address: str, identity: Identity, handler: Callable[[Any], Awaitable[object]], *,
+                     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+        """`serve` on a tcp `address` (port 0 picks one); reports the bound address, e.g.
+        ``/ip4/127.0.0.1/tcp/40123``. Raises OSError if the address cannot be bound."""
+        host, port = _tcp_endpoint(address, listening=True)
+        o = self.options
+
+        async def started(*, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+            await serve(host, port, identity, handler, max_message_bytes=max_message_bytes,
+                        handshake_timeout=o.handshake_timeout, max_handshakes=o.max_handshakes,
+                        max_handshakes_per_ip=o.max_handshakes_per_ip, max_connections=o.max_connections,
+                        max_connections_per_ip=o.max_connections_per_ip, admit=o.admit,
+                        on_handshake_failed=o.on_handshake_failed, keepalive_interval=o.keepalive_interval,
+                        idle_timeout=o.idle_timeout, transport_ciphers=o.transport_ciphers,
+                        task_status=task_status)
+
+        async with trio.open_nursery() as nursery:
+            bound = await nursery.start(started)
+            task_status.started(format_peer_address("tcp", host, bound))
+
+
+def _tcp_endpoint(address: str, *, listening: bool = False) -> tuple[str, int]:
+    """(host, port) of a tcp address. Listening accepts port 0 and the wildcard hosts, which a peer's
+    address never has. Raises TransportError("bad-address")."""
+    if listening:
+        text = address
+        if text.startswith(("/ip4/", "/ip6/")):
+            parts = text.split("/")
+            if len(parts) == 5 and parts[3] == "tcp" and parts[4].isdigit():
+                return parts[2], int(parts[4])
+        elif "://" not in text:
+            host, sep, port = text.rpartition(":")
+            if sep and port.isdigit():
+                return host.strip("[]"), int(port)
+        raise TransportError("bad-address", f"cannot listen on {address!r} with tcp")
+    try:
+        kind, host, port = parse_peer_address(address)
+    except PeerloomError as exc:
+        raise TransportError("bad-address", f"{address!r}: {exc}") from None
+    if kind != "tcp":
+        raise TransportError("bad-address", f"{address!r} is not a tcp address")
+    return host, port

@@ -12,16 +12,27 @@ trains from the global params, encodes its pseudo-gradient (top-k and sign with 
 keeps its residual across windows), the reducer decodes every delta and takes the shard-size-weighted
 mean, and the outer step is SGD lr 1 (FedAvg). Same seeds for every codec, so `none` is the baseline.
 
+At scale (issue 20, `--scale-params`, default 100M float32 = 400 MB): the update a trainer sends each
+window under fp32 (`none`), `int8` and `topk` with error feedback (the trainer's residual carried in, as
+the executor does it), on the numpy backend the nodes' executor uses: ``update_bytes`` (the safetensors
+artifact's size, what crosses the wire once per fetcher of the update: the validators and the reducer),
+``ratio`` (fp32 bytes / update bytes) and the median seconds of `--repeats` encodes (including the
+safetensors serialization the executor does before storing) and decodes (from the stored bytes), and
+``encode_vs_fp32`` / ``decode_vs_fp32``: those times over fp32's in the same run.
+
 Prints one JSON object on its last line:
 ``{"size", "codecs": [{"codec", "ratio", "error_feedback", "encode_gbps": {"numpy", "torch"},
 "decode_gbps": {...}, "accuracy", "curve": [[windows done, accuracy], ...]}], "baseline_accuracy",
-"topk_within_2_points": bool, ...}``.
+"topk_within_2_points": bool, "scale": {"params", "codecs": [{"codec", "update_bytes", "ratio", "encode_s",
+"decode_s", "encode_vs_fp32", "decode_vs_fp32"}]}, ...}``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import time
 from typing import Any
 
 import numpy as np
@@ -31,6 +42,7 @@ from aggregate import timed  # bench/aggregate.py, beside this script (run as `p
 from peerloom.backends.datasets import shard_indices
 from peerloom.backends.numpy import codecs as nc
 from peerloom.backends.numpy.aggregate import aggregate
+from peerloom.backends.numpy.tensors import from_safetensors, to_safetensors
 from peerloom.backends.torch import codecs as tc
 from peerloom.backends.torch.models import make_digits_workload
 
@@ -54,6 +66,40 @@ def speed(codec: str, x: np.ndarray, repeats: int, fraction: float) -> dict[str,
             "torch": gb / timed(lambda: tc.decode(codec, tenc), repeats),
         },
     }
+
+
+SCALE_CODECS = ("none", "int8", "topk")
+
+
+def at_scale(params: int, repeats: int, fraction: float, seed: int) -> dict[str, Any]:
+    """Update bytes and encode/decode seconds at `params` float32 parameters (module docstring)."""
+    x = {"w": np.random.default_rng(seed).standard_normal(params, dtype=np.float32)}
+    schema = (("w", "float32", (params,)),)
+    rows = []
+    for codec in SCALE_CODECS:
+        state = nc.zeros_state(x) if codec in FEEDBACK else None
+        encode_s, decode_s = [], []
+        data = b""
+        for _ in range(repeats):
+            started = time.perf_counter()
+            encoded, _ = nc.encode(codec, x, state, fraction=fraction) if codec != "none" else (x, None)
+            data = to_safetensors(encoded)
+            encode_s.append(time.perf_counter() - started)
+            del encoded
+            started = time.perf_counter()
+            tensors = from_safetensors(data)
+            if codec != "none":
+                tensors = nc.decode(codec, tensors, schema=schema)
+            decode_s.append(time.perf_counter() - started)
+            del tensors
+        rows.append({"codec": codec, "update_bytes": len(data), "ratio": round(4 * params / len(data), 2),
+                     "encode_s": round(statistics.median(encode_s), 4),
+                     "decode_s": round(statistics.median(decode_s), 4)})
+        del data, state
+    for row in rows:
+        row["encode_vs_fp32"] = round(row["encode_s"] / rows[0]["encode_s"], 2)
+        row["decode_vs_fp32"] = round(row["decode_s"] / rows[0]["decode_s"], 2)
+    return {"params": params, "codecs": rows}
 
 
 def fedavg_accuracy(
@@ -90,9 +136,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--trainers", type=int, default=6)
     parser.add_argument("--fraction", type=float, default=0.01, help="top-k kept share")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--scale-params", type=int, default=100_000_000,
+                        help="float32 parameters of the at-scale section (0: skip it)")
+    parser.add_argument("--scale-only", action="store_true", help="run only the at-scale section")
     args = parser.parse_args(argv)
     if args.quick:
         args.size, args.repeats, args.windows, args.trainers = 50_000, 2, 2, 2
+        args.scale_params = min(args.scale_params, 200_000)
+    if args.scale_only:
+        report = {"scale": at_scale(args.scale_params, args.repeats, args.fraction, args.seed)}
+        print(json.dumps(report))
+        return report
     torch.set_num_threads(1)
     x = np.random.default_rng(args.seed).standard_normal(args.size, dtype=np.float32)
     rows = []
@@ -114,6 +168,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "baseline_accuracy": base,
         "topk_within_2_points": bool(topk >= base - 0.02),
     }
+    if args.scale_params:
+        report["scale"] = at_scale(args.scale_params, args.repeats, args.fraction, args.seed)
     print(json.dumps(report))
     return report
 

@@ -2,38 +2,48 @@
 
 from .chain import verify_chain
 from .effects import (
+    Ban,
     CommitArtifact,
     Effect,
     HangUp,
     HeadPromoted,
     Log,
+    PeersDiscovered,
     Persist,
+    Rejected,
     RunTask,
     Send,
     ServeChunk,
     StoreChunk,
+    SubmitReply,
 )
 from .engine import Engine, EngineConfig
 from .errors import DecodeError, LocalProtocolError, PeerloomError, RemoteProtocolError, VerificationError
 from .events import (
+    ArtifactCorrupt,
     ArtifactStored,
     Event,
+    JoinRequested,
+    LeaveRequested,
     MessageReceived,
     PeerConnected,
     PeerDisconnected,
     Persisted,
     Start,
+    Submit,
     TaskFailed,
     TaskFinished,
     TimerDue,
 )
 from .identity import Identity, PeerId
 from .objects import ArtifactRef, Head, Manifest, QuorumCertificate, Revision
+from .roles import Role
 
 __all__ = [
-    "ArtifactRef", "ArtifactStored", "CommitArtifact", "DecodeError", "Effect", "Engine", "EngineConfig", "Event",
-    "HangUp", "Head", "HeadPromoted", "Identity", "LocalProtocolError", "Log", "Manifest", "MessageReceived",
-    "PeerConnected", "PeerDisconnected", "PeerId", "PeerloomError", "Persist", "Persisted", "QuorumCertificate",
-    "RemoteProtocolError", "Revision", "RunTask", "Send", "ServeChunk", "Start", "StoreChunk", "TaskFailed",
-    "TaskFinished", "TimerDue", "VerificationError", "verify_chain",
+    "ArtifactCorrupt", "ArtifactRef", "ArtifactStored", "Ban", "CommitArtifact", "DecodeError", "Effect", "Engine",
+    "EngineConfig", "Event", "HangUp", "Head", "HeadPromoted", "Identity", "JoinRequested", "LeaveRequested",
+    "LocalProtocolError", "Log", "Manifest", "MessageReceived", "PeerConnected", "PeerDisconnected", "PeerId",
+    "PeerloomError", "PeersDiscovered", "Persist", "Persisted", "QuorumCertificate", "Rejected",
+    "RemoteProtocolError", "Revision", "Role", "RunTask", "Send", "ServeChunk", "Start", "StoreChunk", "Submit",
+    "SubmitReply", "TaskFailed", "TaskFinished", "TimerDue", "VerificationError", "verify_chain",
 ]

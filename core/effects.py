@@ -96,6 +96,36 @@ class PeersDiscovered:
 
 
 @attrs.frozen(kw_only=True)
+class Rejected:
+    """The engine refused input from `peer` (a message, a signed envelope, a chunk) and charged it one penalty
+    point; `peer` is None where no peer can be blamed. `reason` is a stable code (the keys of
+    `Engine.rejected_by_reason`, e.g. ``bad-signature``, ``screen-norm-outlier``), `detail` free text for
+    humans. Hosts may keep reputation from these; nothing needs the matching `Log(event="reject")`."""
+    peer: PeerId | None
+    reason: str
+    detail: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class Ban:
+    """`peer` reached `EngineConfig.penalty_limit`: refuse it, inbound or dialed, until `until` (seconds on
+    the host's monotonic clock, `now + EngineConfig.ban_s`). The engine emits a `HangUp` for its current
+    connection right after this effect; a `Ban` itself closes nothing."""
+    peer: PeerId
+    until: float
+
+
+@attrs.frozen(kw_only=True)
+class SubmitReply:
+    """The engine's verdict on the envelope of `events.Submit` with this `request_id`: `accepted` unless the
+    engine rejected something its signer sent in it, then `reason` is the first such rejection's code (as in
+    `Rejected.reason`; empty when accepted). Accepted means taken for judgement, not yet in a head."""
+    request_id: int
+    accepted: bool
+    reason: str = ""
+
+
+@attrs.frozen(kw_only=True)
 class Log:
     """A structured log line: `event` is a stable name, `fields` plain values."""
     event: str
@@ -103,4 +133,4 @@ class Log:
 
 
 Effect = (Send | HangUp | Persist | RunTask | ServeChunk | StoreChunk | CommitArtifact | HeadPromoted
-          | PeersDiscovered | Log)
+          | PeersDiscovered | Rejected | Ban | SubmitReply | Log)

@@ -6,15 +6,15 @@ returns None and execute each effect in order; re-arm one timer at `next_deadlin
 `now` is seconds on the host's monotonic clock and never decreases.
 
 The engine does no I/O, reads no clock and draws randomness only from the injected `random.Random`.
-Peer misbehaviour never raises out of `handle`: it becomes a rejection (counted by reason), a penalty,
-and past `penalty_limit` a `HangUp`. Caller misuse raises LocalProtocolError.
+Peer misbehaviour never raises out of `handle`: it becomes a `Rejected` effect (also counted by reason), a
+penalty, and at `penalty_limit` a `Ban` and a `HangUp`. Caller misuse raises LocalProtocolError.
 
 Role behaviour lives in one module per state machine: `trainer`, `validator`, `reducer` (the latter two
-share `collector`). This module holds what they share: peers, timers, persist-then-send, artifact
-fetching with verify-on-arrival, compute tasks, adoption of certified heads, and chain sync: every node
-archives every certified head, and one that learns of a head more than a window ahead of its own fetches
-and verifies the windows in between before it adopts it (spec/protocol.md §8), so its archive runs from
-window 1 to its head with no hole, also after a crash.
+share `collector`), each following the `roles.Role` protocol. This module holds what they share: peers,
+timers, persist-then-send, artifact fetching with verify-on-arrival, compute tasks, adoption of certified
+heads, and chain sync: every node archives every certified head, and one that learns of a head more than a
+window ahead of its own fetches and verifies the windows in between before it adopts it (spec/protocol.md
+§8), so its archive runs from window 1 to its head with no hole, also after a crash.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import heapq
 import random
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -55,8 +55,14 @@ from .messages import (
     encode_message,
 )
 from .objects import ArtifactRef, Head, QuorumCertificate, Revision
+from .roles import Role
+
+if TYPE_CHECKING:
+    from .trainer import TrainerRole
+    from .validator import ValidatorRole
 
 HEAD_RECORD = "head"
+SERVE_MIN_COST_BYTES = 64 << 10  # what a served request costs the per-peer bucket at least (spec/wire.md §6)
 SERVER_ROLES = frozenset({"validator", "reducer"})
 
 
@@ -83,9 +89,13 @@ class EngineConfig:
     chunk_timeout_s: float = 5.0
     fetch_attempts: int = 6
     penalty_limit: int = 20
+    ban_s: float = 600.0  # how long a peer that reached `penalty_limit` is refused (`effects.Ban`)
     reducer_close_fraction: float = 0.75
-    chunk_requests_per_s: float = 512.0  # per-peer serving quota (token bucket refill)
-    chunk_request_burst: int = 1024  # per-peer serving quota (bucket size)
+    # Per-peer serving quota in bytes (token bucket; spec/wire.md §6): a chunk request costs the chunk's
+    # length, any other served request (and a request for a chunk we lack) `SERVE_MIN_COST_BYTES`. The burst
+    # holds a 400 MB artifact at once and the refill outruns a window's honest fetches from one peer.
+    serve_bytes_per_s: float = float(256 << 20)  # refill, bytes per second
+    serve_bytes_burst: int = 1 << 30  # bucket size, bytes
     announcement_slack: int = 4  # offers a sender may make per window beyond the number of leases
     stop_after_window: int | None = None  # local policy: open no window after this one
     agreement_timeout_s: float = 2.0  # Tendermint base timeout; grows linearly with the round
@@ -143,6 +153,7 @@ class _Fetch:
     done: set[int] = attrs.Factory(set)
     failures: int = 0
     committing: bool = False
+    started: float = 0.0  # engine time the fetch began (the "artifact-fetched" log's seconds)
 
 
 @attrs.define
@@ -170,6 +181,8 @@ class Engine:
         self.started = False
         self.stats: Counter[str] = Counter()
         self.rejected_by_reason: Counter[str] = Counter()
+        # While a `Submit` is judged: (its signer, the reasons it was rejected for), else None.
+        self._verdict: tuple[PeerId, list[str]] | None = None
         self.peers: dict[PeerId, PeerState] = {}
         # greeted peers that told us where they listen (peer exchange draws from these, not from all peers)
         self._listening: dict[PeerId, str] = {}
@@ -183,6 +196,9 @@ class Engine:
         # digest -> (ref, verified chunk indices) of a failed fetch; in memory only, like the host's partial
         # chunks, which a restart also drops.
         self._partial: dict[bytes, tuple[ArtifactRef, set[int]]] = {}
+        # digest -> {chunk index: provider} still asked for when a fetch ended because the artifact was
+        # computed here (`note_stored`): those answers are dropped without charging anyone (oldest forgotten).
+        self._superseded: dict[bytes, dict[int, PeerId]] = {}
         self._tasks: dict[str, _Task] = {}
         self.seen_deltas: dict[bytes, int] = {}  # accepted delta digest -> window (replay screening)
         records = dict(records or {})
@@ -204,15 +220,18 @@ class Engine:
             head, cert = decode_chain_entry(records[HEAD_RECORD])
             self.verify_certified(head, cert)
             self.head, self.certificate = head, cert
-        self.roles: list[Any] = []
-        self._validator: Any = None  # the ValidatorRole, if we are one: it serves announcements by id
+        self.roles: list[Role] = []
+        # The validator serves announcements by id and holds snapshotted joins; the trainer leaves and joins.
+        self._validator: ValidatorRole | None = None
+        self._trainer: TrainerRole | None = None
         if "validator" in config.roles:
             self._validator = ValidatorRole(self)
             self.roles.append(self._validator)
         if "reducer" in config.roles:
             self.roles.append(ReducerRole(self))
         if "trainer" in config.roles:
-            self.roles.append(TrainerRole(self))
+            self._trainer = TrainerRole(self)
+            self.roles.append(self._trainer)
 
     # --- public API ------------------------------------------------------------------------------
 
@@ -238,22 +257,15 @@ class Engine:
             case ev.TimerDue():
                 self._fire_timers()
             case ev.PeerConnected():
-                self.peers[event.peer] = PeerState(chunk_tokens=float(self.config.chunk_request_burst),
+                self.peers[event.peer] = PeerState(chunk_tokens=float(self.config.serve_bytes_burst),
                                                    tokens_at=self.now)
                 self._listening.pop(event.peer, None)
                 self.send(event.peer, Hello(revision=self.revision.id, roles=tuple(sorted(self.config.roles)),
                                             head_window=self.head.window, listen=self.config.listen_address))
             case ev.PeerDisconnected():
-                self.peers.pop(event.peer, None)
-                self._listening.pop(event.peer, None)
-                self._chain_requests.pop(event.peer, None)
-                if self._chain_live is not None and self._chain_live[0] == event.peer:
-                    self._chain_live = None
-                    self._sync()  # ask someone else
-                for fetch in list(self._fetches.values()):
-                    if event.peer in fetch.providers:
-                        fetch.providers.remove(event.peer)
-                        self._requeue(fetch, event.peer)
+                self._drop_peer(event.peer)
+            case ev.Submit():
+                self._on_submit(event)
             case ev.TaskFinished():
                 task = self._tasks.pop(event.task_id, None)
                 if task is None:
@@ -275,13 +287,47 @@ class Engine:
                     raise LocalProtocolError(f"unknown persist token {event.token}")
                 then()
             case ev.LeaveRequested() | ev.JoinRequested():
-                trainers = [r for r in self.roles if hasattr(r, "set_membership")]
-                if not trainers:
+                if self._trainer is None:
                     raise LocalProtocolError("only a trainer can leave or join the roster")
-                for role in trainers:
-                    role.set_membership(isinstance(event, ev.JoinRequested))
+                self._trainer.set_membership(isinstance(event, ev.JoinRequested))
             case _:
                 raise LocalProtocolError(f"unknown event {event!r}")
+
+    def _drop_peer(self, peer: PeerId) -> None:
+        self.peers.pop(peer, None)
+        self._listening.pop(peer, None)
+        self._chain_requests.pop(peer, None)
+        if self._chain_live is not None and self._chain_live[0] == peer:
+            self._chain_live = None
+            self._sync()  # ask someone else
+        for fetch in list(self._fetches.values()):
+            if peer in fetch.providers:
+                fetch.providers.remove(peer)
+                self._requeue(fetch, peer)
+
+    def _on_submit(self, event: ev.Submit) -> None:
+        """Judge an envelope the host received outside a connection as a `Signed` message from its signer
+        (same decoding, checks, quotas and charges), then answer with `SubmitReply`. A signer that is not
+        connected is, for this envelope only, a greeted trainer peer: roles see it become ready, then leave."""
+        if event.stored is not None:
+            self.note_stored(event.stored)
+        signer = event.envelope.signer
+        virtual = signer not in self.peers
+        if virtual:
+            self.peers[signer] = PeerState(roles=("trainer",), greeted=True, head_window=self.head.window,
+                                           chunk_tokens=float(self.config.serve_bytes_burst), tokens_at=self.now)
+            for role in self.roles:
+                role.on_peer_ready(signer, ("trainer",))
+        self._verdict = (signer, [])
+        try:
+            self._on_message(signer, encode_message(Signed(envelope=event.envelope)))
+            reasons = self._verdict[1]
+        finally:
+            self._verdict = None
+        if virtual:
+            self._drop_peer(signer)
+        self.emit(fx.SubmitReply(request_id=event.request_id, accepted=not reasons,
+                                 reason=reasons[0] if reasons else ""))
 
     def next_effect(self) -> fx.Effect | None:
         """The next effect to execute, or None when there is nothing more to do for now."""
@@ -313,15 +359,9 @@ class Engine:
             "seen_deltas": sorted([d, w] for d, w in self.seen_deltas.items()),
             "joins": [], "admitted": [], "leaves": [], "evidence": [], "heard": [], "first_window": None,
         }
-        for role in self.roles:
-            if hasattr(role, "joins"):
-                state["joins"] = [[p.to_bytes(), c] for p, c in sorted(role.joins.items())]
-                state["admitted"] = [[p.to_bytes(), c] for p, c in sorted(role.admitted.items())]
-                state["leaves"] = [[p.to_bytes(), w] for p, w in sorted(role.leaves.items())]
-                state["evidence"] = [[a.to_cbor(), b.to_cbor()] for _, (a, b) in sorted(role.evidence.items())]
-                # Who was heard when (heartbeats, updates, joins): idle expiry picks up where it left off.
-                state["heard"] = [[p.to_bytes(), w] for p, w in sorted(role.heard.items())]
-                state["first_window"] = role.first_window
+        if self._validator is not None:
+            # Who was heard when (heartbeats, updates, joins) too: idle expiry picks up where it left off.
+            state.update(self._validator.durable_state())
         return encode(state)
 
     @classmethod
@@ -329,8 +369,6 @@ class Engine:
         """Rebuild an engine from `snapshot()` bytes; feed it `Start` (with `now` not before the snapshot's)
         as after a restart. Raises DecodeError/VerificationError for bytes that are not a snapshot of this
         revision, LocalProtocolError for a snapshot of another revision."""
-        from .envelope import SignedEnvelope
-
         state = decode(data, max_bytes=1 << 30)
         keys = {"version", "revision", "now", "records", "stored", "stats", "rejected", "seen_deltas", "joins",
                 "admitted", "leaves", "evidence", "heard", "first_window"}
@@ -345,16 +383,8 @@ class Engine:
         engine.stats.update(state["stats"])
         engine.rejected_by_reason.update(state["rejected"])
         engine.seen_deltas = {d: w for d, w in state["seen_deltas"]}
-        for role in engine.roles:
-            if hasattr(role, "joins"):
-                role.joins = {PeerId.from_bytes(p): c for p, c in state["joins"]}
-                role.admitted = {PeerId.from_bytes(p): c for p, c in state["admitted"]}
-                role.leaves = {PeerId.from_bytes(p): w for p, w in state["leaves"]}
-                for a, b in state["evidence"]:
-                    pair = (SignedEnvelope.from_cbor(a), SignedEnvelope.from_cbor(b))
-                    role.evidence[pair[0].signer] = pair
-                role.heard = {PeerId.from_bytes(p): w for p, w in state["heard"]}
-                role.first_window = state["first_window"]
+        if engine._validator is not None:
+            engine._validator.restore_durable_state(state)
         return engine
 
     # --- services for the role state machines ----------------------------------------------------
@@ -403,7 +433,17 @@ class Engine:
         return task_id
 
     def note_stored(self, ref: ArtifactRef) -> None:
-        """Record an artifact the host stored on its own (a compute task's output)."""
+        """Record an artifact the host stored on its own (a compute task's output). A fetch of the same
+        artifact under way (a reducer adopting the head whose params and optimizer state it is computing
+        itself) is done at once; the chunks it still has asked for are dropped quietly when they come."""
+        fetch = self._fetches.get(ref.digest)
+        if fetch is not None and fetch.ref == ref and not fetch.committing:
+            if fetch.in_flight:
+                self._superseded[ref.digest] = dict(fetch.in_flight)
+                if len(self._superseded) > MAX_PARTIAL_FETCHES:
+                    del self._superseded[next(iter(self._superseded))]
+            self._on_artifact_stored(ref)
+            return
         self._stored[ref.digest] = ref
         self._partial.pop(ref.digest, None)
 
@@ -427,7 +467,7 @@ class Engine:
             fetch.on_done.append(on_done)
             fetch.on_fail.append(on_fail)
         else:
-            fetch = _Fetch(ref=ref, providers=live, on_done=[on_done], on_fail=[on_fail])
+            fetch = _Fetch(ref=ref, providers=live, on_done=[on_done], on_fail=[on_fail], started=self.now)
             partial = self._partial.pop(ref.digest, None)
             # Another ref with the same digest chunks it differently: its record says nothing of ours, and
             # this fetch may overwrite its bytes, so it is dropped either way.
@@ -437,13 +477,19 @@ class Engine:
         self._pump(fetch)
 
     def reject(self, peer: PeerId | None, reason: str, detail: str = "") -> None:
-        """Count a rejection by reason and charge the peer that caused it (never a third party)."""
+        """Refuse a peer's input: emit `Rejected` (and a `reject` log line), count it by reason and charge the
+        peer that caused it (never a third party) one penalty point. At `penalty_limit` points, emit
+        `Ban(peer, now + ban_s)` then `HangUp(peer, "penalty-limit")`."""
         self.rejected_by_reason[reason] += 1
+        if self._verdict is not None and peer == self._verdict[0]:
+            self._verdict[1].append(reason)
+        self.emit(fx.Rejected(peer=peer, reason=reason, detail=detail))
         self.log("reject", peer=str(peer) if peer else None, reason=reason, detail=detail)
         if peer is not None and peer in self.peers:
             state = self.peers[peer]
             state.penalty += 1
             if state.penalty == self.config.penalty_limit:
+                self.emit(fx.Ban(peer=peer, until=self.now + self.config.ban_s))
                 self.emit(fx.HangUp(peer=peer, reason="penalty-limit"))
 
     def verify_certified(self, head: Head, cert: QuorumCertificate) -> None:
@@ -596,11 +642,13 @@ class Engine:
                 for role in self.roles:
                     role.on_signed(peer, message.envelope)
             case ChunkRequest():
-                if not self._take_chunk_token(state):
+                ref = self._stored.get(message.artifact)
+                held = ref is not None and message.index < ref.num_chunks
+                cost = max(SERVE_MIN_COST_BYTES, ref.chunk_length(message.index)) if held else SERVE_MIN_COST_BYTES
+                if not self._take_chunk_token(state, cost):
                     self.reject(peer, "chunk-quota")
                     return
-                ref = self._stored.get(message.artifact)
-                if ref is None or message.index >= ref.num_chunks:
+                if ref is None or not held:
                     self.send(peer, ChunkMissing(artifact=message.artifact, index=message.index))
                 else:
                     self.stats["chunks_served"] += 1
@@ -838,21 +886,29 @@ class Engine:
         self._chain_live = None
         self._sync()
 
-    def _take_chunk_token(self, state: PeerState) -> bool:
-        """Token bucket per peer: an honest fetcher keeps at most `max_chunks_in_flight` requests out, so
-        only a flooder runs it dry; its requests are refused without reading anything from storage."""
+    def _take_chunk_token(self, state: PeerState, cost: int = SERVE_MIN_COST_BYTES) -> bool:
+        """Byte token bucket per peer (`serve_bytes_burst`, refilled at `serve_bytes_per_s`): a request
+        costs `cost` bytes, what serving it reads and sends (at least `SERVE_MIN_COST_BYTES`). An honest
+        fetcher keeps at most `max_chunks_in_flight` chunks out and pulls each artifact once, so only a
+        flooder runs it dry; its requests are refused without reading anything from storage."""
         c = self.config
-        state.chunk_tokens = min(float(c.chunk_request_burst),
-                                 state.chunk_tokens + (self.now - state.tokens_at) * c.chunk_requests_per_s)
+        state.chunk_tokens = min(float(c.serve_bytes_burst),
+                                 state.chunk_tokens + (self.now - state.tokens_at) * c.serve_bytes_per_s)
         state.tokens_at = self.now
-        if state.chunk_tokens < 1.0:
+        if state.chunk_tokens < cost:
             return False
-        state.chunk_tokens -= 1.0
+        state.chunk_tokens -= cost
         return True
 
     def _on_chunk(self, peer: PeerId, chunk: Chunk) -> None:
         fetch = self._fetches.get(chunk.artifact)
         if fetch is None or fetch.in_flight.get(chunk.index) != peer:
+            late = self._superseded.get(chunk.artifact)
+            if fetch is None and late is not None and late.get(chunk.index) == peer:
+                del late[chunk.index]  # asked for before we computed the artifact ourselves: not the peer's fault
+                if not late:
+                    del self._superseded[chunk.artifact]
+                return
             self.reject(peer, "unsolicited-chunk")
             return
         del fetch.in_flight[chunk.index]
@@ -943,6 +999,8 @@ class Engine:
         fetch = self._fetches.pop(ref.digest, None)
         if fetch is not None:
             self.cancel_timer(("fetch", ref.digest))
+            self.log("artifact-fetched", digest=ref.digest.hex()[:16], bytes=ref.size, chunks=ref.num_chunks,
+                     seconds=round(self.now - fetch.started, 4))
             for callback in fetch.on_done:
                 callback()
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import attrs
 
+from .envelope import SignedEnvelope
 from .identity import PeerId
 from .objects import ArtifactRef
 
@@ -28,6 +29,7 @@ class PeerConnected:
 
 @attrs.frozen(kw_only=True)
 class PeerDisconnected:
+    """The connection to `peer` closed (either side, any reason); what it had in flight is asked of others."""
     now: float
     peer: PeerId
 
@@ -56,6 +58,7 @@ class TaskFinished:
 
 @attrs.frozen(kw_only=True)
 class TaskFailed:
+    """A compute task asked for by a `RunTask` effect failed; `reason` is free text for logs."""
     now: float
     task_id: str
     reason: str
@@ -96,5 +99,18 @@ class JoinRequested:
     now: float
 
 
+@attrs.frozen(kw_only=True)
+class Submit:
+    """Local command: a signed envelope that reached the host some other way than a peer connection (an HTTP
+    light trainer's upload), judged as if its signer had sent it in a `Signed` message: the same checks,
+    quotas and charges. A signer with no connection is treated, for this one envelope, as a greeted peer with
+    the trainer role. `stored`: the artifact the host stored for it first (its update delta), or None.
+    The engine answers with one `effects.SubmitReply` carrying `request_id` (chosen by the host)."""
+    now: float
+    request_id: int
+    envelope: SignedEnvelope
+    stored: ArtifactRef | None = None
+
+
 Event = (Start | PeerConnected | PeerDisconnected | MessageReceived | TimerDue | TaskFinished | TaskFailed
-         | ArtifactStored | Persisted | LeaveRequested | JoinRequested)
+         | ArtifactStored | ArtifactCorrupt | Persisted | LeaveRequested | JoinRequested | Submit)

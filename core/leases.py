@@ -147,3 +147,34 @@ def _compute_leases(head: Head, manifest: Manifest) -> dict[PeerId, tuple[int, .
 def lease_weight(manifest: Manifest, shards: Sequence[int]) -> int:
     """Sample weight of a lease: the number of samples in its shards, from the manifest only."""
     return sum(manifest.shards[s] for s in shards)
+
+
+# --- unproven trainers (spec/protocol.md §4.1) ----------------------------------------------------------
+
+
+def demotable(parent: Head, manifest: Manifest, skipped: bool) -> frozenset[PeerId]:
+    """The trainers that the head after `parent` turns unproven unless they deliver (spec/protocol.md §4.1):
+    the leaseholders of its window, or nobody when that head is `skipped` (a skipped window proves and
+    disproves nobody). `peerloom verify`, which cannot see an update's author, bounds `unproven` by this."""
+    return frozenset() if skipped else frozenset(leases_of(parent, manifest))
+
+
+def next_unproven(parent: Head, manifest: Manifest, roster: Sequence[tuple[PeerId, int]],
+                  proven: frozenset[PeerId], delivered: frozenset[PeerId] | None) -> tuple[PeerId, ...]:
+    """The `unproven` of the head after `parent` with `roster` (spec/protocol.md §4.1), sorted: the parent's
+    unproven, the newly rostered trainers and the leaseholders of the window that delivered nothing
+    (`delivered`: the authors of the head's cohort and rejected updates; None for a skipped head, which
+    demotes nobody), less the trainers no longer rostered and the authors of cohort updates (`proven`)."""
+    before = parent.roster_peers
+    silent = demotable(parent, manifest, delivered is None) - (delivered or frozenset())
+    return tuple(sorted(p for p, _ in roster
+                        if (p in parent.unproven or p not in before or p in silent) and p not in proven))
+
+
+def undelivered(parent: Head, manifest: Manifest, delivered: frozenset[PeerId]) -> frozenset[PeerId]:
+    """Unproven trainers of `parent` that hold a lease in the next window and are not among `delivered` (the
+    authors of the next head's cohort and rejected updates): the next head drops them (§4.1)."""
+    if not parent.unproven:
+        return frozenset()
+    leases = leases_of(parent, manifest)
+    return frozenset(p for p in parent.unproven if p in leases and p not in delivered)

@@ -20,7 +20,11 @@ from .identity import PeerId
 from .objects import Head, QuorumCertificate, RosterEntry, head_fields, roster_from_cbor, roster_to_cbor
 
 MAX_CONTROL_BYTES = 1 << 20
-MAX_ADDRESS_BYTES = 64  # a "host:port" listen address
+MAX_ADDRESS_BYTES = 64  # a direct address: "/ip4/H/tcp/P", "http://H:P", "memory://NAME" or "host:port"
+MAX_PEER_ADDRESS_BYTES = 128  # a listen address: a direct one, or "<direct>/p2p-circuit/<peer-id>" (a relay's)
+MAX_MEMORY_NAME = 32  # the NAME of a "memory://NAME" address
+TRANSPORT_KINDS = ("tcp", "http", "memory", "relay")
+CIRCUIT = "/p2p-circuit/"  # between a relay's address and the relayed peer's id (spec/transport.md §12)
 MAX_PEER_ENTRIES = 32  # entries of one PeerExchange
 MAX_UPDATE_IDS = 32  # update ids of one UpdatesRequest (a batch of announcements asked at once)
 
@@ -47,10 +51,69 @@ def parse_address(text: str) -> tuple[str, int]:
     return str(ip), int(port_text)
 
 
+def parse_peer_address(text: str) -> tuple[str, str, int]:
+    """Split a transport-qualified listen address into (kind, host, port) (spec/wire.md §4).
+
+    Forms: ``/ip4/H/tcp/P`` and ``/ip6/H/tcp/P`` (TCP + Noise), ``http://H:P`` or ``http://[H6]:P`` (the
+    HTTP transport), ``memory://NAME`` (an in-process listener; NAME is 1..32 of ``[A-Za-z0-9._-]``, host is
+    NAME and port 0), and the legacy ``host:port`` (= tcp). Hosts and ports are as strict as
+    `parse_address`; a direct address is ASCII of at most 64 bytes. A relayed (circuit) address
+    ``<direct>/p2p-circuit/<peer-id>`` (spec/transport.md §12) is kind ``relay``, host its canonical text
+    and port 0: the direct address of the relay (not itself a circuit) and the relayed peer's id in its
+    canonical base58 text, at most 128 bytes in all. Raises DecodeError("bad-field").
+    `format_peer_address(*parse_peer_address(t))` is the canonical spelling of `t`.
+    """
+    if not isinstance(text, str) or len(text) > MAX_PEER_ADDRESS_BYTES or not text.isascii():
+        raise DecodeError("bad-field", "address must be ASCII of at most 128 bytes")
+    if CIRCUIT in text:
+        relay, _, peer_text = text.partition(CIRCUIT)
+        if "/p2p-circuit" in relay or not 1 <= len(peer_text) <= 64 or not peer_text.isalnum():
+            raise DecodeError("bad-field", "a circuit address is <direct address>/p2p-circuit/<peer-id>")
+        try:
+            canonical_peer = PeerId.from_text(peer_text).to_text()
+        except (ValueError, DecodeError):  # base58 or key errors: any malformed peer id text
+            raise DecodeError("bad-field", "a circuit address must end with a peer id") from None
+        if canonical_peer != peer_text:
+            raise DecodeError("bad-field", "a circuit address's peer id must be in canonical text")
+        return "relay", format_peer_address(*parse_peer_address(relay)) + CIRCUIT + peer_text, 0
+    if len(text) > MAX_ADDRESS_BYTES:
+        raise DecodeError("bad-field", "a direct address must be ASCII of at most 64 bytes")
+    if text.startswith(("/ip4/", "/ip6/")):
+        parts = text.split("/")  # "", "ip4", host, "tcp", port
+        if len(parts) != 5 or parts[3] != "tcp":
+            raise DecodeError("bad-field", "address must be /ip4/HOST/tcp/PORT or /ip6/HOST/tcp/PORT")
+        v6 = parts[1] == "ip6"
+        host, port = parse_address(f"[{parts[2]}]:{parts[4]}" if v6 else f"{parts[2]}:{parts[4]}")
+        return "tcp", host, port
+    if text.startswith("http://"):
+        host, port = parse_address(text[len("http://"):])
+        return "http", host, port
+    if text.startswith("memory://"):
+        name = text[len("memory://"):]
+        if not 1 <= len(name) <= MAX_MEMORY_NAME or not all(c.isalnum() or c in "._-" for c in name):
+            raise DecodeError("bad-field", "memory address name must be 1..32 of A-Z a-z 0-9 . _ -")
+        return "memory", name, 0
+    host, port = parse_address(text)
+    return "tcp", host, port
+
+
+def format_peer_address(kind: str, host: str, port: int) -> str:
+    """The canonical text of an address (inverse of `parse_peer_address`; legacy ``host:port`` becomes
+    ``/ip4/host/tcp/port``). Raises ValueError for an unknown kind."""
+    if kind == "tcp":
+        return f"/ip6/{host}/tcp/{port}" if ":" in host else f"/ip4/{host}/tcp/{port}"
+    if kind == "http":
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    if kind in ("memory", "relay"):
+        return f"memory://{host}" if kind == "memory" else host
+    raise ValueError(f"unknown transport kind {kind!r}")
+
+
 @attrs.frozen(kw_only=True)
 class Hello:
     """First message on every connection: which revision, which roles, how far the sender's chain is, and
-    optionally the "host:port" the sender accepts connections on (`listen`, for peer exchange)."""
+    optionally the address the sender accepts connections on (`listen`, for peer exchange; any form of
+    `parse_peer_address`)."""
 
     KIND = "hello"
     revision: bytes
@@ -75,8 +138,8 @@ class Hello:
             raise DecodeError("bad-field", "unknown role")
         listen = None
         if "listen" in b:
-            listen = f.text(b, "listen", max_len=MAX_ADDRESS_BYTES)
-            parse_address(listen)
+            listen = f.text(b, "listen", max_len=MAX_PEER_ADDRESS_BYTES)
+            parse_peer_address(listen)
         return cls(revision=f.cid(b, "revision"), roles=tuple(roles), head_window=f.uint(b, "head_window"),
                    listen=listen)
 
@@ -306,7 +369,7 @@ class UpdatesRequest:
 @attrs.frozen(kw_only=True)
 class PeerExchange:
     """Listen addresses of other peers the sender is connected to (spec/wire.md §4, discovery): at most
-    32 `(peer id, "host:port")` entries, distinct peers and distinct addresses."""
+    32 `(peer id, address)` entries (`parse_peer_address` forms), distinct peers and distinct addresses."""
 
     KIND = "peers"
     peers: tuple[tuple[PeerId, str], ...]
@@ -323,7 +386,7 @@ class PeerExchange:
                     and isinstance(item[1], str)):
                 raise DecodeError("bad-field", "peer entry must be [peer-id, host:port]")
             peer = f.peer({"peer": item[0]}, "peer")
-            parse_address(item[1])
+            parse_peer_address(item[1])
             entries.append((peer, item[1]))
         if len({p for p, _ in entries}) != len(entries) or len({a for _, a in entries}) != len(entries):
             raise DecodeError("bad-field", "duplicate peer or address")

@@ -680,29 +680,49 @@ class UpdateAnnouncement:
 @attrs.frozen(kw_only=True)
 class AdmissionCertificate:
     """The manifest's admission authority admits `peer` to revision `revision` with a declared capacity of
-    at most `max_capacity` (spec/protocol.md §5). Carried, in its envelope, by the peer's `JoinRequest`."""
+    at most `max_capacity` (spec/protocol.md §5). Carried, in its envelope, by the peer's `JoinRequest`.
+
+    Optional (absent from the encoding when None, so a certificate without them encodes as before they
+    existed): `expires_window`, the last window a join carrying it may name (validators check the join's own
+    `window`, so every validator reaches the same verdict on the same join; spec/auth.md §4), and `login`, a
+    32-byte digest of the login it was issued to (spec/auth.md §3), which binds the peer to that login for
+    revocation without putting the login's name on the wire.
+    """
 
     KIND: ClassVar[str] = "admission"
 
     revision: bytes
     peer: PeerId
     max_capacity: int
+    expires_window: int | None = None
+    login: bytes | None = None
 
     def to_cbor(self) -> dict[str, Any]:
-        return {"revision": self.revision, "peer": self.peer.to_bytes(), "max_capacity": self.max_capacity}
+        body: dict[str, Any] = {"revision": self.revision, "peer": self.peer.to_bytes(),
+                                "max_capacity": self.max_capacity}
+        if self.expires_window is not None:
+            body["expires_window"] = self.expires_window
+        if self.login is not None:
+            body["login"] = self.login
+        return body
 
     @classmethod
     def from_cbor(cls, obj: Any) -> AdmissionCertificate:
-        body = f.exact_keys(obj, frozenset({"revision", "peer", "max_capacity"}), "admission")
+        optional = {"expires_window", "login"} & set(obj) if isinstance(obj, dict) else set()
+        body = f.exact_keys(obj, frozenset({"revision", "peer", "max_capacity"} | optional), "admission")
         return cls(revision=f.cid(body, "revision"), peer=f.peer(body, "peer"),
-                   max_capacity=f.uint(body, "max_capacity", maximum=1 << 16))
+                   max_capacity=f.uint(body, "max_capacity", maximum=1 << 16),
+                   expires_window=f.uint(body, "expires_window") if "expires_window" in body else None,
+                   login=f.raw(body, "login", size=32) if "login" in body else None)
 
 
 def check_admission(envelope: SignedEnvelope | None, revision_id: bytes, manifest: Manifest,
-                    peer: PeerId) -> AdmissionCertificate:
-    """The admission certificate `envelope` admits `peer` to revision `revision_id`; raises
+                    peer: PeerId, window: int | None = None) -> AdmissionCertificate:
+    """The admission certificate `envelope` admits `peer` to revision `revision_id` for a join naming
+    `window` (None: expiry not checked, e.g. a node checking its own file at start); raises
     VerificationError ``join-not-admitted`` (missing, not signed by the manifest's admission authority,
-    bad signature, another revision or peer, capacity 0) or DecodeError (malformed body)."""
+    bad signature, another revision or peer, capacity 0, `window` after its `expires_window`) or
+    DecodeError (malformed body)."""
     authority = manifest.admission_authority
     if envelope is None or authority is None or envelope.signer != authority:
         raise VerificationError("join-not-admitted", "no certificate of the admission authority")
@@ -712,6 +732,8 @@ def check_admission(envelope: SignedEnvelope | None, revision_id: bytes, manifes
         raise VerificationError("join-not-admitted", f"{exc.reason}: {exc.detail}") from exc
     if cert.revision != revision_id or cert.peer != peer or cert.max_capacity < 1:
         raise VerificationError("join-not-admitted", "certificate is for another revision or peer")
+    if window is not None and cert.expires_window is not None and window > cert.expires_window:
+        raise VerificationError("join-not-admitted", f"certificate expired after window {cert.expires_window}")
     return cert
 
 

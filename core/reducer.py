@@ -16,6 +16,7 @@ from .fsm import Table, step
 from .identity import PeerId
 from .messages import Signed
 from .objects import Head, ReductionProposal, seal
+from .roles import RoleBase
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -32,7 +33,7 @@ TABLE: Table = {
 }
 
 
-class ReducerRole:
+class ReducerRole(RoleBase):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.state = "idle"
@@ -78,6 +79,8 @@ class ReducerRole:
 
         def reduced(result: dict[str, Any]) -> None:
             e.note_stored(result["params"])
+            if result.get("outer_state") is not None:  # the head's optimizer state: never fetched again
+                e.note_stored(result["outer_state"])
             if c is not self.collector or self.state != "reducing":
                 return
             for i, reason in result["outliers"]:
@@ -103,9 +106,3 @@ class ReducerRole:
     def on_signed(self, peer: PeerId, envelope: SignedEnvelope) -> None:
         if envelope.kind == "update" and self.collector is not None:
             self.collector.offer(peer, envelope)
-
-    def on_peer_ready(self, peer: PeerId, roles: tuple[str, ...]) -> None:
-        pass
-
-    def on_head_source(self, peer: PeerId, head: Head) -> None:
-        pass

@@ -30,6 +30,7 @@ from .objects import (
     UpdateAnnouncement,
     seal,
 )
+from .roles import RoleBase
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -86,7 +87,7 @@ def claim_key(window: int, holder: PeerId | None = None) -> str:
     return f"claim/{window}" if holder is None else f"claim/{window}/{holder}"
 
 
-class TrainerRole:
+class TrainerRole(RoleBase):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.state = "idle"
@@ -275,9 +276,6 @@ class TrainerRole:
 
     def on_head_source(self, peer: PeerId, head: Head) -> None:
         self.head_sources = {peer}
-
-    def on_signed(self, peer: PeerId, envelope: SignedEnvelope) -> None:
-        pass
 
     def on_timer(self, key: tuple[Any, ...]) -> None:
         if key[0] == "claim" and key[1] == self.window:

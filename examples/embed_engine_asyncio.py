@@ -1,7 +1,8 @@
 """Embed the sans-IO engine in your own event loop: plain asyncio, its own sockets and timers.
 
-The engine is a pure state machine (README, "The engine contract"): feed it events with `handle(event)`,
-carry out the effects `next_effect()` returns, and call `handle(TimerDue(now))` at `next_deadline()`. This
+The engine is a pure state machine (spec/embedding.md): feed it events with `handle(event)`,
+carry out the effects `next_effect()` returns, and call `handle(TimerDue(now))` at `next_deadline()`.
+`peerloom.adapters.host.drain` pulls the effects and calls the host's method for each one (`Host`). This
 file is a whole host in one asyncio process: one validator and two trainers, each with its own TCP server
 on 127.0.0.1, a store on disk, and compute on a worker thread; it runs until three windows are certified.
 
@@ -11,20 +12,17 @@ deployment uses peerloom's TCP+Noise transport (`peerloom node`), which proves e
 
 import asyncio
 import random
-import tempfile
 from pathlib import Path
 
+from _experiment import digits_experiment
+
 from peerloom.adapters.compute import ComputeExecutor
-from peerloom.adapters.host import apply_storage_effect, chunk_message, stored_event
-from peerloom.adapters.keys import generate_identity
+from peerloom.adapters.host import chunk_message, drain, stored_event
 from peerloom.adapters.storage import ArtifactStore
-from peerloom.backends.numpy.tensors import schema_of, tensor_digest, to_safetensors
-from peerloom.backends.registry import build_workload
 from peerloom.core import effects as fx
 from peerloom.core import events as ev
 from peerloom.core.engine import Engine, EngineConfig
 from peerloom.core.identity import PeerId
-from peerloom.core.objects import Manifest, Revision, make_artifact_ref
 
 
 class Host:
@@ -37,35 +35,62 @@ class Host:
         self.engine = Engine(EngineConfig(roles=frozenset(roles), revision=revision), identity,
                              random.Random(name), stored=self.store.refs(), records=self.store.records())
         self.writers: dict[PeerId, asyncio.StreamWriter] = {}
+        self.banned: dict[PeerId, float] = {}  # peer -> loop time its ban ends (`Ban` effects)
         self.heads: list[tuple[int, float]] = []  # (window, test accuracy) of each certified head
         self.tasks: set[asyncio.Task] = set()
         self.wake = asyncio.Event()
 
     def feed(self, event) -> None:
         self.engine.handle(event)
-        while (effect := self.engine.next_effect()) is not None:
-            if isinstance(effect, fx.CommitArtifact):
-                self.engine.handle(stored_event(self.store, effect, self.loop.time()))
-            elif apply_storage_effect(self.store, effect):
-                if isinstance(effect, fx.Persist):  # durable now: release what waited on it
-                    self.engine.handle(ev.Persisted(now=self.loop.time(), token=effect.token))
-            elif isinstance(effect, fx.Send):
-                self.send(effect.peer, effect.data)
-            elif isinstance(effect, fx.ServeChunk):
-                self.send(effect.peer, chunk_message(self.store, effect))
-            elif isinstance(effect, fx.RunTask):
-                task = asyncio.ensure_future(self.compute(effect))
-                self.tasks.add(task)
-                task.add_done_callback(self.tasks.discard)
-            elif isinstance(effect, fx.HangUp) and effect.peer in self.writers:
-                self.writers.pop(effect.peer).close()
-            elif isinstance(effect, fx.HeadPromoted):
-                self.heads.append((effect.head.window, effect.head.metrics.get("test_accuracy", float("nan"))))
+        drain(self.engine, self)  # each effect goes to the method named after it, below
         self.wake.set()  # the next deadline may have moved
 
-    def send(self, peer: PeerId, data: bytes) -> None:
-        if peer in self.writers:
-            self.writers[peer].write(len(data).to_bytes(4, "big") + data)
+    # --- `peerloom.adapters.host.Host`: one method per effect (feeding back with engine.handle is fine:
+    # `drain` goes on with the effects that adds)
+
+    def send(self, effect: fx.Send) -> None:
+        if effect.peer in self.writers:
+            self.writers[effect.peer].write(len(effect.data).to_bytes(4, "big") + effect.data)
+
+    def serve_chunk(self, effect: fx.ServeChunk) -> None:
+        self.send(fx.Send(peer=effect.peer, data=chunk_message(self.store, effect)))
+
+    def hang_up(self, effect: fx.HangUp) -> None:
+        if effect.peer in self.writers:
+            self.writers.pop(effect.peer).close()
+
+    def persist(self, effect: fx.Persist) -> None:
+        self.store.put_record(effect.key, effect.record)  # durable (SQLite, synchronous=FULL) when it returns
+        self.engine.handle(ev.Persisted(now=self.loop.time(), token=effect.token))  # release what waited on it
+
+    def store_chunk(self, effect: fx.StoreChunk) -> None:
+        self.store.write_chunk(effect.ref, effect.index, effect.data)
+
+    def commit_artifact(self, effect: fx.CommitArtifact) -> None:
+        self.engine.handle(stored_event(self.store, effect, self.loop.time()))
+
+    def run_task(self, effect: fx.RunTask) -> None:
+        task = asyncio.ensure_future(self.compute(effect))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def head_promoted(self, effect: fx.HeadPromoted) -> None:
+        self.heads.append((effect.head.window, effect.head.metrics.get("test_accuracy", float("nan"))))
+
+    def peers_discovered(self, effect: fx.PeersDiscovered) -> None:
+        pass  # every trainer dials the validator at start; a longer-lived host would dial these
+
+    def ban(self, effect: fx.Ban) -> None:
+        self.banned[effect.peer] = effect.until  # `connection` refuses it until then; the engine hangs up next
+
+    def rejected(self, effect: fx.Rejected) -> None:
+        print(f"rejected {effect.peer}: {effect.reason}")
+
+    def submit_reply(self, effect: fx.SubmitReply) -> None:
+        pass  # this host feeds no Submit
+
+    def log(self, effect: fx.Log) -> None:
+        pass
 
     async def compute(self, effect: fx.RunTask) -> None:
         try:
@@ -87,6 +112,9 @@ class Host:
     async def connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write(self.identity.peer_id.to_bytes())
         peer = PeerId.from_bytes(await reader.readexactly(38))
+        if self.banned.get(peer, 0.0) > self.loop.time():
+            writer.close()
+            return
         self.writers[peer] = writer
         self.feed(ev.PeerConnected(now=self.loop.time(), peer=peer))
         try:
@@ -99,20 +127,7 @@ class Host:
 
 
 async def main() -> None:
-    root = Path(tempfile.mkdtemp(prefix="peerloom-asyncio-"))
-    workload, shards = build_workload("digits-numpy", 0, 4)
-    params = workload.initial_params(0)
-    genesis = to_safetensors(params)
-    ids = {name: generate_identity() for name in ("validator", "trainer-1", "trainer-2", "authority")}
-    manifest = Manifest(
-        experiment="asyncio", workload="digits-numpy", workload_seed=0, schema=schema_of(params),
-        shards=tuple(len(s) for s in shards), validators=(ids["validator"].peer_id,), quorum=1, window_s=2.0,
-        min_updates=1, max_capacity=4, aggregation="mean", outer_optimizer="fedavg", outer_lr=1.0,
-        chunk_size=1 << 16, genesis_params=make_artifact_ref(genesis, 1 << 16),
-        genesis_params_digest=tensor_digest(params),
-        roster=tuple(sorted((ids[t].peer_id, 1) for t in ("trainer-1", "trainer-2"))))
-    revision = Revision.verify(manifest.seal(ids["authority"]), ids["authority"].peer_id)
-    ArtifactStore(root / "validator", chunk_size=manifest.chunk_size).put(genesis)  # before its engine starts
+    root, revision, ids, workload, shards = digits_experiment("asyncio")  # examples/_experiment.py
     hosts = {name: Host(name, {"validator" if name == "validator" else "trainer"}, ids[name], revision, workload,
                         shards, root) for name in ("validator", "trainer-1", "trainer-2")}
     server = await asyncio.start_server(hosts["validator"].connection, "127.0.0.1", 0)

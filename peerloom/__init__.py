@@ -2,7 +2,9 @@
 
 The engine and the protocol objects are re-exported here; adapters (transports, storage, the node
 runtime), backends (numpy, torch) and the simulator are imported from their own packages.
-`load_head` (a certified head's weights, verified; peerloom/export.py) is imported on first use.
+`load_head` (a certified head's weights, verified; peerloom/export.py) is imported on first use, and so
+are the trainer-pool collectives `all_reduce`, `broadcast` and `all_gather` (peerloom/workloads.py;
+spec/pools.md), which need torch.
 """
 
 from typing import TYPE_CHECKING as _TYPE_CHECKING
@@ -12,9 +14,11 @@ from peerloom.core import __all__ as _core_all
 
 if _TYPE_CHECKING:
     from peerloom.export import load_head
+    from peerloom.workloads import all_gather, all_reduce, broadcast
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "load_head", *_core_all]
+__all__ = ["__version__", "all_gather", "all_reduce", "broadcast", "load_head", *_core_all]
+_COLLECTIVES = frozenset({"all_gather", "all_reduce", "broadcast"})
 
 
 def __getattr__(name: str) -> object:
@@ -24,4 +28,10 @@ def __getattr__(name: str) -> object:
 
         globals()[name] = load_head
         return load_head
+    if name in _COLLECTIVES:
+        from peerloom import workloads
+
+        value = getattr(workloads, name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'peerloom' has no attribute {name!r}")

@@ -23,10 +23,13 @@ from peerloom.core.objects import AdmissionCertificate, Revision, check_admissio
 MAX_CAPACITY = 1 << 16  # the largest max_capacity an admission certificate may carry (`AdmissionCertificate`)
 
 
-def issue_admission(authority: Identity, revision: Revision, peer: PeerId, max_capacity: int) -> SignedEnvelope:
+def issue_admission(authority: Identity, revision: Revision, peer: PeerId, max_capacity: int, *,
+                    expires_window: int | None = None, login: bytes | None = None) -> SignedEnvelope:
     """Seal an admission certificate for `peer` in `revision` (declared capacity clamped to
-    `max_capacity`, 1..65536). ValueError if `authority` is not the manifest's admission_authority or the
-    capacity is out of range; the result passes `check_admission` as validators run it."""
+    `max_capacity`, 1..65536), valid for joins naming windows up to `expires_window` (None: no expiry) and
+    bound to the 32-byte `login` digest (spec/auth.md §3; None for operator-issued certificates). ValueError
+    if `authority` is not the manifest's admission_authority or the capacity is out of range; the result
+    passes `check_admission` as validators run it."""
     expected = revision.manifest.admission_authority
     if expected is None:
         raise ValueError(f"the manifest names no admission_authority (its admission policy is "
@@ -36,7 +39,8 @@ def issue_admission(authority: Identity, revision: Revision, peer: PeerId, max_c
                          f"admission_authority {expected.to_text()}")
     if not 1 <= max_capacity <= MAX_CAPACITY:
         raise ValueError(f"max capacity must be 1..{MAX_CAPACITY}, got {max_capacity}")
-    envelope = seal(authority, AdmissionCertificate(revision=revision.id, peer=peer, max_capacity=max_capacity))
+    envelope = seal(authority, AdmissionCertificate(revision=revision.id, peer=peer, max_capacity=max_capacity,
+                                                    expires_window=expires_window, login=login))
     check_admission(envelope, revision.id, revision.manifest, peer)
     return envelope
 
@@ -50,6 +54,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--peer", required=True, help="peer id of the trainer to admit")
     p.add_argument("--max-capacity", type=int, default=1, metavar="N",
                    help="largest capacity the trainer may declare (default 1; the manifest clamps it too)")
+    p.add_argument("--expires-window", type=int, default=None, metavar="W",
+                   help="last window a join carrying the certificate may name (default: no expiry)")
     p.add_argument("--out", type=Path, required=True, help="where to write the certificate (admission.cbor)")
 
 
@@ -73,7 +79,10 @@ def run(args: argparse.Namespace) -> int | str:
     except Exception:
         return f"peerloom admit: --peer {args.peer!r} is not a peer id"
     try:
-        certificate = issue_admission(authority, revision, peer, args.max_capacity)
+        if args.expires_window is not None and args.expires_window < 0:
+            raise ValueError(f"--expires-window must be >= 0, got {args.expires_window}")
+        certificate = issue_admission(authority, revision, peer, args.max_capacity,
+                                      expires_window=args.expires_window)
     except ValueError as exc:
         return f"peerloom admit: {exc}"
     try:

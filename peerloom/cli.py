@@ -1,4 +1,5 @@
-"""The `peerloom` command: `demo`, `node`, `verify`, `export`, `keygen`, `admit`, `inspect`, `sim`, `light`.
+"""The `peerloom` command: `demo`, `node`, `verify`, `export`, `keygen`, `admit`, `auth`, `login`,
+`inspect`, `sim`, `light`.
 
 Errors a user can cause (a missing file, invalid TOML, a wrong key or type, a port in use, a missing
 extra) end in one line on stderr and exit status 2; `--debug` shows the traceback instead.
@@ -13,10 +14,12 @@ import tomllib
 from pathlib import Path
 
 from peerloom import admit as admit_cmd
+from peerloom import auth as auth_cmd
 from peerloom import experiment as experiment_cmd
 from peerloom import export as export_cmd
 from peerloom import inspect as inspect_cmd
 from peerloom import light as light_cmd
+from peerloom import login as login_cmd
 from peerloom import simulate
 
 
@@ -54,6 +57,8 @@ def main(argv: list[str] | None = None) -> None:
     keygen.add_argument("path", type=Path)
     export_cmd.add_parser(sub)
     admit_cmd.add_parser(sub)
+    auth_cmd.add_parser(sub)
+    login_cmd.add_parser(sub)
     experiment_cmd.add_parsers(sub)
     simulate.add_parser(sub)
     inspect_cmd.add_parser(sub)
@@ -74,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
 
 # Which extra brings each optional module (pyproject.toml's [project.optional-dependencies]).
 EXTRA_OF = {"trio": "node", "aiohttp": "node", "prometheus_client": "node", "cryptography": "node",
-            "zeroconf": "node", "tomli_w": "node", "torch": "torch", "sklearn": "demo", "matplotlib": "demo"}
+            "zeroconf": "node", "tomli_w": "node", "jwt": "auth",
+            "torch": "torch", "sklearn": "demo", "matplotlib": "demo"}
 
 
 def user_error(exc: BaseException, command: str = "") -> str | None:
@@ -127,8 +133,10 @@ def _dispatch(args: argparse.Namespace) -> None:
         sys.exit(inspect_cmd.run(args))
     elif args.command == "light":
         sys.exit(light_cmd.run(args))
-    elif args.command == "admit":
-        result = admit_cmd.run(args)
+    elif args.command == "login":
+        sys.exit(login_cmd.run(args))
+    elif args.command in ("admit", "auth"):
+        result = admit_cmd.run(args) if args.command == "admit" else auth_cmd.run(args)
         if isinstance(result, str):  # a user error, already one line
             print(result, file=sys.stderr)
             sys.exit(2)

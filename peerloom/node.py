@@ -8,8 +8,11 @@ Config keys (TOML)::
     manifest = "manifest.cbor"         # the signed revision manifest (a SignedEnvelope)
     authority = "12D3KooW..."          # peer id that must have signed the manifest
     store = "trainer-1/"               # artifact + record store directory
-    listen = "127.0.0.1:0"             # host:port; port 0 picks a free port
-    bootstrap = ["127.0.0.1:7001"]     # addresses to dial and keep dialing
+    listen = "127.0.0.1:0"             # host:port of the TCP+Noise listener; port 0 picks a free port
+                                       # (not with [transport] tables, which say where to listen instead)
+    bootstrap = ["/ip4/127.0.0.1/tcp/7001", "http://127.0.0.1:8001"]  # addresses to dial and keep dialing:
+                                       # /ip4/H/tcp/P, /ip6/H/tcp/P or H:P (tcp), http://H:P (the HTTP
+                                       # transport), memory://NAME (same process); H an IP literal
     capacity = 1                       # declared capacity for leases (clamped by the manifest)
     port_file = "trainer-1/port"       # optional: where to write the bound port
     events = "trainer-1/events.jsonl"  # optional: structured event log
@@ -47,6 +50,35 @@ Config keys (TOML)::
     [discovery]                        # optional zeroconf (mDNS) on 127.0.0.1 only
     mdns = true
 
+    [transport]                        # optional: where to listen for peers, by transport (spec/transport.md
+    kind = "http"                      # §9): tcp, http (HTTP/1.1 WebSocket, passes HTTP-only proxies) or
+    listen = "http://127.0.0.1:8001"   # memory (in-process fleets); listen defaults to 127.0.0.1:0 (tcp),
+                                       # http://127.0.0.1:0 (http); memory needs memory://NAME. Several
+                                       # listeners: [[transport]] tables, one per listener. Every node dials
+                                       # tcp and http addresses whatever it listens on
+
+    [relay]                            # optional (spec/transport.md §12)
+    enabled = true                     # relay for peers that cannot be dialed, on its own listener:
+    listen = "/ip4/127.0.0.1/tcp/7100" # a direct address (default 127.0.0.1:0); limits, all
+    reservation_s = 3600.0             # optional: a reservation's lifetime (renewed at half), a circuit's
+    circuit_s = 3600.0                 # duration (s) and bytes (both ways), the most reservations, circuits
+    circuit_bytes = 1073741824         # in all, and circuits to one reserved peer
+    max_reservations = 128             # (adapters.relay.RelayLimits)
+    max_circuits = 256
+    max_circuits_per_reservation = 16
+    via = ["/ip4/127.0.0.1/tcp/7100"]  # or, on a node that cannot be dialed: hold a reservation at each of
+                                       # these relays and listen at "<relay>/p2p-circuit/<peer id>" there
+                                       # (the first is the address the node advertises); without listen or
+                                       # [transport] tables the node then listens nowhere directly
+    only = false                       # true: dial nothing but circuit addresses (a network that lets
+                                       # nothing through but the relays)
+
+    [pool]                             # optional, trainers only: train on N processes as one peer
+    ranks = 2                          # (torch.distributed; spec/pools.md): rank 0 is this node, it spawns
+    timeout_s = 60.0                   # ranks 1..N-1 on 127.0.0.1; timeout_s bounds every collective;
+    backend = "auto"                   # gloo, nccl or auto (nccl on CUDA). Under `torchrun --nproc-per-node
+                                       # N` the pool is torchrun's N ranks instead (peerloom/adapters/pool.py)
+
 A workload factory is called as ``factory(seed, num_shards)`` with the manifest's ``workload_seed`` and
 shard count, and returns ``(workload, shards)`` like `peerloom.backends.registry.build_workload`; every peer
 of a revision must build the same model and shard contents. Relative paths are relative to the config
@@ -56,11 +88,13 @@ file's directory. `load_config` checks every key and type and raises ConfigError
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import importlib.util
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import tomllib
@@ -74,10 +108,21 @@ from peerloom.adapters.compute import ComputeExecutor
 from peerloom.adapters.database import Database
 from peerloom.adapters.keys import load_identity, load_or_create_identity
 from peerloom.adapters.logs import setup_logging
+from peerloom.adapters.pool import (
+    DEFAULT_TIMEOUT_S,
+    PoolError,
+    PoolWorkload,
+    RankEnv,
+    TrainerPool,
+    check_pool_table,
+    run_worker,
+)
+from peerloom.adapters.relay import RelayLimits
 from peerloom.adapters.runtime import NodeRuntime, RuntimeOptions
 from peerloom.adapters.storage import ArtifactStore, atomic_write
+from peerloom.adapters.transport import address_kind, canonical_address
+from peerloom.backends.behaviours import wrap_workload
 from peerloom.backends.devices import DeviceError, resolve_device
-from peerloom.behaviours import wrap_workload
 from peerloom.core.chain import encode_chain_entry
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.errors import PeerloomError
@@ -101,7 +146,14 @@ KEYS: dict[str, tuple[type, ...]] = {
     "stats": (str,), "threads": (int,), "stop_after_window": (int,), "workload": (str,), "log_format": (str,),
     "log_level": (str,), "http": (dict,), "discovery": (dict,), "behaviour": (str,), "admission": (str,),
     "leave_on_exit": (bool,), "leave_grace_s": (float, int), "device": (str,), "compute": (str,),
+    "pool": (dict,), "transport": (dict, list), "relay": (dict,),
 }
+RELAY_KEYS: dict[str, tuple[type, ...]] = {
+    "enabled": (bool,), "listen": (str,), "via": (list,), "only": (bool,), "reservation_s": (float, int),
+    "circuit_s": (float, int), "circuit_bytes": (int,), "max_reservations": (int,), "max_circuits": (int,),
+    "max_circuits_per_reservation": (int,)}
+TRANSPORT_KEYS: dict[str, tuple[type, ...]] = {"kind": (str,), "listen": (str,)}
+DEFAULT_LISTEN = {"tcp": "127.0.0.1:0", "http": "http://127.0.0.1:0"}
 COMPUTE = ("numpy", "torch")
 log = logging.getLogger("peerloom.node")
 
@@ -163,10 +215,15 @@ def _check(config: dict[str, Any]) -> None:
     if not roles or not all(isinstance(r, str) and r in ROLES for r in roles):
         raise ConfigError(f"roles must be a non-empty list of {', '.join(sorted(ROLES))}; got {roles!r}")
     _address(config.get("listen", "127.0.0.1:0"))
+    transport_listens(config)
+    relay_settings(config)
     for address in config.get("bootstrap", []):
         if not isinstance(address, str):
-            raise ConfigError(f"bootstrap entries must be host:port strings, got {address!r}")
-        _address(address)
+            raise ConfigError(f"bootstrap entries must be address strings, got {address!r}")
+        try:
+            canonical_address(address)
+        except ValueError as exc:
+            raise ConfigError(f"bootstrap: {exc}") from None
     for key in ("capacity", "threads"):
         if key in config and config[key] < 1:
             raise ConfigError(f"{key} must be at least 1, got {config[key]}")
@@ -215,6 +272,103 @@ def _check(config: dict[str, Any]) -> None:
         raise ConfigError(f"compute must be numpy or torch, got {compute!r}")
     if compute == "torch" and importlib.util.find_spec("torch") is None:
         raise ConfigError("compute = \"torch\" needs torch: pip install 'peerloom[torch]'")
+    _check_pool(config)
+
+
+def _check_pool(config: dict[str, Any]) -> None:
+    """The ``[pool]`` table and torchrun's variables (spec/pools.md): a pool is a trainer's, honest, with torch."""
+    try:
+        check_pool_table(config.get("pool", {}))
+        env = RankEnv.from_environ()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if env is None and config.get("pool", {}).get("ranks", 1) <= 1:
+        return
+    if "trainer" not in config["roles"]:
+        raise ConfigError("a trainer pool ([pool] or torchrun) needs the trainer role")
+    if config.get("behaviour", "honest") != "honest":
+        raise ConfigError("a trainer pool trains honestly: drop behaviour or the pool")
+    if importlib.util.find_spec("torch") is None:
+        raise ConfigError("a trainer pool needs torch: pip install 'peerloom[torch]'")
+
+
+def transport_listens(config: dict[str, Any]) -> tuple[str, ...]:
+    """The addresses to listen on from the ``[transport]`` table or ``[[transport]]`` tables (kind and
+    listen; spec/transport.md §9), or () when there are none (then ``listen`` is the tcp listener).
+    ConfigError names an unknown key or kind, a malformed address, or ``listen`` given beside them."""
+    tables = config.get("transport", [])
+    tables = [tables] if isinstance(tables, dict) else tables
+    if tables and "listen" in config:
+        raise ConfigError("give either listen (tcp) or [transport] tables, not both")
+    out = []
+    for table in tables:
+        if not isinstance(table, dict):
+            raise ConfigError("transport entries must be tables with kind and listen")
+        try:
+            check_keys(table, TRANSPORT_KEYS, "transport")
+            for key, types in TRANSPORT_KEYS.items():
+                typed(table, key, types, where="transport")
+        except TableError as exc:
+            raise ConfigError(str(exc)) from None
+        kind = table.get("kind")
+        if kind not in ("tcp", "http", "memory"):
+            raise ConfigError(f"transport.kind must be tcp, http or memory, got {kind!r}")
+        listen = table.get("listen", DEFAULT_LISTEN.get(kind))
+        if listen is None:
+            raise ConfigError("a memory transport needs listen = \"memory://NAME\"")
+        prefix = {"http": "http://", "memory": "memory://"}.get(kind, "")
+        if prefix and not listen.startswith(prefix):
+            raise ConfigError(f"transport {kind}: listen must start with {prefix}, got {listen!r}")
+        if kind == "tcp" and "://" in listen:
+            raise ConfigError(f"transport tcp: listen must be HOST:PORT or /ip4/HOST/tcp/PORT, got {listen!r}")
+        if kind == "http":
+            _address(listen[len(prefix):])
+        elif kind == "tcp" and listen.startswith(("/ip4/", "/ip6/")):
+            parts = listen.split("/")
+            if len(parts) != 5 or parts[3] != "tcp" or not parts[4].isdigit():
+                raise ConfigError(f"transport tcp: listen {listen!r} must be /ip4/HOST/tcp/PORT")
+        elif kind == "tcp":
+            _address(listen)
+        out.append(listen)
+    return tuple(out)
+
+
+def relay_settings(config: dict[str, Any]) -> tuple[str | None, RelayLimits | None, tuple[str, ...]]:
+    """From the ``[relay]`` table (spec/transport.md §12): the address to relay for others on (None when
+    not enabled), its limits, and the circuit listen addresses ``<relay>/p2p-circuit`` of `via`.
+    ConfigError names an unknown key, a bad type or value, or an address that is not a direct one."""
+    table = config.get("relay", {})
+    try:
+        check_keys(table, RELAY_KEYS, "relay")
+        for key, types in RELAY_KEYS.items():
+            typed(table, key, types, where="relay")
+    except TableError as exc:
+        raise ConfigError(str(exc)) from None
+
+    def direct(text: str, what: str, *, listening: bool = False) -> str:
+        probe = re.sub(r"(:|/tcp/)0$", r"\g<1>1", text) if listening else text  # port 0: pick one
+        try:
+            kind = address_kind(canonical_address(probe))
+        except ValueError as exc:
+            raise ConfigError(f"relay.{what}: {exc}") from None
+        if kind == "relay":
+            raise ConfigError(f"relay.{what}: {text!r} must be a direct (tcp, http or memory) address")
+        return text if listening else canonical_address(text)
+
+    listen, limits = None, None
+    if table.get("enabled", False):
+        listen = direct(table.get("listen", "127.0.0.1:0"), "listen", listening=True)
+        try:
+            limits = RelayLimits(**{k: table[k] for k in RELAY_KEYS if k in table
+                                    and k not in ("enabled", "listen", "via", "only")})
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    elif set(table) - {"enabled", "via", "only"}:
+        raise ConfigError("relay: listen and limits need enabled = true")
+    via = table.get("via", [])
+    if not all(isinstance(a, str) for a in via) or len(set(via)) != len(via):
+        raise ConfigError("relay.via must be a list of distinct address strings")
+    return listen, limits, tuple(f"{direct(a, 'via')}/p2p-circuit" for a in via)
 
 
 def _workload_factory(spec: str) -> Callable[[int, int], tuple[Any, Any]]:
@@ -331,8 +485,56 @@ def load_admission(path: Path, revision: Revision, peer: PeerId) -> SignedEnvelo
     return envelope
 
 
-def build_runtime(config: dict[str, Any]) -> NodeRuntime:
-    """Everything `peerloom node` builds before it runs: identity, store, workload, runtime."""
+def start_pool(config: dict[str, Any], workload: Any, config_path: Path | None) -> Any:
+    """`workload`, or a `PoolWorkload` training on a formed trainer pool when the config's ``[pool] ranks``
+    is above 1 or torchrun started this process (rank 0; spec/pools.md). The pool is closed at exit.
+    ConfigError if the pool cannot form."""
+    env = RankEnv.from_environ()
+    table = config.get("pool", {})
+    ranks = env.world if env is not None else int(table.get("ranks", 1))
+    if ranks <= 1:
+        return workload
+    if env is None and config_path is None:
+        raise ConfigError("a pool that spawns its ranks needs the config's path")
+    argv = None if env is not None else [sys.executable, "-m", "peerloom", "node", "--config", str(config_path)]
+    pool = TrainerPool(workload, ranks=ranks, timeout_s=float(table.get("timeout_s", DEFAULT_TIMEOUT_S)),
+                       backend=table.get("backend", "auto"), argv=argv, env=env)
+    try:
+        pool.start()
+    except PoolError as exc:
+        raise ConfigError(f"pool: {exc}") from None
+    atexit.register(pool.close)
+    return PoolWorkload(workload, pool)
+
+
+def run_pool_worker(config: dict[str, Any]) -> int:
+    """A pool rank above 0 (spec/pools.md): only the workload (on ``cuda:LOCAL_RANK`` when it trains on
+    CUDA), no key, connections or store; runs rank 0's train tasks until told to stop. Returns the exit
+    status."""
+    env = RankEnv.from_environ()
+    assert env is not None and env.rank > 0
+    _, revision = _load_revision(config)
+    manifest = revision.manifest
+    workload, _ = build_node_workload(config, manifest.workload, manifest.workload_seed, len(manifest.shards))
+    device = config.get("device")
+    if device is not None and resolve_device(device).startswith("cuda"):
+        device = f"cuda:{env.local_rank}"  # one GPU per rank
+    if device is not None:
+        place_workload(workload, device)
+    elif getattr(getattr(workload, "device", None), "type", "cpu") == "cuda":  # the factory chose CUDA
+        workload.to_device(f"cuda:{env.local_rank}")
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(config.get("threads", 1)))
+    table = config.get("pool", {})
+    return run_worker(workload, env, timeout_s=float(table.get("timeout_s", DEFAULT_TIMEOUT_S)),
+                      backend=table.get("backend", "auto"))
+
+
+def build_runtime(config: dict[str, Any], config_path: Path | None = None, *,
+                  memory_network: Any = None) -> NodeRuntime:
+    """Everything `peerloom node` builds before it runs: identity, store, workload, runtime (`config_path`:
+    where a trainer pool's spawned ranks read the config; `memory_network`: the `MemoryNetwork` that
+    memory:// addresses reach, for several nodes in one process)."""
     try:
         identity = load_or_create_identity(config["key"])
     except (OSError, ValueError) as exc:
@@ -358,14 +560,25 @@ def build_runtime(config: dict[str, Any]) -> NodeRuntime:
         log.warning("byzantine trainer", extra={"fields": {"behaviour": config["behaviour"]}})
     if "torch" in sys.modules:  # only workloads that use torch pay for importing it
         sys.modules["torch"].set_num_threads(int(config.get("threads", 1)))
+    workload = start_pool(config, workload, config_path)
     executor = ComputeExecutor(store, manifest, workload, shards, state_dir=Path(config["store"]),
                                compute=config.get("compute", "numpy"))
     host, port = _address(config.get("listen", "127.0.0.1:0"))
     http = config.get("http", {})
     http_listen = _address(http.get("listen", "127.0.0.1:0")) if http.get("enabled", False) else None
-    options = RuntimeOptions(listen_host=host, listen_port=port,
-                             bootstrap=tuple(_address(a) for a in config.get("bootstrap", [])),
-                             http_listen=http_listen, mdns=bool(config.get("discovery", {}).get("mdns", False)))
+    listens = transport_listens(config)
+    relay_listen, relay_limits, circuits = relay_settings(config)
+    if circuits:  # listen at the relays, and directly only where the config says so
+        listens = (listens or ((config["listen"],) if "listen" in config else ())) + circuits
+    if memory_network is None and any(a.startswith("memory://") for a in listens):
+        from peerloom.adapters.memory import MemoryNetwork
+
+        memory_network = MemoryNetwork()  # reachable from this process only
+    options = RuntimeOptions(listen_host=host, listen_port=port, listen=listens,
+                             bootstrap=tuple(config.get("bootstrap", [])), memory_network=memory_network,
+                             http_listen=http_listen, mdns=bool(config.get("discovery", {}).get("mdns", False)),
+                             relay_listen=relay_listen, relay_limits=relay_limits,
+                             relay_only=bool(config.get("relay", {}).get("only", False)))
     # The store's chain directory: one file per certified head the node holds, kept as they become durable.
     chain_dir = Path(config["store"]) / "chain"
     atomic_write(Path(config["store"]) / "manifest.cbor", envelope.to_bytes())
@@ -437,8 +650,12 @@ def run_node(config_path: Path) -> None:
     """
     config = load_config(config_path)
     level = config.get("log_level", os.environ.get("PEERLOOM_LOG_LEVEL", "info"))
+    env = RankEnv.from_environ()
+    if env is not None and env.rank > 0:  # a trainer pool's rank: no identity, no network (spec/pools.md)
+        setup_logging(config.get("log_format", "auto"), level, name=f"{config['name']}/rank{env.rank}")
+        sys.exit(run_pool_worker(config))
     setup_logging(config.get("log_format", "auto"), level, name=config["name"])
-    runtime = build_runtime(config)
+    runtime = build_runtime(config, config_path)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:

@@ -1,6 +1,6 @@
 """Public building blocks for testing a deployment's settings (issue 17 item 5): simulator scenarios,
-adversaries, invariants, a deterministic cluster and Hypothesis strategies over fault schedules and
-adversary mixes (spec/simulator.md §8).
+adversaries, invariants, a deterministic cluster of real engines (`Cluster`) and Hypothesis strategies over
+fault schedules and adversary mixes (spec/simulator.md §8).
 
     from hypothesis import given
     from peerloom.testing import run_scenario, scenario, small_scenarios
@@ -17,13 +17,20 @@ Hypothesis (`pip install hypothesis`); the rest of this module does not.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
+from peerloom.adapters.compute import ComputeExecutor
+from peerloom.adapters.storage import ArtifactStore
+from peerloom.core.engine import Engine
+from peerloom.core.identity import Identity
+from peerloom.core.objects import Head, QuorumCertificate, Revision
 from peerloom.sim.adversary import BEHAVIOURS, REDUCER_BEHAVIOURS, VALIDATOR_BEHAVIOURS, make_behaviour
-from peerloom.sim.cluster import Cluster
 from peerloom.sim.invariants import Checkers
-from peerloom.sim.kernel import Simulation
+from peerloom.sim.kernel import SimNode, Simulation, Trace
+from peerloom.sim.network import Latency, LinkSpec
 from peerloom.sim.scenario import Result, ScenarioError, load_scenario, run_scenario
 from peerloom.simulate import shipped  # the names of the scenarios that ship with peerloom
 
@@ -32,9 +39,163 @@ try:
 except ModuleNotFoundError:  # the strategies below need it; everything else works without
     st = None  # type: ignore[assignment]
 
-__all__ = ["BEHAVIOURS", "Checkers", "Cluster", "Result", "ScenarioError", "Simulation", "adversary_mixes",
-           "fault_schedules", "load_scenario", "make_behaviour", "run_scenario", "scenario", "shipped",
-           "small_scenarios"]
+__all__ = ["BEHAVIOURS", "Checkers", "Cluster", "ClusterNode", "Result", "ScenarioError", "Simulation",
+           "adversary_mixes", "fault_schedules", "load_scenario", "make_behaviour", "run_scenario", "scenario",
+           "shipped", "small_scenarios"]
+
+
+class ClusterNode:
+    """One node of a `Cluster`: the simulator's node, its disk as `store` (an `ArtifactStore` on disk, or
+    a `SimDisk`), and the heads it promoted as
+    (virtual time, Head, QuorumCertificate). Setting `engine` swaps the engine the node runs (e.g. one
+    restored from a snapshot, or built with another config) before its queued events reach it."""
+
+    def __init__(self, node: SimNode) -> None:
+        self.node = node
+        self.heads: list[tuple[float, Head, QuorumCertificate]] = []
+
+    name = property(lambda self: self.node.name)
+    identity = property(lambda self: self.node.identity)
+    roles = property(lambda self: self.node.roles)
+    store = property(lambda self: self.node.disk)
+    executor = property(lambda self: self.node.executor)
+
+    @property
+    def engine(self) -> Any:
+        return self.node.engine
+
+    @engine.setter
+    def engine(self, engine: Engine) -> None:
+        self.node.engine = engine
+
+
+class _DurableStore(ArtifactStore):
+    """An on-disk `ArtifactStore` with the simulator's disk interface (`sim/disk.py`): a record is durable as
+    soon as it is written, so a crash loses none."""
+
+    def write_pending(self, token: int, key: str, record: bytes) -> None:
+        self.put_record(key, record)
+
+    def sync(self, token: int) -> bool:
+        return True
+
+    def has_record(self, key: str) -> bool:
+        return key in self.records()
+
+    def crash(self, *, lose_unsynced: bool = True) -> int:
+        return 0
+
+    def wipe(self) -> None:
+        raise ValueError("a Cluster node's store on disk is never wiped")
+
+
+class _Logs(Trace):
+    """Keeps engine `Log` effects as (time, node, event, fields) instead of writing JSON lines."""
+
+    def __init__(self, logs: list[tuple[float, str, str, dict[str, Any]]]) -> None:
+        super().__init__(None, level="log")
+        self.logs = logs
+
+    def emit(self, t: float, node: str, kind: str, fields: Any) -> None:
+        if kind == "log":
+            rest = dict(fields)
+            self.logs.append((t, node, str(rest.pop("event")), rest))
+
+
+class Cluster:
+    """A few real engines on the simulator (`sim/kernel.py`) with a plain network: every message arrives
+    `latency_s` after it is sent, records are durable once written (a crash loses none), a task reports
+    back `task_s[kind]` after it starts on its node's one compute queue, a hung-up link stays down. For
+    h11/aioquic-style tests of whole engines: add nodes, `connect` them, `start()`, then
+    `run_until(done, max_time=...)`. `logs` holds every Log effect as (time, node, event, fields)."""
+
+    def __init__(self, revision: Revision, *, seed: int = 0, latency_s: float = 0.005, persist_s: float = 0.001,
+                 task_s: dict[str, float] | None = None) -> None:
+        self.revision = revision
+        self.seed = seed
+        self.logs: list[tuple[float, str, str, dict[str, Any]]] = []
+        self.nodes: dict[str, ClusterNode] = {}
+        self._latency_s, self._persist_s, self._task_s = latency_s, persist_s, task_s
+        self.sim: Simulation | None = None  # built with the first node's workload
+
+    @property
+    def now(self) -> float:
+        return self.sim.now if self.sim is not None else 0.0
+
+    def _simulation(self, workload: Any, shards: list[list[int]]) -> Simulation:
+        if self.sim is None:
+            self.sim = Simulation(self.revision, seed=self.seed, workload=workload, shards=shards,
+                                  default_link=LinkSpec(latency=Latency(median_s=self._latency_s)),
+                                  task_s=self._task_s, persist_s=self._persist_s, lose_unsynced=False,
+                                  detect_s=0.0, redial_s=None, trace=_Logs(self.logs))
+            self.sim.observers.append(self)
+        return self.sim
+
+    def add_node(self, name: str, identity: Identity, roles: Iterable[str], store_dir: Path | None,
+                 workload: Any, shards: list[list[int]], *, compute: str = "numpy") -> ClusterNode:
+        """A node with its own store: an `ArtifactStore` in `store_dir`, or in memory (a `SimDisk`) for None;
+        `compute` is its backend for screening and reduction (numpy or torch)."""
+        sim = self._simulation(workload, shards)
+        first, *more = sorted(roles)
+        store = None if store_dir is None else _DurableStore(store_dir, chunk_size=self.revision.manifest.chunk_size)
+        node = sim.add_node(name, first, identity=identity, extra_roles=more, compute=compute,
+                            disk=store)  # type: ignore[arg-type]
+        if workload is not sim.workload or shards is not sim.shards:
+            node.executor = ComputeExecutor(node.disk, self.revision.manifest, workload, shards,  # type: ignore[arg-type]
+                                            compute=compute)
+        self.nodes[name] = ClusterNode(node)
+        return self.nodes[name]
+
+    def start(self) -> None:
+        assert self.sim is not None, "add nodes first"
+        self.sim.start()
+
+    def connect(self, a: str, b: str) -> None:
+        """Link `a` and `b`: connected now if both run, and again whenever both run after a restart."""
+        assert self.sim is not None
+        self.sim.link(a, b)
+
+    def crash(self, name: str) -> None:
+        """Kill a node (its disk survives); its peers see the connections drop at once."""
+        assert self.sim is not None
+        self.sim.crash(name)
+
+    def restart(self, name: str, links: Iterable[str] = (), *, engine: Engine | None = None) -> None:
+        """Boot a crashed (or not yet started) node and connect it to its links plus `links`; `engine`
+        replaces the fresh engine it would build (e.g. `Engine.restore` of a snapshot)."""
+        sim = self.sim
+        assert sim is not None
+        for other in links:
+            sim.adjacent[name].add(other)
+            sim.adjacent[other].add(name)
+        node = sim.nodes[name]
+        factory = node.engine_factory
+        if engine is not None:
+            node.engine_factory = lambda *args, **kwargs: engine
+        try:
+            sim.restart(name)
+        finally:
+            node.engine_factory = factory
+
+    def drain(self, name: str) -> None:
+        """Execute the effects node `name`'s engine has now: after a test fed that engine an event by hand."""
+        assert self.sim is not None
+        self.sim._drain(self.sim.nodes[name])
+
+    def run_until(self, done: Callable[[Cluster], bool], *, max_time: float) -> bool:
+        """Process events in time order until `done(self)` or virtual time `max_time`; True iff done."""
+        assert self.sim is not None
+        return self.sim.run(until=max_time, stop=lambda _sim: done(self))
+
+    # simulator observer: heads as (time, Head, QuorumCertificate) per node
+    def on_head(self, sim: Simulation, node: SimNode, head: Head, cert: QuorumCertificate) -> None:
+        self.nodes[node.name].heads.append((sim.now, head, cert))
+
+    def on_tick(self, sim: Simulation) -> None:
+        pass
+
+    def on_validator_message(self, sim: Simulation, node: SimNode, data: bytes) -> None:
+        pass
 
 
 def scenario(name: str, **overrides: Any) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from peerloom.core.chain import decode_chain_entry, verify_chain
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.errors import PeerloomError, VerificationError
 from peerloom.core.identity import PeerId
+from peerloom.core.leases import demotable
 from peerloom.core.objects import Head, QuorumCertificate, Revision
 
 
@@ -41,7 +42,9 @@ def check_rules(revision: Revision, entries: Sequence[tuple[Head, QuorumCertific
     ``expired`` (disjoint peers of the previous roster, absent from the new one) and by no other peer
     (quarantine, not removal, takes a misbehaving peer out of the leases); with ``idle_windows`` = 0 only
     unproven trainers expire. A head adds at most ``max_joins`` trainers, and lists every one of them in
-    ``unproven`` (spec/protocol.md §4.1). Raises VerificationError naming the window at the first failure.
+    ``unproven``; a trainer turns unproven only by joining or, in a head that is not skipped, by holding a
+    lease of its window (the authors of updates are not in the chain, so this is a bound: `demotable`,
+    spec/protocol.md §4.1). Raises VerificationError naming the window at the first failure.
     """
     m = revision.manifest
     previous = revision.genesis()
@@ -64,9 +67,11 @@ def check_rules(revision: Revision, entries: Sequence[tuple[Head, QuorumCertific
         if m.max_joins and len(added) > m.max_joins:
             raise VerificationError("too-many-joins", f"{where}: {len(added)} joins > max_joins {m.max_joins}")
         unproven = set(head.unproven)
-        if not added <= unproven or not unproven <= set(peers) or not unproven <= set(previous.unproven) | added:
+        may = set(previous.unproven) | added | demotable(previous, m, head.skipped)
+        if not added <= unproven or not unproven <= set(peers) or not unproven <= may:
             raise VerificationError("unproven-mismatch", f"{where}: unproven must hold every joiner, and only "
-                                                         "rostered trainers that joined since they were proven")
+                                                         "rostered trainers that joined or held a lease since "
+                                                         "they were proven")
         if set(head.left) & set(head.expired) or dropped != set(head.left) | set(head.expired):
             raise VerificationError("roster-shrunk", f"{where}: {len(dropped)} trainer(s) dropped, "
                                                      f"{len(head.left)} left, {len(head.expired)} expired")

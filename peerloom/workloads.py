@@ -13,6 +13,11 @@ name                what
                     returns (`peerloom.backends.sharding.shards_for`)
 `resolve_device`    ``"cpu" | "cuda" | "cuda:N" | "mps" | "auto"`` -> the device it means here, or
                     `DeviceError` naming an absent one (`peerloom.backends.devices`)
+`all_reduce`        collectives for a workload inside a trainer pool (``[pool]`` or torchrun, spec/pools.md):
+`broadcast`         thin wrappers on torch.distributed that act on a group of one outside a pool
+`all_gather`        (`peerloom.backends.torch.collectives`)
+`pool_rank`         this process's rank in its pool (0 outside one)
+`pool_size`         the pool's number of ranks (1 outside one)
 =================== ====================================================================================
 
 A node trains your workload when its config names a factory, ``workload = "mypkg.train:factory"``, called
@@ -42,6 +47,7 @@ from peerloom.backends.numpy.workload import NumpyWorkload, numpy_workload
 from peerloom.backends.sharding import shards_for
 
 if TYPE_CHECKING:
+    from peerloom.backends.torch.collectives import all_gather, all_reduce, broadcast, pool_rank, pool_size
     from peerloom.backends.torch.workload import TorchWorkload, argmax_accuracy, torch_workload
 
 __all__ = [
@@ -49,23 +55,29 @@ __all__ = [
     "DeviceError",
     "NumpyWorkload",
     "TorchWorkload",
+    "all_gather",
+    "all_reduce",
     "argmax_accuracy",
+    "broadcast",
     "numpy_workload",
+    "pool_rank",
+    "pool_size",
     "resolve_device",
     "shards_for",
     "torch_workload",
 ]
 _TORCH_NAMES = frozenset({"TorchWorkload", "argmax_accuracy", "torch_workload"})
+_COLLECTIVE_NAMES = frozenset({"all_gather", "all_reduce", "broadcast", "pool_rank", "pool_size"})
 
 
 def __getattr__(name: str) -> Any:
     """The torch constructors, imported on first use (PEP 562), so that importing this module needs no torch."""
-    if name in _TORCH_NAMES:
+    if name in _TORCH_NAMES or name in _COLLECTIVE_NAMES:
         try:
-            from peerloom.backends.torch import workload
+            from peerloom.backends.torch import collectives, workload
         except ImportError as exc:
             raise ImportError(f"peerloom.workloads.{name} needs torch: pip install 'peerloom[torch]' ({exc})") from exc
-        value = getattr(workload, name)
+        value = getattr(workload if name in _TORCH_NAMES else collectives, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'peerloom.workloads' has no attribute {name!r}")

@@ -2,7 +2,8 @@
 
 Public surface: `run_scenario` / `load_scenario` for TOML scenarios, `Simulation` for building runs by
 hand, `Checkers` for the invariants, `LinkSpec` / `Latency` for the network model, and the named
-adversaries in `peerloom.sim.adversary`. `peerloom.sim.cluster.Cluster` is the older minimal harness.
+adversaries in `peerloom.sim.adversary`. `peerloom.testing.Cluster` runs a few engines on this kernel with a plain
+network, for engine tests.
 """
 
 from .invariants import Checkers

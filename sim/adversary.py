@@ -31,7 +31,7 @@ from peerloom.core.objects import (
     seal,
     sign_vote,
 )
-from peerloom.core.validator import head_metrics
+from peerloom.core.validator import ValidatorRole, head_metrics
 
 from .kernel import Behaviour, derive_seed
 
@@ -305,7 +305,7 @@ class Equivocation(Behaviour):
         engine = node.engine
         if head.skipped or len(head.cohort) <= m.min_updates or engine is None or engine.head.id != head.parent:
             return None
-        role = next((r for r in engine.roles if hasattr(r, "_make_head")), None)
+        role = next((r for r in engine.roles if isinstance(r, ValidatorRole)), None)
         collector = getattr(role, "collector", None)
         if role is None or collector is None:
             return None
@@ -330,8 +330,8 @@ class Equivocation(Behaviour):
                   "outer_state_digest": reduced.get("outer_state_digest"),
                   "metrics": head_metrics(metrics, sum(entries[i].announcement.train_loss
                                                        for i in reduced["kept"]) / len(kept))}
-        other = role._make_head(result, proposal.rejected, head.evidence)
-        fork = role._head_proposal(proposal.window, proposal.round, None, other, tuple(kept) + proposal.rejected)
+        other = role.screening.make_head(result, proposal.rejected, head.evidence)
+        fork = role.voting.head_proposal(proposal.window, proposal.round, None, other, tuple(kept) + proposal.rejected)
         return other, fork.updates
 
 

@@ -8,6 +8,11 @@ Durability model (spec/simulator.md §4): a record written by a `Persist` effect
 simulator syncs it (after the modelled fsync time), and only then is `Persisted` fed back to the engine.
 A crash drops pending records (when `lose_unsynced`) and partial fetches; committed artifacts are durable.
 A crash "without its disk" wipes everything.
+
+Why this does not share code with `adapters/storage.py` (issue 18): the two implement one interface over
+different media, files (temporary file, fsync, rename, open descriptors) here dicts with a modelled crash;
+what they have in common, making a ref and checking a digest, is already shared (`make_artifact_ref`,
+`content_id` in core).
 """
 
 from __future__ import annotations

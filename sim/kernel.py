@@ -6,12 +6,13 @@ events at the same virtual time run in the order they were scheduled. One master
 separate `random.Random` per subsystem (network, churn, compute, adversaries) and per engine, so adding
 a fault does not shift the randomness of the network, and the same seed replays the same run exactly.
 
-The kernel executes every effect of every engine: `Send` goes over the memory transport
-(`adapters/memory.py`, which holds the links and counts bytes per peer) and then through the `Network` model, `Persist`
-goes to the node's `SimDisk` and is fed back as `Persisted` only after the modelled fsync time (a crash
-in between loses it), `RunTask` runs the real compute synchronously and reports back after a modelled
-duration on the node's single compute queue. Faults (partitions, clogging, crashes, joins, leaves) are
-scheduled actions on the same heap. No wall clock is read.
+The kernel executes every effect of every engine through the shared host driver (`adapters/host.py`,
+one `_NodeHost` per node): `Send` goes over the memory transport (`adapters/memory.py`, which holds the
+links and counts bytes per peer) and then through the `Network` model, `Persist` goes to the node's
+`SimDisk` and is fed back as `Persisted` only after the modelled fsync time (a crash in between loses
+it), `RunTask` runs the real compute synchronously and reports back after a modelled duration on the
+node's single compute queue, `Ban` keeps the link down until the ban ends. Faults (partitions, clogging,
+crashes, joins, leaves) are scheduled actions on the same heap. No wall clock is read.
 """
 
 from __future__ import annotations
@@ -27,8 +28,7 @@ from typing import IO, Any
 import attrs
 
 from peerloom.adapters.compute import ComputeExecutor
-from peerloom.adapters.host import apply_storage_effect, chunk_message, stored_event
-from peerloom.adapters.memory import MemoryTransport
+from peerloom.adapters.host import chunk_message, drain, stored_event
 from peerloom.core import effects as fx
 from peerloom.core import events as ev
 from peerloom.core.engine import Engine, EngineConfig
@@ -38,6 +38,7 @@ from peerloom.core.messages import DecodeMemo
 from peerloom.core.objects import PROTOCOL_VERSION, Head, QuorumCertificate, Revision, UpdateAnnouncement
 
 from .disk import SimDisk
+from .links import Links
 from .network import LinkSpec, Network
 
 SUBSYSTEMS = ("network", "churn", "compute", "adversaries")
@@ -120,6 +121,7 @@ class SimNode:
     speed: float = 1.0
     heads: list[tuple[float, int, bytes]] = attrs.Factory(list)  # (time, window, head id)
     engine_factory: Callable[..., Engine] | None = None
+    host: _NodeHost | None = None  # executes its engine's effects (set by `Simulation.add_node`)
 
     @property
     def peer_id(self) -> PeerId:
@@ -167,7 +169,7 @@ class Simulation:
         self.by_peer: dict[PeerId, SimNode] = {}
         self.adjacent: dict[str, set[str]] = {}
         self.connected: set[tuple[str, str]] = set()  # links up (by node name); epochs tag connections
-        self.transport = MemoryTransport()
+        self.transport = Links()
         self.epoch: dict[tuple[str, str], int] = {}
         self.cut: set[tuple[str, str]] = set()  # links held down by a partition
         self.down_at: dict[tuple[str, str], float] = {}
@@ -180,24 +182,33 @@ class Simulation:
         self._heap: list[tuple[float, int, str, int, Any]] = []
         self._seq = 0
         self._seen_ann: dict[str, bytes] = {}
+        # (banning node, banned node) -> virtual time the ban ends; a node forgets its bans when it restarts
+        # (the runtime keeps them in memory too).
+        self.bans: dict[tuple[str, str], float] = {}
+        self.rejections: Counter[str] = Counter()  # `Rejected` effects of every engine, by reason
         self._last_vote_data: bytes | None = None
 
     # --- building ----------------------------------------------------------------------------------
 
     def add_node(self, name: str, role: str, *, identity: Identity | None = None, capacity: int = 1,
                  behaviour: Behaviour | None = None, genesis: bytes | None = None,
-                 engine_factory: Callable[..., Engine] | None = None, extra_roles: Iterable[str] = ()) -> SimNode:
+                 engine_factory: Callable[..., Engine] | None = None, extra_roles: Iterable[str] = (),
+                 compute: str = "numpy", disk: SimDisk | None = None) -> SimNode:
+        """A node (booted by `start`, or `restart` once started); `compute` is its backend for screening and
+        reduction (node config key ``compute``: numpy or torch); `disk` replaces its fresh `SimDisk` (any
+        object with SimDisk's methods, e.g. an on-disk store in `peerloom.testing.Cluster`)."""
         if name in self.nodes:
             raise ValueError(f"node {name!r} exists")
         identity = identity or sim_identity(self.seed, name)
-        disk = SimDisk(chunk_size=self.manifest.chunk_size)
+        disk = disk if disk is not None else SimDisk(chunk_size=self.manifest.chunk_size)
         if genesis is not None:
             disk.put(genesis)
         node = SimNode(name=name, identity=identity, role=role, roles=frozenset({role, *extra_roles}), disk=disk,
-                       executor=ComputeExecutor(disk, self.manifest, self.workload, self.shards),
+                       executor=ComputeExecutor(disk, self.manifest, self.workload, self.shards, compute=compute),
                        capacity=capacity, behaviour=behaviour or HONEST, engine_factory=engine_factory)
         if self.speed_sigma:
             node.speed = self.rngs["compute"].lognormvariate(0.0, self.speed_sigma)
+        node.host = _NodeHost(self, node)
         self.nodes[name] = node
         self.by_peer[identity.peer_id] = node
         self.roles_of[name] = role
@@ -226,6 +237,8 @@ class Simulation:
         node.engine = factory(config, node.identity, rng, stored=node.disk.refs(), records=node.disk.records())
         node.up, node.armed = True, None
         node.compute_free_at = self.now
+        for key in [k for k in self.bans if k[0] == name]:
+            del self.bans[key]
         self._push(self.now, name, node.incarnation, ev.Start(now=self.now))
         for other in sorted(self.adjacent[name]):
             self._connect(name, other)
@@ -292,41 +305,26 @@ class Simulation:
 
     def _drain(self, node: SimNode) -> None:
         engine = node.engine
-        assert engine is not None
-        name = node.name
-        while (effect := engine.next_effect()) is not None:
-            match effect:
-                case fx.Send():
-                    self.send(name, self.by_peer[effect.peer].name, effect.data)
-                case fx.Persist():
-                    node.disk.write_pending(effect.token, effect.key, effect.record)
-                    self._push(self.now + self.persist_s, name, node.incarnation, ("persisted", effect.token))
-                case fx.StoreChunk():
-                    apply_storage_effect(node.disk, effect)
-                case fx.CommitArtifact():
-                    self._push(self.now, name, node.incarnation, stored_event(node.disk, effect, self.now))
-                case fx.ServeChunk():
-                    self.send(name, self.by_peer[effect.peer].name, chunk_message(node.disk, effect))
-                case fx.RunTask():
-                    self._run_task(node, effect)
-                case fx.HangUp():
-                    other = self.by_peer[effect.peer].name
-                    self.record(name, "hangup", peer=other, reason=effect.reason)
-                    self._disconnect(name, other, delay=0.0)
-                    if self.redial_s is not None:
-                        self.at(self.now + self.redial_s, lambda a=name, b=other: self._connect(a, b))
-                case fx.HeadPromoted():
-                    self._on_head(node, effect.head, effect.certificate)
-                case fx.Log():
-                    if self.trace is not None and self.trace.level == "log":
-                        self.trace.emit(self.now, name, "log", {"event": effect.event, **effect.fields})
+        assert engine is not None and node.host is not None
+        drain(engine, node.host)
         if node.role == "trainer":
             self._note_announcement(node)
         deadline = engine.next_deadline()
         if deadline is not None and deadline != node.armed:
             node.armed = deadline
             t = max(deadline, self.now)
-            self._push(t, name, node.incarnation, ev.TimerDue(now=t))
+            self._push(t, node.name, node.incarnation, ev.TimerDue(now=t))
+
+    def _hang_up(self, name: str, other: str, reason: str) -> None:
+        self.record(name, "hangup", peer=other, reason=reason)
+        self._disconnect(name, other, delay=0.0)
+        if self.redial_s is not None:
+            self.at(self.now + self.redial_s, lambda a=name, b=other: self._connect(a, b))
+
+    def _ban(self, name: str, other: str, until: float) -> None:
+        """`name` refuses `other` until `until` (a `Ban` effect): `_connect` defers their link to then."""
+        self.bans[(name, other)] = until
+        self.record(name, "ban", peer=other, until=until)
 
     def _note_announcement(self, node: SimNode) -> None:
         """Register a trainer's signed announcement once (invariant checkers look cohort ids up here)."""
@@ -402,6 +400,10 @@ class Simulation:
         link = _key(a, b)
         na, nb = self.nodes[a], self.nodes[b]
         if link in self.connected or link in self.cut or not (na.up and nb.up) or b not in self.adjacent[a]:
+            return
+        banned_until = max(self.bans.get((a, b), 0.0), self.bans.get((b, a), 0.0))
+        if banned_until > self.now:  # one end refuses the other: dial again when the ban ends
+            self.at(banned_until, lambda: self._connect(a, b))
             return
         self.connected.add(link)
         self.transport.connect(na.peer_id, nb.peer_id)
@@ -547,6 +549,70 @@ class Simulation:
     def height(self, name: str) -> int:
         node = self.nodes[name]
         return node.engine.head.window if node.engine is not None else (node.heads[-1][1] if node.heads else 0)
+
+
+class _NodeHost:
+    """The simulator as one node's `adapters.host.Host` (spec/simulator.md §2): what each effect does on
+    the virtual clock. Every effect is carried out; the one refusal is `SubmitReply` (see there)."""
+
+    __slots__ = ("node", "sim")
+
+    def __init__(self, sim: Simulation, node: SimNode) -> None:
+        self.sim = sim
+        self.node = node
+
+    def send(self, effect: fx.Send) -> None:
+        self.sim.send(self.node.name, self.sim.by_peer[effect.peer].name, effect.data)
+
+    def serve_chunk(self, effect: fx.ServeChunk) -> None:
+        self.sim.send(self.node.name, self.sim.by_peer[effect.peer].name, chunk_message(self.node.disk, effect))
+
+    def persist(self, effect: fx.Persist) -> None:
+        """Pending on the `SimDisk`; `Persisted` comes `persist_s` later, once synced (a crash loses it)."""
+        node = self.node
+        node.disk.write_pending(effect.token, effect.key, effect.record)
+        self.sim._push(self.sim.now + self.sim.persist_s, node.name, node.incarnation, ("persisted", effect.token))
+
+    def store_chunk(self, effect: fx.StoreChunk) -> None:
+        self.node.disk.write_chunk(effect.ref, effect.index, effect.data)
+
+    def commit_artifact(self, effect: fx.CommitArtifact) -> None:
+        node, now = self.node, self.sim.now
+        self.sim._push(now, node.name, node.incarnation, stored_event(node.disk, effect, now))
+
+    def run_task(self, effect: fx.RunTask) -> None:
+        self.sim._run_task(self.node, effect)
+
+    def hang_up(self, effect: fx.HangUp) -> None:
+        self.sim._hang_up(self.node.name, self.sim.by_peer[effect.peer].name, effect.reason)
+
+    def ban(self, effect: fx.Ban) -> None:
+        self.sim._ban(self.node.name, self.sim.by_peer[effect.peer].name, effect.until)
+
+    def rejected(self, effect: fx.Rejected) -> None:
+        self.sim.rejections[effect.reason] += 1  # the trace has the matching `reject` log line
+
+    def peers_discovered(self, effect: fx.PeersDiscovered) -> None:
+        """Addresses mean nothing on the virtual network: a peer id of a simulated node becomes a link (what
+        a dial does), anything else is ignored. (Simulated engines advertise no listen address by default,
+        so this happens only where a scenario sets ``listen_address``.)"""
+        for peer, _address in effect.peers:
+            other = self.sim.by_peer.get(peer)
+            if other is not None and other is not self.node:
+                self.sim.link(self.node.name, other.name)
+
+    def submit_reply(self, effect: fx.SubmitReply) -> None:
+        """Refused: the simulator feeds no `Submit` (its trainers all submit over links), so no request waits
+        for a verdict; one that comes anyway is written to the trace and otherwise dropped."""
+        self.sim.record(self.node.name, "submit-reply-dropped", request_id=effect.request_id)
+
+    def head_promoted(self, effect: fx.HeadPromoted) -> None:
+        self.sim._on_head(self.node, effect.head, effect.certificate)
+
+    def log(self, effect: fx.Log) -> None:
+        trace = self.sim.trace
+        if trace is not None and trace.level == "log":
+            trace.emit(self.sim.now, self.node.name, "log", {"event": effect.event, **effect.fields})
 
 
 def _key(a: str, b: str) -> tuple[str, str]:

@@ -109,15 +109,16 @@ def test_proposal_adding_an_unadmitted_peer_is_invalid(tmp_path, digits):
     assert cluster.run_until(lambda c: head_window(c) >= 1, max_time=60.0)
     role = next(r for r in cluster.nodes["validator"].engine.roles if isinstance(r, ValidatorRole))
     parent = role.collector.head
-    skip = role._skip_head(parent, ())
-    assert role._structural_fault(skip, ()) == ""
+    skip = role.screening.skip_head(parent, ())
+    assert role.screening.structural_fault(skip, ()) == ""
     newcomer = ident(20).peer_id
     added = attrs.evolve(skip, roster=tuple(sorted((*parent.roster, (newcomer, 1)))), unproven=(newcomer,))
-    assert role._structural_fault(added, ()) == "roster-unknown-join"  # no join seen at all
-    role.joins[newcomer] = 1  # a join this validator took without a certificate (e.g. before the policy)
-    assert role._structural_fault(added, ()) == "roster-not-admitted"
-    role.admitted[newcomer] = 1
-    assert role._structural_fault(added, ()) == ""
-    assert role._structural_fault(attrs.evolve(added, unproven=()), ()) == "unproven-mismatch"  # a joiner is unproven
+    assert role.screening.structural_fault(added, ()) == "roster-unknown-join"  # no join seen at all
+    role.admission.joins[newcomer] = 1  # a join this validator took without a certificate (e.g. before the policy)
+    assert role.screening.structural_fault(added, ()) == "roster-not-admitted"
+    role.admission.admitted[newcomer] = 1
+    assert role.screening.structural_fault(added, ()) == ""
+    # a joiner is unproven
+    assert role.screening.structural_fault(attrs.evolve(added, unproven=()), ()) == "unproven-mismatch"
     more = attrs.evolve(skip, roster=tuple(sorted((*parent.roster, (newcomer, 2)))))
-    assert role._structural_fault(more, ()) == "roster-not-admitted"  # above the certified capacity
+    assert role.screening.structural_fault(more, ()) == "roster-not-admitted"  # above the certified capacity

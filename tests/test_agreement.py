@@ -22,20 +22,30 @@ def workload():
     return build_workload("digits-mlp", SEED, N_SHARDS)
 
 
-def record_votes(cluster):
-    """Wrap the cluster's send path to record every vote that crosses the network."""
-    seen = defaultdict(set)
-    original = cluster._send
+class _VoteSpy:
+    """A simulator observer that records every vote a validator puts on a live link."""
 
-    def spy(src, dst, data):
+    def __init__(self):
+        self.seen = defaultdict(set)
+
+    def on_validator_message(self, sim, node, data):
         message = decode_message(data, max_bytes=1 << 24)
         if isinstance(message, Signed) and message.envelope.kind == "vote":
             body = message.envelope.open("vote", 1)
-            seen[(message.envelope.signer, body["window"], body["round"], body["step"])].add(body["head"])
-        original(src, dst, data)
+            self.seen[(message.envelope.signer, body["window"], body["round"], body["step"])].add(body["head"])
 
-    cluster._send = spy
-    return seen
+    def on_head(self, sim, node, head, cert):
+        pass
+
+    def on_tick(self, sim):
+        pass
+
+
+def record_votes(cluster):
+    """Record every vote that crosses the network: {(signer, window, round, step): {head ids}}."""
+    spy = _VoteSpy()
+    cluster.sim.observers.append(spy)
+    return spy.seen
 
 
 def chains(cluster, names):

@@ -8,9 +8,9 @@ import pytest
 
 from peerloom.adapters.compute import ComputeExecutor
 from peerloom.adapters.storage import ArtifactStore
+from peerloom.backends.behaviours import ByzantineWorkload
 from peerloom.backends.numpy.tensors import to_safetensors
 from peerloom.backends.registry import build_workload
-from peerloom.behaviours import ByzantineWorkload
 from peerloom.core.audit import train_seed
 from peerloom.core.chain import verify_chain
 from peerloom.core.leases import leases_of

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from peerloom.backends.numpy import aggregate as npa
 from peerloom.backends.numpy import reduce as npr
 from peerloom.backends.numpy.tensors import (
     MAX_HEADER_BYTES,
@@ -205,25 +206,26 @@ def test_empty_and_mismatched_cohorts_rejected(mod) -> None:
         mod.weighted_mean([conv(ints)], [1])
 
 
-def test_reducer_reuses_buffers_across_schemas_and_out() -> None:
-    red = npr.Reducer()
+def test_reductions_reuse_the_thread_workspace_across_schemas_and_write_out() -> None:
     rng = np.random.default_rng(0)
     a = [{"x": rng.standard_normal((4, 5)).astype(np.float32)} for _ in range(3)]
     b = [{"y": rng.standard_normal(7).astype(np.float32), "z": rng.standard_normal(2).astype(np.float32)}]
-    first = red.weighted_mean(a, [1, 2, 3])
-    scratch_id = id(red._acc["x"])
-    again = red.weighted_mean(a, [1, 2, 3])
-    assert id(red._acc["x"]) == scratch_id  # same schema: buffers reused
+    first = npr.weighted_mean(a, [1, 2, 3])
+    acc = npa.workspace()._bufs["acc", "float64"]
+    again = npr.weighted_mean(a, [1, 2, 3])
+    assert npa.workspace()._bufs["acc", "float64"] is acc  # buffers reused, not reallocated
     assert raw(first) == raw(again)
-    other = red.weighted_mean(b, [5])
-    assert raw(other) == raw(b[0])
+    assert raw(npr.weighted_mean(b, [5])) == raw(b[0])  # another schema in the same buffers
     out = {"x": np.empty((4, 5), dtype=np.float32)}
-    assert red.weighted_mean(a, [1, 2, 3], out=out) is out
+    assert npr.weighted_mean(a, [1, 2, 3], out=out) is out
     assert raw(out) == raw(first)
-    tred = tr.Reducer()
+    with pytest.raises(ValueError, match="out has schema"):
+        npr.weighted_mean(a, [1, 2, 3], out={"x": np.empty(3, dtype=np.float32)})
     tout = {"x": torch.empty(4, 5)}
-    tred.weighted_mean([to_torch(d) for d in a], [1, 2, 3], out=tout)
+    assert tr.weighted_mean([to_torch(d) for d in a], [1, 2, 3], out=tout) is tout
     assert raw_torch(tout) == raw(first)
+    pout = {"x": np.empty((4, 5), dtype=np.float32)}
+    assert raw(npr.outer_sgd_step(a[0], a[1], 0.7, out=pout)) == raw(npr.outer_sgd_step(a[0], a[1], 0.7))
 
 
 # ---------------------------------------------------------------- tensor digest and safetensors

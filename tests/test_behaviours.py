@@ -1,9 +1,9 @@
-"""Byzantine workload wrappers used by demo nodes (peerloom/behaviours.py)."""
+"""Byzantine workload wrappers used by demo nodes (backends/behaviours.py)."""
 
 import numpy as np
 import pytest
 
-from peerloom.behaviours import ByzantineWorkload, wrap_workload
+from peerloom.backends.behaviours import ByzantineWorkload, wrap_workload
 
 
 class LinearWorkload:

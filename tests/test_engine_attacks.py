@@ -11,10 +11,11 @@ import cbor2
 
 from peerloom.core import effects as fx
 from peerloom.core import events as ev
-from peerloom.core.engine import Engine, EngineConfig
+from peerloom.core.encoding import content_id
+from peerloom.core.engine import SERVE_MIN_COST_BYTES, Engine, EngineConfig
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.messages import Chunk, ChunkRequest, Hello, Signed, encode_message
-from peerloom.core.objects import UpdateAnnouncement, make_artifact_ref, seal
+from peerloom.core.objects import ArtifactRef, UpdateAnnouncement, make_artifact_ref, seal
 
 from .helpers import ident, make_revision
 
@@ -93,7 +94,7 @@ def validator_with_stored_genesis():
 
 def test_chunk_request_flood_is_refused_per_peer_and_others_are_still_served():
     engine, _rev, ref = validator_with_stored_genesis()
-    burst = engine.config.chunk_request_burst
+    burst = engine.config.serve_bytes_burst // SERVE_MIN_COST_BYTES  # a 4 KiB chunk costs the minimum
     for _ in range(burst + 50):
         deliver(engine, MALLORY, ChunkRequest(artifact=ref.digest, index=0))
     effects = drain(engine)
@@ -105,6 +106,26 @@ def test_chunk_request_flood_is_refused_per_peer_and_others_are_still_served():
     assert [e.peer for e in drain(engine) if isinstance(e, fx.ServeChunk)] == [TRAINER.peer_id]
     deliver(engine, MALLORY, ChunkRequest(artifact=ref.digest, index=0), now=1.0)  # the bucket refills
     assert any(isinstance(e, fx.ServeChunk) for e in drain(engine))
+
+
+def test_an_honest_fetch_of_a_400_mb_artifact_is_never_refused():
+    """The serving quota counts bytes (spec/wire.md §6): every chunk of a 400 MB artifact in 1 MiB chunks,
+    asked for at one instant, is served; asking for the same bytes again at once runs the bucket dry."""
+    rev = make_revision(trainers=[TRAINER], genesis=GENESIS, chunk_size=4096)
+    size, chunk = 400_000_000, 1 << 20
+    big = ArtifactRef(digest=content_id(b"big"), size=size, chunk_size=chunk, chunks=(bytes(32),) * -(-size // chunk))
+    engine = Engine(EngineConfig(roles={"validator"}, revision=rev), VALIDATOR, random.Random(0), stored=[big])
+    engine.handle(ev.Start(now=0.0))
+    greet(engine, TRAINER, ("trainer",))
+    drain(engine)
+    for index in range(big.num_chunks):
+        deliver(engine, TRAINER, ChunkRequest(artifact=big.digest, index=index))
+    assert sum(isinstance(e, fx.ServeChunk) for e in drain(engine)) == big.num_chunks
+    assert engine.rejected_by_reason["chunk-quota"] == 0
+    for _ in range(2):
+        for index in range(big.num_chunks):
+            deliver(engine, TRAINER, ChunkRequest(artifact=big.digest, index=index))
+    assert engine.rejected_by_reason["chunk-quota"] > 0
 
 
 def test_announcement_flood_is_capped_before_signature_checks():

@@ -20,7 +20,7 @@ from peerloom.core.identity import Identity
 from peerloom.core.leases import leases_of
 from peerloom.core.messages import Signed, encode_message
 from peerloom.core.objects import Manifest, Revision, UpdateAnnouncement, make_artifact_ref, seal
-from peerloom.sim.cluster import Cluster
+from peerloom.testing import Cluster
 
 SEED = 3
 N_SHARDS = 4

@@ -34,7 +34,7 @@ def test_snapshot_round_trips_and_restored_validator_continues(tmp_path, workloa
     assert restored.records == engine.records and restored.stats == engine.stats
     assert all(restored.is_stored(d) for d in engine._stored)
     # what idle expiry needs (heartbeats heard, the first window it counted from) survives the round trip
-    v, rv = (next(r for r in e.roles if hasattr(r, "heard")) for e in (engine, restored))
+    v, rv = (e._validator.admission for e in (engine, restored))
     assert v.heard and rv.heard == v.heard and rv.first_window == v.first_window is not None
     with pytest.raises(LocalProtocolError):  # time of the snapshot is kept: no going back
         restored.handle(ev.Start(now=engine.now - 1.0))
@@ -42,11 +42,8 @@ def test_snapshot_round_trips_and_restored_validator_continues(tmp_path, workloa
     # Kill the validator and bring it back from the snapshot instead of its store.
     window = engine.head.window
     cluster.crash("validator")
-    node.engine = Engine.restore(snap, config, node.identity, random.Random(1))
-    node.armed = None
-    cluster._push(cluster.now, "validator", ev.Start(now=cluster.now))
-    for other in ("reducer", "t0", "t1"):
-        cluster.connect("validator", other)
+    cluster.restart("validator", ("reducer", "t0", "t1"),
+                    engine=Engine.restore(snap, config, node.identity, random.Random(1)))
     assert cluster.run_until(lambda c: head_window(c) >= window + 2, max_time=cluster.now + 60.0)
     ids = [h.id for _, h, _ in node.heads]
     assert len(ids) == len(set(ids))  # each window certified once

@@ -7,12 +7,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+# `_name.py` files are helpers the examples import (examples/_experiment.py), not examples of their own.
+EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.py") if not p.name.startswith("_"))
 
 
 def test_there_are_examples():
-    assert {p.name for p in EXAMPLES} >= {"property_test.py", "embed_engine_asyncio.py", "train_your_model.py",
-                                              "hf_causal_lm.py"}
+    assert {p.name for p in EXAMPLES} >= {"property_test.py", "embed_engine_asyncio.py", "embed_engine_trio.py",
+                                              "embed_engine_loop.py", "train_your_model.py", "hf_causal_lm.py"}
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)

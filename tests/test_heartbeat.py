@@ -9,6 +9,7 @@ import pytest
 
 from peerloom.backends.registry import build_workload
 from peerloom.core import events as ev
+from peerloom.core.admission import Admission
 from peerloom.core.chain import verify_chain
 from peerloom.core.errors import DecodeError, VerificationError
 from peerloom.core.leases import leases_of
@@ -44,7 +45,7 @@ def heads(cluster, name="validator"):
 def deliver(cluster, name, sender, envelope):
     engine = cluster.nodes[name].engine
     engine.handle(ev.MessageReceived(now=cluster.now, peer=sender, data=encode_message(Signed(envelope=envelope))))
-    cluster._drain(cluster.nodes[name])
+    cluster.drain(name)
 
 
 def test_objects_round_trip_and_decode_strictly(tmp_path, digits):
@@ -128,25 +129,25 @@ def test_proposal_expiring_a_peer_heard_here_is_refused(tmp_path, digits):
     role = validator_role(cluster)
     parent = role.collector.head
     t0 = cluster.nodes["t0"].identity.peer_id
-    skip = role._skip_head(parent, ())
-    assert skip.expired == () and role._structural_fault(skip, ()) == ""
+    skip = role.screening.skip_head(parent, ())
+    assert skip.expired == () and role.screening.structural_fault(skip, ()) == ""
     expiring = attrs.evolve(skip, roster=tuple(x for x in skip.roster if x[0] != t0), expired=(t0,))
-    assert role._structural_fault(expiring, ()) == "expired-heard"
+    assert role.screening.structural_fault(expiring, ()) == "expired-heard"
     assert role.validity(expiring, ()) is False
     # ... unless a quorum prevoted it (some honest validator had not heard t0): then a locked head stays
     # acceptable to validators whose view differs, and agreement stays live
     role.agreement.prevotes[7] = {role.engine.me: {expiring.id}}
-    assert role._structural_fault(expiring, ()) == ""
+    assert role.screening.structural_fault(expiring, ()) == ""
     del role.agreement.prevotes[7]
     dropped = attrs.evolve(expiring, expired=())
-    assert role._structural_fault(dropped, ()) == "roster-shrunk"
-    assert role._structural_fault(attrs.evolve(skip, expired=(t0,)), ()) == "expired-unknown"  # still rostered
+    assert role.screening.structural_fault(dropped, ()) == "roster-shrunk"
+    assert role.screening.structural_fault(attrs.evolve(skip, expired=(t0,)), ()) == "expired-unknown"  # still rostered
     # once t0 is unheard here for idle_windows windows, the same expiry is valid and this validator makes it
-    role.heard[t0] = parent.window + 1 - 2
-    role.first_window = 0
-    assert role._structural_fault(expiring, ()) == ""
-    assert role._skip_head(parent, ()).expired == (t0,)
-    assert t0 not in {p for p, _ in role._skip_head(parent, ()).roster}
+    role.admission.heard[t0] = parent.window + 1 - 2
+    role.admission.first_window = 0
+    assert role.screening.structural_fault(expiring, ()) == ""
+    assert role.screening.skip_head(parent, ()).expired == (t0,)
+    assert t0 not in {p for p, _ in role.screening.skip_head(parent, ()).roster}
 
 
 def test_a_proposer_with_a_wrong_view_costs_a_round_not_the_peer(tmp_path, digits, monkeypatch):
@@ -154,9 +155,9 @@ def test_a_proposer_with_a_wrong_view_costs_a_round_not_the_peer(tmp_path, digit
     t1 = cluster.nodes["t1"].identity.peer_id
     assert cluster.run_until(lambda c: head_window(c) >= 1, max_time=60.0)
     liar = validator_role(cluster, "v1")
-    original = ValidatorRole._idle
-    monkeypatch.setattr(ValidatorRole, "_idle",
-                        lambda self, peer, window: (self is liar and peer == t1) or original(self, peer, window))
+    original = Admission.idle
+    monkeypatch.setattr(Admission, "idle", lambda self, peer, window: (self is liar.admission and peer == t1)
+                        or original(self, peer, window))
 
     def refused(c) -> list:
         return [f for _, n, e, f in c.logs if e == "proposal-invalid" and f["reason"] == "expired-heard"]
@@ -181,11 +182,11 @@ def test_heartbeats_over_quota_are_charged_and_stale_ones_ignored(tmp_path, digi
     v1 = cluster.nodes["v1"].identity.peer_id
     beat = seal(t0, Heartbeat(revision=cluster.revision.id, window=window))
     # t0 already sent this window's heartbeat itself when the window opened: again is over its quota
-    assert (t0.peer_id, t0.peer_id, window) in role.heartbeats_taken
+    assert (t0.peer_id, t0.peer_id, window) in role.admission.heartbeats_taken
     deliver(cluster, "validator", t0.peer_id, beat)
     assert engine.rejected_by_reason["heartbeat-quota"] == 1 and engine.peers[t0.peer_id].penalty > 0
     # each relayer has a quota of its own: v1 relayed it once already, a second copy is charged to v1
-    assert (v1, t0.peer_id, window) in role.heartbeats_taken
+    assert (v1, t0.peer_id, window) in role.admission.heartbeats_taken
     deliver(cluster, "validator", v1, beat)
     assert engine.rejected_by_reason["heartbeat-quota"] == 2 and engine.peers[v1].penalty > 0
     # a heartbeat for an old window has no effect and costs nothing; nor one from a peer outside the roster
@@ -197,9 +198,9 @@ def test_heartbeats_over_quota_are_charged_and_stale_ones_ignored(tmp_path, digi
     stranger = seal(ident(40), Heartbeat(revision=cluster.revision.id, window=window))
     deliver(cluster, "validator", t1, stranger)
     assert engine.stats["stale_heartbeats"] == stale + 2 and engine.peers[t1].penalty == before
-    assert ident(40).peer_id not in role.heard
+    assert ident(40).peer_id not in role.admission.heard
     # heard windows advance with heartbeats
-    assert role.heard[t0.peer_id] >= window
+    assert role.admission.heard[t0.peer_id] >= window
 
 
 def test_check_rules_refuses_a_shrink_not_covered_by_left_or_expired(tmp_path, digits):

@@ -2,7 +2,8 @@
 document, and no unsigned request changes state (issue 7).
 
 Two edges: one over `InMemoryEdgeView` (fast, every default check, exact state comparison) and one served
-by a real `peerloom node` validator process (slow: state compared through its endpoints and metrics).
+by a real `peerloom node` validator process (slow: state compared through its endpoints and metrics) whose
+chain holds strikes, quarantine, rejected updates, a join, a leave and expiries from a real fleet.
 """
 
 from __future__ import annotations
@@ -87,28 +88,84 @@ def _memory_edge(tmp: Path):
     unchanged()
 
 
-def _node_edge(tmp: Path):
-    from .node_cluster import free_port, make_fleet
+RECORDS = ("strikes", "quarantine", "rejected", "left", "expired")  # head keys the fuzzed chain must hold
 
-    # One validator and no trainers: every window is skipped, so the roster and the artifact store change
-    # only if the edge lets an unsigned join or update through.
-    (validator,) = make_fleet(tmp, validators=1, trainers=0, quorum=1, window_s=1.0)
+
+def _chain(url: str) -> list[dict]:
+    heads, start = [], 0
+    while True:
+        page = json.loads(_get(f"{url}/v1/chain?from={start}&limit=256")[1])
+        heads += page["heads"]
+        if len(page["heads"]) < 256:
+            return heads
+        start = heads[-1]["window"] + 1
+
+
+def _populate(nodes, url: str, joiner, leaver, timeout_s: float = 90.0) -> list[dict]:
+    """Run the fleet until its chain holds every kind of record, stop the trainers (the leaver with a signed
+    leave), and wait until idle expiry has emptied the roster; return the chain (GET /v1/chain)."""
+    me = joiner.identity.peer_id.to_text()
+    deadline, stopped = time.monotonic() + timeout_s, False
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        chain = _chain(url)
+        held = {key for head in chain for key in RECORDS if head.get(key)}
+        joined = any(me in json.dumps(head["roster"]) for head in chain)
+        if not stopped and joined and {"strikes", "quarantine"} <= held:
+            leaver.stop()  # leave_on_exit: a signed leave, recorded in a head's `left`
+            for node in nodes:
+                node.stop()
+            stopped = True
+        if stopped and set(RECORDS) <= held and chain[-1]["roster"] == []:
+            return chain
+    raise AssertionError(f"the fleet's chain lacks {sorted(set(RECORDS) - held)} (joined: {joined}, "
+                         f"trainers stopped: {stopped}, window {chain[-1]['window'] if chain else 0})")
+
+
+def _node_edge(tmp: Path):
+    from peerloom.adapters.keys import generate_identity, save_identity
+
+    from .node_cluster import Node, free_port, make_fleet
+
+    # A real validator whose chain holds strikes, quarantine, rejected updates, a join, a leave and
+    # expiries (issue 16 item 3): two honest trainers, a sign-flip-scale attacker (screened out every
+    # window: strikes, then quarantine), a trainer that leaves on SIGTERM and a joiner outside the genesis
+    # roster. Once the chain holds all of that the trainers stop, and expiry empties the roster. So while
+    # it is fuzzed every window is skipped, and the roster and the artifact store change only if the edge
+    # lets an unsigned join or update through.
+    validator, honest, other, attacker, leaver = make_fleet(tmp, validators=1, trainers=4, quorum=1, window_s=1.0)
     port = free_port()
     validator.write_config(http={"enabled": True, "listen": f"127.0.0.1:{port}"})
+    attacker.write_config(behaviour="sign-flip-scale")
+    leaver.write_config(leave_on_exit=True, leave_grace_s=10.0)
+    identity = generate_identity()
+    joiner = Node("joiner", "trainer", identity, tmp / "joiner", port=free_port(), config=dict(honest.config))
+    joiner.directory.mkdir()
+    save_identity(identity, joiner.directory / "key")
+    joiner.write_config(name="joiner", listen=f"127.0.0.1:{joiner.port}")
+    trainers = [honest, other, attacker, joiner]
     artifacts = validator.directory / "store" / "artifacts"
-    validator.start()
+    for node in (validator, *trainers, leaver):
+        node.start()
     try:
         validator.wait_port()
         url = f"http://127.0.0.1:{port}"
-        before = sorted(p.name for p in artifacts.iterdir())
+        chain = _populate(trainers, url, joiner, leaver)
+        assert any(head["quarantine"] for head in chain) and any(head["left"] for head in chain)
+        before = {p.name for p in artifacts.iterdir()}
         revision_id = bytes.fromhex(json.loads(_get(url + "/v1/manifest")[1])["revision"])
+
+        def accepted() -> list[str]:
+            metrics = _get(url + "/metrics")[1].decode()
+            return sorted(line for line in metrics.splitlines() if 'outcome="accepted"' in line)
+
+        accepted_before = accepted()
 
         def unchanged() -> None:
             latest = json.loads(_get(url + "/v1/heads/latest")[1])
             assert latest["roster"] == [], "an unsigned join reached the roster"
-            assert sorted(p.name for p in artifacts.iterdir()) == before, "an unsigned upload stored bytes"
-            metrics = _get(url + "/metrics")[1].decode()
-            assert 'outcome="accepted"' not in metrics
+            assert {p.name for p in artifacts.iterdir()} <= before, "an unsigned upload stored bytes"
+            assert accepted() == accepted_before, "an unsigned update was accepted"
 
         yield Edge(url=url, revision_id=revision_id, unchanged=unchanged, check_each=False)
         unchanged()
@@ -118,9 +175,12 @@ def _node_edge(tmp: Path):
         # Past the rate limit, the fuzzer's uploads reached the handlers and were refused there.
         for route in ("/v1/updates", "/v1/join"):
             assert any(f'route="{route}",status="4' in line for line in served), route
+        assert not any('status="5' in line for line in served)  # no 5xx on the populated chain
         status, _ = _get(url + "/healthz")
         assert status in (200, 429)  # still serving after the fuzzing
     finally:
+        for node in (*trainers, leaver):
+            node.stop()
         assert validator.stop() == 0
 
 

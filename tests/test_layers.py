@@ -21,12 +21,28 @@ RULES = {
     "backends": ({"numpy", "torch", "safetensors", "sklearn", "attrs"}, {"core", "backends"},
                  {"socket", "asyncio"}),
     # Adapters talk to the outside world through well-kept libraries: cryptography's ChaCha20-Poly1305 for
-    # Noise, aiohttp for the HTTP edge, prometheus-client for metrics, zeroconf for LAN discovery.
+    # Noise, aiohttp for the HTTP edge, prometheus-client for metrics, zeroconf for LAN discovery, PyJWT for
+    # the auth service's ID-token validation.
     "adapters": ({"trio", "aiohttp", "zeroconf", "numpy", "attrs", "nacl", "cbor2", "torch", "cryptography",
-                  "prometheus_client"},
+                  "prometheus_client", "jwt"},
                  {"core", "backends", "adapters"}, set()),
     "sim": ({"numpy", "attrs", "torch", "matplotlib"}, {"core", "backends", "adapters", "sim"}, set()),
 }
+# Adapters carry out what the engine decides (issue 18 item 4): they may import the engine's interface and the
+# protocol's objects, and two pure functions every peer computes alike (a light trainer needs them for itself):
+# its leases (core.leases) and its training seed (core.audit). Not the modules that decide protocol outcomes
+# (roles, agreement, screening, quarantine, ...), whatever new ones core grows.
+ADAPTER_CORE_MODULES = {"engine", "events", "effects", "messages", "objects", "identity", "envelope", "encoding",
+                        "errors", "chain", "leases", "audit"}
+# ... nor read decisions out of log lines, rejection reasons or counters: those arrive as typed effects
+# (`Rejected`, `Ban`, `SubmitReply`), carried out by `adapters/host.py`.
+ADAPTER_FORBIDDEN_SOURCE = [
+    r"\.event\s*(==|!=|\bin\b)",
+    r"Log\(\s*event\s*=",  # matching any log event by name (a metric included)
+    r"==\s*[\"']reject[\"']",
+    r"penalty-limit",
+    r"rejected_by_reason",
+]
 CORE_FORBIDDEN_CALLS = [
     r"\btime\.(time|monotonic|perf_counter|sleep)\(",
     r"\bos\.urandom\(",
@@ -85,3 +101,47 @@ def test_importing_core_loads_no_io_or_numeric_library():
             "print(','.join(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "", f"core pulled in: {out}"
+
+
+def core_modules_imported(path: Path):
+    """(line, core module) for every `peerloom.core.X` an adapter imports, `from peerloom.core import X` included
+    when X is a module of core (re-exported names from `peerloom.core` are the package's public surface)."""
+    modules = {p.stem for p in (ROOT / "core").glob("*.py")}
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        found = {parts[2] for parts in (name.split(".") for name in names)
+                 if parts[:2] == ["peerloom", "core"] and len(parts) > 2 and parts[2] in modules}
+        for module in sorted(found):
+            yield node.lineno, module
+
+
+def test_adapters_import_nothing_that_decides_protocol_outcomes():
+    problems = [f"{path.relative_to(ROOT)}:{line} imports peerloom.core.{module}"
+                for path in sorted((ROOT / "adapters").rglob("*.py"))
+                for line, module in core_modules_imported(path) if module not in ADAPTER_CORE_MODULES]
+    assert not problems, "\n".join(problems)
+
+
+def test_no_adapter_decides_from_log_lines_reasons_or_counters():
+    hits = []
+    for path in sorted((ROOT / "adapters").rglob("*.py")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if any(re.search(p, line) for p in ADAPTER_FORBIDDEN_SOURCE):
+                hits.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not hits, "\n".join(hits)
+
+
+def test_the_adapter_checks_catch_a_violation(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from peerloom.core import validator\nimport peerloom.core.agreement\n"
+                   "from peerloom.core.collector import screen\nfrom peerloom.core import Engine, effects\n")
+    assert sorted(m for _, m in core_modules_imported(bad)) == ["agreement", "collector", "effects", "validator"]
+    for line in ('if effect.event == "reject":', 'case fx.Log(event="reject"):', 'case fx.Log(event="vote"):',
+                 'if e.reason == "penalty-limit":',
+                 "before = dict(engine.rejected_by_reason)"):
+        assert any(re.search(p, line) for p in ADAPTER_FORBIDDEN_SOURCE), line

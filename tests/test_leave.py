@@ -29,7 +29,7 @@ def digits():
 def command(cluster, name, event_type):
     node = cluster.nodes[name]
     node.engine.handle(event_type(now=cluster.now))
-    cluster._drain(node)  # the simulator has no operator commands: deliver this one by hand
+    cluster.drain(name)  # the simulator has no operator commands: deliver this one by hand
 
 
 def validator_role(cluster, name="validator"):
@@ -78,7 +78,7 @@ def test_trainer_leaves_and_joins_again(tmp_path, digits):
     stale = v.stats["stale_leaves"]
     v.handle(ev.MessageReceived(now=cluster.now, peer=cluster.nodes["v1"].identity.peer_id,
                                 data=encode_message(Signed(envelope=old_leave))))
-    assert v.stats["stale_leaves"] == stale + 1 and not validator_role(cluster).leaves
+    assert v.stats["stale_leaves"] == stale + 1 and not validator_role(cluster).admission.leaves
     w2 = head_window(cluster)
     assert cluster.run_until(lambda c: head_window(c) >= w2 + 1, max_time=cluster.now + 60.0)
     assert t0 in roster(cluster)
@@ -109,7 +109,7 @@ def test_an_old_join_replayed_after_the_trainer_left_has_no_effect(tmp_path, dig
         stale = v.stats["stale_joins"]
         v.handle(ev.MessageReceived(now=cluster.now, peer=cluster.nodes["reducer"].identity.peer_id,
                                     data=encode_message(Signed(envelope=join))))
-        assert v.stats["stale_joins"] == stale + 1 and t0.peer_id not in validator_role(cluster, name).joins
+        assert v.stats["stale_joins"] == stale + 1 and t0.peer_id not in validator_role(cluster, name).admission.joins
     w = head_window(cluster)
     assert cluster.run_until(lambda c: head_window(c) >= w + 2, max_time=cluster.now + 60.0)
     assert t0.peer_id not in roster(cluster)
@@ -140,33 +140,33 @@ def test_proposal_check_refuses_departures_without_a_leave(tmp_path, digits):
     role = validator_role(cluster)
     parent = role.collector.head
     t0 = cluster.nodes["t0"].identity.peer_id
-    skip = role._skip_head(parent, ())
-    assert role._structural_fault(skip, ()) == ""
+    skip = role.screening.skip_head(parent, ())
+    assert role.screening.structural_fault(skip, ()) == ""
     dropped = attrs.evolve(skip, roster=tuple(x for x in skip.roster if x[0] != t0))
-    assert role._structural_fault(dropped, ()) == "roster-shrunk"
+    assert role.screening.structural_fault(dropped, ()) == "roster-shrunk"
     claimed = attrs.evolve(dropped, left=(t0,))
-    assert role._structural_fault(claimed, ()) == "left-unknown"  # no signed leave held here
+    assert role.screening.structural_fault(claimed, ()) == "left-unknown"  # no signed leave held here
     # the trainer's own signed leave, from the trainer: held, relayed, and the departure is now valid
     leave = seal(cluster.nodes["t0"].identity, LeaveRequest(revision=cluster.revision.id, window=parent.window + 1))
     role.engine.handle(ev.MessageReceived(now=cluster.now, peer=t0, data=encode_message(Signed(envelope=leave))))
-    assert role.leaves == {t0: parent.window + 1}
+    assert role.admission.leaves == {t0: parent.window + 1}
     # held leaves survive a snapshot / restore of the validator
     engine = role.engine
     restored = type(engine).restore(engine.snapshot(), engine.config, engine.identity, random.Random(0))
-    assert next(r for r in restored.roles if isinstance(r, ValidatorRole)).leaves == role.leaves
-    assert role._structural_fault(claimed, ()) == ""
-    assert role._skip_head(parent, ()).left == (t0,)  # and this validator's own head records it
+    assert next(r for r in restored.roles if isinstance(r, ValidatorRole)).admission.leaves == role.admission.leaves
+    assert role.screening.structural_fault(claimed, ()) == ""
+    assert role.screening.skip_head(parent, ()).left == (t0,)  # and this validator's own head records it
     # a leave signed and sent by a peer outside the roster is refused and charged
     reducer = cluster.nodes["reducer"].identity
     bogus = seal(reducer, LeaveRequest(revision=cluster.revision.id, window=parent.window + 1))
     penalty = role.engine.peers[reducer.peer_id].penalty
     role.engine.handle(ev.MessageReceived(now=cluster.now, peer=reducer.peer_id,
                                           data=encode_message(Signed(envelope=bogus))))
-    assert reducer.peer_id not in role.leaves
+    assert reducer.peer_id not in role.admission.leaves
     assert role.engine.rejected_by_reason["leave-not-rostered"] == 1
     assert role.engine.peers[reducer.peer_id].penalty > penalty
     # ... and one relayed by someone else is ignored without charging the relayer
     stranger = seal(ident(40), LeaveRequest(revision=cluster.revision.id, window=parent.window + 1))
     t1 = cluster.nodes["t1"].identity.peer_id
     role.engine.handle(ev.MessageReceived(now=cluster.now, peer=t1, data=encode_message(Signed(envelope=stranger))))
-    assert ident(40).peer_id not in role.leaves and role.engine.peers[t1].penalty == 0
+    assert ident(40).peer_id not in role.admission.leaves and role.engine.peers[t1].penalty == 0

@@ -14,17 +14,18 @@ def _value(metrics, name, labels=None):
 
 
 def test_effects_drive_the_counters():
-    metrics = NodeMetrics(peer_bytes=lambda: [("12D3KooWpeer", 100, 250)])
+    stats = {"votes_prevote": 2, "votes_precommit": 1, "votes_cast": 3}  # the engine's counters (core/voting.py)
+    metrics = NodeMetrics(peer_bytes=lambda: [("12D3KooWpeer", 100, 250)], engine_stats=lambda: stats)
     genesis = make_revision().genesis()
     cert = QuorumCertificate(head=genesis.id, window=0, round=0, votes=())
 
     certified = attrs.evolve(genesis, window=4, skipped=False, cohort=(b"u1", b"u2", b"u3"))
     metrics.on_effect(fx.HeadPromoted(head=certified, certificate=cert))
     metrics.on_effect(fx.HeadPromoted(head=attrs.evolve(genesis, window=5, skipped=True), certificate=cert))
-    metrics.on_effect(fx.Log(event="reject", fields={"peer": "p", "reason": "screen-norm-bound"}))
-    metrics.on_effect(fx.Log(event="reject", fields={"peer": "p", "reason": "bad-signature"}))
-    for step in ("prevote", "precommit", "prevote"):
-        metrics.on_effect(fx.Log(event="vote", fields={"window": 4, "step": step}))
+    metrics.on_effect(fx.Rejected(peer=ident(1).peer_id, reason="screen-norm-bound"))
+    metrics.on_effect(fx.Rejected(peer=None, reason="bad-signature"))
+    metrics.on_effect(fx.Log(event="reject", fields={"peer": "p", "reason": "bad-signature"}))  # log only: not counted
+    metrics.on_effect(fx.Log(event="vote", fields={"window": 4, "step": "prevote"}))  # log only: not counted
     metrics.on_effect(fx.HangUp(peer=ident(1).peer_id, reason="penalty-limit"))  # not a metric: ignored
     assert _value(metrics, "peerloom_windows_total", {"outcome": "certified"}) == 1
     assert _value(metrics, "peerloom_windows_total", {"outcome": "skipped"}) == 1
@@ -33,6 +34,7 @@ def test_effects_drive_the_counters():
     assert _value(metrics, "peerloom_updates_rejected_total", {"reason": "bad-signature"}) is None
     assert _value(metrics, "peerloom_rejections_total", {"reason": "bad-signature"}) == 1
     assert _value(metrics, "peerloom_votes_total", {"step": "prevote"}) == 2
+    assert _value(metrics, "peerloom_votes_total", {"step": "precommit"}) == 1
     assert _value(metrics, "peerloom_head_window") == 5
     assert _value(metrics, "peerloom_peer_bytes_total", {"peer": "12D3KooWpeer", "direction": "received"}) == 250
     assert _value(metrics, "peerloom_peers") == 1
@@ -44,7 +46,6 @@ def test_effects_drive_the_counters():
 
 
 def test_two_nodes_in_one_process_have_separate_registries():
-    a, b = NodeMetrics(), NodeMetrics()
-    a.on_effect(fx.Log(event="vote", fields={"step": "prevote"}))
+    a, b = NodeMetrics(engine_stats=lambda: {"votes_prevote": 1}), NodeMetrics()
     assert _value(a, "peerloom_votes_total", {"step": "prevote"}) == 1
     assert _value(b, "peerloom_votes_total", {"step": "prevote"}) is None

@@ -125,7 +125,7 @@ def test_behaviour_is_checked_and_applies_to_trainers_only(tmp_path):
 def test_byzantine_workload_sends_the_attack_update():
     import numpy as np
 
-    from peerloom.behaviours import ByzantineWorkload
+    from peerloom.backends.behaviours import ByzantineWorkload
     from tests.node_cluster import numpy_digits
 
     honest, shards = numpy_digits(0, 4)

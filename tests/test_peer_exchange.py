@@ -247,3 +247,59 @@ def test_a_node_bootstrapped_to_one_peer_finds_the_rest_of_the_fleet(tmp_path):
     assert learnt and learnt[0]["peer"] == str(b.identity.peer_id)
     assert not [e for n in nodes for e in n.events()
                 if e["event"] == "reject" and (e["reason"].startswith("decode") or e["reason"] == "peers-quota")]
+
+
+# --- transport-qualified addresses (spec/wire.md §4, spec/transport.md §9) --------------------------------
+
+
+@pytest.mark.parametrize(("text", "parsed", "canonical"), [
+    ("/ip4/127.0.0.1/tcp/7000", ("tcp", "127.0.0.1", 7000), "/ip4/127.0.0.1/tcp/7000"),
+    ("/ip6/::1/tcp/7000", ("tcp", "::1", 7000), "/ip6/::1/tcp/7000"),
+    ("127.0.0.1:7000", ("tcp", "127.0.0.1", 7000), "/ip4/127.0.0.1/tcp/7000"),  # legacy = tcp
+    ("http://10.0.0.7:8000", ("http", "10.0.0.7", 8000), "http://10.0.0.7:8000"),
+    ("http://[::1]:8000", ("http", "::1", 8000), "http://[::1]:8000"),
+    ("memory://validator-1", ("memory", "validator-1", 0), "memory://validator-1"),
+])
+def test_transport_addresses_parse_strictly_and_canonically(text, parsed, canonical):
+    from peerloom.core.messages import format_peer_address, parse_peer_address
+
+    assert parse_peer_address(text) == parsed
+    assert format_peer_address(*parsed) == canonical
+
+
+@pytest.mark.parametrize("text", [
+    "/ip4/127.0.0.1/udp/7000", "/ip4/::1/tcp/7000", "/ip6/127.0.0.1/tcp/7000", "/ip4/127.0.0.1/tcp/0",
+    "/ip4/localhost/tcp/80", "/ip4/127.0.0.1/tcp/80/", "http://localhost:80", "http://127.0.0.1:80/",
+    "https://127.0.0.1:443", "http://0.0.0.0:80", "memory://", "memory://a/b", "memory://" + "x" * 33,
+    "memory://é", "/ip4/" + "1" * 60, "ws://127.0.0.1:80",
+])
+def test_malformed_transport_addresses_are_refused(text):
+    from peerloom.core.errors import DecodeError
+    from peerloom.core.messages import parse_peer_address
+
+    with pytest.raises(DecodeError) as err:
+        parse_peer_address(text)
+    assert err.value.reason == "bad-field"
+
+
+def test_hello_and_peers_carry_transport_qualified_addresses():
+    from peerloom.core.errors import DecodeError
+
+    revision = make_revision(validators=[ME]).id
+    for listen in ("/ip4/127.0.0.1/tcp/7000", "http://127.0.0.1:8000", "memory://v1"):
+        hello = Hello(revision=revision, roles=("trainer",), head_window=0, listen=listen)
+        assert decode_message(encode_message(hello), max_bytes=4096) == hello
+    exchange = PeerExchange(peers=((A.peer_id, "/ip4/127.0.0.1/tcp/7000"), (B.peer_id, "http://127.0.0.1:8000")))
+    assert decode_message(encode_message(exchange), max_bytes=4096) == exchange
+    with pytest.raises(DecodeError):
+        decode_message(encode_message(Hello(revision=revision, roles=("trainer",), head_window=0,
+                                            listen="ftp://127.0.0.1:21")), max_bytes=4096)
+
+
+def test_an_http_address_from_a_hello_is_passed_on_to_the_next_peer():
+    engine = node("http://127.0.0.1:4001")
+    greet(engine, A, listen="http://127.0.0.1:5001")
+    drain(engine)
+    greet(engine, B, listen="/ip4/127.0.0.1/tcp/5002")
+    told = sent_to(drain(engine), B, PeerExchange)
+    assert told and (A.peer_id, "http://127.0.0.1:5001") in told[0].peers

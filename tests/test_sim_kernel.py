@@ -6,11 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from peerloom.core import effects as fx
 from peerloom.sim.adversary import Equivocation
 from peerloom.sim.disk import SimDisk
-from peerloom.sim.kernel import derive_seed
+from peerloom.sim.kernel import Simulation, derive_seed
 from peerloom.sim.network import Latency, LinkSpec, Network
 from peerloom.sim.scenario import load_scenario, run_scenario
+from tests.helpers import ident, make_revision
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "sim" / "scenarios"
 
@@ -134,3 +136,41 @@ def test_network_serialization_delay_order_partition_and_clog():
     lossy = Network(LinkSpec(loss=0.5, duplicate=0.5), rng=random.Random(1), roles_of={"a": "t", "b": "t"})
     counts = [len(lossy.plan("a", "b", 1, 0.0)) for _ in range(400)]
     assert 150 < counts.count(0) < 250 and counts.count(2) > 50
+
+
+def _pair_sim(**options):
+    """Two trainer engines with no params and no links: nothing to compute, only connections to watch."""
+    sim = Simulation(make_revision(), seed=1, workload=None, shards=[[0]], **options)
+    for name in ("a", "b"):
+        sim.add_node(name, "trainer")
+    sim.start()
+    return sim
+
+
+def test_peers_discovered_links_known_peers_and_ignores_unknown_ones():
+    sim = _pair_sim()
+    a, b = sim.nodes["a"], sim.nodes["b"]
+    a.host.peers_discovered(fx.PeersDiscovered(peers=((b.peer_id, "10.0.0.2:4001"), (ident(99).peer_id, "x:1"))))
+    assert sim.adjacent == {"a": {"b"}, "b": {"a"}} and ("a", "b") in sim.connected
+    sim.run(until=1.0)
+    assert b.peer_id in a.engine.peers and a.peer_id in b.engine.peers  # both engines saw the connection
+
+
+def test_a_ban_keeps_the_link_down_until_it_ends_or_the_banning_node_restarts():
+    sim = _pair_sim(redial_s=1.0, detect_s=0.0)
+    a, b = sim.nodes["a"], sim.nodes["b"]
+    sim.link("a", "b")
+    sim.run(until=1.0)
+    a.host.ban(fx.Ban(peer=b.peer_id, until=10.0))
+    a.host.hang_up(fx.HangUp(peer=b.peer_id, reason="penalties"))
+    sim.run(until=9.0)  # the re-dial after 1 s was refused
+    assert ("a", "b") not in sim.connected
+    sim.run(until=10.5)
+    assert ("a", "b") in sim.connected
+    a.host.ban(fx.Ban(peer=b.peer_id, until=100.0))
+    a.host.hang_up(fx.HangUp(peer=b.peer_id, reason="penalties"))
+    sim.run(until=12.0)
+    assert ("a", "b") not in sim.connected
+    sim.crash("a")
+    sim.restart("a")  # bans live in memory: a restarted node has none
+    assert ("a", "b") in sim.connected

@@ -38,8 +38,8 @@ from peerloom.adapters.tcp import (
     KIND_PONG,
     KIND_START,
     FrameDecoder,
+    FrameMessage,
     MessageAssembler,
-    MessageReceived,
     SecureConnection,
     TransportError,
     default_transport_ciphers,
@@ -178,7 +178,7 @@ def test_assembler_raises_only_transport_error_and_window_path_agrees(frames: li
         assert a == b
         if isinstance(a, tuple):  # an error: the connection would be dropped here
             break
-        if isinstance(a, MessageReceived):
+        if isinstance(a, FrameMessage):
             assert len(a.data) <= 50
 
 
@@ -192,7 +192,7 @@ def test_interleaved_lanes_reassemble_in_order(messages: list[tuple[int, bytes]]
         lane = rnd.choice([q for q in (0, 1) if queues[q]])
         event = _apply(assembler, queues[lane].pop(0), use_window=True)
         if event is not None:
-            assert isinstance(event, MessageReceived)
+            assert isinstance(event, FrameMessage)
             got.append((event.lane, event.data))
     for lane in (0, 1):
         assert [m for ln, m in got if ln == lane] == [m for ln, m in messages if ln == lane]
@@ -277,10 +277,13 @@ def test_bench_transport_small_run_prints_the_json_keys() -> None:
                          capture_output=True, text=True, timeout=120, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(result) == {"artifact_bytes", "noise_gbps", "plain_gbps", "ratio", "receiver_peak_rss_bytes",
-                           "cipher", "chachapoly_gbps", "chachapoly_ratio"}
+                           "cipher", "chachapoly_gbps", "chachapoly_ratio", "http_gbps", "http_ratio",
+                           "http_vs_noise"}
     assert result["artifact_bytes"] == 5_000_000
     assert result["noise_gbps"] > 0 and result["plain_gbps"] > 0 and result["receiver_peak_rss_bytes"] > 0
-    assert result["chachapoly_gbps"] > 0
+    assert result["chachapoly_gbps"] > 0 and result["http_gbps"] > 0  # HTTP in the same run (issue 18)
+    assert result["http_ratio"] == pytest.approx(result["http_gbps"] / result["plain_gbps"], rel=0.01)
+    assert result["http_vs_noise"] == pytest.approx(result["http_gbps"] / result["noise_gbps"], rel=0.01)
     assert result["cipher"] == ("AESGCM" if default_transport_ciphers() else "ChaChaPoly")
 
 
@@ -291,4 +294,4 @@ def test_encode_frames_boundaries(size: int) -> None:
     assert all(len(f) <= 65519 for f in frames)
     assembler = MessageAssembler(size)
     events = [assembler.handle(f) for f in frames]
-    assert events[-1] == MessageReceived(lane=1, data=message) and not any(events[:-1])
+    assert events[-1] == FrameMessage(lane=1, data=message) and not any(events[:-1])

@@ -55,15 +55,18 @@ from typing import Any
 
 import numpy as np
 
-from peerloom.backends import _robust
-from peerloom.backends._robust import DEFAULT_RULE, RULES
+from peerloom.backends import _reduce, _robust
+from peerloom.backends._reduce import OUTER_DEFAULTS
+from peerloom.backends._robust import DEFAULT_RULE, RULES, Schema
 
-from .reduce import check_schema, check_weights
-from .tensors import TensorDict
+from .tensors import TensorDict, schema_of
 
-__all__ = ["DEFAULT_RULE", "NUMPY_OPS", "RULES", "aggregate", "workspace"]
+__all__ = ["DEFAULT_RULE", "NUMPY_OPS", "OUTER_DEFAULTS", "RULES", "aggregate", "outer_step", "screening_stats",
+           "workspace"]
 
 
+# This class mirrors its twin in the other backend line for line on purpose: each primitive calls its own
+# library (numpy here); everything above the primitives is shared (`_robust`, `_reduce`).
 class NumpyOps:
     """`peerloom.backends._robust.Ops` for numpy arrays."""
 
@@ -155,6 +158,11 @@ NUMPY_OPS = NumpyOps()
 _local = threading.local()
 
 
+def check_schema(members: Sequence[TensorDict], what: str) -> Schema:
+    """`peerloom.backends._reduce.check_schema` for numpy tensor dicts (ValueError on a mismatch)."""
+    return _reduce.check_schema(members, what, schema_of)
+
+
 def workspace() -> _robust.Workspace:
     """This thread's reusable buffers."""
     ws = getattr(_local, "ws", None)
@@ -163,26 +171,10 @@ def workspace() -> _robust.Workspace:
     return ws
 
 
-def _flat(d: TensorDict) -> dict[str, list[np.ndarray]]:
-    return {name: [np.reshape(np.asarray(t), -1)] for name, t in d.items()}
-
-
 def aggregate(rule: str, deltas: Sequence[TensorDict], weights: Sequence[int], **params: Any) -> TensorDict:
     """Aggregate a cohort of same-schema deltas (float32/float64 numpy arrays, canonical cohort order)
     with `rule` (one of `RULES`; parameters in the module docstring). Returns new arrays, same schema."""
-    ws_ = check_weights(weights, len(deltas))
-    schema = check_schema(deltas, "delta")
-    if params.get("center") is not None and check_schema([deltas[0], params["center"]], "center") != schema:
-        raise ValueError("center has another schema")
-
-    def new() -> TensorDict:
-        return {name: np.empty(shape, dtype=dtype) for name, dtype, shape in schema}
-
-    return _robust.run_rule(NUMPY_OPS, workspace(), schema, deltas, ws_, rule, params, new, _flat)
-
-
-OUTER_DEFAULTS = {"fedavg": (1.0, 0.0), "diloco": (0.7, 0.9)}
-"""name -> (lr, momentum). DiLoCo: Nesterov momentum, lr 0.7, momentum 0.9 (Douillard et al., arXiv 2311.08105)."""
+    return _reduce.aggregate(NUMPY_OPS, workspace(), check_schema, rule, deltas, weights, params)
 
 
 def outer_step(
@@ -201,16 +193,8 @@ def outer_step(
     (PyTorch's SGD formulation). `state` is the momentum buffer, a tensor dict of the params' schema (None =
     zeros); the returned state is None when momentum is 0. Raises ValueError on schema mismatch/unknown name.
     """
-    if name not in OUTER_DEFAULTS:
-        raise ValueError(f"unknown outer optimizer {name!r}; known: {', '.join(OUTER_DEFAULTS)}")
-    lr = OUTER_DEFAULTS[name][0] if lr is None else float(lr)
-    momentum = OUTER_DEFAULTS[name][1] if momentum is None else float(momentum)
-    schema = check_schema([params, pseudo_gradient] + ([state] if state is not None else []), "outer input")
-    out = {n: np.empty(shape, dtype=dt) for n, dt, shape in schema}
-    out_buf = {n: np.empty(shape, dtype=dt) for n, dt, shape in schema} if momentum else None
-    _robust.outer_momentum(NUMPY_OPS, workspace(), schema, params, pseudo_gradient, state, lr, momentum,
-                           name == "diloco", out, out_buf)
-    return out, out_buf
+    return _reduce.outer_step(NUMPY_OPS, workspace(), check_schema, name, params, pseudo_gradient, state, lr,
+                              momentum)
 
 
 def screening_stats(
@@ -220,9 +204,8 @@ def screening_stats(
     "global_norm": float, "cosine": float (to `reference`; NaN if none/zero), "distance": float (L2 to the
     robust `centre`; NaN if none)}``. Sums in float64 lanes (`peerloom.backends._robust`), so the numpy and
     torch backends return equal floats. Non-finite deltas return ``finite=False`` and NaN statistics."""
-    schema = check_schema([delta] + [d for d in (reference, centre) if d is not None], "screened tensor")
-    finite = all(bool(np.isfinite(t).all()) for t in delta.values())
-    if not finite:
-        return {"finite": False, "norms": {n: float("nan") for n in delta}, "global_norm": float("nan"),
-                "cosine": float("nan"), "distance": float("nan")}
-    return {"finite": True, **_robust.screening_stats(NUMPY_OPS, workspace(), schema, delta, reference, centre)}
+    return _reduce.screening_stats(NUMPY_OPS, workspace(), check_schema, _all_finite, delta, reference, centre)
+
+
+def _all_finite(t: np.ndarray) -> bool:
+    return bool(np.isfinite(t).all())

@@ -53,6 +53,37 @@ def to_safetensors(tensors: TensorDict) -> bytes:
     return safetensors.numpy.save(flat)
 
 
+
+_SAFE_NAME = frozenset(chr(c) for c in range(0x20, 0x7F)) - {'"', "\\"}
+
+
+def safetensors_parts(tensors: TensorDict) -> list[bytes | memoryview] | None:
+    """`to_safetensors(tensors)` as a list of pieces whose concatenation is the same bytes, the arrays' own
+    memory, not copied (issue 20: a 400 MB artifact is written and hashed from the array itself). None
+    when the fast path does not apply: tensors of more than one dtype (the library orders those by its
+    dtype ranking), a name that is not printable ASCII without quotes or backslashes (JSON escaping) or is
+    ``__metadata__``, or a dtype other than float32, int8, uint8, int32 or int64; the caller then uses
+    `to_safetensors`.
+    tests/test_safetensors_views.py checks that the bytes are the library's."""
+    names = sorted(tensors)  # one dtype: the library orders by name
+    arrays = [_little_endian_c(tensors[n]) for n in names]
+    kinds = {a.dtype.str for a in arrays}
+    codes = {"<f4": "F32", "|i1": "I8", "|u1": "U8", "<i4": "I32", "<i8": "I64"}
+    if len(kinds) > 1 or not kinds <= set(codes) or "__metadata__" in tensors or \
+            not all(isinstance(n, str) and n and set(n) <= _SAFE_NAME for n in names):
+        return None
+    entries, offset = [], 0
+    for name, array in zip(names, arrays, strict=True):
+        end = offset + array.nbytes
+        shape = ",".join(str(d) for d in array.shape)
+        entries.append(f'"{name}":{{"dtype":"{codes[array.dtype.str]}","shape":[{shape}],"data_offsets":[{offset},{end}]}}')
+        offset = end
+    header = ("{" + ",".join(entries) + "}").encode()
+    header += b" " * (-len(header) % 8)
+    parts: list[bytes | memoryview] = [len(header).to_bytes(8, "little") + header]
+    parts += [memoryview(a.reshape(-1)).cast("B") for a in arrays if a.nbytes]
+    return parts
+
 def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
     out: dict[str, object] = {}
     for key, value in pairs:
@@ -101,6 +132,72 @@ def from_safetensors(data: bytes | bytearray | memoryview, *, max_tensors: int =
         raise DecodeError("bad-safetensors", f"parsed {len(tensors)} tensors, header names {count}")
     return tensors
 
+
+
+# safetensors dtype names -> little-endian numpy dtypes that `safetensors_views` maps without a copy.
+_VIEW_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
+                "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?"}
+
+
+def safetensors_views(data: bytes, *, max_tensors: int = DEFAULT_MAX_TENSORS) -> TensorDict:
+    """`from_safetensors` without copying: each array is a read-only view into `data` (issue 20: a 400 MB
+    artifact loads in one read, not a read plus a copy).
+
+    Same checks as `from_safetensors` on the prefix and header, and then, in place of the library's: every
+    entry (but ``__metadata__``) is ``{"dtype", "shape", "data_offsets"}`` with a known dtype, a shape of
+    non-negative ints, and offsets ``[begin, end]`` with ``end - begin`` = elements x item size; sorted by
+    offset, the entries tile the data after the header exactly (no gap, no overlap, nothing after).
+    A dtype numpy cannot view (e.g. BF16) falls back to `from_safetensors`. Raises `DecodeError(
+    "bad-safetensors", detail)` and nothing else; never unpickles.
+    """
+    if not isinstance(data, bytes):
+        return from_safetensors(data, max_tensors=max_tensors)
+    if len(data) < 8:
+        raise DecodeError("bad-safetensors", f"{len(data)} bytes is shorter than the 8-byte length prefix")
+    header_len = int.from_bytes(data[:8], "little")
+    if header_len > len(data) - 8 or header_len > MAX_HEADER_BYTES:
+        raise DecodeError("bad-safetensors", f"header length {header_len} does not fit {len(data)} bytes")
+    try:
+        header = json.loads(data[8 : 8 + header_len].decode("utf-8"), object_pairs_hook=_reject_duplicates)
+    except (ValueError, RecursionError) as exc:
+        raise DecodeError("bad-safetensors", f"header is not JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise DecodeError("bad-safetensors", "header is not a JSON object")
+    entries = [(k, v) for k, v in header.items() if k != "__metadata__"]
+    if len(entries) > max_tensors:
+        raise DecodeError("bad-safetensors", f"{len(entries)} tensors > {max_tensors}")
+    spans = []
+    for name, entry in entries:
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise DecodeError("bad-safetensors", f"tensor {name!r}: bad entry")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if dtype not in _VIEW_DTYPES:
+            if isinstance(dtype, str):
+                return from_safetensors(data, max_tensors=max_tensors)
+            raise DecodeError("bad-safetensors", f"tensor {name!r}: bad dtype")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+                and isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise DecodeError("bad-safetensors", f"tensor {name!r}: bad shape or offsets")
+        count = 1
+        for d in shape:
+            count *= d
+        item = np.dtype(_VIEW_DTYPES[dtype]).itemsize
+        if not 0 <= offsets[0] <= offsets[1] or offsets[1] - offsets[0] != count * item:
+            raise DecodeError("bad-safetensors", f"tensor {name!r}: offsets do not hold its shape")
+        spans.append((offsets[0], offsets[1], name, np.dtype(_VIEW_DTYPES[dtype]), tuple(shape), count))
+    spans.sort(key=lambda s: (s[0], s[1]))
+    end = 0
+    for begin, stop, name, _, _, _ in spans:
+        if begin != end:
+            raise DecodeError("bad-safetensors", f"tensor {name!r}: data does not tile the buffer")
+        end = stop
+    base = 8 + header_len
+    if base + end != len(data):
+        raise DecodeError("bad-safetensors", f"{len(data) - base - end} bytes after the last tensor")
+    tensors: TensorDict = {}
+    for begin, _, name, dtype, shape, count in spans:
+        tensors[name] = np.frombuffer(data, dtype=dtype, count=count, offset=base + begin).reshape(shape)
+    return tensors
 
 def schema_of(tensors: TensorDict) -> Schema:
     """``((name, dtype, shape), ...)`` sorted by name; dtype is numpy's name (``"float32"``, ``"int64"``)."""

@@ -15,19 +15,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from peerloom.backends import _robust
+from peerloom.backends import _reduce, _robust
+from peerloom.backends._reduce import OUTER_DEFAULTS
 from peerloom.backends._robust import DEFAULT_RULE, RULES
-from peerloom.backends.numpy.reduce import check_weights
 
-from .reduce import TorchTensorDict, check_schema
+from .tensors import TorchTensorDict, check_schema
 
-__all__ = ["DEFAULT_RULE", "RULES", "TORCH_OPS", "aggregate", "workspace"]
+__all__ = ["DEFAULT_RULE", "OUTER_DEFAULTS", "RULES", "TORCH_OPS", "aggregate", "outer_step", "screening_stats",
+           "workspace"]
 
 
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+# This class mirrors its twin in the other backend line for line on purpose: each primitive calls its own
+# library (torch here); everything above the primitives is shared (`_robust`, `_reduce`).
 class TorchOps:
     """`peerloom.backends._robust.Ops` for torch CPU tensors (each call one ATen kernel, no fusion)."""
 
@@ -144,28 +147,13 @@ def workspace() -> _robust.Workspace:
     return ws
 
 
-def _flat(d: TorchTensorDict) -> dict[str, list[torch.Tensor]]:
-    return {name: [t.reshape(-1)] for name, t in d.items()}
-
-
 @torch.no_grad()
 def aggregate(
     rule: str, deltas: Sequence[TorchTensorDict], weights: Sequence[int], **params: Any
 ) -> TorchTensorDict:
     """Aggregate a cohort of same-schema deltas (float32/float64 CPU tensors, canonical cohort order)
     with `rule`; the contract of `peerloom.backends.numpy.aggregate.aggregate`, byte for byte."""
-    ws_ = check_weights(weights, len(deltas))
-    schema = check_schema(deltas, "delta")
-    if params.get("center") is not None and check_schema([deltas[0], params["center"]], "center") != schema:
-        raise ValueError("center has another schema")
-
-    def new() -> TorchTensorDict:
-        return {name: torch.empty(shape, dtype=_dtype(dtype)) for name, dtype, shape in schema}
-
-    return _robust.run_rule(TORCH_OPS, workspace(), schema, deltas, ws_, rule, params, new, _flat)
-
-
-OUTER_DEFAULTS = {"fedavg": (1.0, 0.0), "diloco": (0.7, 0.9)}
+    return _reduce.aggregate(TORCH_OPS, workspace(), check_schema, rule, deltas, weights, params)
 
 
 @torch.no_grad()
@@ -179,16 +167,8 @@ def outer_step(
     momentum: float | None = None,
 ) -> tuple[TorchTensorDict, TorchTensorDict | None]:
     """`peerloom.backends.numpy.aggregate.outer_step` on torch CPU tensors, byte for byte."""
-    if name not in OUTER_DEFAULTS:
-        raise ValueError(f"unknown outer optimizer {name!r}; known: {', '.join(OUTER_DEFAULTS)}")
-    lr = OUTER_DEFAULTS[name][0] if lr is None else float(lr)
-    momentum = OUTER_DEFAULTS[name][1] if momentum is None else float(momentum)
-    schema = check_schema([params, pseudo_gradient] + ([state] if state is not None else []), "outer input")
-    out = {n: torch.empty(shape, dtype=_dtype(dt)) for n, dt, shape in schema}
-    out_buf = {n: torch.empty(shape, dtype=_dtype(dt)) for n, dt, shape in schema} if momentum else None
-    _robust.outer_momentum(TORCH_OPS, workspace(), schema, params, pseudo_gradient, state, lr, momentum,
-                           name == "diloco", out, out_buf)
-    return out, out_buf
+    return _reduce.outer_step(TORCH_OPS, workspace(), check_schema, name, params, pseudo_gradient, state, lr,
+                              momentum)
 
 
 @torch.no_grad()
@@ -196,9 +176,8 @@ def screening_stats(
     delta: TorchTensorDict, *, reference: TorchTensorDict | None = None, centre: TorchTensorDict | None = None
 ) -> dict[str, Any]:
     """`peerloom.backends.numpy.aggregate.screening_stats` on torch CPU tensors (equal floats)."""
-    schema = check_schema([delta] + [d for d in (reference, centre) if d is not None], "screened tensor")
-    finite = all(bool(torch.isfinite(t).all()) for t in delta.values())
-    if not finite:
-        return {"finite": False, "norms": {n: float("nan") for n in delta}, "global_norm": float("nan"),
-                "cosine": float("nan"), "distance": float("nan")}
-    return {"finite": True, **_robust.screening_stats(TORCH_OPS, workspace(), schema, delta, reference, centre)}
+    return _reduce.screening_stats(TORCH_OPS, workspace(), check_schema, _all_finite, delta, reference, centre)
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t).all())

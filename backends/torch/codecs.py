@@ -16,7 +16,7 @@ from peerloom.backends import _codecs
 from peerloom.backends._codecs import CODECS, DEFAULT_MAX_ELEMENTS, DEFAULT_TOPK_FRACTION, INT8_BLOCK, LANES
 from peerloom.core.errors import DecodeError
 
-from .reduce import Schema, TorchTensorDict, dtype_name, schema_of
+from .tensors import Schema, TorchTensorDict, dtype_name, schema_of
 
 __all__ = ["CODECS", "ErrorFeedback", "decode", "encode", "zeros_state"]
 

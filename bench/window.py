@@ -1,0 +1,342 @@
+"""Window benchmark (issue 20): what one window costs a fleet of real `peerloom node` processes at model
+scale, against a gloo ``all_reduce`` + ``broadcast`` of the same parameters; one JSON object on the last line.
+
+    python bench/window.py [--params 1000000,10000000] [--windows 5] [--trainers 2] [--validators 1]
+                           [--quick] [--out DIR]
+
+For each parameter count P the benchmark writes an experiment (`peerloom.experiment.Experiment`: the demo's
+protocol settings, centered clipping, DiLoCo, audit on, 1 MiB chunks), starts 1 validator (4 with
+``--validators 4``), 1 reducer and `--trainers` trainers as ``python -m peerloom node`` processes on
+127.0.0.1, and lets them certify `--windows` windows. The workload (`flat_factory`) is one float32 tensor
+of P parameters whose "training" is a fixed-cost step (one multiply: ``delta = c * params``), so what is
+measured is the protocol: storing, hashing, moving, screening, auditing, reducing and agreeing.
+
+Per window (medians over the windows after the first, which warms up): the wall time from the earliest
+trainer's ``lease`` to the validator's certified ``head`` (seconds), split into phases read from the nodes'
+event logs (``events.jsonl``; every line carries a unix time ``t``):
+
+    fetch_head   lease -> the trainers' fetch of the previous head's params done (0 when held already)
+    train        the trainers' ``train`` task (the fixed-cost step, plus encoding and storing the delta)
+    publish      train done -> the last ``announce`` (signing and sending the announcement)
+    fetch        last announce -> the validator's last update fetched
+    screen       -> the validator's last ``screen`` task done (screening and the audit's replay)
+    reduce       -> the first reduction done: the reducer's ``proposal`` or the validator's own ``reduce``
+                    task (cohort screening, aggregation, DiLoCo step), whichever came first
+    agree        -> the validator's ``head`` (the check of the proposal or of its own head, votes, evaluation)
+
+and the bytes on the wire per role (the runtime's counters, ``wire`` lines at each head; sent + received)
+against the model's size ``4 P`` bytes; the peak RSS of each role (``VmHWM`` of /proc/PID/status, read
+before the nodes stop) against ``4 P``; the baseline: the median over `--baseline-repeats` of one
+``torch.distributed`` gloo ``all_reduce`` (sum) plus one ``broadcast`` of P float32 among as many processes
+as the fleet has, run in the same invocation right before the fleet; and ``ratio`` = the window's
+protocol overhead (wall minus the train task) / the baseline.
+
+Output (last line): ``{"cpus", "results": [{"params", "model_bytes", "windows", "window_s" (median wall),
+"overhead_s", "phases": {name: median s}, "tasks": {role: {kind: median s}}, "wire_bytes": {role: median
+per window}, "wire_ratio": {role: bytes / model_bytes}, "peak_rss_bytes": {role: max}, "rss_ratio": {role:
+peak / model_bytes}, "baseline_s", "ratio", "skipped"}]}``. ``--quick``: P = 1M, 3 windows.
+
+Disk: nodes keep every artifact while they run, about ``4 P x (12 (windows + 1) + 2)`` bytes with one
+validator and two trainers (25 GB at 100M and 4 windows); each fleet's directory is removed once measured
+(unless `--out`), and a size that would not fit, with 2 GiB to spare, is refused before it starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+PARAMS_ENV = "PEERLOOM_BENCH_PARAMS"
+PHASES = ("fetch_head", "train", "publish", "fetch", "screen", "reduce", "agree")
+
+
+class FlatWorkload:
+    """P float32 parameters ``{"w": [P]}`` with a fixed-cost "training" step (module docstring).
+
+    `train` returns ``delta = c * params`` with ``c = 1e-3 * (1 + (first index % 7) / 100)``: one multiply,
+    a different update per lease (distinct digests, so no replay rejection), all pointing the same way (honest
+    under centred clipping and cosine screening), and a pure function of (params, indices), so an audit
+    reproduces it bit for bit. `evaluate` reports the mean square of the parameters.
+    """
+
+    def __init__(self, params: int, num_train: int) -> None:
+        self.params, self.num_train = params, num_train
+
+    def schema(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+        return (("w", "float32", (self.params,)),)
+
+    def initial_params(self, seed: int) -> dict[str, np.ndarray]:
+        return {"w": np.random.default_rng(seed).standard_normal(self.params, dtype=np.float32)}
+
+    def train(self, params: dict[str, np.ndarray], indices: Any, seed: int, **_: Any) -> tuple[dict, dict]:
+        scale = np.float32(1e-3 * (1.0 + (int(indices[0]) % 7) / 100.0))
+        return {"w": params["w"] * scale}, {"train_loss": 1.0, "samples": len(indices)}
+
+    def evaluate(self, params: dict[str, np.ndarray]) -> dict[str, float]:
+        w = params["w"]
+        return {"loss": float(np.dot(w, w)) / max(1, w.size)}
+
+
+def flat_factory(seed: int, num_shards: int) -> tuple[FlatWorkload, list[list[int]]]:
+    """Workload factory (``workload = "bench.window:flat_factory"``): P from the environment variable
+    ``PEERLOOM_BENCH_PARAMS`` (default 1,000,000), one sample per shard."""
+    params = int(os.environ.get(PARAMS_ENV, "1000000"))
+    return FlatWorkload(params, num_shards), [[i] for i in range(num_shards)]
+
+
+# --- baseline: gloo all_reduce + broadcast ------------------------------------------------------------------
+
+def _gloo_worker(rank: int, world: int, port: int, params: int, repeats: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    tensor = torch.ones(params, dtype=torch.float32)
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        started = time.perf_counter()
+        dist.all_reduce(tensor)
+        tensor /= world
+        dist.broadcast(tensor, 0)
+        times.append(time.perf_counter() - started)
+    dist.destroy_process_group()
+    if rank == 0:
+        print(json.dumps({"times": times[1:]}), flush=True)
+
+
+def gloo_baseline(world: int, params: int, repeats: int) -> float:
+    """Median seconds of one gloo all_reduce + broadcast of `params` float32 among `world` processes."""
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, __file__, "--gloo-worker", str(rank), str(world), str(port),
+                               str(params), str(repeats)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for rank in range(world)]
+    out = [p.communicate(timeout=600)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"gloo baseline failed: {[p.returncode for p in procs]}")
+    return statistics.median(json.loads(out[0].strip().splitlines()[-1])["times"])
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# --- the fleet ---------------------------------------------------------------------------------------------
+
+def _peak_rss(pid: int) -> int:
+    """VmHWM (peak resident set) of a live process, bytes; 0 if it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
+
+
+def disk_needed(params: int, windows: int, trainers: int, validators: int) -> int:
+    """Bytes the fleet's stores fill (nodes keep every artifact during a run): per window each trainer
+    stores its delta and the head, and each validator and the reducer the deltas, params and optimizer
+    state; plus the genesis params."""
+    per_window = 2 * trainers + (validators + 1) * (trainers + 2)
+    return 4 * params * (per_window * (windows + 1) + validators + 1)
+
+
+def run_fleet(params: int, *, windows: int, trainers: int, validators: int, out: Path,
+              keep: bool = False) -> dict[str, Any]:
+    """Run one fleet for `windows` certified windows; returns its measurements (module docstring).
+    SystemExit when the disk under `out` lacks room for the run (`disk_needed`)."""
+    from peerloom.experiment import Experiment, Fleet
+
+    need = disk_needed(params, windows, trainers, validators)
+    free = shutil.disk_usage(out).free
+    if free < need + (2 << 30):  # and leave 2 GiB to everyone else
+        raise SystemExit(f"bench/window.py: {params} parameters x {windows} windows need {need / 1e9:.1f} GB "
+                         f"under {out}, {free / 1e9:.1f} GB free")
+    os.environ[PARAMS_ENV] = str(params)
+    directory = out / f"p{params}"
+    shutil.rmtree(directory, ignore_errors=True)
+    # Collection time: generous, so a slow machine never closes a window early (a window closes as soon as
+    # every lease has reported, so this does not add to the measured time).
+    window_s = 20.0 + params / 2e6
+    experiment = Experiment(
+        workload="bench.window:flat_factory", name="bench-window", trainers=trainers, validators=validators,
+        reducers=1, shards=trainers, window_s=window_s, min_updates=trainers, aggregation="centered_clip",
+        outer_optimizer="diloco", audit=True, chunk_size=1 << 20, base_port=0,
+        node_options={f"validator-{i}": {"stop_after_window": windows} for i in range(1, validators + 1)})
+    experiment.write(directory)
+    fleet = Fleet.open(directory)
+    names = [n["name"] for n in fleet.layout["nodes"]]
+    roles = {n["name"]: n["role"] for n in fleet.layout["nodes"]}
+    deadline = time.monotonic() + 120 + windows * (10 + params / 1e6 * 3)
+    fleet.start()
+    skipped = 0
+    rss: dict[str, int] = {}
+    try:
+        fleet.wait_started(timeout_s=120)
+        tail = fleet.events()
+        heads = 0
+        while heads < windows:
+            for event in tail.read():
+                if event.get("event") == "head":
+                    heads += 1
+                    skipped += bool(event.get("skipped"))
+            exited = [n for n, p in fleet.processes.items() if p.poll() is not None]
+            if exited and heads < windows:
+                raise RuntimeError(f"{exited[0]} exited: {fleet.last_log_line(exited[0])}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{heads} of {windows} windows certified in time")
+            time.sleep(0.1)
+        time.sleep(0.5)  # let trailing lines of the last window reach the logs
+        rss = {name: _peak_rss(p.pid) for name, p in fleet.processes.items()}
+    finally:
+        fleet.stop()
+    logs = {name: _events(fleet.node_dir(name) / "events.jsonl") for name in names}
+    if not keep:
+        shutil.rmtree(directory, ignore_errors=True)  # gigabytes of artifacts at 100M: never leave them behind
+    result = analyse(logs, roles, params, windows)
+    result["skipped"] = skipped
+    by_role: dict[str, int] = {}
+    for name, value in rss.items():
+        by_role[roles[name]] = max(by_role.get(roles[name], 0), value)
+    result["peak_rss_bytes"] = by_role
+    result["rss_ratio"] = {r: round(v / (4 * params), 2) for r, v in by_role.items()}
+    return result
+
+
+def _by_window(lines: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    """Each line under the window it belongs to: lines carrying `window` by it, others (task-done,
+    artifact-fetched, wire) by the latest window a line named before them."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    current = 0
+    for line in lines:
+        if isinstance(line.get("window"), int) and line["event"] != "wire":
+            current = line["window"]
+        out.setdefault(line.get("window", current) if line["event"] == "wire" else current, []).append(line)
+    return out
+
+
+def analyse(logs: dict[str, list[dict[str, Any]]], roles: dict[str, str], params: int,
+            windows: int) -> dict[str, Any]:
+    """Phases, tasks and wire bytes per window from the nodes' event logs (module docstring)."""
+    validator = next(n for n in logs if roles[n] == "validator")
+    reducer = next(n for n in logs if roles[n] == "reducer")
+    trainers = [n for n in logs if roles[n] == "trainer"]
+    heads = {e["window"]: e for e in logs[validator] if e["event"] == "head"}
+    walls, phases_all = [], {p: [] for p in PHASES}
+    tasks: dict[str, dict[str, list[float]]] = {}
+    wire: dict[str, list[int]] = {}
+    for w in range(2, windows + 1):  # window 1 warms up (imports, first connections)
+        if w not in heads or heads[w].get("skipped"):
+            continue
+        leases = [e["t"] for n in trainers for e in logs[n] if e["event"] == "lease" and e.get("window") == w]
+        announces = [e["t"] for n in trainers for e in logs[n] if e["event"] == "announce" and e.get("window") == w]
+        if not leases or not announces:
+            continue
+        start, end = min(leases), heads[w]["t"]
+        per_trainer = [_by_window(logs[n]).get(w, []) for n in trainers]
+        fetched_head = max((e["t"] for lines in per_trainer for e in lines if e["event"] == "artifact-fetched"),
+                           default=start)
+        trained = max((e["t"] for lines in per_trainer for e in lines
+                       if e["event"] == "task-done" and e["kind"] == "train"), default=fetched_head)
+        vlines = _by_window(logs[validator]).get(w, [])
+        announced = max(announces)
+        fetched = max((e["t"] for e in vlines if e["event"] == "artifact-fetched" and e["t"] <= end
+                       and e["t"] >= start), default=announced)
+        screened = max((e["t"] for e in vlines if e["event"] == "task-done" and e["kind"] == "screen"),
+                       default=fetched)
+        # the first reduction done: the reducer's proposal or the validator's own (whichever came first)
+        reduced = [e["t"] for e in logs[reducer] if e["event"] == "proposal" and e.get("window") == w]
+        reduced += [e["t"] for e in vlines if e["event"] == "task-done" and e["kind"] == "reduce" and e["t"] <= end]
+        proposed = min(reduced) if reduced else screened
+        marks = [start, fetched_head, trained, announced, fetched, screened, proposed, end]
+        for i, name in enumerate(PHASES):
+            phases_all[name].append(max(0.0, marks[i + 1] - max(marks[: i + 1])))
+        walls.append(end - start)
+        for name in logs:
+            for e in _by_window(logs[name]).get(w, []):
+                if e["event"] == "task-done":
+                    tasks.setdefault(roles[name], {}).setdefault(e["kind"], []).append(e["seconds"])
+            sent = {e["window"]: e["sent"] + e["received"] for e in logs[name] if e["event"] == "wire"}
+            if w in sent and w - 1 in sent:
+                wire.setdefault(roles[name], []).append(sent[w] - sent[w - 1])
+    model = 4 * params
+    wall = statistics.median(walls) if walls else float("nan")
+    train = statistics.median(phases_all["train"]) if walls else 0.0
+    wire_med = {r: int(statistics.median(v)) for r, v in wire.items()}
+    return {
+        "params": params, "model_bytes": model, "windows": len(walls), "window_s": round(wall, 4),
+        "overhead_s": round(wall - train, 4),
+        "phases": {p: round(statistics.median(v), 4) if v else None for p, v in phases_all.items()},
+        "tasks": {r: {k: round(statistics.median(v), 4) for k, v in kinds.items()} for r, kinds in tasks.items()},
+        "wire_bytes": wire_med, "wire_ratio": {r: round(v / model, 2) for r, v in wire_med.items()},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", default="1000000,10000000", help="comma-separated parameter counts")
+    parser.add_argument("--windows", type=int, default=5, help="windows per fleet (the first is a warm-up)")
+    parser.add_argument("--trainers", type=int, default=2)
+    parser.add_argument("--validators", type=int, default=1, choices=(1, 4))
+    parser.add_argument("--baseline-repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="run the fleets here and keep their directories (default: a temporary directory, "
+                             "each fleet removed once measured)")
+    parser.add_argument("--quick", action="store_true", help="1M parameters, 3 windows")
+    parser.add_argument("--gloo-worker", nargs=5, type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.gloo_worker:
+        _gloo_worker(*args.gloo_worker)
+        return
+    sizes = [1_000_000] if args.quick else [int(float(p)) for p in args.params.split(",")]
+    windows = 3 if args.quick else args.windows
+    out = args.out or Path(tempfile.mkdtemp(prefix="peerloom-bench-window-"))
+    world = args.validators + 1 + args.trainers
+    results = []
+    try:
+        for params in sizes:
+            baseline = gloo_baseline(world, params, 3 if args.quick else args.baseline_repeats)
+            result = run_fleet(params, windows=windows, trainers=args.trainers, validators=args.validators, out=out,
+                               keep=args.out is not None)
+            result["baseline_s"] = round(baseline, 4)
+            result["ratio"] = round(result["overhead_s"] / baseline, 2) if baseline > 0 else None
+            print(json.dumps(result), file=sys.stderr, flush=True)
+            results.append(result)
+    finally:
+        if args.out is None:
+            shutil.rmtree(out, ignore_errors=True)
+    print(json.dumps({"cpus": os.cpu_count(), "processes": world, "results": results}))
+
+
+if __name__ == "__main__":
+    main()

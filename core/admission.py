@@ -1,0 +1,299 @@
+"""A validator's view of roster membership (spec/protocol.md §4.1): the signed joins it holds (bounded,
+kept by `join_priority`), the leaves and join withdrawals it heard, heartbeats and idle expiry, and the
+roster rules of the next head - the roster its own head proposes (`next_roster`, `departures`,
+`expirations`) and the check of a proposed head's roster against what it heard (`roster_fault`).
+
+What a join, leave or heartbeat changes here is local to this validator until a head certifies it; every
+honest validator that heard the same messages derives the same roster.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .envelope import SignedEnvelope
+from .errors import VerificationError
+from .identity import PeerId
+from .leases import next_unproven, undelivered
+from .messages import Signed
+from .objects import PROTOCOL_VERSION, Head, Heartbeat, JoinRequest, LeaveRequest, check_admission
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+JOIN_PRIORITY_DOMAIN = b"peerloom/join-priority/v1"
+WINDOWS_AHEAD = 2  # joins, leaves (and other messages) for windows this far ahead are taken, later ones dropped
+# Joins withdrawn by a signed leave are remembered this many windows (older joins are stale by then anyway).
+WITHDRAWN_WINDOWS = 2
+MAX_WITHDRAWN = 4096
+# Joins a validator holds at once, per manifest `max_joins` (or at least this many); more are refused.
+JOIN_BACKLOG_FACTOR = 4
+MIN_JOIN_BACKLOG = 64
+
+
+def join_priority(head_id: bytes, peer: PeerId) -> bytes:
+    """The order in which joins pending on head `head_id` are rostered and kept (spec/protocol.md §4.1):
+    SHA-256(domain, head id, peer id). Fresh each window, the same at every validator."""
+    return hashlib.sha256(JOIN_PRIORITY_DOMAIN + head_id + peer.to_bytes()).digest()
+
+
+class Admission:
+    """Joins, leaves, heartbeats and idle expiry at one validator, for the window after `head`.
+
+    `joins`: peer -> requested capacity; `admitted`: peer -> certified max capacity (admission policy
+    "certificate"); `leaves`: rostered trainer -> window whose head drops it; `withdrawn`: trainer -> window
+    of the leave that withdrew its join before any head rostered it (a join for that window or earlier is
+    the withdrawn one, a later one is a new request); `heard`: trainer -> latest window it was heard in
+    (heartbeat, update or join); `first_window`: the first window this validator saw (a trainer counts as
+    heard then, so a validator that just started expires nobody early); `heartbeats_taken`: (sender,
+    signer, window), one each. `joins`, `admitted`, `leaves`, `heard` and `first_window` are in the engine
+    snapshot.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.head: Head | None = None  # the parent of the window being collected
+        self.joins: dict[PeerId, int] = {}
+        self.admitted: dict[PeerId, int] = {}
+        self.leaves: dict[PeerId, int] = {}
+        self.withdrawn: dict[PeerId, int] = {}
+        self.heard: dict[PeerId, int] = {}
+        self.first_window: int | None = None
+        self.heartbeats_taken: set[tuple[PeerId, PeerId, int]] = set()
+
+    @property
+    def window(self) -> int:
+        """The window being collected (-1 before the first head)."""
+        return -1 if self.head is None else self.head.window + 1
+
+    def open(self, head: Head) -> None:
+        """A window opens on `head`: forget what its roster settled (peers that left or expired start afresh
+        with a later join), old withdrawals, and heartbeats of past windows."""
+        self.head = head
+        window = self.window
+        for p in head.left + head.expired:
+            self.joins.pop(p, None)
+            self.admitted.pop(p, None)
+        self.leaves = {p: w for p, w in self.leaves.items() if w >= window and p not in head.left}
+        for p in [p for p, w in self.withdrawn.items() if w + WITHDRAWN_WINDOWS < window]:
+            del self.withdrawn[p]
+            if p not in head.roster_peers:
+                self.joins.pop(p, None)
+                self.admitted.pop(p, None)
+        if self.first_window is None:
+            self.first_window = window
+        known = head.roster_peers | set(self.joins)
+        self.heard = {p: w for p, w in self.heard.items() if p in known}
+        self.heartbeats_taken = {x for x in self.heartbeats_taken if x[2] >= window}
+
+    def joining(self) -> bool:
+        """True if a join not yet rostered (and not withdrawn) waits for the next head."""
+        head = self.head
+        return head is not None and any(p not in head.roster_peers and p not in self.withdrawn for p in self.joins)
+
+    # --- signed messages ---------------------------------------------------------------------------
+
+    def on_join(self, peer: PeerId, envelope: SignedEnvelope) -> bool:
+        """A signed join from `peer` (its author or a relaying validator). True if it is held now (the
+        window's clock may start). Raises VerificationError (wrong-revision, join-not-admitted) and
+        DecodeError for a bad one, charged to `peer` by the engine."""
+        e = self.engine
+        join = JoinRequest.from_cbor(envelope.open(JoinRequest.KIND, PROTOCOL_VERSION))
+        if join.revision != e.revision.id:
+            raise VerificationError("wrong-revision", "join")
+        if self.head is None or join.window < self.window or join.window > self.window + WINDOWS_AHEAD:
+            e.stats["stale_joins"] += 1  # an old join (a replay cannot re-roster a trainer that left)
+            return False
+        signer = envelope.signer
+        if join.window <= self.withdrawn.get(signer, -1):
+            e.stats["withdrawn_joins_ignored"] += 1  # withdrawn since: a late relay or a replay
+            return False
+        capacity = max(1, join.capacity)
+        cert = None
+        if e.manifest.admission == "certificate":
+            # Raises join-not-admitted, charged to the sender (an honest validator relays only admitted
+            # joins). Checked before the backlog: a join that is not admitted evicts nobody.
+            # Expiry is checked against the join's own signed window: one verdict per join everywhere.
+            cert = check_admission(join.admission, e.revision.id, e.manifest, signer, window=join.window)
+            capacity = min(capacity, cert.max_capacity)
+        if signer not in self.joins and not self.make_room_for_join(signer):
+            # A join flood (Sybils) cannot grow this validator's state (spec/protocol.md §4.1). Charged only
+            # to a joiner sending its own join; a relaying validator did nothing wrong.
+            if peer == signer:
+                e.reject(peer, "join-backlog-full")
+            else:
+                e.rejected_by_reason["join-backlog-full"] += 1
+            return False
+        self.withdrawn.pop(signer, None)  # a join for a later window: asked anew
+        if cert is not None:
+            self.admitted[signer] = cert.max_capacity
+        if signer not in self.joins:
+            e.log("join", peer=str(signer), capacity=join.capacity)
+            if peer == signer:
+                # Relay a join heard from the joiner itself (one hop), so every validator knows it and a
+                # proposal that adds the joiner to the roster is not refused as an unknown join.
+                e.broadcast(Signed(envelope=envelope), roles=("validator",))
+        self.joins[signer] = capacity
+        self.hear(signer, self.window)
+        return True
+
+    def on_leave(self, peer: PeerId, envelope: SignedEnvelope) -> None:
+        """A rostered trainer's signed leave: the head of its window drops it from the roster. From a trainer
+        not rostered yet, a withdrawal of its pending join."""
+        e = self.engine
+        leave = LeaveRequest.from_cbor(envelope.open(LeaveRequest.KIND, PROTOCOL_VERSION))
+        if leave.revision != e.revision.id:
+            raise VerificationError("wrong-revision", "leave")
+        signer, head = envelope.signer, self.head
+        if head is None or leave.window < self.window or leave.window > self.window + WINDOWS_AHEAD:
+            e.stats["stale_leaves"] += 1  # for a window certified already (or far ahead): no effect, no penalty
+            return
+        if signer not in head.roster_peers:
+            # A withdrawal of a pending join. Without a join known here (yet: a relayed one may be on its
+            # way) it is still recorded, and costs a direct sender one penalty point (spam of fresh keys).
+            if signer not in self.joins and signer not in self.withdrawn and peer == signer:
+                e.reject(peer, "leave-not-rostered")
+            if len(self.withdrawn) < MAX_WITHDRAWN:
+                self._withdraw_join(peer, envelope, leave.window)
+            return
+        if signer in self.leaves:
+            return
+        self.leaves[signer] = leave.window
+        e.log("leave", peer=str(signer), window=leave.window)
+        if peer == signer:
+            e.broadcast(Signed(envelope=envelope), roles=("validator",))  # one hop, like joins
+
+    def _withdraw_join(self, peer: PeerId, envelope: SignedEnvelope, window: int) -> None:
+        """A trainer not yet rostered leaves: its pending join is dropped, so no later head rosters it."""
+        signer = envelope.signer
+        if self.withdrawn.get(signer, -1) >= window:
+            return
+        self.withdrawn[signer] = window  # its join stays known: a head a quorum backs may still roster it
+        self.engine.stats["joins_withdrawn"] += 1
+        self.engine.log("join-withdrawn", peer=str(signer), window=window)
+        if peer == signer:
+            self.engine.broadcast(Signed(envelope=envelope), roles=("validator",))  # one hop, like joins
+
+    def on_heartbeat(self, peer: PeerId, envelope: SignedEnvelope) -> None:
+        """A trainer's signed heartbeat: it was heard in its window. One per (sender, signer, window), for
+        the window being collected or the next; relayed one hop to the other validators."""
+        e, head = self.engine, self.head
+        beat = Heartbeat.from_cbor(envelope.open(Heartbeat.KIND, PROTOCOL_VERSION))
+        if beat.revision != e.revision.id:
+            raise VerificationError("wrong-revision", "heartbeat")
+        signer = envelope.signer
+        if head is None or not self.window <= beat.window <= self.window + 1 or e.manifest.idle_windows == 0:
+            e.stats["stale_heartbeats"] += 1  # old (or far ahead, or expiry off): no effect, no penalty
+            return
+        key = (peer, signer, beat.window)
+        if key in self.heartbeats_taken:
+            e.reject(peer, "heartbeat-quota", f"{signer} window {beat.window}")
+            return
+        self.heartbeats_taken.add(key)
+        if signer not in self.joins and signer not in head.roster_peers:
+            e.stats["stale_heartbeats"] += 1  # not a trainer here (yet, or any more): nothing to keep alive
+            return
+        self.hear(signer, beat.window)
+        if peer == signer:
+            e.broadcast(Signed(envelope=envelope), roles=("validator",))  # one hop, like joins and leaves
+
+    def hear(self, peer: PeerId, window: int) -> None:
+        """`peer` was heard in `window` (its heartbeat, update or join)."""
+        if window > self.heard.get(peer, -1):
+            self.heard[peer] = window
+
+    # --- the next roster -----------------------------------------------------------------------------
+
+    def idle(self, peer: PeerId, window: int) -> bool:
+        """True if this validator has not heard `peer` in the last `idle_windows` windows up to `window`."""
+        idle = self.engine.manifest.idle_windows
+        first = window if self.first_window is None else self.first_window
+        return idle > 0 and max(self.heard.get(peer, -1), first) <= window - idle
+
+    def departures(self, head: Head) -> tuple[PeerId, ...]:
+        """Trainers of `head`'s roster that sent a leave for the next window (or an earlier one), sorted."""
+        rostered = head.roster_peers
+        return tuple(sorted(p for p, w in self.leaves.items() if w <= head.window + 1 and p in rostered))
+
+    def expirations(self, head: Head, left: tuple[PeerId, ...],
+                    delivered: frozenset[PeerId] | None = None) -> tuple[PeerId, ...]:
+        """Trainers of `head`'s roster (not leaving) unheard here for `idle_windows` windows, and, for a head
+        with a cohort (`delivered`: the authors of its cohort and rejected updates), the unproven
+        leaseholders of the window that delivered nothing (spec/protocol.md §4.1); sorted."""
+        window = head.window + 1
+        silent = undelivered(head, self.engine.manifest, delivered) if delivered is not None else frozenset()
+        return tuple(sorted(p for p, _ in head.roster if p not in left and (self.idle(p, window) or p in silent)))
+
+    def make_room_for_join(self, joiner: PeerId) -> bool:
+        """True if a new join of `joiner` may be held: the pending joins (not yet rostered) are fewer than
+        the backlog, or `joiner` ranks before the last of them by `join_priority`, which is then dropped.
+        Every honest validator that hears the same joins keeps the same ones, whatever their order."""
+        head = self.head
+        assert head is not None
+        backlog = max(JOIN_BACKLOG_FACTOR * self.engine.manifest.max_joins, MIN_JOIN_BACKLOG)
+        pending = [p for p in self.joins if p not in head.roster_peers]
+        if len(pending) < backlog:
+            return True
+        last = max(pending, key=lambda p: join_priority(head.id, p))
+        if join_priority(head.id, joiner) >= join_priority(head.id, last):
+            return False
+        del self.joins[last]
+        self.admitted.pop(last, None)
+        return True
+
+    def next_roster(self, head: Head, quarantine: tuple[tuple[PeerId, int], ...],
+                    left: tuple[PeerId, ...], expired: tuple[PeerId, ...] = ()) -> tuple[tuple[PeerId, int], ...]:
+        """The parent's roster less the peers that `left` or `expired`, plus joins seen here, except from
+        peers quarantined by the new head."""
+        gone = set(left) | set(expired)
+        roster = {p: c for p, c in head.roster if p not in gone}
+        quarantined = {p for p, until in quarantine if until > head.window + 2}
+        room = self.engine.manifest.max_joins or len(self.joins)  # joins are taken by priority (§4.1)
+        for peer, capacity in sorted(self.joins.items(), key=lambda kv: join_priority(head.id, kv[0])):
+            if room and peer not in quarantined and peer not in roster and peer not in gone and \
+                    peer not in self.withdrawn:
+                roster[peer] = min(capacity, self.engine.manifest.max_capacity)
+                room -= 1
+        return tuple(sorted(roster.items()))
+
+    def roster_fault(self, head: Head, cohort: frozenset[PeerId], delivered: frozenset[PeerId],
+                     backed: Callable[[], bool]) -> str:
+        """Why the roster of `head`, proposed for the window being collected, is invalid here, or "".
+        `cohort`: the authors of its cohort updates; `delivered`: those and the authors of its rejected
+        updates; `backed()`: True if a quorum of votes backs the head (spec/agreement.md §6: view-dependent
+        faults, ``expired-heard`` and ``join-withdrawn``, do not refuse a head a quorum backs)."""
+        e, parent = self.engine, self.head
+        assert parent is not None
+        window = self.window
+        roster, before, left = dict(head.roster), dict(parent.roster), set(head.left)
+        if list(head.left) != sorted(left) or any(p not in before or p in roster for p in left) or \
+                any(self.leaves.get(p, window + 1) > window for p in left):
+            return "left-unknown"  # a departure without a signed leave held here for this window
+        expired = set(head.expired)
+        silent = frozenset() if head.skipped else undelivered(parent, e.manifest, delivered) - left
+        if list(head.expired) != sorted(expired) or expired & left or \
+                (e.manifest.idle_windows == 0 and not expired <= silent) or \
+                any(p not in before or p in roster for p in expired):
+            return "expired-unknown"  # not a peer of the parent's roster that the new roster drops
+        if not silent <= expired:
+            return "unproven-kept"  # an unproven leaseholder that delivered nothing stays rostered
+        if any(not self.idle(p, window) for p in expired - silent) and not backed():
+            return "expired-heard"  # this validator heard it within idle_windows: not valid here
+        if any(roster.get(p) != cap for p, cap in before.items() if p not in left and p not in expired):
+            return "roster-shrunk"  # the roster shrinks only by the peers that left or expired
+        if any(p in self.withdrawn for p in roster if p not in before) and not backed():
+            return "join-withdrawn"  # it withdrew its join here: not valid here, unless a quorum backs it
+        if any(p not in self.joins and p not in before for p in roster) or \
+                any(p in head.quarantined for p in roster if p not in before):
+            return "roster-unknown-join"
+        if e.manifest.admission == "certificate" and any(
+                p not in self.admitted or cap > self.admitted[p] for p, cap in roster.items() if p not in before):
+            return "roster-not-admitted"
+        if e.manifest.max_joins and sum(1 for p in roster if p not in before) > e.manifest.max_joins:
+            return "roster-too-many-joins"
+        if head.unproven != next_unproven(parent, e.manifest, head.roster, cohort,
+                                          None if head.skipped else delivered):
+            return "unproven-mismatch"
+        return ""

@@ -1,0 +1,61 @@
+"""The contract between the engine and its role state machines (spec/state-machines.md).
+
+A node runs one role object per role it holds (`validator`, `reducer`, `trainer`). The engine keeps what
+they share (peers, timers, persist-then-send, fetching, compute tasks, heads) and calls these hooks; a role
+acts only through the engine's services (`send`, `set_timer`, `persist_then`, `run_task`, `fetch`,
+`reject`, `adopt`, ...). Every hook runs inside `Engine.handle`, so it must not raise for peer input:
+misbehaviour becomes `engine.reject(...)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from .envelope import SignedEnvelope
+from .identity import PeerId
+from .objects import Head
+
+TimerKey = tuple[Any, ...]
+"""A role's timer key: its first item names the timer (``"window"``, ``"claim"``, ...), the rest says which
+one (a window number, a peer). The engine hands every due key it does not own itself to every role."""
+
+
+class Role(Protocol):
+    """The hooks the engine calls on each of its roles, in the order the engine saw the inputs."""
+
+    def on_head(self, head: Head) -> None:
+        """A window opens: `head` (window `head.window`) is now canonical here, and the next window is
+        `head.window + 1`. Called once per promoted head (not after `stop_after_window`)."""
+
+    def on_timer(self, key: TimerKey) -> None:
+        """A timer armed with `engine.set_timer(key, ...)` is due. Keys of other roles arrive too: ignore
+        them."""
+
+    def on_signed(self, peer: PeerId, envelope: SignedEnvelope) -> None:
+        """A greeted peer sent a signed envelope (any kind; its signature is not yet checked: `peer` is the
+        sender, `envelope.signer` the claimed author)."""
+
+    def on_peer_ready(self, peer: PeerId, roles: tuple[str, ...]) -> None:
+        """`peer` greeted us with a Hello of this revision, holding `roles`."""
+
+    def on_head_source(self, peer: PeerId, head: Head) -> None:
+        """`peer` sent us the certified `head` we just adopted (it holds that window's artifacts)."""
+
+
+class RoleBase:
+    """No-op defaults of every `Role` hook: a role overrides the ones it needs."""
+
+    def on_head(self, head: Head) -> None:
+        pass
+
+    def on_timer(self, key: TimerKey) -> None:
+        pass
+
+    def on_signed(self, peer: PeerId, envelope: SignedEnvelope) -> None:
+        pass
+
+    def on_peer_ready(self, peer: PeerId, roles: tuple[str, ...]) -> None:
+        pass
+
+    def on_head_source(self, peer: PeerId, head: Head) -> None:
+        pass

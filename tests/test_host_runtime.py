@@ -1,0 +1,98 @@
+"""The node runtime as a host of its engine (issue 18 items 3-4): bans, rejections and a light peer's submit
+verdict arrive as typed effects (`Ban`, `Rejected`, `SubmitReply`) and the runtime carries them out; a
+connection that ends by our own bug is not charged to the peer (issue 16)."""
+
+from __future__ import annotations
+
+import trio
+
+from peerloom.adapters import tcp
+from peerloom.adapters.runtime import NodeRuntime, RuntimeOptions, _Submit
+from peerloom.adapters.storage import ArtifactStore
+from peerloom.core import effects as fx
+from peerloom.core import events as ev
+from peerloom.core.objects import JoinRequest, seal
+from tests.helpers import ident, make_revision
+
+VALIDATOR = ident(1)
+GENESIS = b"genesis params"
+
+
+class _NoCompute:
+    def run(self, kind, args):  # pragma: no cover - a test that reaches it is broken
+        raise AssertionError(f"unexpected compute task {kind}")
+
+
+def validator_runtime(tmp_path) -> NodeRuntime:
+    store = ArtifactStore(tmp_path / "store")
+    store.put(GENESIS)
+    return NodeRuntime(name="v", identity=VALIDATOR, revision=make_revision(genesis=GENESIS), roles={"validator"},
+                       store=store, executor=_NoCompute(), options=RuntimeOptions())  # type: ignore[arg-type]
+
+
+def errors_counted(runtime: NodeRuntime, reason: str) -> float:
+    return runtime.metrics.registry.get_sample_value("peerloom_connection_errors_total", {"reason": reason}) or 0.0
+
+
+def test_an_internal_error_is_logged_and_counted_but_never_charged_to_the_peer(tmp_path):
+    runtime = validator_runtime(tmp_path)
+    honest, faulty = ident(20).peer_id, ident(21).peer_id
+
+    async def main():
+        for _ in range(runtime.book.ban_after_failures + 1):
+            runtime._connection_failed(honest, RuntimeError("a bug of ours"))
+            runtime._connection_failed(faulty, tcp.TransportError("bad-frame", "garbage"))
+        now = trio.current_time()
+        return runtime.book.is_banned(honest, now=now), runtime.book.is_banned(faulty, now=now)
+
+    try:
+        assert trio.run(main) == (False, True)  # the same count of peer faults does ban
+        assert errors_counted(runtime, "internal") == runtime.book.ban_after_failures + 1
+    finally:
+        runtime.close()
+
+
+def test_ban_effect_bans_the_peer_in_the_address_book_until_it_ends(tmp_path):
+    runtime = validator_runtime(tmp_path)
+    peer = ident(22).peer_id
+
+    async def main():
+        now = trio.current_time()
+        runtime.ban(fx.Ban(peer=peer, until=now + 30.0))
+        return [runtime.book.is_banned(peer, now=now + dt) for dt in (0.0, 29.0, 31.0)]
+
+    try:
+        assert trio.run(main) == [True, True, False]
+    finally:
+        runtime.close()
+
+
+def test_submit_gets_the_engines_typed_verdict(tmp_path):
+    """A light peer's envelope goes to the engine as `Submit`; the reply is the engine's `SubmitReply`, and the
+    rejection it carries is the one the engine charged (the same reason reaches the peer's reputation)."""
+    runtime = validator_runtime(tmp_path)
+    revision = runtime.engine.revision
+    good = seal(ident(30), JoinRequest(revision=revision.id, window=1, capacity=1))
+    stale = seal(ident(31), JoinRequest(revision=b"\x12\x20" + bytes(32), window=1, capacity=1))
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            runtime._nursery = nursery
+            runtime.engine.handle(ev.Start(now=trio.current_time()))
+            runtime._drain()
+            items = [_Submit(request_id=n, envelope=env, artifact=None) for n, env in ((1, good), (2, stale))]
+            for item in items:
+                runtime._submit(item)
+                runtime._drain()
+            nursery.cancel_scope.cancel()
+        return items
+
+    try:
+        accepted, refused = trio.run(main)
+        assert accepted.done.is_set() and accepted.result.accepted and accepted.result.reason == ""
+        assert refused.done.is_set() and not refused.result.accepted and refused.result.reason
+        assert runtime.engine.rejected_by_reason[refused.result.reason] == 1
+        assert runtime._reputation == {(ident(31).peer_id.to_text(), refused.result.reason): 1}
+        assert runtime._submits == {}  # nothing left waiting
+    finally:
+        runtime.close()
