@@ -29,13 +29,13 @@ test: $(VENV)/.dev-installed
 
 # Long Hypothesis run over every decoder fuzz test (by hand; not part of CI);
 # the example count is the "fuzz" profile in tests/conftest.py.
-FUZZ_TESTS := tests/test_transport_fuzz.py tests/test_encoding.py tests/test_messages.py tests/test_objects.py
+FUZZ_TESTS := tests/adapters/test_transport_fuzz.py tests/core/test_encoding.py tests/core/test_messages.py tests/core/test_objects.py
 
 fuzz: $(VENV)/.dev-installed
 	HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest -q -p no:cacheprovider $(FUZZ_TESTS)
 
 # Every attack of tests/live_attacks.py for a minute against a live fleet (by hand; CI runs a short form in
-# tests/test_hostile_peers.py). Prints one JSON line per attack.
+# tests/e2e/test_hostile_peers.py). Prints one JSON line per attack.
 fuzz-live: $(VENV)/.dev-installed
 	$(BIN)/python -m tests.live_attacks --seconds 60 --dir peerloom-fuzz-live
 

@@ -13,10 +13,10 @@ tensors do not match the manifest's schema is ignored.
 
 Compute backends (node config key ``compute``): ``"numpy"`` (the default) or ``"torch"`` runs screening
 statistics, cohort screening, aggregation and the outer optimizer step; the two produce the same bytes
-(`peerloom.backends._robust`; tests/test_aggregation.py, tests/test_outer.py), so validators with either
-agree on every head. Tensors stay float32 numpy arrays on the CPU between tasks (the torch backend works on
-CPU tensors sharing or copying their memory); codecs decode with numpy in both. Training and evaluation
-run wherever the workload runs (its device).
+(`peerloom.backends._robust`; tests/backends/test_aggregation.py, tests/backends/test_outer.py), so
+validators with either agree on every head. Tensors stay float32 numpy arrays on the CPU between tasks
+(the torch backend works on CPU tensors sharing or copying their memory); codecs decode with numpy in both.
+Training and evaluation run wherever the workload runs (its device).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The node's durable records in SQLite, WAL mode (DESIGN §6 storage).
+"""The node's durable records in SQLite, WAL mode (spec/design.md §6 storage).
 
 One file, ``node.db``, next to the artifact store. It holds:
 

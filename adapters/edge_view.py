@@ -1,4 +1,4 @@
-"""What the HTTP edge reads from and hands to a running node (DESIGN §6, issue 7).
+"""What the HTTP edge reads from and hands to a running node (spec/design.md §6, issue 7).
 
 `EdgeView` is the one seam between `adapters.http_edge` (an aiohttp server on its own thread and asyncio
 loop) and the node runtime (trio). Every method is called from the edge's thread, so an implementation
@@ -166,6 +166,11 @@ class EdgeView(Protocol):
         """Peers the node knows, connected ones first."""
         ...
 
+    def addresses(self) -> Sequence[str]:
+        """The node's bound transport listen addresses (spec/transport.md §9), e.g. ``http://H:P``, so a light
+        trainer can dial it (`peerloom light`); empty when it listens nowhere."""
+        ...
+
     def subscribe(self, callback: HeadCallback) -> Callable[[], None]:
         """Call `callback(head, certificate)` on every head promotion (from the node's thread; it must be
         quick and must not raise). Returns a function that unsubscribes."""
@@ -328,8 +333,9 @@ class InMemoryEdgeView(ChainIndex, _ViewIdentity):
     """
 
     def __init__(self, *, identity_peer: PeerId, revision: Revision, registry: Any,
-                 roles: Iterable[str] = ("validator",), artifacts_dir: Path) -> None:
+                 roles: Iterable[str] = ("validator",), artifacts_dir: Path, addresses: Sequence[str] = ()) -> None:
         super().__init__(revision)
+        self._addresses = tuple(addresses)
         self._peer_id = identity_peer
         self._roles = frozenset(roles)
         self._revision = revision
@@ -384,6 +390,9 @@ class InMemoryEdgeView(ChainIndex, _ViewIdentity):
         with self._lock:
             return list(self._peers)
 
+    def addresses(self) -> Sequence[str]:
+        return self._addresses
+
 
 class NodeEdgeView(ChainIndex, _ViewIdentity):
     """The `EdgeView` of a running node: the runtime feeds it and supplies three callables.
@@ -396,16 +405,19 @@ class NodeEdgeView(ChainIndex, _ViewIdentity):
       ``trio.from_thread.run(..., trio_token=...)``), wait at most `SUBMIT_TIMEOUT_S` for the engine's
       verdict, and return it. The engine verifies again; the edge is no trust boundary.
     - `peers()`: the node's peers as `PeerInfo`s.
+    - `addresses()`: the node's bound transport listen addresses (read from the edge's thread).
     """
 
     def __init__(self, *, peer_id: PeerId, roles: Iterable[str], revision: Revision, registry: Any,
                  artifact_path: Callable[[bytes], Path | None],
                  relay: Callable[[SignedEnvelope, bytes | None], SubmitResult],
                  peers: Callable[[], Sequence[PeerInfo]],
-                 entries: Iterable[tuple[Head, QuorumCertificate]] = ()) -> None:
+                 entries: Iterable[tuple[Head, QuorumCertificate]] = (),
+                 addresses: Callable[[], Sequence[str]] = tuple) -> None:
         super().__init__(revision, entries)
         self._peer_id, self._roles, self._revision, self._registry = peer_id, frozenset(roles), revision, registry
         self._artifact_path, self._relay, self._peers = artifact_path, relay, peers
+        self._addresses = addresses
 
     def artifact_path(self, digest: bytes) -> Path | None:
         return self._artifact_path(digest)
@@ -423,3 +435,6 @@ class NodeEdgeView(ChainIndex, _ViewIdentity):
 
     def peers(self) -> Sequence[PeerInfo]:
         return list(self._peers())
+
+    def addresses(self) -> Sequence[str]:
+        return tuple(self._addresses())

@@ -6,7 +6,7 @@ A host is anything with one method per effect (`Host`). `drain(engine, host)` pu
 in order and `dispatch` hands each to the method named after it (``Send`` -> ``send``, ``HangUp`` ->
 ``hang_up``, ...). `dispatch` matches the `core.effects.Effect` union exhaustively and ends in
 `typing.assert_never`: a new effect that is not dispatched fails type checking here, and
-`tests/test_host.py` fails at run time. A host that cannot carry out an effect still implements its method
+`tests/adapters/test_host.py` fails at run time. A host that cannot carry out an effect still implements its method
 and says there why it refuses it (e.g. the simulator feeds no `Submit`, so it awaits no `SubmitReply`).
 
 What differs per host stays in the host: when `Persisted`, `ArtifactStored` and task results are fed
@@ -14,7 +14,7 @@ back (at once, after a modelled delay, from a worker thread), how bytes reach a 
 host re-arms its one timer at `Engine.next_deadline()` after a drain). The storage helpers below are the
 parts of storage effects that do not differ.
 
-The engine contract this relies on: DESIGN §2 and core/engine.py's module docstring (handle, then drain
+The engine contract this relies on: spec/design.md §2 and core/engine.py's module docstring (handle, then drain
 `next_effect()` until None, executing each effect in order).
 """
 

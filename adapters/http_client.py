@@ -1,4 +1,4 @@
-"""HTTP client adapter: a light trainer takes part through a node's HTTP edge only (DESIGN §6, issue 7).
+"""HTTP client adapter of a node's REST edge (`adapters.http_edge`; spec/design.md §6, issue 7).
 
 `EdgeClient` speaks the edge's JSON/CBOR API (see `adapters.http_edge`) with the standard library's
 urllib, and trusts nothing it receives: the manifest must be signed by the expected authority, a head
@@ -10,6 +10,9 @@ digests of the head's `ArtifactRef` before it is kept.
 its own leases from the head (the same function every peer uses, cross-checked with the edge's answer),
 fetch the params, train on the leased shards with the manifest's workload (through the same
 `ComputeExecutor` a full node runs), sign the update announcement and upload it with its delta.
+It stays as the reference client of the REST submit path (``POST /v1/join``, ``/v1/updates``) for
+third-party clients, which tests/adapters/test_node_edge.py drives against a node; `peerloom light` no
+longer uses it (it runs an ordinary trainer node over the HTTP transport, `peerloom.light`).
 """
 
 from __future__ import annotations

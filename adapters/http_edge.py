@@ -1,5 +1,5 @@
 """The HTTP edge: an aiohttp server that serves a node's chain and artifacts to light peers and dashboards
-(DESIGN §6, issue 7). Its OpenAPI 3 document is served at ``/openapi.json`` (built by `openapi_document`).
+(spec/design.md §6, issue 7). Its OpenAPI 3 document is served at ``/openapi.json`` (built by `openapi_document`).
 
 It runs on its own thread with its own asyncio loop (the node runtime is trio) and talks to the node only
 through an `EdgeView`. It binds 127.0.0.1 by default.
@@ -8,7 +8,8 @@ Endpoints (binary ids are lowercase hex of the 34-byte content id; peer ids are 
 
 ==========================  ====================================================================================
 ``GET /``                   read-only dashboard (head chain, loss/accuracy curve, peers, bytes); 200 text/html
-``GET /healthz``            200 ``{"status": "ok", ...}``
+``GET /healthz``            200 ``{"status": "ok", "peer", "roles", "window", "addresses"}`` (``addresses``:
+                            the node's transport listen addresses, which `peerloom light` dials)
 ``GET /metrics``            200 Prometheus text exposition (the node's registry plus the edge's own counters)
 ``GET /openapi.json``       200 this API as OpenAPI 3.0
 ``GET /v1/manifest``        200 the signed revision manifest (hex of the canonical SignedEnvelope)
@@ -471,7 +472,8 @@ class HttpEdge:
     async def healthz(self, request: web.Request) -> web.Response:
         latest = self.view.latest().head
         return web.json_response({"status": "ok", "peer": self.view.peer_id.to_text(),
-                                  "roles": sorted(self.view.roles), "window": latest.window})
+                                  "roles": sorted(self.view.roles), "window": latest.window,
+                                  "addresses": list(self.view.addresses())})
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.view.registry) + generate_latest(self.registry)
@@ -1054,7 +1056,8 @@ def openapi_document() -> dict[str, Any]:
             "revision": _CID, "authority": {"type": "string"}, "envelope": _HEX}},
         "Health": {"type": "object", "required": ["status"], "properties": {
             "status": {"type": "string"}, "peer": {"type": "string"},
-            "roles": {"type": "array", "items": {"type": "string"}}, "window": {"type": "integer"}}},
+            "roles": {"type": "array", "items": {"type": "string"}}, "window": {"type": "integer"},
+            "addresses": {"type": "array", "items": {"type": "string"}}}},
         "Accepted": {"type": "object", "required": ["accepted", "id"], "properties": {
             "accepted": {"type": "boolean"}, "id": _HEX}},
     }

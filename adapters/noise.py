@@ -6,7 +6,7 @@ the latter driven by the pattern table `PATTERNS` below (§7.4 one-way and §7.5
 patterns). Supported names are ``Noise_<pattern>_25519_<cipher>_<hash>`` with cipher ChaChaPoly (§12.3) or
 AESGCM (§12.4) and hash SHA256, SHA512, BLAKE2s or BLAKE2b; no modifiers (psk, fallback). NN and XX with
 ChaChaPoly and NN with AESGCM are checked against the cacophony and snow test vectors
-(tests/test_noise_vectors.py); the other patterns only against ourselves.
+(tests/adapters/test_noise_vectors.py); the other patterns only against ourselves.
 
 Part 2 is the libp2p handshake (github.com/libp2p/specs, noise/README.md): Noise_XX_25519_ChaChaPoly_SHA256
 with an empty prologue; the responder sends a signed ``NoiseHandshakePayload`` in message 2, the initiator in

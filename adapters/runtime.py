@@ -1,6 +1,6 @@
 """The trio host loop that drives one engine with its transports (`adapters.transport`: TCP+Noise, HTTP,
 in-memory; dialed and listened on only through that interface), a compute executor and the on-disk store
-(DESIGN §6).
+(spec/design.md §6).
 
 One main task owns the engine: it waits for the next event (or the engine's next deadline), feeds it to
 `Engine.handle`, and executes the effects in order through the shared host driver (`adapters.host.drain`;
@@ -14,8 +14,8 @@ chain sync) is handed to `on_chain_entry` before that, so a chain directory kept
 store by more than what a crash interrupts (`peerloom.node.fill_chain_dir` repairs that at start).
 
 With `RuntimeOptions.http_listen` set, the node also serves the HTTP edge (`adapters.http_edge`, aiohttp on
-its own thread and asyncio loop) over a `NodeEdgeView`: reads come from thread-safe snapshots, and a light
-trainer's signed submission crosses into trio through the trio token and reaches the engine as
+its own thread and asyncio loop) over a `NodeEdgeView`: reads come from thread-safe snapshots, and a REST
+client's signed submission (`adapters.http_client`) crosses into trio through the trio token and reaches the engine as
 `events.Submit` (its artifact stored first); the engine's `SubmitReply` is the verdict the edge returns.
 """
 
@@ -77,6 +77,7 @@ class RuntimeOptions:
     # Transport addresses to listen on (spec/transport.md §9): "/ip4/H/tcp/P" or "H:P" (tcp), "http://H:P",
     # "memory://NAME" (needs `memory_network`); port 0 picks one. Empty: tcp on listen_host:listen_port.
     listen: tuple[str, ...] = ()
+    dial_only: bool = False  # with `listen` empty: no listener at all; the node only dials (a light trainer)
     # Addresses to dial and keep dialing: transport addresses, or (host, port) pairs meaning tcp.
     bootstrap: tuple[str | tuple[str, int], ...] = ()
     memory_network: Any = None  # an adapters.memory.MemoryNetwork: dial and listen on memory:// addresses
@@ -157,7 +158,7 @@ class NodeRuntime:
         self.bytes_received = 0
         self._closed_bytes: dict[PeerId, tuple[int, int]] = {}  # wire bytes of closed connections, per peer
         self.metrics = NodeMetrics(peer_bytes=self._peer_bytes, engine_stats=lambda: self.engine.stats)
-        self.port: int | None = None  # the first listener's port (0 for a memory:// listener)
+        self.port: int | None = None  # the first listener's port (0 for memory://; None: listens nowhere)
         self.listen_addresses: list[str] = []  # bound addresses, one per listener (transport-qualified)
         self.transports: list[Transport] = []  # made when `run` starts (`_make_transports`)
         self._nursery: trio.Nursery | None = None
@@ -170,7 +171,8 @@ class NodeRuntime:
         self._submit_ids = 0
         self.edge_view = NodeEdgeView(peer_id=identity.peer_id, roles=roles, revision=revision,
                                       registry=self.metrics.registry, artifact_path=self._artifact_path,
-                                      relay=self._relay, peers=self.peer_infos, entries=self._stored_chain())
+                                      relay=self._relay, peers=self.peer_infos, entries=self._stored_chain(),
+                                      addresses=lambda: tuple(self.listen_addresses))
         self.edge: Any = None  # adapters.http_edge.EdgeServer while the edge runs
         self.discovery: Any = None  # adapters.discovery.MdnsDiscovery while it runs
         self.book = AddressBook(random.Random(), base_backoff_s=options.redial_s,
@@ -199,7 +201,7 @@ class NodeRuntime:
                     self.listen_addresses.append(bound)
                 if self.options.relay_listen is not None:
                     await self._start_relay(nursery, self.options.relay_listen)
-                self.port = _port_of(self.listen_addresses[0])
+                self.port = _port_of(self.listen_addresses[0]) if self.listen_addresses else None
                 self.engine.config = attrs.evolve(self.engine.config, listen_address=self._advertised())
                 if self.options.http_listen is not None:
                     await trio.to_thread.run_sync(self._start_edge, *self.options.http_listen)
@@ -287,7 +289,7 @@ class NodeRuntime:
         self._emit_line("relay", {"address": self.relay_address})
 
     def _listen_addresses(self) -> tuple[str, ...]:
-        if self.options.listen:
+        if self.options.listen or self.options.dial_only:
             return self.options.listen
         return (_tcp_text((self.options.listen_host, self.options.listen_port)),)
 

@@ -1,4 +1,4 @@
-"""On-disk, content-addressed artifact store and durable record store (DESIGN §6).
+"""On-disk, content-addressed artifact store and durable record store (spec/design.md §6).
 
 Layout under `root`::
 
@@ -81,7 +81,7 @@ def read_artifact(root: str | Path, digest: bytes) -> bytes:
     sweep and no database, so it is safe beside a running node (e.g. `peerloom export`).
 
     FileNotFoundError when the store does not hold it; VerificationError("corrupt-artifact") when the
-    bytes on disk do not hash to `digest` (a content id, DESIGN §6).
+    bytes on disk do not hash to `digest` (a content id, spec/design.md §6).
     """
     data = (Path(root) / "artifacts" / digest[2:].hex()).read_bytes()
     if content_id(data) != digest:

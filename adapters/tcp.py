@@ -1,4 +1,4 @@
-"""TCP transport on trio, secured by the libp2p ``/noise`` handshake (DESIGN §6; spec/transport.md).
+"""TCP transport on trio, secured by the libp2p ``/noise`` handshake (spec/design.md §6; spec/transport.md).
 
 Wire format, bottom up (spec/transport.md has the byte layouts):
 

@@ -5,7 +5,7 @@ handshake bound to its identity key), framed (whole application messages, never 
 flow-controlled per lane (a receiver that stops reading one lane stalls only that lane's sender). The node
 runtime, the tests and an embedding program see only this interface; `tcp` (TCP + Noise), `http`
 (HTTP/1.1 with signed envelopes) and `memory` (trio memory streams, one process) implement it and pass one
-conformance suite (tests/test_transport_conformance.py). All three run the same Noise XX handshake and
+conformance suite (tests/adapters/test_transport_conformance.py). All three run the same Noise XX handshake and
 frame layer (`adapters.tcp.SecureConnection`) over their own byte stream: a TCP socket, an HTTP/1.1
 WebSocket, a trio in-memory stream pair.
 

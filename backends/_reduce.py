@@ -1,5 +1,5 @@
 """Backend-neutral bodies of the backends' reduction entry points: input checks, FedAvg's weighted mean and
-SGD outer step, and the `aggregate` / `outer_step` / `screening_stats` wrappers (DESIGN §4 "Reduction must be
+SGD outer step, and the `aggregate` / `outer_step` / `screening_stats` wrappers (spec/design.md §4 "Reduction must be
 bit-reproducible", §5).
 
 `peerloom.backends.numpy.reduce` / `.aggregate` and `peerloom.backends.torch.reduce` / `.aggregate` are thin

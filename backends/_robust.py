@@ -1,4 +1,4 @@
-"""Backend-neutral kernels of the aggregation rules, screening statistics and outer optimizers (DESIGN §5).
+"""Backend-neutral kernels of the aggregation rules, screening statistics and outer optimizers (spec/design.md §5).
 
 The numpy backend (`peerloom.backends.numpy.aggregate`) and the torch backend
 (`peerloom.backends.torch.aggregate`) run *this* code with their own `Ops` (a handful of elementwise

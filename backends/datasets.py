@@ -1,4 +1,4 @@
-"""Datasets that ship with the install (DESIGN §8): scikit-learn's bundled 8x8 digits, no network.
+"""Datasets that ship with the install (spec/design.md §8): scikit-learn's bundled 8x8 digits, no network.
 
 Digits: 1797 grey-scale 8x8 images of the digits 0-9 (the UCI "Optical Recognition of Handwritten
 Digits" test set, bundled with scikit-learn as ``sklearn.datasets.load_digits``).

@@ -1,4 +1,4 @@
-"""The sans-IO protocol engine and the protocol's objects (DESIGN §2-4). Pure: no I/O of any kind."""
+"""The sans-IO protocol engine and the protocol's objects (spec/design.md §2-4). Pure: no I/O of any kind."""
 
 from .chain import verify_chain
 from .effects import (

@@ -1,4 +1,4 @@
-"""Verifying a chain of certified heads from genesis (DESIGN §4: anyone holding the manifest can).
+"""Verifying a chain of certified heads from genesis (spec/design.md §4: anyone holding the manifest can).
 
 Checks, for each entry in window order: the certificate verifies against the revision's validator set
 and quorum, the head names the revision, windows advance by one, and each head's parent is the id of the

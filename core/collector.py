@@ -29,6 +29,7 @@ from .fsm import Table, step
 from .identity import PeerId
 from .leases import claims_of, lease_weight, leases_of
 from .objects import PROTOCOL_VERSION, Head, UpdateAnnouncement
+from .pending import Done, Failed, Outcome
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -69,11 +70,61 @@ def slot_of(author: PeerId, ann: UpdateAnnouncement) -> Slot:
     return author if ann.claim is None else (author, ann.claim)
 
 
-class Collector:
-    """Collects the updates of window `head.window + 1`; `on_change` runs after every state change."""
+@attrs.frozen(kw_only=True)
+class Screen:
+    """The ``screen`` task of the update filling `slot` of `window` is in flight."""
 
-    def __init__(self, engine: Engine, head: Head, on_change: Any) -> None:
+    window: int
+    slot: Slot
+
+
+@attrs.frozen(kw_only=True)
+class FetchBase:
+    """The base head's params (or optimizer state) are being fetched for `window` (failure is logged)."""
+
+    window: int
+
+
+@attrs.frozen(kw_only=True)
+class FetchDelta:
+    """The delta of the update filling `slot` of `window` is being fetched (then screened)."""
+
+    window: int
+    slot: Slot
+
+
+@attrs.frozen(kw_only=True)
+class FetchAuditParams:
+    """The base params an audit of the update filling `slot` of `window` needs are being fetched (then its
+    delta, from its author and `sender`)."""
+
+    window: int
+    slot: Slot
+    sender: PeerId
+
+
+CollectorWork = Screen | FetchBase | FetchDelta | FetchAuditParams
+
+
+def resume_collector(engine: Engine, collector: Collector | None, work: CollectorWork, outcome: Outcome) -> None:
+    """Hand collector work the engine held back to `collector`, the owning role's current one (None: it has
+    none yet). A base fetch may end while its collector is still being built, so its failure is logged
+    here."""
+    if isinstance(work, FetchBase):
+        if isinstance(outcome, Failed):
+            engine.log("base-fetch-failed", window=work.window, reason=outcome.reason)
+    elif collector is not None:
+        collector.resume(work, outcome)
+
+
+class Collector:
+    """Collects the updates of window `head.window + 1`; `on_change` runs after every state change. `owner`
+    names the role holding it (``validator`` or ``reducer``): the engine hands that role the collector's
+    pending work (`CollectorWork`), which it passes on to `resume`."""
+
+    def __init__(self, engine: Engine, head: Head, on_change: Any, *, owner: str) -> None:
         self.engine = engine
+        self.owner = owner
         self.head = head
         self.window = head.window + 1
         self.leases = leases_of(head, engine.manifest)
@@ -103,8 +154,7 @@ class Collector:
         providers = [*e.peers_with("validator"), *e.peers_with("reducer"), *e.peers_with("trainer")]
         for ref in (self.head.params, self.head.outer_state):
             if ref is not None and not e.is_stored(ref.digest):
-                e.fetch(ref, providers, lambda: None,
-                        lambda reason, w=self.window: e.log("base-fetch-failed", window=w, reason=reason))
+                e.fetch(ref, providers, self.owner, FetchBase(window=self.window))
 
     def entry_for(self, envelope: SignedEnvelope) -> Entry | None:
         """This collector's entry for exactly `envelope`, if it took it."""
@@ -169,19 +219,14 @@ class Collector:
             if first != author or (seen is not None and seen < window):
                 self._move(entry, "replay", "screen-replay")
                 return
-
-            def fetch_delta() -> None:
-                e.fetch(ann.delta, [author, sender], lambda: self._fetched(window, slot),
-                        lambda reason: self._fetch_failed(window, slot, reason))
-
             if e.manifest.audit:
                 # The audit re-runs training from the base head's params: a validator that adopted that head
                 # from others' certificate may not hold them yet. The author trained on them, so it can serve.
                 providers = [author, sender, *e.peers_with("validator"), *e.peers_with("reducer")]
-                e.fetch(self.head.params, providers, fetch_delta,
-                        lambda reason: self._fetch_failed(window, slot, f"params-{reason}"))
+                e.fetch(self.head.params, providers, self.owner,
+                        FetchAuditParams(window=window, slot=slot, sender=sender))
             else:
-                fetch_delta()
+                e.fetch(ann.delta, [author, sender], self.owner, FetchDelta(window=window, slot=slot))
 
     def retry(self, update_id: bytes, providers: list[PeerId]) -> bool:
         """Fetch (from `providers`, then the author) and screen again an update rejected here for a transient
@@ -201,8 +246,7 @@ class Collector:
         e.log("update-retry", window=window, author=str(entry.envelope.signer))
         e.stats["update_retries"] += 1
         sources = [*providers, entry.envelope.signer]
-        e.fetch(ann.delta, list(dict.fromkeys(sources)), lambda: self._fetched(window, slot),
-                lambda reason: self._fetch_failed(window, slot, reason))
+        e.fetch(ann.delta, list(dict.fromkeys(sources)), self.owner, FetchDelta(window=window, slot=slot))
         return True
 
     def _taken(self, ann: UpdateAnnouncement, author: PeerId) -> bool:
@@ -239,8 +283,30 @@ class Collector:
             args["audit"] = {"params": self.head.params, "shards": ann.shards,
                              "seed": train_seed(ann.base, ann.window, ann.shards, entry.envelope.signer),
                              "inner_steps": manifest.inner_steps, "min_cosine": manifest.audit_min_cosine}
-        self.engine.run_task("screen", args,
-                             lambda r: self._screened(slot, r), lambda why: self._screen_failed(slot, why))
+        self.engine.run_task("screen", args, self.owner, Screen(window=window, slot=slot))
+
+    def resume(self, work: Screen | FetchDelta | FetchAuditParams, outcome: Outcome) -> None:
+        """Go on with `work` of this collector's window once it ended with `outcome`; work of an earlier
+        window is dropped."""
+        if work.window != self.window:
+            return
+        match work, outcome:
+            case FetchDelta(), Done():
+                self._fetched(work.window, work.slot)
+            case FetchDelta(), Failed(reason=reason):
+                self._fetch_failed(work.window, work.slot, reason)
+            case FetchAuditParams(), Done():
+                entry = self.entries.get(work.slot)
+                if entry is not None:
+                    self.engine.fetch(entry.announcement.delta, [entry.envelope.signer, work.sender], self.owner,
+                                      FetchDelta(window=work.window, slot=work.slot))
+            case FetchAuditParams(), Failed(reason=reason):
+                self._fetch_failed(work.window, work.slot, f"params-{reason}")
+            case Screen(), Done(result=result):
+                assert result is not None
+                self._screened(work.slot, result)
+            case Screen(), Failed(reason=reason):
+                self._screen_failed(work.slot, reason)
 
     def _fetch_failed(self, window: int, slot: Slot, reason: str) -> None:
         entry = self.entries.get(slot)

@@ -1,4 +1,4 @@
-"""Outputs of the engine (DESIGN §2), pulled with `Engine.next_effect()` after each `handle()`.
+"""Outputs of the engine (spec/design.md §2), pulled with `Engine.next_effect()` after each `handle()`.
 
 The host executes each effect in order. Effects are frozen value objects; don't subclass them.
 """

@@ -1,4 +1,4 @@
-"""The sans-IO protocol engine (DESIGN §2, spec/protocol.md).
+"""The sans-IO protocol engine (spec/design.md §2, spec/protocol.md).
 
 Call order, documented once: feed every input with `handle(event)`, then drain `next_effect()` until it
 returns None and execute each effect in order; re-arm one timer at `next_deadline()` and call
@@ -15,6 +15,10 @@ timers, persist-then-send, artifact fetching with verify-on-arrival, compute tas
 heads, and chain sync: every node archives every certified head, and one that learns of a head more than a
 window ahead of its own fetches and verifies the windows in between before it adopts it (spec/protocol.md
 §8), so its archive runs from window 1 to its head with no hole, also after a crash.
+
+Work in flight (compute tasks, fetches, records being persisted) is held as plain data (core/pending.py):
+each is an attrs frozen record of its owner (a role, or the engine: `Archive`, `Promote`) handed back to
+the owner's `resume` with the outcome; `pending()` shows it by value.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import heapq
 import random
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -55,6 +59,7 @@ from .messages import (
     encode_message,
 )
 from .objects import ArtifactRef, Head, QuorumCertificate, Revision
+from .pending import Done, Failed, Outcome, Pending, PendingState
 from .roles import Role
 
 if TYPE_CHECKING:
@@ -143,23 +148,31 @@ class PeerState:
     chain_asked_at: float = float("-inf")  # when we last sent it a chain-get
 
 
+@attrs.frozen(kw_only=True)
+class Archive:
+    """The certified head of `window` is being archived (`chain/<window>`): nothing waits on it."""
+
+    window: int
+
+
+@attrs.frozen(kw_only=True)
+class Promote:
+    """`head`, certified by `certificate`, becomes canonical once its head record is durable."""
+
+    head: Head
+    certificate: QuorumCertificate
+
+
 @attrs.define
 class _Fetch:
     ref: ArtifactRef
     providers: list[PeerId]
-    on_done: list[Callable[[], None]]
-    on_fail: list[Callable[[str], None]]
+    waiters: list[Pending]  # resumed with Done() once stored, or Failed(reason)
     in_flight: dict[int, PeerId] = attrs.Factory(dict)
     done: set[int] = attrs.Factory(set)
     failures: int = 0
     committing: bool = False
     started: float = 0.0  # engine time the fetch began (the "artifact-fetched" log's seconds)
-
-
-@attrs.define
-class _Task:
-    on_done: Callable[[dict[str, Any]], None]
-    on_fail: Callable[[str], None]
 
 
 class Engine:
@@ -190,7 +203,7 @@ class Engine:
         self._timers: list[tuple[float, int, tuple[Any, ...]]] = []
         self._timer_deadline: dict[tuple[Any, ...], float] = {}
         self._seq = 0
-        self._held: dict[int, Callable[[], None]] = {}
+        self._held: dict[int, tuple[str, Pending]] = {}  # persist token -> (record key, what then)
         self._stored: dict[bytes, ArtifactRef] = {r.digest: r for r in stored}
         self._fetches: dict[bytes, _Fetch] = {}
         # digest -> (ref, verified chunk indices) of a failed fetch; in memory only, like the host's partial
@@ -199,7 +212,7 @@ class Engine:
         # digest -> {chunk index: provider} still asked for when a fetch ended because the artifact was
         # computed here (`note_stored`): those answers are dropped without charging anyone (oldest forgotten).
         self._superseded: dict[bytes, dict[int, PeerId]] = {}
-        self._tasks: dict[str, _Task] = {}
+        self._tasks: dict[str, Pending] = {}  # task id -> what its owner does with the result
         self.seen_deltas: dict[bytes, int] = {}  # accepted delta digest -> window (replay screening)
         records = dict(records or {})
         self.records = records
@@ -224,14 +237,17 @@ class Engine:
         # The validator serves announcements by id and holds snapshotted joins; the trainer leaves and joins.
         self._validator: ValidatorRole | None = None
         self._trainer: TrainerRole | None = None
+        # role name -> the role, which resumes the pending work it owns (`pending.Pending`)
+        self._owners: dict[str, Role] = {}
         if "validator" in config.roles:
             self._validator = ValidatorRole(self)
-            self.roles.append(self._validator)
+            self._owners["validator"] = self._validator
         if "reducer" in config.roles:
-            self.roles.append(ReducerRole(self))
+            self._owners["reducer"] = ReducerRole(self)
         if "trainer" in config.roles:
             self._trainer = TrainerRole(self)
-            self.roles.append(self._trainer)
+            self._owners["trainer"] = self._trainer
+        self.roles.extend(self._owners.values())
 
     # --- public API ------------------------------------------------------------------------------
 
@@ -270,28 +286,51 @@ class Engine:
                 task = self._tasks.pop(event.task_id, None)
                 if task is None:
                     raise LocalProtocolError(f"unknown task {event.task_id}")
-                task.on_done(event.result)
+                self._resume(task, Done(result=event.result))
             case ev.TaskFailed():
                 task = self._tasks.pop(event.task_id, None)
                 if task is None:
                     raise LocalProtocolError(f"unknown task {event.task_id}")
                 self.log("task-failed", task=event.task_id, reason=event.reason)
-                task.on_fail(event.reason)
+                self._resume(task, Failed(reason=event.reason))
             case ev.ArtifactStored():
                 self._on_artifact_stored(event.ref)
             case ev.ArtifactCorrupt():
                 self._on_artifact_corrupt(event.ref)
             case ev.Persisted():
-                then = self._held.pop(event.token, None)
-                if then is None:
+                held = self._held.pop(event.token, None)
+                if held is None:
                     raise LocalProtocolError(f"unknown persist token {event.token}")
-                then()
+                self._resume(held[1], Done())
             case ev.LeaveRequested() | ev.JoinRequested():
                 if self._trainer is None:
                     raise LocalProtocolError("only a trainer can leave or join the roster")
                 self._trainer.set_membership(isinstance(event, ev.JoinRequested))
             case _:
                 raise LocalProtocolError(f"unknown event {event!r}")
+
+    def _resume(self, pending: Pending, outcome: Outcome) -> None:
+        """Hand finished work back to its owner (`pending.Pending`)."""
+        if pending.owner == "engine":
+            self._resume_own(pending.work, outcome)
+        else:
+            self._owners[pending.owner].resume(pending.work, outcome)
+
+    def _resume_own(self, work: Any, outcome: Outcome) -> None:
+        match work:
+            case Archive():
+                pass  # an archived certified head: nothing waits on it
+            case Promote(head=head, certificate=cert):
+                self._promote(head, cert)
+            case _:
+                raise LocalProtocolError(f"no engine work {work!r}")
+
+    def pending(self) -> PendingState:
+        """The work in flight (compute tasks, fetches, records not yet durable) as plain data, comparable by
+        value. It is not part of `snapshot()`: a restored engine starts with none."""
+        return PendingState(tasks=tuple(self._tasks.values()),
+                            fetches=tuple((f.ref, tuple(f.waiters)) for f in self._fetches.values()),
+                            writes=tuple(self._held.values()))
 
     def _drop_peer(self, peer: PeerId) -> None:
         self.peers.pop(peer, None)
@@ -343,7 +382,7 @@ class Engine:
         return digest in self._stored
 
     def snapshot(self) -> bytes:
-        """The engine's durable state as canonical CBOR (DESIGN §2): its records (certified head, votes,
+        """The engine's durable state as canonical CBOR (spec/design.md §2): its records (certified head, votes,
         locks, proposals, claims), the artifacts it holds, counters, replay digests, and the validator's
         joins (and admissions) and undelivered equivocation evidence.
 
@@ -417,18 +456,20 @@ class Engine:
     def cancel_timer(self, key: tuple[Any, ...]) -> None:
         self._timer_deadline.pop(key, None)
 
-    def persist_then(self, key: str, record: bytes, then: Callable[[], None]) -> None:
-        """Durable before visible: emit Persist, run `then` (which may send) only after Persisted."""
+    def persist_then(self, key: str, record: bytes, owner: str, work: Any) -> None:
+        """Durable before visible: emit Persist; only after Persisted does `owner` (a `pending.OWNERS` name)
+        resume `work`, its attrs frozen record (which may send), with `Done()`."""
         self._seq += 1
-        self._held[self._seq] = then
+        self._held[self._seq] = (key, Pending(owner=owner, work=work))
         self.records[key] = record
         self.emit(fx.Persist(token=self._seq, key=key, record=record))
 
-    def run_task(self, kind: str, args: dict[str, Any], on_done: Callable[[dict[str, Any]], None],
-                 on_fail: Callable[[str], None]) -> str:
+    def run_task(self, kind: str, args: dict[str, Any], owner: str, work: Any) -> str:
+        """Emit `RunTask(kind, args)` and return its task id. When it ends, `owner` (a `pending.OWNERS`
+        name) resumes `work`, its attrs frozen record, with `Done(result)` or `Failed(reason)`."""
         self._seq += 1
         task_id = f"{kind}-{self._seq}"
-        self._tasks[task_id] = _Task(on_done=on_done, on_fail=on_fail)
+        self._tasks[task_id] = Pending(owner=owner, work=work)
         self.emit(fx.RunTask(task_id=task_id, kind=kind, args=args))
         return task_id
 
@@ -447,27 +488,29 @@ class Engine:
         self._stored[ref.digest] = ref
         self._partial.pop(ref.digest, None)
 
-    def fetch(self, ref: ArtifactRef, providers: Iterable[PeerId], on_done: Callable[[], None],
-              on_fail: Callable[[str], None]) -> None:
-        """Make `ref` stored locally, fetching verified chunks from `providers`; then call `on_done`.
+    def fetch(self, ref: ArtifactRef, providers: Iterable[PeerId], owner: str, work: Any) -> None:
+        """Make `ref` stored locally, fetching verified chunks from `providers`; then `owner` (a
+        `pending.OWNERS` name) resumes `work`, its attrs frozen record, with `Done()` - at once when the
+        artifact is already stored - or `Failed(reason)`, reason "no-provider", "too-many-failures",
+        "ref-mismatch" or "corrupt-artifact".
 
         A fetch of an artifact whose earlier fetch failed resumes from the chunks that one verified and
-        stored (same `ref` only). `on_fail(reason)` gets "no-provider", "too-many-failures" or "ref-mismatch".
+        stored (same `ref` only).
         """
+        waiter = Pending(owner=owner, work=work)
         if ref.digest in self._stored:
-            on_done()
+            self._resume(waiter, Done())
             return
         live = [p for p in dict.fromkeys(providers) if p in self.peers and p != self.me]
         fetch = self._fetches.get(ref.digest)
         if fetch is not None:
             if fetch.ref != ref:
-                on_fail("ref-mismatch")
+                self._resume(waiter, Failed(reason="ref-mismatch"))
                 return
             fetch.providers.extend(p for p in live if p not in fetch.providers)
-            fetch.on_done.append(on_done)
-            fetch.on_fail.append(on_fail)
+            fetch.waiters.append(waiter)
         else:
-            fetch = _Fetch(ref=ref, providers=live, on_done=[on_done], on_fail=[on_fail], started=self.now)
+            fetch = _Fetch(ref=ref, providers=live, waiters=[waiter], started=self.now)
             partial = self._partial.pop(ref.digest, None)
             # Another ref with the same digest chunks it differently: its record says nothing of ours, and
             # this fetch may overwrite its bytes, so it is dropped either way.
@@ -511,25 +554,25 @@ class Engine:
         record = encode_chain_entry(head, cert)
         if self.config.keeps_chain and chain_key(head.window) not in self.records:
             # the chain archive first: a promoted head is always served, and durable before it is visible
-            self.persist_then(chain_key(head.window), record, lambda: None)
+            self.persist_then(chain_key(head.window), record, "engine", Archive(window=head.window))
+        self.persist_then(HEAD_RECORD, record, "engine", Promote(head=head, certificate=cert))
 
-        def promote() -> None:
-            if head.window <= self.head.window:
-                return
-            parent = self.head
-            self.head, self.certificate = head, cert
-            self.emit(fx.HeadPromoted(head=head, certificate=cert))
-            self.log("head", window=head.window, id=head.id.hex(), skipped=head.skipped,
-                     cohort=len(head.cohort), metrics=dict(head.metrics))
-            if self.config.roles & SERVER_ROLES:
-                # Heads flow from the servers out: a trainer-only node is a leaf and relays none (with N
-                # trainers, relaying would send N copies back to every server each window). Peers that
-                # hold the parent get the head without its roster (spec/protocol.md §8).
-                self.broadcast(NextHead.of(head, parent, cert) if head.parent == parent.id
-                               else CertifiedHead(head=head, certificate=cert))
-            self._open_next_window()
-
-        self.persist_then(HEAD_RECORD, record, promote)
+    def _promote(self, head: Head, cert: QuorumCertificate) -> None:
+        """The head record of `head` is durable: make it canonical, tell peers, open the next window."""
+        if head.window <= self.head.window:
+            return
+        parent = self.head
+        self.head, self.certificate = head, cert
+        self.emit(fx.HeadPromoted(head=head, certificate=cert))
+        self.log("head", window=head.window, id=head.id.hex(), skipped=head.skipped,
+                 cohort=len(head.cohort), metrics=dict(head.metrics))
+        if self.config.roles & SERVER_ROLES:
+            # Heads flow from the servers out: a trainer-only node is a leaf and relays none (with N
+            # trainers, relaying would send N copies back to every server each window). Peers that
+            # hold the parent get the head without its roster (spec/protocol.md §8).
+            self.broadcast(NextHead.of(head, parent, cert) if head.parent == parent.id
+                           else CertifiedHead(head=head, certificate=cert))
+        self._open_next_window()
 
     # --- internals -------------------------------------------------------------------------------
 
@@ -618,7 +661,7 @@ class Engine:
                     self.verify_certified(head, message.certificate)
                     if chain_key(target[0].window) not in self.records:
                         self.persist_then(chain_key(target[0].window), encode_chain_entry(target[0], target[1]),
-                                          lambda: None)
+                                          "engine", Archive(window=target[0].window))
                     self._sync_target = (head, message.certificate, peer)
                 else:
                     # We missed a head: the chain segment up to this one carries whole heads (and rosters);
@@ -772,7 +815,8 @@ class Engine:
                 self.reject(peer, "chain-conflict", f"window {head.window}")
                 return count
             if ours is None and self.config.keeps_chain:
-                self.persist_then(chain_key(head.window), encode_chain_entry(head, cert), lambda: None)
+                self.persist_then(chain_key(head.window), encode_chain_entry(head, cert), "engine",
+                                  Archive(window=head.window))
             prev, prev_cert = head, cert
             count += 1
         after = self.chain_entry(prev.window + 1)
@@ -963,8 +1007,8 @@ class Engine:
             self._partial[fetch.ref.digest] = (fetch.ref, fetch.done)
             if len(self._partial) > MAX_PARTIAL_FETCHES:
                 del self._partial[next(iter(self._partial))]
-        for callback in fetch.on_fail:
-            callback(reason)
+        for waiter in fetch.waiters:
+            self._resume(waiter, Failed(reason=reason))
 
     def _on_fetch_timeout(self, digest: bytes) -> None:
         """No chunk arrived for `chunk_timeout_s` (every `_pump` re-arms the timer), so each provider with a
@@ -1001,8 +1045,8 @@ class Engine:
             self.cancel_timer(("fetch", ref.digest))
             self.log("artifact-fetched", digest=ref.digest.hex()[:16], bytes=ref.size, chunks=ref.num_chunks,
                      seconds=round(self.now - fetch.started, 4))
-            for callback in fetch.on_done:
-                callback()
+            for waiter in fetch.waiters:
+                self._resume(waiter, Done())
 
     def _fire_timers(self) -> None:
         while True:

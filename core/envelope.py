@@ -1,4 +1,4 @@
-"""Signed envelopes: every object that moves trust travels inside one (DESIGN §3, spec/wire.md §3).
+"""Signed envelopes: every object that moves trust travels inside one (spec/design.md §3, spec/wire.md §3).
 
 An envelope is the CBOR array ``[kind, version, body, signer, signature]`` where `body` is the canonical
 CBOR encoding of the object and `signature` is Ed25519 over the domain-separated preimage::

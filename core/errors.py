@@ -1,4 +1,4 @@
-"""Error types of the protocol engine (DESIGN §2).
+"""Error types of the protocol engine (spec/design.md §2).
 
 `LocalProtocolError` means the caller misused the API: a bug in the host, never caused by a peer.
 `RemoteProtocolError` means a peer misbehaved; it carries the peer and a stable reason code, and the

@@ -1,4 +1,4 @@
-"""Inputs to the engine (DESIGN §2). Every event carries `now`: seconds on the host's monotonic clock.
+"""Inputs to the engine (spec/design.md §2). Every event carries `now`: seconds on the host's monotonic clock.
 
 Events are frozen, keyword-only value objects; don't subclass them.
 """

@@ -1,4 +1,4 @@
-"""Transition tables for the engine's state machines (DESIGN §2).
+"""Transition tables for the engine's state machines (spec/design.md §2).
 
 Each role module holds its table as data: ``{(state, input): next_state}``. `step` applies one input; a
 pair that is not in the table is a bug in the engine, never a peer's fault, so it raises

@@ -1,4 +1,4 @@
-"""Lease assignment by a capacity-weighted random permutation of slots (DESIGN §4, spec/protocol.md §4).
+"""Lease assignment by a capacity-weighted random permutation of slots (spec/design.md §4, spec/protocol.md §4).
 
 For window w the owner of shard s is a pure function of the certified head of window w-1: every rostered,
 non-quarantined trainer p with capacity c holds c *slots*, slot j keyed ``SHA-256(domain, head_id, w, p,

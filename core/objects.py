@@ -1,4 +1,4 @@
-"""Protocol objects (DESIGN §3-4, spec/protocol.md §2).
+"""Protocol objects (spec/design.md §3-4, spec/protocol.md §2).
 
 Each object has `to_cbor()` (a plain CBOR-ready value) and `from_cbor()` (strict: exact field sets,
 typed fields, bounded lengths; DecodeError on anything else). Objects that move trust are carried in
@@ -138,7 +138,7 @@ def byzantine_quorum(n: int) -> int:
 
 @attrs.frozen(kw_only=True)
 class Manifest:
-    """A revision of an experiment, signed by the experiment's authority key (DESIGN §4).
+    """A revision of an experiment, signed by the experiment's authority key (spec/design.md §4).
 
     Its envelope's content id is the revision id that every other object names.
     `shards[i]` is the number of samples in shard i (sample weights come from these, never from peers);
@@ -391,7 +391,7 @@ def _peer_records(body: dict[str, Any], key: str, width: int) -> tuple[Any, ...]
 
 @attrs.frozen(kw_only=True)
 class Head:
-    """A block of the chain: the model after window `window` (DESIGN §4, spec/protocol.md §2).
+    """A block of the chain: the model after window `window` (spec/design.md §4, spec/protocol.md §2).
 
     `skipped` heads record a window that closed with too few updates: params unchanged, empty cohort.
     `roster` names the trainers (peer, capacity) that hold leases in window `window + 1`.
@@ -580,7 +580,7 @@ def sign_vote(identity: Identity, revision: bytes, window: int, round_: int, ste
 
 @attrs.frozen(kw_only=True)
 class QuorumCertificate:
-    """Precommits of a quorum of the revision's validators for one head in one round (DESIGN §4,
+    """Precommits of a quorum of the revision's validators for one head in one round (spec/design.md §4,
     spec/agreement.md §4).
 
     `votes` holds (validator, signature) pairs sorted by validator; each signature is a vote envelope's

@@ -1,4 +1,4 @@
-"""Quarantine and equivocation evidence (DESIGN §4, spec/protocol.md §9).
+"""Quarantine and equivocation evidence (spec/design.md §4, spec/protocol.md §9).
 
 Everything here is a pure function of a certified parent head, the window's inputs and the manifest, so
 every validator derives the same quarantine set and can check a proposed head's records exactly:

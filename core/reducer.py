@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .collector import Collector
+import attrs
+
+from .collector import Collector, FetchAuditParams, FetchBase, FetchDelta, Screen, resume_collector
 from .envelope import SignedEnvelope
 from .fsm import Table, step
 from .identity import PeerId
 from .messages import Signed
 from .objects import Head, ReductionProposal, seal
+from .pending import Failed, Outcome
 from .roles import RoleBase
 
 if TYPE_CHECKING:
@@ -33,6 +36,14 @@ TABLE: Table = {
 }
 
 
+@attrs.frozen(kw_only=True)
+class Reduce:
+    """The ``reduce`` task of `window` is in flight over `cohort` (update ids, canonical order)."""
+
+    window: int
+    cohort: tuple[bytes, ...]
+
+
 class ReducerRole(RoleBase):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -45,7 +56,7 @@ class ReducerRole(RoleBase):
     def on_head(self, head: Head) -> None:
         e = self.engine
         self._step("head")
-        self.collector = Collector(e, head, self._maybe_close)
+        self.collector = Collector(e, head, self._maybe_close, owner="reducer")
         deadline = e.now + e.manifest.window_s * e.config.reducer_close_fraction
         e.set_timer(("close", "reducer", self.collector.window), deadline)
         if e.manifest.lease_s > 0:
@@ -74,34 +85,45 @@ class ReducerRole(RoleBase):
             self._step("close-skip")
             return
         self._step("close")
-        window = c.window
         args = c.reduce_args(cohort)
+        e.run_task("reduce", args, "reducer", Reduce(window=c.window, cohort=tuple(x.envelope.id for x in cohort)))
 
-        def reduced(result: dict[str, Any]) -> None:
-            e.note_stored(result["params"])
-            if result.get("outer_state") is not None:  # the head's optimizer state: never fetched again
-                e.note_stored(result["outer_state"])
-            if c is not self.collector or self.state != "reducing":
-                return
-            for i, reason in result["outliers"]:
-                c.reject_outlier(cohort[i].envelope.id, f"screen-{reason}")
-            ids = tuple(cohort[i].envelope.id for i in result["kept"])
-            if len(ids) < e.manifest.min_updates:
+    def resume(self, work: Any, outcome: Outcome) -> None:
+        """Go on with work of ours the engine held (a task, fetch or write) once it ended with `outcome`."""
+        match work:
+            case Reduce():
+                self._reduced(work, outcome)
+            case Screen() | FetchBase() | FetchDelta() | FetchAuditParams():
+                resume_collector(self.engine, self.collector, work, outcome)
+            case _:
+                raise TypeError(f"not reducer work: {work!r}")
+
+    def _reduced(self, work: Reduce, outcome: Outcome) -> None:
+        e, c = self.engine, self.collector
+        if isinstance(outcome, Failed):
+            if c is not None and c.window == work.window and self.state == "reducing":
                 self._step("reduce-failed")
-                return
-            self._step("reduced")
-            proposal = seal(e.identity, ReductionProposal(
-                revision=e.revision.id, window=window, base=c.head.id, cohort=ids, params=result["params"],
-                params_digest=result["params_digest"]))
-            e.stats["proposals_sent"] += 1
-            e.log("proposal", window=window, cohort=len(ids))
-            e.broadcast(Signed(envelope=proposal), roles=("validator",))
-
-        def failed(reason: str) -> None:
-            if c is self.collector and self.state == "reducing":
-                self._step("reduce-failed")
-
-        e.run_task("reduce", args, reduced, failed)
+            return
+        result = outcome.result
+        assert result is not None
+        e.note_stored(result["params"])
+        if result.get("outer_state") is not None:  # the head's optimizer state: never fetched again
+            e.note_stored(result["outer_state"])
+        if c is None or c.window != work.window or self.state != "reducing":
+            return
+        for i, reason in result["outliers"]:
+            c.reject_outlier(work.cohort[i], f"screen-{reason}")
+        ids = tuple(work.cohort[i] for i in result["kept"])
+        if len(ids) < e.manifest.min_updates:
+            self._step("reduce-failed")
+            return
+        self._step("reduced")
+        proposal = seal(e.identity, ReductionProposal(
+            revision=e.revision.id, window=work.window, base=c.head.id, cohort=ids, params=result["params"],
+            params_digest=result["params_digest"]))
+        e.stats["proposals_sent"] += 1
+        e.log("proposal", window=work.window, cohort=len(ids))
+        e.broadcast(Signed(envelope=proposal), roles=("validator",))
 
     def on_signed(self, peer: PeerId, envelope: SignedEnvelope) -> None:
         if envelope.kind == "update" and self.collector is not None:

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from .envelope import SignedEnvelope
 from .identity import PeerId
 from .objects import Head
+from .pending import Outcome
 
 TimerKey = tuple[Any, ...]
 """A role's timer key: its first item names the timer (``"window"``, ``"claim"``, ...), the rest says which
@@ -41,6 +42,10 @@ class Role(Protocol):
     def on_head_source(self, peer: PeerId, head: Head) -> None:
         """`peer` sent us the certified `head` we just adopted (it holds that window's artifacts)."""
 
+    def resume(self, work: Any, outcome: Outcome) -> None:
+        """Work this role handed the engine (`run_task`, `fetch`, `persist_then`: `work` is its frozen record)
+        ended with `outcome` (core/pending.py)."""
+
 
 class RoleBase:
     """No-op defaults of every `Role` hook: a role overrides the ones it needs."""
@@ -59,3 +64,6 @@ class RoleBase:
 
     def on_head_source(self, peer: PeerId, head: Head) -> None:
         pass
+
+    def resume(self, work: Any, outcome: Outcome) -> None:
+        raise TypeError(f"{type(self).__name__} started no work {work!r}")

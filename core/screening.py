@@ -9,12 +9,12 @@ With fewer than `min_updates` accepted updates a *skipped* head is proposed, and
 only if this validator's own collection also fell short.
 
 Recomputation runs as compute tasks (``reduce``, then ``evaluate``); the work in flight is plain data
-(`Recompute`, `Evaluate` in `Screening.tasks`), resumed by `Screening.on_task`.
+(`Recompute`, `Evaluate` in `Screening.tasks`; the engine holds a `ScreeningTask` naming one), resumed by
+`Screening.on_task`.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -35,6 +35,7 @@ from .objects import (
     ReductionProposal,
     UpdateAnnouncement,
 )
+from .pending import Failed, Outcome
 from .quarantine import STRIKE_REASONS, check_evidence, next_records
 
 if TYPE_CHECKING:
@@ -109,6 +110,13 @@ class Evaluate:
     outer_state: ArtifactRef | None
     outer_state_digest: bytes | None
     train_loss: float
+
+
+@attrs.frozen(kw_only=True)
+class ScreeningTask:
+    """What the engine holds for a recomputation task in flight: its work is `Screening.tasks[seq]`."""
+
+    seq: int
 
 
 class Screening:
@@ -238,12 +246,15 @@ class Screening:
     def _run(self, kind: str, args: dict[str, Any], work: Recompute | Evaluate) -> None:
         self._seq += 1
         self.tasks[self._seq] = work
-        self.engine.run_task(kind, args, functools.partial(self.on_task, self._seq),
-                             functools.partial(self.on_task_failed, self._seq))
+        self.engine.run_task(kind, args, "validator", ScreeningTask(seq=self._seq))
 
-    def on_task(self, seq: int, result: dict[str, Any]) -> None:
-        """The task `seq` finished with `result` (the task kind's result map): go on with its work."""
-        e = self.engine
+    def on_task(self, seq: int, outcome: Outcome) -> None:
+        """The task `seq` ended with `outcome` (`Done` with the task kind's result map): go on with its work."""
+        if isinstance(outcome, Failed):
+            self.on_task_failed(seq, outcome.reason)
+            return
+        e, result = self.engine, outcome.result
+        assert result is not None
         match self.tasks.pop(seq):
             case Recompute() as work:
                 e.note_stored(result["params"])

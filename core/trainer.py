@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
 from .audit import train_seed
 from .envelope import SignedEnvelope
 from .fsm import Table, step
@@ -30,6 +32,7 @@ from .objects import (
     UpdateAnnouncement,
     seal,
 )
+from .pending import Done, Failed, Outcome
 from .roles import RoleBase
 
 if TYPE_CHECKING:
@@ -85,6 +88,34 @@ CLAIM_TABLE: Table = {
 def claim_key(window: int, holder: PeerId | None = None) -> str:
     """Record of the update announced for `window` (on our own lease, or claiming `holder`'s)."""
     return f"claim/{window}" if holder is None else f"claim/{window}/{holder}"
+
+
+@attrs.frozen(kw_only=True)
+class FetchParams:
+    """The head's params are being fetched to train `window`: on our own lease (`holder` None) or claiming
+    `holder`'s."""
+
+    window: int
+    holder: PeerId | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Train:
+    """The ``train`` task of `window` is in flight: on our own lease (`holder` None) or claiming `holder`'s."""
+
+    window: int
+    holder: PeerId | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Announce:
+    """The signed announcement `envelope` of `window` (on our own lease, or claiming `holder`'s) is being
+    persisted: it is sent once durable. `train_loss` is the one it announces."""
+
+    window: int
+    envelope: SignedEnvelope
+    train_loss: float
+    holder: PeerId | None = None
 
 
 class TrainerRole(RoleBase):
@@ -154,8 +185,33 @@ class TrainerRole(RoleBase):
             return
         self._step("lease")
         window = self.window
-        e.fetch(head.params, providers, lambda: self._params_stored(window),
-                lambda reason: self._fetch_failed(window, reason))
+        e.fetch(head.params, providers, "trainer", FetchParams(window=window))
+
+    def resume(self, work: Any, outcome: Outcome) -> None:
+        """Go on with work of ours the engine held (a task, fetch or write) once it ended with `outcome`."""
+        match work, outcome:
+            case FetchParams(holder=None), Done():
+                self._params_stored(work.window)
+            case FetchParams(holder=None), Failed(reason=reason):
+                self._fetch_failed(work.window, reason)
+            case FetchParams(holder=PeerId() as holder), Done():
+                self._claim_params(work.window, holder)
+            case FetchParams(holder=PeerId() as holder), Failed():
+                self._claim_failed(work.window, holder, "fetch-failed")
+            case Announce(), Done():
+                self._announce(work)
+            case Train(holder=None), Done(result=result):
+                assert result is not None
+                self._trained(work.window, result)
+            case Train(holder=None), Failed(reason=reason):
+                self._train_failed(work.window, reason)
+            case Train(holder=PeerId() as holder), Done(result=result):
+                assert result is not None
+                self._claim_trained(work.window, holder, result)
+            case Train(holder=PeerId() as holder), Failed():
+                self._claim_failed(work.window, holder, "train-failed")
+            case _:
+                raise TypeError(f"not trainer work: {work!r}")
 
     def _membership_step(self, event: str) -> None:
         self.membership = step("trainer-membership", MEMBERSHIP_TABLE, self.membership, event)
@@ -221,7 +277,7 @@ class TrainerRole(RoleBase):
         args = {"params": self.head.params, "shards": self.shards,
                 "seed": train_seed(self.head.id, window, self.shards, e.me),
                 "window": window, "inner_steps": e.manifest.inner_steps, "author": e.me}
-        e.run_task("train", args, lambda r: self._trained(window, r), lambda why: self._train_failed(window, why))
+        e.run_task("train", args, "trainer", Train(window=window))
 
     def _fetch_failed(self, window: int, reason: str) -> None:
         if window == self.window and self.state == "fetching":
@@ -244,17 +300,25 @@ class TrainerRole(RoleBase):
                                  delta=delta, delta_digest=result["delta_digest"],
                                  train_loss=float(result["train_loss"]))
         envelope = seal(e.identity, ann)
+        e.persist_then(claim_key(window), envelope.to_bytes(), "trainer",
+                       Announce(window=window, envelope=envelope, train_loss=ann.train_loss))
 
-        def announce() -> None:
-            if window != self.window:
-                return
+    def _announce(self, work: Announce) -> None:
+        """The announcement `work.envelope` is durable: send it (if its window is still ours)."""
+        e, window, envelope = self.engine, work.window, work.envelope
+        if window != self.window:
+            return
+        if work.holder is None:
             self._step("persisted")
             self.announcement = envelope
             e.stats["updates_announced"] += 1
-            e.log("announce", window=window, update=envelope.id.hex(), train_loss=ann.train_loss)
-            e.broadcast(Signed(envelope=envelope), roles=("validator", "reducer"))
-
-        e.persist_then(claim_key(window), envelope.to_bytes(), announce)
+            e.log("announce", window=window, update=envelope.id.hex(), train_loss=work.train_loss)
+        else:
+            self._claim_step(work.holder, "persisted")
+            self.claim_announcements[work.holder] = envelope
+            e.stats["claims_announced"] += 1
+            e.log("announce-claim", window=window, holder=str(work.holder), update=envelope.id.hex())
+        e.broadcast(Signed(envelope=envelope), roles=("validator", "reducer"))
 
     def on_peer_ready(self, peer: PeerId, roles: tuple[str, ...]) -> None:
         e = self.engine
@@ -302,8 +366,7 @@ class TrainerRole(RoleBase):
         self._claim_step(holder, "lease-expired")
         e.log("lease-claim", window=window, holder=str(holder), shards=list(self.claims[holder]))
         providers = sorted(self.head_sources) + e.peers_with("validator") + e.peers_with("reducer")
-        e.fetch(head.params, providers, lambda: self._claim_params(window, holder),
-                lambda reason: self._claim_failed(window, holder, "fetch-failed"))
+        e.fetch(head.params, providers, "trainer", FetchParams(window=window, holder=holder))
 
     def _claim_failed(self, window: int, holder: PeerId, event: str) -> None:
         if window == self.window and self.claim_state.get(holder) in ("fetching", "training"):
@@ -317,8 +380,7 @@ class TrainerRole(RoleBase):
         args = {"params": self.head.params, "shards": self.claims[holder],
                 "seed": train_seed(self.head.id, window, self.claims[holder], e.me),
                 "window": window, "inner_steps": e.manifest.inner_steps, "author": e.me}
-        e.run_task("train", args, lambda r: self._claim_trained(window, holder, r),
-                   lambda why: self._claim_failed(window, holder, "train-failed"))
+        e.run_task("train", args, "trainer", Train(window=window, holder=holder))
 
     def _claim_trained(self, window: int, holder: PeerId, result: dict[str, Any]) -> None:
         e = self.engine
@@ -330,14 +392,6 @@ class TrainerRole(RoleBase):
             revision=e.revision.id, window=window, base=self.head.id, shards=self.claims[holder],
             delta=result["delta"], delta_digest=result["delta_digest"], train_loss=float(result["train_loss"]),
             claim=holder))
-
-        def announce() -> None:
-            if window != self.window:
-                return
-            self._claim_step(holder, "persisted")
-            self.claim_announcements[holder] = envelope
-            e.stats["claims_announced"] += 1
-            e.log("announce-claim", window=window, holder=str(holder), update=envelope.id.hex())
-            e.broadcast(Signed(envelope=envelope), roles=("validator", "reducer"))
-
-        e.persist_then(claim_key(window, holder), envelope.to_bytes(), announce)
+        e.persist_then(claim_key(window, holder), envelope.to_bytes(), "trainer",
+                       Announce(window=window, envelope=envelope, train_loss=float(result["train_loss"]),
+                                holder=holder))

@@ -27,7 +27,7 @@ from .admission import (
     join_priority,
 )
 from .agreement import WindowAgreement
-from .collector import Collector
+from .collector import Collector, FetchAuditParams, FetchBase, FetchDelta, Screen, resume_collector
 from .deadlines import MAX_DEADLINE_WINDOWS, WAIT_WINDOWS, WindowClock
 from .envelope import SignedEnvelope
 from .fsm import Table, step
@@ -35,10 +35,11 @@ from .identity import PeerId
 from .leases import next_unproven, undelivered
 from .messages import UpdatesRequest
 from .objects import VOTE_KIND, Head, HeadProposal, Heartbeat, JoinRequest, LeaveRequest, ReductionProposal
+from .pending import Outcome
 from .proposals import ProposalTracker
 from .roles import RoleBase
-from .screening import METRIC_TOLERANCE, Screening, Value, head_metrics, metrics_match
-from .voting import Voting, lock_key, proposal_key, vote_key
+from .screening import METRIC_TOLERANCE, Screening, ScreeningTask, Value, head_metrics, metrics_match
+from .voting import Voting, VotingWrite, lock_key, proposal_key, vote_key
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -115,12 +116,26 @@ class ValidatorRole(RoleBase):
         a.heard = {PeerId.from_bytes(p): w for p, w in state["heard"]}
         a.first_window = state["first_window"]
 
+    # --- pending work (pending.Pending) -----------------------------------------------------------------
+
+    def resume(self, work: Any, outcome: Outcome) -> None:
+        """Go on with work of ours the engine held (a task, fetch or write) once it ended with `outcome`."""
+        match work:
+            case ScreeningTask():
+                self.screening.on_task(work.seq, outcome)
+            case VotingWrite():
+                self.voting.durable(work.seq)
+            case Screen() | FetchBase() | FetchDelta() | FetchAuditParams():
+                resume_collector(self.engine, self.collector, work, outcome)
+            case _:
+                raise TypeError(f"not validator work: {work!r}")
+
     # --- window lifecycle ----------------------------------------------------------------------------
 
     def on_head(self, head: Head) -> None:
         e = self.engine
         self._step("head")
-        self.collector = Collector(e, head, self._on_collector_change)
+        self.collector = Collector(e, head, self._on_collector_change, owner="validator")
         window = self.collector.window
         self.clock.open()
         self.screening.open(window)

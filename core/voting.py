@@ -7,12 +7,12 @@ one (window, round, step). A second vote of a signer for the same (window, round
 charged, and kept as transferable evidence that the next head this validator proposes records.
 
 Writes waiting for durability are plain records (`SendVote`, `PersistVote`, `SendProposal`) held in
-`Voting.writes` and resumed by `resume` once the engine reports them persisted.
+`Voting.writes` (the engine holds a `VotingWrite` naming one) and resumed by `resume` once the engine reports
+them persisted.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -84,6 +84,13 @@ class SendProposal:
 
 
 PendingWrite = SendVote | PersistVote | SendProposal
+
+
+@attrs.frozen(kw_only=True)
+class VotingWrite:
+    """What the engine holds for a write of ours being persisted: its next step is `Voting.writes[seq]`."""
+
+    seq: int
 
 
 class Voting:
@@ -192,9 +199,10 @@ class Voting:
         """Persist `record` under `key`; `then` is resumed once it is durable."""
         self._seq += 1
         self.writes[self._seq] = then
-        self.engine.persist_then(key, record, functools.partial(self._durable, self._seq))
+        self.engine.persist_then(key, record, "validator", VotingWrite(seq=self._seq))
 
-    def _durable(self, seq: int) -> None:
+    def durable(self, seq: int) -> None:
+        """The write `seq` (`writes[seq]`) is durable: carry out its next step."""
         self.resume(self.writes.pop(seq))
 
     def resume(self, pending: PendingWrite) -> None:

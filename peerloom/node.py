@@ -55,7 +55,9 @@ Config keys (TOML)::
     listen = "http://127.0.0.1:8001"   # memory (in-process fleets); listen defaults to 127.0.0.1:0 (tcp),
                                        # http://127.0.0.1:0 (http); memory needs memory://NAME. Several
                                        # listeners: [[transport]] tables, one per listener. Every node dials
-                                       # tcp and http addresses whatever it listens on
+                                       # tcp and http addresses whatever it listens on. dial_only = true
+                                       # (no listen key): no listener for this table; a node whose every
+                                       # table says so listens nowhere and only dials (`peerloom light`)
 
     [relay]                            # optional (spec/transport.md §12)
     enabled = true                     # relay for peers that cannot be dialed, on its own listener:
@@ -152,7 +154,7 @@ RELAY_KEYS: dict[str, tuple[type, ...]] = {
     "enabled": (bool,), "listen": (str,), "via": (list,), "only": (bool,), "reservation_s": (float, int),
     "circuit_s": (float, int), "circuit_bytes": (int,), "max_reservations": (int,), "max_circuits": (int,),
     "max_circuits_per_reservation": (int,)}
-TRANSPORT_KEYS: dict[str, tuple[type, ...]] = {"kind": (str,), "listen": (str,)}
+TRANSPORT_KEYS: dict[str, tuple[type, ...]] = {"kind": (str,), "listen": (str,), "dial_only": (bool,)}
 DEFAULT_LISTEN = {"tcp": "127.0.0.1:0", "http": "http://127.0.0.1:0"}
 COMPUTE = ("numpy", "torch")
 log = logging.getLogger("peerloom.node")
@@ -294,8 +296,9 @@ def _check_pool(config: dict[str, Any]) -> None:
 
 def transport_listens(config: dict[str, Any]) -> tuple[str, ...]:
     """The addresses to listen on from the ``[transport]`` table or ``[[transport]]`` tables (kind and
-    listen; spec/transport.md §9), or () when there are none (then ``listen`` is the tcp listener).
-    ConfigError names an unknown key or kind, a malformed address, or ``listen`` given beside them."""
+    listen; spec/transport.md §9), or () when there are none (then ``listen`` is the tcp listener) or when
+    every table is ``dial_only``. ConfigError names an unknown key or kind, a malformed address, ``listen``
+    given beside them, or a ``dial_only`` table with a listen address."""
     tables = config.get("transport", [])
     tables = [tables] if isinstance(tables, dict) else tables
     if tables and "listen" in config:
@@ -313,6 +316,10 @@ def transport_listens(config: dict[str, Any]) -> tuple[str, ...]:
         kind = table.get("kind")
         if kind not in ("tcp", "http", "memory"):
             raise ConfigError(f"transport.kind must be tcp, http or memory, got {kind!r}")
+        if table.get("dial_only", False):
+            if "listen" in table:
+                raise ConfigError(f"transport {kind}: dial_only = true opens no listener; drop listen")
+            continue
         listen = table.get("listen", DEFAULT_LISTEN.get(kind))
         if listen is None:
             raise ConfigError("a memory transport needs listen = \"memory://NAME\"")
@@ -574,7 +581,8 @@ def build_runtime(config: dict[str, Any], config_path: Path | None = None, *,
         from peerloom.adapters.memory import MemoryNetwork
 
         memory_network = MemoryNetwork()  # reachable from this process only
-    options = RuntimeOptions(listen_host=host, listen_port=port, listen=listens,
+    dial_only = not listens and bool(config.get("transport"))  # every [transport] table is dial_only
+    options = RuntimeOptions(listen_host=host, listen_port=port, listen=listens, dial_only=dial_only,
                              bootstrap=tuple(config.get("bootstrap", [])), memory_network=memory_network,
                              http_listen=http_listen, mdns=bool(config.get("discovery", {}).get("mdns", False)),
                              relay_listen=relay_listen, relay_limits=relay_limits,
@@ -660,7 +668,7 @@ def run_node(config_path: Path) -> None:
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             port = await nursery.start(runtime.run)
-            if "port_file" in config:
+            if "port_file" in config and port is not None:  # None: a dial_only node listens nowhere
                 atomic_write(Path(config["port_file"]), f"{port}\n".encode())
             log.info("node started", extra={"fields": {"peer": runtime.identity.peer_id.to_text(), "port": port,
                                                        "roles": sorted(config["roles"])}})

@@ -1,4 +1,4 @@
-"""Deterministic discrete-event simulator (DESIGN §7, spec/simulator.md).
+"""Deterministic discrete-event simulator (spec/design.md §7, spec/simulator.md).
 
 Public surface: `run_scenario` / `load_scenario` for TOML scenarios, `Simulation` for building runs by
 hand, `Checkers` for the invariants, `LinkSpec` / `Latency` for the network model, and the named

@@ -1,4 +1,4 @@
-"""Adversaries as named behaviours (DESIGN §7, spec/simulator.md §6).
+"""Adversaries as named behaviours (spec/design.md §7, spec/simulator.md §6).
 
 Each behaviour wraps a real engine from the outside: it rewrites the node's compute results (a trainer's
 delta, a reducer's aggregate), filters or forges what the node sends (votes, proposals, announcements

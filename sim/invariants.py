@@ -1,4 +1,4 @@
-"""Invariant checkers, run continuously while a simulation runs (DESIGN §7, spec/simulator.md §7).
+"""Invariant checkers, run continuously while a simulation runs (spec/design.md §7, spec/simulator.md §7).
 
 Safety (checked on every head an honest node promotes):
 
@@ -13,7 +13,7 @@ Safety (checked on every head an honest node promotes):
 - ``no-quarantined-cohort``: no cohort slot and no lease for a peer in the parent's quarantine set
   (`Head.quarantined`; the summary says when no head carried a quarantine set).
 - ``no-double-vote``: an honest validator never signs two different votes for one (window, round, step),
-  across crashes and restarts (DESIGN §2, durable before visible). Checked on what it sends.
+  across crashes and restarts (spec/design.md §2, durable before visible). Checked on what it sends.
 - ``roster-changes``: a final head's roster is its parent's less exactly its `left` and `expired` (peers
   of the parent's roster), plus joiners; kept peers keep their capacity.
 - ``contiguous-chain``: an honest node that keeps the chain (`EngineConfig.keep_chain`, the default)

@@ -1,4 +1,4 @@
-"""The simulation kernel: real engines on a virtual clock over a modelled network (DESIGN §7,
+"""The simulation kernel: real engines on a virtual clock over a modelled network (spec/design.md §7,
 spec/simulator.md §2).
 
 One event heap ordered by (time, sequence): the sequence number is the deterministic tie-break, so two

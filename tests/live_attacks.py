@@ -3,7 +3,7 @@
 an honest newcomer and that windows still certify.
 
 Every attack is an async function `attack(target, rng, seconds)`; each loop in it is bounded in count and
-time. `tests/test_hostile_peers.py` runs each one briefly in CI; `make fuzz-live` runs each for a minute
+time. `tests/e2e/test_hostile_peers.py` runs each one briefly in CI; `make fuzz-live` runs each for a minute
 against a smoke fleet (`python -m tests.live_attacks --seconds 60`).
 """
 

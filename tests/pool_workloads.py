@@ -1,4 +1,4 @@
-"""Workloads and the rank entry point for the trainer-pool tests (tests/test_pool.py) and bench/pool.py.
+"""Workloads and the rank entry point for the trainer-pool tests (tests/backends/test_pool.py) and bench/pool.py.
 
 `factory` is a node workload factory (``workload = "tests.pool_workloads:factory"``): a small torch MLP on
 synthetic 3-class data, fast enough for a fleet on two shared cores. `worker_main` is what a unit test's
@@ -144,6 +144,10 @@ def torchrun_main() -> None:
     seen.update(shrunk=pool.shrunk, alone_equal=all(np.array_equal(alone[n], expected[n]) for n in expected))
     pool.close()
     print(json.dumps(seen), flush=True)
+    # A gloo group that lost a rank may leave a C++ thread behind that aborts the interpreter's teardown
+    # ("terminate called without an active exception", seen once in ~20 runs); what this test checks is
+    # printed above, so leave without the teardown (spec/pools.md "Not yet").
+    os._exit(0)
 
 
 if __name__ == "__main__":

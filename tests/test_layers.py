@@ -1,7 +1,7 @@
-"""DESIGN §1 layer rules, checked on the source with the ast module.
+"""spec/design.md §1 layer rules, checked on the source with the ast module.
 
 (import-linter cannot resolve our `package-dir` mapping of top-level folders into `peerloom.*`, so this
-test is the "equivalent test" DESIGN §1 allows.) Purity of core/ beyond imports — no clocks, OS
+test is the "equivalent test" spec/design.md §1 allows.) Purity of core/ beyond imports — no clocks, OS
 randomness or module-level `random` functions — is checked by scanning the source too.
 """
 

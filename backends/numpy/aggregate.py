@@ -1,4 +1,4 @@
-"""Robust aggregation rules on numpy tensor dicts — the reference backend (DESIGN §5).
+"""Robust aggregation rules on numpy tensor dicts — the reference backend (spec/design.md §5).
 
 `aggregate(rule, deltas, weights, **params)` is the one entry point; `peerloom.backends.torch.aggregate`
 has the same signature on torch tensors and returns the same bytes (both run the kernels of
@@ -200,7 +200,7 @@ def outer_step(
 def screening_stats(
     delta: TensorDict, *, reference: TensorDict | None = None, centre: TensorDict | None = None
 ) -> dict[str, Any]:
-    """Screening statistics of one delta (DESIGN §4): ``{"finite": bool, "norms": {name: float},
+    """Screening statistics of one delta (spec/design.md §4): ``{"finite": bool, "norms": {name: float},
     "global_norm": float, "cosine": float (to `reference`; NaN if none/zero), "distance": float (L2 to the
     robust `centre`; NaN if none)}``. Sums in float64 lanes (`peerloom.backends._robust`), so the numpy and
     torch backends return equal floats. Non-finite deltas return ``finite=False`` and NaN statistics."""

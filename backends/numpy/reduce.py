@@ -1,4 +1,4 @@
-"""Reference reductions: FedAvg weighted mean and the SGD outer step (DESIGN §4 "Reduction must be
+"""Reference reductions: FedAvg weighted mean and the SGD outer step (spec/design.md §4 "Reduction must be
 bit-reproducible", §5).
 
 `peerloom.backends.torch.reduce` runs the same code on torch tensors and must produce the same bytes.

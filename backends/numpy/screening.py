@@ -1,4 +1,4 @@
-"""Screening statistics on real tensors (DESIGN §4: screen on the tensors, never on self-reports).
+"""Screening statistics on real tensors (spec/design.md §4: screen on the tensors, never on self-reports).
 
 This slice checks what every later rule depends on: the schema (names, dtypes, shapes exactly as the
 manifest says), that every value is finite, and the global L2 norm (accumulated in float64).

@@ -1,4 +1,4 @@
-"""Tensor dictionaries, their safetensors container and their canonical digest (DESIGN §3 "Tensor artifacts").
+"""Tensor dictionaries, their safetensors container and their canonical digest (spec/design.md §3 "Tensor artifacts").
 
 A `TensorDict` maps tensor names (text) to numpy arrays. On the wire it travels as safetensors bytes
 (https://github.com/huggingface/safetensors: 8-byte little-endian header length, a JSON header, then the
@@ -64,7 +64,7 @@ def safetensors_parts(tensors: TensorDict) -> list[bytes | memoryview] | None:
     dtype ranking), a name that is not printable ASCII without quotes or backslashes (JSON escaping) or is
     ``__metadata__``, or a dtype other than float32, int8, uint8, int32 or int64; the caller then uses
     `to_safetensors`.
-    tests/test_safetensors_views.py checks that the bytes are the library's."""
+    tests/backends/test_safetensors_views.py checks that the bytes are the library's."""
     names = sorted(tensors)  # one dtype: the library orders by name
     arrays = [_little_endian_c(tensors[n]) for n in names]
     kinds = {a.dtype.str for a in arrays}
@@ -210,7 +210,7 @@ def schema_of(tensors: TensorDict) -> Schema:
 def tensor_digest(tensors: TensorDict) -> bytes:
     """Canonical, container-independent digest of a tensor dict: a 34-byte content id.
 
-    Definition (what a head commits to, DESIGN §3)::
+    Definition (what a head commits to, spec/design.md §3)::
 
         schema  = [[name, dtype, [d0, d1, ...]] for name in sorted(names)]   # dtype e.g. "float32"
         digest  = SHA-256( encode(schema) || raw(t[n0]) || raw(t[n1]) || ... )  # names in sorted order

@@ -1,4 +1,4 @@
-"""Small models and the bundled digits workload, plus the centralized baseline (DESIGN §8)."""
+"""Small models and the bundled digits workload, plus the centralized baseline (spec/design.md §8)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """FedAvg weighted mean and SGD outer step on torch CPU tensors, bit-identical to the numpy reference
-(`peerloom.backends.numpy.reduce`, whose module docstring fixes the recipe; DESIGN §4, §5).
+(`peerloom.backends.numpy.reduce`, whose module docstring fixes the recipe; spec/design.md §4, §5).
 
 Both backends run the same code, `peerloom.backends._reduce`, each with its own elementwise `Ops`: widen
 to float64 with ``copy_`` (exact), multiply by a Python-float coefficient in place (one IEEE double

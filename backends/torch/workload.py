@@ -1,5 +1,5 @@
 """`TorchWorkload`: an ordinary PyTorch model, optimizer, loss and datasets as a peerloom workload
-(DESIGN §5; spec/protocol.md §5-6).
+(spec/design.md §5; spec/protocol.md §5-6).
 
 A workload turns (params, lease) into a pseudo-gradient and params into metrics. Parameters cross the
 boundary as numpy float32 `TensorDict`s (name -> array, the model's ``state_dict`` names), so the
@@ -116,7 +116,7 @@ def argmax_accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> float:
 
 
 class TorchWorkload:
-    """FedAvg / DiLoCo local training for a user's `nn.Module` (DESIGN §5).
+    """FedAvg / DiLoCo local training for a user's `nn.Module` (spec/design.md §5).
 
     Args:
         model_factory: builds the model with no arguments (e.g. the model's class). `initial_params` calls it

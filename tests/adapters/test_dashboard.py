@@ -1,0 +1,94 @@
+"""The edge's dashboard in a real headless Chromium (system package; playwright drives it, no downloads).
+
+Loads the page served by the edge, checks that the head chain and the validation curve render from the
+JSON endpoints, then certifies more heads and checks that the page follows (server-sent events).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from peerloom.adapters.http_edge import EdgeServer
+from tests.edge_fixtures import advance, make_view
+
+CHROMIUM = next((p for p in (shutil.which("chromium"), shutil.which("chromium-browser"), "/usr/bin/chromium")
+                 if p and shutil.which(p)), None)
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium)")
+
+
+def test_dashboard_renders_chain_and_curve_and_follows_new_heads(tmp_path):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    view = make_view(tmp_path)
+    heads = advance(view, 4)
+    with EdgeServer(view) as server, sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        try:
+            page = browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(server.url + "/", wait_until="load")
+            # (expect() polls without eval, which the page's Content-Security-Policy forbids.)
+            sync_api.expect(page.locator("#chain-rows tr")).to_have_count(5, timeout=15_000)
+            assert page.text_content("#latest-window") == "4"
+            # Newest first; each row shows its head id prefix and the accuracy of that window.
+            first = page.locator("#chain-rows tr").first
+            assert first.get_attribute("data-window") == "4"
+            assert heads[-1].id.hex()[4:16] in first.inner_text()
+            assert page.locator("#curve circle.acc").count() == 4
+            assert page.locator("#curve circle.loss").count() == 4
+            assert page.locator("#curve polyline").count() == 2
+            assert page.locator("#peer-rows tr").count() == 2
+            assert "sent" in page.text_content("#bytes")
+            # The chain advances: the page follows via server-sent events (or its 5 s poll).
+            advance(view, 2)
+            sync_api.expect(page.locator("#chain-rows tr")).to_have_count(7, timeout=15_000)
+            assert page.text_content("#latest-window") == "6"
+            assert page.locator("#curve circle.acc").count() == 6
+            assert errors == []
+        finally:
+            browser.close()
+
+
+@pytest.mark.slow
+def test_dashboard_of_a_running_node_sees_the_chain_advance(tmp_path):
+    """`peerloom node` processes (a validator with the edge on, two trainers): the page shows the certified
+    chain growing and the accuracy curve gaining points, from the node's own JSON endpoints."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    from tests.node_cluster import free_port, make_fleet
+
+    nodes = make_fleet(tmp_path, validators=1, trainers=2, quorum=1, window_s=1.0, min_updates=1)
+    http_port = free_port()
+    nodes[0].write_config(http={"enabled": True, "listen": f"127.0.0.1:{http_port}"})
+    for node in nodes:
+        node.start()
+    try:
+        for node in nodes:
+            node.wait_port()
+        with sync_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+            try:
+                page = browser.new_page()
+                errors: list[str] = []
+                page.on("pageerror", lambda exc: errors.append(str(exc)))
+                page.goto(f"http://127.0.0.1:{http_port}/", wait_until="load")
+                rows = page.locator("#chain-rows tr")
+                sync_api.expect(rows).not_to_have_count(0, timeout=15_000)
+                # Window 2 certified (rows for windows 0..2), then two more windows later.
+                sync_api.expect(page.locator("#chain-rows tr[data-window='2']")).to_have_count(1, timeout=40_000)
+                seen = int(page.text_content("#latest-window") or "0")
+                sync_api.expect(page.locator(f"#chain-rows tr[data-window='{seen + 2}']")).to_have_count(
+                    1, timeout=40_000)
+                assert int(page.text_content("#latest-window") or "0") >= seen + 2
+                assert page.locator("#curve circle.acc").count() >= seen + 1
+                assert page.locator("#peer-rows tr").count() >= 2  # the two trainers, with their roles
+                assert errors == []
+            finally:
+                browser.close()
+    finally:
+        for node in nodes:
+            node.stop()

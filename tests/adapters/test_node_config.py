@@ -1,0 +1,140 @@
+"""`peerloom node` config validation gives clear errors; `peerloom keygen` never overwrites a key."""
+
+import subprocess
+import sys
+
+import pytest
+
+from peerloom.node import ConfigError, build_node_workload, build_runtime, load_config
+from tests.helpers import ident
+
+AUTHORITY = ident(200).peer_id.to_text()
+BASE = f'name="n"\nroles=["trainer"]\nkey="k"\nmanifest="m"\nauthority="{AUTHORITY}"\nstore="s"\n'
+
+
+def _config(tmp_path, extra=""):
+    path = tmp_path / "node.toml"
+    path.write_text(BASE + extra)
+    return path
+
+
+def test_missing_keys_are_named(tmp_path):
+    path = tmp_path / "node.toml"
+    path.write_text('name = "x"\nroles = ["trainer"]\n')
+    with pytest.raises(ConfigError, match="missing key, manifest, authority, store"):
+        load_config(path)
+
+
+def test_bad_toml_is_reported(tmp_path):
+    path = tmp_path / "node.toml"
+    path.write_text("name = \n")
+    with pytest.raises(ConfigError, match=r"node\.toml"):
+        load_config(path)
+
+
+def test_relative_paths_resolve_next_to_config(tmp_path):
+    assert load_config(_config(tmp_path))["store"] == tmp_path / "s"
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ('listen = "127.0.0.1"\n', "must be host:port"),
+    ('bootstrap = ["127.0.0.1:x"]\n', "must be host:port"),
+    ("bootstrap = [7001]\n", "bootstrap entries"),
+    ("capacity = 0\n", "capacity must be at least 1"),
+    ('capacity = "2"\n', "capacity must be an integer, got '2'"),
+    ('lisen = "127.0.0.1:1"\n', "lisen: unknown key (did you mean 'listen'?); valid keys: admission,"),
+    ('log_format = "xml"\n', "log_format"),
+    ("[http]\nenabled = 1\n", "http.enabled"),
+    ('[http]\nenabled = true\nlisten = "nope"\n', "must be host:port"),
+    ('[http]\nport = 80\n', "http: unknown keys port"),
+    ("[discovery]\nmdns = 1\n", "discovery takes one key"),
+    ('workload = "no-such-workload"\n', "not a registry name"),
+    ('workload = "no_such_module_xyz:make"\n', "cannot import no_such_module_xyz"),
+    ('workload = "json:no_such_function"\n', "has no callable"),
+])
+def test_bad_values_are_named(tmp_path, extra, message):
+    with pytest.raises(ConfigError) as caught:
+        load_config(_config(tmp_path, extra))
+    assert message in str(caught.value)
+
+
+def test_bad_roles_and_authority(tmp_path):
+    path = tmp_path / "node.toml"
+    path.write_text(BASE.replace('["trainer"]', '["trainer", "miner"]'))
+    with pytest.raises(ConfigError, match="roles must be"):
+        load_config(path)
+    path.write_text(BASE.replace(AUTHORITY, "12D3KooWnotapeer"))
+    with pytest.raises(ConfigError, match="is not a peer id"):
+        load_config(path)
+
+
+def test_missing_manifest_is_a_config_error(tmp_path):
+    config = load_config(_config(tmp_path))
+    with pytest.raises(ConfigError, match="manifest"):
+        build_runtime(config)
+    assert (tmp_path / "k").exists()  # the identity key was created first, with 0600 (tests/adapters/test_storage.py)
+
+
+def make_tiny_workload(seed, num_shards):
+    """A user's workload factory (the `module:function` form); returns (workload, shards)."""
+    return ("tiny", seed), [[i] for i in range(num_shards)]
+
+
+def make_three_shards(seed, num_shards):
+    return "fixed", [[0], [1], [2]]
+
+
+def test_workload_factory_by_import_path(tmp_path):
+    config = load_config(_config(tmp_path, 'workload = "tests.adapters.test_node_config:make_tiny_workload"\n'))
+    workload, shards = build_node_workload(config, "digits-mlp", 5, 3)
+    assert workload == ("tiny", 5) and shards == [[0], [1], [2]]
+    fixed = load_config(_config(tmp_path, 'workload = "tests.adapters.test_node_config:make_three_shards"\n'))
+    with pytest.raises(ConfigError, match="returned 3 shards, the manifest has 4"):
+        build_node_workload(fixed, "digits-mlp", 5, 4)
+    other = load_config(_config(tmp_path, 'workload = "digits-numpy"\n'))
+    with pytest.raises(ConfigError, match="differs from the manifest"):
+        build_node_workload(other, "digits-mlp", 0, 4)
+
+
+def test_cli_reports_config_errors_without_a_traceback(tmp_path):
+    path = _config(tmp_path, "capacity = 0\n")
+    out = subprocess.run([sys.executable, "-m", "peerloom", "node", "--config", str(path)],
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and "capacity must be at least 1" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_keygen_prints_peer_id_and_refuses_overwrite(tmp_path):
+    key = tmp_path / "id.key"
+    out = subprocess.run([sys.executable, "-m", "peerloom", "keygen", str(key)], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("12D3KooW")
+    assert oct(key.stat().st_mode & 0o777) == "0o600"
+    again = subprocess.run([sys.executable, "-m", "peerloom", "keygen", str(key)], capture_output=True, text=True)
+    assert again.returncode != 0 and "refusing to overwrite" in again.stderr
+
+
+def test_behaviour_is_checked_and_applies_to_trainers_only(tmp_path):
+    with pytest.raises(ConfigError, match="behaviour must be honest or one of"):
+        load_config(_config(tmp_path, 'behaviour = "nice"\n'))
+    path = tmp_path / "node.toml"
+    path.write_text(BASE.replace('["trainer"]', '["validator"]') + 'behaviour = "alie"\n')
+    with pytest.raises(ConfigError, match="only role is trainer"):
+        load_config(path)
+    assert load_config(_config(tmp_path, 'behaviour = "sign-flip-scale"\n'))["behaviour"] == "sign-flip-scale"
+
+
+def test_byzantine_workload_sends_the_attack_update():
+    import numpy as np
+
+    from peerloom.backends.behaviours import ByzantineWorkload
+    from tests.node_cluster import numpy_digits
+
+    honest, shards = numpy_digits(0, 4)
+    params = honest.initial_params(0)
+    good, _ = honest.train(params, shards[0], 5)
+    flipped, metrics = ByzantineWorkload(honest, "sign-flip-scale").train(params, shards[0], 5)
+    assert set(flipped) == set(good) and "train_loss" in metrics
+    for name in good:
+        np.testing.assert_allclose(flipped[name], -10.0 * good[name], rtol=1e-6)
+    alie, _ = ByzantineWorkload(honest, "alie").train(params, shards[0], 5)
+    assert any(not np.allclose(alie[n], good[n]) for n in good)
+    assert ByzantineWorkload(honest, "alie").evaluate(params) == honest.evaluate(params)  # the rest is honest

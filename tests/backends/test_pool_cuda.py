@@ -1,0 +1,41 @@
+"""A trainer pool on CUDA with nccl (spec/pools.md): one rank per GPU (at most 2) computes the pseudo-gradient of
+one process training the whole lease on cuda:0. Skipped without CUDA; imports no node dependency, so it
+runs on a bare GPU machine with torch."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from peerloom.adapters.pool import TrainerPool
+from tests import pool_workloads
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: torch.cuda.is_available() "
+                                                                      "is False on this machine")
+
+
+def test_an_nccl_pool_computes_the_single_gpu_pseudo_gradient(monkeypatch):
+    ranks = min(2, torch.cuda.device_count())
+    monkeypatch.setenv("PEERLOOM_TEST_POOL_DEVICE", "cuda")
+    single = pool_workloads.make().to_device("cuda:0")
+    params = single.initial_params(1)
+    lease = list(range(40))
+    expected, _ = single.train(params, lease, seed=11)
+    pool = TrainerPool(pool_workloads.make().to_device("cuda:0"), ranks=ranks, timeout_s=60.0,
+                       argv=pool_workloads.worker_argv("ddp"))
+    assert pool.backend == "nccl"
+    try:
+        pool.start()
+        delta, metrics = pool.train(params, lease, 11)
+        again, _ = pool.train(params, lease, 11)
+    finally:
+        pool.close()
+    assert metrics["samples"] == len(lease)
+    for name in expected:  # spec/pools.md §3's tolerance; one rank adds nothing to round
+        assert delta[name].dtype == np.float32
+        np.testing.assert_allclose(delta[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+        assert np.array_equal(delta[name], again[name])  # the same task twice: the same bytes
+    assert os.environ["PEERLOOM_TEST_POOL_DEVICE"] == "cuda"

@@ -1,0 +1,263 @@
+"""Chain sync from a stranger (spec/protocol.md §8): a late node adopts a certified head only after its
+quorum certificate verifies and the windows it skipped are fetched, every link and certificate verified,
+and archived; it refuses a forged chain - charged to whoever sent it. A peer that lacks the windows, is
+silent or goes away is replaced by another; when every peer ahead lacks them, the node adopts the head
+anyway and fills the hole from the next peer that has it (issue 16 item 5: no holes after a crash)."""
+
+import random
+
+from peerloom.core import effects as fx
+from peerloom.core import events as ev
+from peerloom.core.chain import decode_chain_entry, encode_chain_entry, verify_chain
+from peerloom.core.engine import HEAD_RECORD, Engine, EngineConfig, chain_key
+from peerloom.core.messages import (
+    CertifiedHead,
+    ChainEntries,
+    ChainRequest,
+    Hello,
+    NextHead,
+    decode_message,
+    encode_message,
+)
+from peerloom.core.objects import QuorumCertificate
+from tests.core.test_objects import certify, child
+from tests.helpers import ident, make_revision
+
+VALS = [ident(1), ident(2), ident(3), ident(4)]
+FAKES = [ident(61), ident(62), ident(63)]
+SEED, STRANGER, TRAINER = ident(50), ident(51), ident(10)
+REV = make_revision(validators=VALS, quorum=3, trainers=[TRAINER])
+
+
+def previous_life(chain, windows, head):
+    """The records a node restarted from: the archived heads of `windows` and its head record."""
+    records = {chain_key(w): encode_chain_entry(*chain[w - 1]) for w in windows}
+    records[HEAD_RECORD] = encode_chain_entry(*chain[head - 1])
+    return records
+
+
+def real_chain(n=5):
+    chain, head = [], REV.genesis()
+    for i in range(n):
+        head = child(REV, head, metrics={"test_accuracy": 0.1 * i})
+        chain.append((head, certify(REV, head, VALS[i % 2:i % 2 + 3])))
+    return chain
+
+
+class Node:
+    """One engine driven by hand: persists complete at once, sends are collected. `records`: what a
+    previous life left on disk."""
+
+    def __init__(self, records=None, **config):
+        self.engine = Engine(EngineConfig(roles={"trainer"}, revision=REV, **config), TRAINER,
+                             random.Random(0), records=records)
+        self.sent = []
+        self.logs = []
+        self.now = 0.0
+        self.engine.handle(ev.Start(now=0.0))
+        self.drain()
+
+    def drain(self):
+        while (effect := self.engine.next_effect()) is not None:
+            if isinstance(effect, fx.Persist):
+                self.engine.handle(ev.Persisted(now=self.now, token=effect.token))
+            elif isinstance(effect, fx.Send):
+                self.sent.append((effect.peer, decode_message(effect.data, max_bytes=1 << 24)))
+            elif isinstance(effect, fx.Log):
+                self.logs.append(effect.event)
+
+    def connect(self, peer, head_window, roles=("reducer",)):
+        self.engine.handle(ev.PeerConnected(now=self.now, peer=peer.peer_id))
+        self.deliver(peer, Hello(revision=REV.id, roles=roles, head_window=head_window))
+
+    def disconnect(self, peer):
+        self.engine.handle(ev.PeerDisconnected(now=self.now, peer=peer.peer_id))
+        self.drain()
+
+    def tick(self, now):
+        self.now = now
+        self.engine.handle(ev.TimerDue(now=now))
+        self.drain()
+
+    def deliver(self, peer, message):
+        self.engine.handle(ev.MessageReceived(now=self.now, peer=peer.peer_id, data=encode_message(message)))
+        self.drain()
+
+    def requests(self, peer):
+        return [m for p, m in self.sent if p == peer.peer_id and isinstance(m, ChainRequest)]
+
+
+def test_late_node_verifies_and_archives_the_gap_then_adopts_the_certified_head():
+    chain = real_chain()
+    node = Node()
+    node.connect(SEED, head_window=5)
+    node.deliver(SEED, CertifiedHead(head=chain[-1][0], certificate=chain[-1][1]))
+    assert node.engine.head == REV.genesis()  # not before the windows it skipped are in its archive
+    assert node.requests(SEED) == [ChainRequest(from_window=1, to_window=4)]
+    node.deliver(SEED, ChainEntries(entries=tuple(chain[:4])))
+    assert node.engine.stats["chain_entries_verified"] == 4
+    assert node.engine.head == chain[-1][0]
+    assert all(chain_key(w) in node.engine.records for w in range(1, 6))
+    # Now it serves the chain to the next stranger, and what it serves verifies from genesis.
+    node.connect(STRANGER, head_window=0)
+    node.deliver(STRANGER, ChainRequest(from_window=1, to_window=9))
+    reply = [m for p, m in node.sent if p == STRANGER.peer_id and isinstance(m, ChainEntries)][-1]
+    assert [h.id for h, _ in reply.entries] == [h.id for h, _ in chain]
+    assert len(verify_chain(REV, list(reply.entries))) == 6
+
+
+def test_forged_certified_head_is_refused_and_charged():
+    chain = real_chain()
+    node = Node()
+    node.connect(SEED, head_window=5)
+    forged = child(REV, chain[-2][0], metrics={"test_accuracy": 0.99})
+    node.deliver(SEED, CertifiedHead(head=forged, certificate=certify(REV, forged, FAKES)))
+    assert node.engine.head == REV.genesis()
+    assert node.engine.rejected_by_reason["not-a-validator"] == 1
+    too_few = certify(REV, forged, VALS[:2])
+    node.deliver(SEED, CertifiedHead(head=forged, certificate=too_few))
+    assert node.engine.head == REV.genesis() and node.engine.rejected_by_reason["no-quorum"] == 1
+    prevotes = certify(REV, forged, VALS[:3], step="prevote")  # right signers, wrong step
+    node.deliver(SEED, CertifiedHead(head=forged, certificate=prevotes))
+    assert node.engine.head == REV.genesis() and node.engine.rejected_by_reason["bad-signature"] == 1
+    assert node.engine.peers[SEED.peer_id].penalty == 3
+    assert not node.requests(SEED)
+
+
+def test_forged_chain_segment_is_refused_link_by_link():
+    chain = real_chain()
+    node = Node()
+    node.connect(SEED, head_window=5)
+    node.deliver(SEED, CertifiedHead(head=chain[-1][0], certificate=chain[-1][1]))
+    # Window 2 replaced by a head with a forged certificate (signatures zeroed): window 1 is archived,
+    # window 2 is refused and charged, nothing after it is looked at.
+    h2, c2 = chain[1]
+    bad_cert = QuorumCertificate(head=c2.head, window=c2.window, round=c2.round,
+                                 votes=tuple((p, bytes(64)) for p, _ in c2.votes))
+    node.deliver(SEED, ChainEntries(entries=(chain[0], (h2, bad_cert), *chain[2:4])))
+    assert node.engine.rejected_by_reason["bad-signature"] == 1
+    assert chain_key(1) in node.engine.records and chain_key(2) not in node.engine.records
+    # A self-consistent alternative history signed by outsiders is refused at its first entry.
+    fake1 = child(REV, REV.genesis(), metrics={"test_accuracy": 0.77})
+    node.engine._chain_requests[SEED.peer_id] = (2, 4)  # as if we had asked again
+    node.deliver(SEED, ChainEntries(entries=((fake1, certify(REV, fake1, FAKES)),)))
+    assert node.engine.rejected_by_reason["chain-window"] == 1
+    # Entries that do not link to what we hold are refused (a wrong parent).
+    node.engine._chain_requests[SEED.peer_id] = (2, 4)
+    orphan = child(REV, fake1)
+    node.deliver(SEED, ChainEntries(entries=((orphan, certify(REV, orphan, VALS[:3])),)))
+    assert node.engine.rejected_by_reason["chain-parent"] == 1 and chain_key(2) not in node.engine.records
+    # Unsolicited chains are refused outright.
+    node.deliver(SEED, ChainEntries(entries=tuple(chain[1:4])))
+    assert node.engine.rejected_by_reason["unsolicited-chain"] == 1
+    assert node.engine.head == chain[-1][0]
+
+
+def test_restarted_node_fills_what_it_missed_before_it_adopts_by_default():
+    """Every node keeps the chain unless told not to: a trainer back from a crash at window 2 hears of
+    window 6, asks a validator for 3..5, verifies them, and only then moves to window 6."""
+    chain = real_chain(6)
+    node = Node(records=previous_life(chain, (1, 2), head=2))
+    assert node.engine.config.keeps_chain and node.engine.head == chain[1][0]
+    node.connect(VALS[0], head_window=6, roles=("validator",))
+    node.connect(SEED, head_window=6)
+    node.deliver(SEED, CertifiedHead(head=chain[5][0], certificate=chain[5][1]))
+    assert node.engine.head == chain[1][0]
+    assert node.requests(VALS[0]) == [ChainRequest(from_window=3, to_window=5)] and not node.requests(SEED)
+    node.deliver(VALS[0], ChainEntries(entries=tuple(chain[2:5])))
+    assert node.engine.head == chain[5][0]
+    assert [w for w in range(1, 7) if chain_key(w) not in node.engine.records] == []
+    assert len(verify_chain(REV, [decode_chain_entry(node.engine.records[chain_key(w)]) for w in range(1, 7)])) == 7
+
+
+def _asked(node, *peers):
+    """The one peer among `peers` with a chain-get out, and its request."""
+    asked = [(p, node.requests(p)[-1]) for p in peers if node.requests(p)]
+    assert len(asked) == 1, asked
+    return asked[0]
+
+
+def test_a_peer_that_lacks_the_windows_is_not_asked_again_another_is():
+    chain = real_chain(6)
+    node = Node()
+    node.connect(SEED, head_window=6)
+    node.connect(STRANGER, head_window=6)
+    node.deliver(SEED, CertifiedHead(head=chain[5][0], certificate=chain[5][1]))
+    first, request = _asked(node, SEED, STRANGER)
+    assert request == ChainRequest(from_window=1, to_window=5)
+    node.deliver(first, ChainEntries(entries=()))  # it keeps no chain
+    other = STRANGER if first is SEED else SEED
+    assert node.requests(other) == [request] and len(node.requests(first)) == 1
+    node.deliver(other, ChainEntries(entries=tuple(chain[:5])))
+    assert node.engine.head == chain[5][0] and "chain-gap" not in node.logs
+
+
+def test_a_silent_or_departed_peer_is_replaced_and_a_late_reply_still_counts():
+    chain = real_chain(6)
+    node = Node()
+    third = ident(52)
+    for peer in (SEED, STRANGER, third):
+        node.connect(peer, head_window=6)
+    node.deliver(SEED, CertifiedHead(head=chain[5][0], certificate=chain[5][1]))
+    silent, request = _asked(node, SEED, STRANGER, third)
+    node.tick(node.engine.config.chain_request_timeout_s - 0.1)
+    assert len(node.requests(silent)) == 1 and sum(len(node.requests(p)) for p in (SEED, STRANGER, third)) == 1
+    node.tick(node.engine.config.chain_request_timeout_s + 0.1)
+    rest = [p for p in (SEED, STRANGER, third) if p is not silent]
+    departed, again = _asked(node, *rest)
+    assert again == request
+    node.disconnect(departed)
+    last, _ = _asked(node, *[p for p in rest if p is not departed])
+    node.deliver(silent, ChainEntries(entries=tuple(chain[:5])))  # the late reply: taken, not charged
+    assert node.engine.head == chain[5][0] and not node.engine.rejected_by_reason
+    assert last not in (silent, departed)
+
+
+def test_when_no_peer_ahead_has_the_windows_the_head_is_adopted_and_the_hole_filled_later():
+    """Liveness first: the verified head is adopted (logged as ``chain-gap``); the windows stay wanted and
+    the next peer that holds them fills them in."""
+    chain = real_chain(6)
+    node = Node()
+    node.connect(SEED, head_window=6)
+    node.deliver(SEED, CertifiedHead(head=chain[5][0], certificate=chain[5][1]))
+    node.deliver(SEED, ChainEntries(entries=tuple(chain[:2])))  # 1..2, then it has no more
+    assert node.requests(SEED)[-1] == ChainRequest(from_window=3, to_window=5)
+    node.deliver(SEED, ChainEntries(entries=()))
+    assert node.engine.head == chain[5][0] and "chain-gap" in node.logs
+    assert [w for w in range(1, 7) if chain_key(w) not in node.engine.records] == [3, 4, 5]
+    node.connect(VALS[0], head_window=6, roles=("validator",))
+    assert node.requests(VALS[0]) == [ChainRequest(from_window=3, to_window=5)]
+    node.deliver(VALS[0], ChainEntries(entries=tuple(chain[2:5])))
+    assert [w for w in range(1, 7) if chain_key(w) not in node.engine.records] == []
+    assert node.engine.head == chain[5][0]
+
+
+def test_holes_in_a_store_from_before_are_filled_on_the_first_greeting():
+    chain = real_chain(5)
+    node = Node(records=previous_life(chain, (1, 2, 4, 5), head=5))
+    node.connect(SEED, head_window=5)
+    assert node.requests(SEED) == [ChainRequest(from_window=3, to_window=3)]
+    node.deliver(SEED, ChainEntries(entries=(chain[2],)))
+    assert chain_key(3) in node.engine.records and node.engine.head == chain[4][0]
+    assert node.engine.stats["chain_entries_verified"] == 1
+
+
+def test_a_next_head_after_the_one_being_synced_to_becomes_the_target():
+    chain = real_chain(7)
+    node = Node()
+    node.connect(SEED, head_window=6)
+    node.deliver(SEED, CertifiedHead(head=chain[5][0], certificate=chain[5][1]))
+    assert node.requests(SEED) == [ChainRequest(from_window=1, to_window=5)]
+    head7, cert7 = chain[6]
+    node.deliver(SEED, NextHead.of(head7, chain[5][0], cert7))
+    node.deliver(SEED, ChainEntries(entries=tuple(chain[:5])))
+    assert node.engine.head == head7 and len(node.requests(SEED)) == 1
+
+
+def test_a_node_that_keeps_no_chain_adopts_at_once_and_asks_for_nothing():
+    chain = real_chain()
+    node = Node(keep_chain=False)
+    node.connect(SEED, head_window=5)
+    node.deliver(SEED, CertifiedHead(head=chain[-1][0], certificate=chain[-1][1]))
+    assert node.engine.head == chain[-1][0] and not node.requests(SEED)
+    assert not [k for k in node.engine.records if k.startswith("chain/")]

@@ -1,0 +1,115 @@
+"""End to end (issue 21 done-when): a fleet of `peerloom node` processes whose manifest admits by certificate.
+One trainer logs in with `peerloom login` at a `peerloom auth serve` process against the fake OIDC provider,
+then trains (its update is certified: it leaves the head's `unproven`); a trainer with an expired certificate
+is refused by the validator (join-not-admitted), one with a forged certificate is refused by its own node at
+start; `peerloom verify` accepts the chain."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import attrs
+import pytest
+
+from peerloom.adapters.keys import generate_identity, save_identity
+from peerloom.adapters.storage import atomic_write
+from peerloom.core.envelope import SignedEnvelope
+from peerloom.core.objects import AdmissionCertificate, Revision, seal
+from tests.adapters.test_node_membership import chain, wait_until
+from tests.fake_oidc import CLIENT_ID, FakeProvider
+from tests.node_cluster import free_port, make_fleet
+
+
+def peerloom(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "peerloom", *args], capture_output=True, text=True,
+                          timeout=timeout_s)
+
+
+@pytest.mark.slow
+def test_login_admits_a_trainer_that_trains_and_bad_certificates_are_refused(tmp_path):
+    nodes = make_fleet(tmp_path, validators=1, trainers=4, quorum=1, window_s=1.0)
+    validator, member, volunteer, expired, forged = nodes
+    manifest = Revision.verify(SignedEnvelope.from_bytes((tmp_path / "manifest.cbor").read_bytes())).manifest
+    authority, gate = generate_identity(), generate_identity()
+    save_identity(gate, tmp_path / "gate.key")
+    manifest = attrs.evolve(manifest, roster=((member.identity.peer_id, 1),), admission="certificate",
+                            admission_authority=gate.peer_id)
+    revision = Revision.verify(manifest.seal(authority))
+    atomic_write(tmp_path / "manifest.cbor", revision.envelope.to_bytes())
+    for node in nodes:
+        node.write_config(authority=authority.peer_id.to_text())
+    edge_port, auth_port = free_port(), free_port()
+    validator.write_config(http={"enabled": True, "listen": f"127.0.0.1:{edge_port}"})
+
+    # expired: a genuine certificate whose last window (0) is before any join's window
+    out = peerloom("admit", "--authority-key", str(tmp_path / "gate.key"),
+                   "--manifest", str(tmp_path / "manifest.cbor"),
+                   "--peer", expired.identity.peer_id.to_text(), "--expires-window", "0",
+                   "--out", str(expired.directory / "admission.cbor"))
+    assert out.returncode == 0, out.stderr
+    expired.write_config(admission="admission.cbor")
+    # forged: the right shape, signed by a key that is not the admission authority
+    fake = seal(generate_identity(), AdmissionCertificate(revision=revision.id, peer=forged.identity.peer_id,
+                                                          max_capacity=1))
+    atomic_write(forged.directory / "admission.cbor", fake.to_bytes())
+    forged.write_config(admission="admission.cbor")
+
+    auth = None
+    with FakeProvider(auto={"claims": {"sub": "volunteer-42"}}) as provider:
+        (tmp_path / "auth.toml").write_text(
+            f'listen = "127.0.0.1:{auth_port}"\nkey = "gate.key"\nmanifest = "manifest.cbor"\nstate = "auth-state"\n'
+            f'validity_windows = 1000\nedge = "http://127.0.0.1:{edge_port}"\n'
+            f'[oidc]\nissuer = "{provider.issuer}"\nclient_id = "{CLIENT_ID}"\nemail_domains = ["example.edu"]\n')
+        try:
+            for node in (validator, member, expired):
+                node.start()
+            for node in (validator, member, expired):
+                node.wait_port()
+            wait_until(lambda: bool(chain(validator)), 30.0, "a first head", nodes)
+            auth_log = open(tmp_path / "auth.log", "wb")
+            auth = subprocess.Popen([sys.executable, "-m", "peerloom", "auth", "serve", "--config",
+                                     str(tmp_path / "auth.toml")], stdout=auth_log, stderr=subprocess.STDOUT,
+                                    env={**os.environ})
+            auth_log.close()
+            wait_until(lambda: "auth service on" in (tmp_path / "auth.log").read_text(), 30.0, "the auth service",
+                       nodes)
+
+            login = peerloom("login", "--edge", f"http://127.0.0.1:{auth_port}", "--provider", "oidc",
+                             "--config", str(volunteer.config_path), "--timeout", "60")
+            assert login.returncode == 0, login.stderr + (tmp_path / "auth.log").read_text()
+            assert "enter the code" in login.stdout and "valid for joins up to window" in login.stdout
+            volunteer.write_config(admission="admission.cbor")
+            volunteer.start()
+            volunteer.wait_port()
+
+            # the forged certificate: its own node refuses to start with it
+            refused = peerloom("node", "--config", str(forged.config_path), timeout_s=60)
+            assert refused.returncode == 2 and "admission_authority" in refused.stderr, refused.stderr
+
+            me = volunteer.identity.peer_id
+
+            def trained() -> bool:  # rostered, and no longer unproven: an update of its was certified
+                return any(me in h.roster_peers and me not in h.unproven for h in chain(validator))
+
+            wait_until(trained, 90.0, "the logged-in trainer's update in a certified head", nodes)
+
+            def expired_refused() -> bool:
+                return any(e["event"] == "reject" and e.get("peer") == expired.identity.peer_id.to_text()
+                           and e["reason"] == "join-not-admitted" and "expired" in e.get("detail", "")
+                           for e in validator.events())
+
+            wait_until(expired_refused, 60.0, "the expired certificate's join refused", nodes)
+            heads = chain(validator)
+            assert all(expired.identity.peer_id not in h.roster_peers for h in heads)
+            assert all(forged.identity.peer_id not in h.roster_peers for h in heads)
+        finally:
+            if auth is not None:
+                auth.terminate()
+                auth.wait(timeout=15)
+            for node in nodes:
+                node.stop()
+    check = peerloom("verify", str(validator.directory), "--authority", authority.peer_id.to_text())
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert auth is not None and auth.returncode == 0

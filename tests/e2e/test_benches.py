@@ -1,0 +1,52 @@
+"""Benchmarks run with --quick and print their JSON object on the last line (issue 5)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_bench(name: str, *args: str) -> dict:
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / name), "--quick", *args], capture_output=True,
+                         text=True, check=True, cwd=ROOT, timeout=120).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_aggregate_bench_quick() -> None:
+    report = run_bench("aggregate.py")
+    assert isinstance(report["baseline_s"], float)
+    rules = {(r["backend"], r["rule"]) for r in report["results"]}
+    names = ("mean", "median", "trimmed_mean", "krum", "multi_krum", "centered_clip")
+    assert rules == {(b, r) for b in ("numpy", "torch") for r in names}
+    for r in report["results"]:
+        assert set(r) == {"backend", "rule", "seconds", "ratio"}
+
+
+def test_pool_bench_quick() -> None:
+    """bench/pool.py (issue 19): one process and a 2-rank gloo pool on the same lease, same result."""
+    report = run_bench("pool.py")
+    assert report["single"]["seconds"] > 0
+    (pool,) = report["pools"]
+    assert pool["ranks"] == 2 and pool["efficiency"] == pytest.approx(pool["speedup"] / 2, abs=1e-3)
+    assert set(pool) >= {"windows_per_min", "samples_per_s_per_rank", "speedup", "max_abs_diff"}
+    assert pool["max_abs_diff"] < 1e-5  # spec/pools.md §3: the pool computes the single process's delta
+
+
+def test_engine_bench_quick() -> None:
+    """bench/engine.py (issue 20): a validator engine driven through certified windows at two cohort sizes."""
+    report = run_bench("engine.py")
+    assert report["validators"] == 4
+    assert [r["trainers"] for r in report["results"]] == [10, 100]
+    for r in report["results"]:
+        assert r["windows"] == 1 and r["head_window"] == 2  # every driven window was certified, none skipped
+        assert r["events"] > r["trainers"] and r["events_per_s"] > 0 and r["engine_s"] > 0
+        assert set(r) == {"trainers", "windows", "events", "engine_s", "events_per_s", "us_per_event",
+                          "events_per_window", "ms_per_window", "head_window"}
+    small, large = report["results"]
+    assert large["events_per_window"] > small["events_per_window"]  # a bigger cohort is more messages

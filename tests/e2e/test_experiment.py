@@ -1,0 +1,142 @@
+"""`peerloom init`, `up` and `status` (issue 17 item 1): an experiment directory from the public API, run as
+a local fleet of OS processes, stopped cleanly, its chain verified."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from peerloom.experiment import Experiment, Fleet
+from tests.node_cluster import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKLOAD = "tests.node_cluster:numpy_digits"  # numpy: no torch import in each node
+
+
+def _peerloom(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "peerloom", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=180, **kwargs)
+
+
+def test_write_makes_a_verifiable_experiment_directory(tmp_path):
+    root = Experiment(workload=WORKLOAD, trainers=2, validators=4, reducers=0, window_s=2.0,
+                      base_port=free_port()).write(tmp_path / "exp")
+    fleet = Fleet.open(root)
+    revision = fleet.revision()  # signed by the authority the layout names
+    assert revision.manifest.quorum == 3 and len(revision.manifest.validators) == 4
+    assert len(revision.manifest.roster) == 2 and len(revision.manifest.shards) == 4
+    names = [n["name"] for n in fleet.layout["nodes"]]
+    assert names == ["validator-1", "validator-2", "validator-3", "validator-4", "trainer-1", "trainer-2"]
+    for name in names:
+        assert (root / "nodes" / name / "node.toml").exists()
+        assert oct((root / "nodes" / name / "key").stat().st_mode & 0o777) == "0o600"
+    assert oct((root / "authority.key").stat().st_mode & 0o777) == "0o600"
+    with pytest.raises(FileExistsError):
+        Experiment(workload=WORKLOAD).write(root)  # never overwritten
+    with pytest.raises(ValueError):
+        Experiment(workload=WORKLOAD, trainers=0)
+    with pytest.raises(ValueError):
+        Experiment(workload=WORKLOAD, aggregation="avg")
+
+
+def test_init_errors_are_one_line(tmp_path):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "experiment.toml").write_text("")  # an experiment is never overwritten
+    for args in (["init", str(tmp_path / "full"), "--workload", WORKLOAD],
+                 ["init", str(tmp_path / "a"), "--workload", WORKLOAD, "--trainers", "0"],
+                 ["init", str(tmp_path / "b"), "--workload", "no_such_module:factory"],
+                 ["up", str(tmp_path / "nothing-here")], ["status", str(tmp_path / "nothing-here")]):
+        out = _peerloom(*args)
+        assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, (args, out.stderr)
+        assert "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_init_up_status_then_ctrl_c_stops_every_node(tmp_path):
+    root = tmp_path / "exp"
+    out = _peerloom("init", str(root), "--workload", WORKLOAD, "--trainers", "2", "--window-s", "2",
+                    "--base-port", str(free_port()))
+    assert out.returncode == 0 and "peerloom up" in out.stdout, out.stderr
+    up = _peerloom("up", str(root), "--windows", "2")
+    assert up.returncode == 0, up.stdout + up.stderr
+    lines = up.stdout.splitlines()
+    assert any(line.startswith("dashboard: http://127.0.0.1:") for line in lines)
+    assert [line.split()[1] for line in lines if line.startswith("window")][:2] == ["1", "2"]
+    assert "stopped 4 nodes" in up.stdout
+    status = _peerloom("status", str(root))
+    assert status.returncode == 0 and status.stdout.count("stopped") == 4, status.stdout
+    assert "latest head: window" in status.stdout and "test_accuracy" in status.stdout
+    verify = _peerloom("verify", str(root / "nodes" / "validator-1"))
+    assert verify.returncode == 0 and "OK:" in verify.stdout, verify.stdout + verify.stderr
+
+    # Ctrl-C: `up` stops every node it started and exits cleanly.
+    process = subprocess.Popen([sys.executable, "-m", "peerloom", "up", str(root)], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    pids_dir = [root / "nodes" / n for n in ("validator-1", "reducer-1", "trainer-1", "trainer-2")]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all((d / "pid").exists() and (d / "port").exists() for d in pids_dir):
+        time.sleep(0.1)
+    pids = [int((d / "pid").read_text()) for d in pids_dir]
+    running = _peerloom("status", str(root))
+    assert running.stdout.count("running") == 4, running.stdout
+    process.send_signal(signal.SIGINT)
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 0 and "stopped 4 nodes" in output, output
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_late_joiners_manifest_and_node_options(tmp_path):
+    import tomllib
+
+    experiment = Experiment(workload=WORKLOAD, trainers=2, late_joiners=1, base_port=0,
+                            manifest_options={"norm_ratio": 3.0, "lease_s": 1.0},
+                            node_options={"trainer-2": {"behaviour": "alie", "threads": 1}})
+    root = experiment.write(tmp_path / "exp")
+    fleet = Fleet.open(root)
+    manifest = fleet.revision().manifest
+    assert (manifest.norm_ratio, manifest.lease_s) == (3.0, 1.0)
+    peers = {n["name"]: n for n in fleet.layout["nodes"]}
+    roster = {p for p, _ in manifest.roster}
+    assert peers["trainer-3"]["late_joiner"] and len(roster) == 2  # the late joiner must ask to join
+    assert all(p.to_text() != peers["trainer-3"]["peer"] for p in roster)
+    config = tomllib.loads((root / "nodes" / "trainer-2" / "node.toml").read_text())
+    assert config["behaviour"] == "alie" and config["threads"] == 1
+    ports = [int(n["listen"].rsplit(":", 1)[1]) for n in fleet.layout["nodes"]]
+    assert len(set(ports)) == len(ports) and all(p > 1024 for p in ports)  # base_port 0: free ports
+    with pytest.raises(ValueError, match="unknown or derived"):
+        Experiment(workload=WORKLOAD, manifest_options={"quorum": 1})
+
+
+@pytest.mark.slow
+def test_own_model_through_init_up_export_and_plain_torch(tmp_path):
+    """Issue 17 done-when: a model trained with peers through `init` and `up`, exported, loaded into plain
+    torch, evaluates to the accuracy the validators certified in the head."""
+    import torch
+
+    from peerloom import load_head
+    from peerloom.backends.datasets import load_digits_split
+    from peerloom.backends.torch.models import mlp
+
+    root = tmp_path / "exp"
+    assert _peerloom("init", str(root), "--workload", "digits-mlp", "--trainers", "2", "--window-s", "3",
+                     "--base-port", str(free_port())).returncode == 0
+    up = _peerloom("up", str(root), "--windows", "2")
+    assert up.returncode == 0, up.stdout + up.stderr
+    model_file = tmp_path / "model.safetensors"
+    export = _peerloom("export", str(root / "nodes" / "validator-1"), "--head", "2", "--out", str(model_file))
+    assert export.returncode == 0, export.stdout + export.stderr
+    model = load_head(model_file, mlp((64, 128, 10)))
+    _, _, x_test, y_test = load_digits_split(0)
+    with torch.no_grad():
+        accuracy = float((model(torch.from_numpy(x_test)).argmax(dim=1).numpy() == y_test).mean())
+    head = [json.loads(line) for line in (root / "nodes" / "validator-1" / "events.jsonl").read_text().splitlines()
+            if '"event": "head"' in line or '"event":"head"' in line]
+    certified = next(h for h in head if h["window"] == 2)
+    assert accuracy == pytest.approx(certified["metrics"]["test_accuracy"], abs=1e-9)
