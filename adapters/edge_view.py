@@ -32,11 +32,13 @@ from peerloom.core.identity import PeerId
 from peerloom.core.leases import leases_of
 from peerloom.core.objects import (
     PROTOCOL_VERSION,
+    AdmissionRevocation,
     Head,
     JoinRequest,
     QuorumCertificate,
     Revision,
     UpdateAnnouncement,
+    check_revocation,
 )
 
 SUBMIT_TIMEOUT_S = 10.0
@@ -183,10 +185,11 @@ class EdgeView(Protocol):
 
 def check_submission(revision: Revision, head: Head, envelope: bytes, artifact: bytes | None, *,
                      leases: Mapping[PeerId, tuple[int, ...]] | None = None,
-                     ) -> tuple[SignedEnvelope, JoinRequest | UpdateAnnouncement]:
+                     ) -> tuple[SignedEnvelope, JoinRequest | UpdateAnnouncement | AdmissionRevocation]:
     """Verify a submission the way the node's collector does, against the latest certified `head`.
 
-    Joins: signature and revision. Updates: signature, revision, window and base (``wrong-base``), a lease
+    Joins: signature and revision. Revocations: the admission authority's, for this revision
+    (``bad-revocation``; spec/auth.md §6). Updates: signature, revision, window and base (``wrong-base``), a lease
     in the window after `head` (``no-lease``; quarantined peers hold none), the leased shards
     (``bad-lease``), and `artifact` matching the announced delta (``bad-artifact``). `leases` is the lease
     table of the window after `head` when the caller has it cached. Raises DecodeError or VerificationError
@@ -198,6 +201,8 @@ def check_submission(revision: Revision, head: Head, envelope: bytes, artifact: 
         if join.revision != revision.id:
             raise VerificationError("wrong-revision", "join")
         return env, join
+    if env.kind == AdmissionRevocation.KIND:
+        return env, check_revocation(env, revision.id, revision.manifest)
     ann = UpdateAnnouncement.from_cbor(env.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
     shards = (leases if leases is not None else leases_of(head, revision.manifest)).get(env.signer, ())
     if ann.revision != revision.id:
@@ -345,6 +350,7 @@ class InMemoryEdgeView(ChainIndex, _ViewIdentity):
         self._peers: list[PeerInfo] = []
         self.updates: list[tuple[UpdateAnnouncement, SignedEnvelope]] = []
         self.joins: list[tuple[PeerId, int]] = []
+        self.revocations: list[AdmissionRevocation] = []
         self.rejected: list[str] = []
 
     # --- test controls ----------------------------------------------------------------------------
@@ -379,6 +385,9 @@ class InMemoryEdgeView(ChainIndex, _ViewIdentity):
         if isinstance(obj, JoinRequest):
             with self._lock:
                 self.joins.append((env.signer, obj.capacity))
+        elif isinstance(obj, AdmissionRevocation):
+            with self._lock:
+                self.revocations.append(obj)
         else:
             assert artifact is not None
             self.put_artifact(artifact)

@@ -24,6 +24,8 @@ Endpoints (binary ids are lowercase hex of the 34-byte content id; peer ids are 
 ``GET /v1/leases/{peer}``   200 the peer's shards for the next window; 400 bad peer id
 ``POST /v1/updates``        application/cbor ``{"envelope": <SignedEnvelope bytes>, "artifact": <delta bytes>}``
 ``POST /v1/join``           application/cbor: the bytes of a signed ``join`` envelope
+``POST /v1/revocations``    application/cbor: the bytes of the admission authority's signed ``revocation``
+                            envelope (spec/auth.md §6); a validator's edge keeps it and forwards it
 ``GET /v1/peers``           200 peers the node knows
 ``GET /v1/history``         200 per-window statistics for the dashboard
 ``GET /v1/events``          text/event-stream; one ``head`` event now (or, with ``Last-Event-ID: <window>``,
@@ -95,7 +97,14 @@ from peerloom.core.encoding import content_id, encode
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.errors import DecodeError, VerificationError
 from peerloom.core.identity import PeerId
-from peerloom.core.objects import PROTOCOL_VERSION, Head, JoinRequest, QuorumCertificate, UpdateAnnouncement
+from peerloom.core.objects import (
+    PROTOCOL_VERSION,
+    AdmissionRevocation,
+    Head,
+    JoinRequest,
+    QuorumCertificate,
+    UpdateAnnouncement,
+)
 
 from .edge_dashboard import DASHBOARD_HTML
 from .edge_view import CertifiedEntry, EdgeView, PeerInfo, WindowStats
@@ -114,7 +123,7 @@ UPLOAD_BUFFER_BYTES = 1 << 20
 SPOOL_PREFIX = ".edge-upload-"  # spooled bodies: ".edge-upload-XXXX.tmp", which ArtifactStore clears on opening
 _LINGER_BYTES = 64 * 1024  # read at most this much of a refused body before closing ...
 _LINGER_S = 0.5  # ... for at most this long
-_BODY_ROUTES = ("/v1/updates", "/v1/join")
+_BODY_ROUTES = ("/v1/updates", "/v1/join", "/v1/revocations")
 
 
 @attrs.frozen(kw_only=True)
@@ -331,6 +340,7 @@ class HttpEdge:
         r.add_get("/v1/leases/{peer}", self.leases)
         r.add_post("/v1/updates", self.post_update, expect_handler=self._expect)
         r.add_post("/v1/join", self.post_join, expect_handler=self._expect)
+        r.add_post("/v1/revocations", self.post_revocation, expect_handler=self._expect)
         r.add_get("/v1/peers", self.peers)
         r.add_get("/v1/history", self.history)
         r.add_get("/v1/events", self.events)
@@ -421,7 +431,8 @@ class HttpEdge:
 
     def _body_problem(self, request: web.Request, route: str) -> ApiError | None:
         """Why a POST's body will not be read, from its headers alone (411, 413, 415); None when it may be."""
-        limit = self.limits.max_join_bytes if route == "/v1/join" else self.limits.max_upload_bytes
+        limit = self.limits.max_join_bytes if route in ("/v1/join", "/v1/revocations") else \
+            self.limits.max_upload_bytes
         if request.content_length is None:
             return ApiError(411, "length-required", "send a Content-Length")
         if request.content_length > limit:
@@ -668,6 +679,16 @@ class HttpEdge:
         except DecodeError as exc:
             raise ApiError(400, exc.reason, str(exc)) from None
         return await self._submit(JoinRequest.KIND, body, None)
+
+    async def post_revocation(self, request: web.Request) -> web.Response:
+        """The admission authority's signed revocation (spec/auth.md §6), judged by the engine like a join."""
+        body = await self._read_small(request)
+        envelope = _open_envelope(body, AdmissionRevocation.KIND)
+        try:
+            AdmissionRevocation.from_cbor(envelope.open(AdmissionRevocation.KIND, PROTOCOL_VERSION))
+        except DecodeError as exc:
+            raise ApiError(400, exc.reason, str(exc)) from None
+        return await self._submit(AdmissionRevocation.KIND, body, None)
 
     def _check_update_file(self, path: Path) -> tuple[bytes, bytes]:
         """Parse and pre-check a spooled upload; returns (envelope, artifact) bytes. Runs on a worker thread.
@@ -1115,6 +1136,11 @@ def openapi_document() -> dict[str, Any]:
             "responses": signed_post}},
         "/v1/join": {"post": {
             "summary": "Ask to join the roster with a signed join envelope", "operationId": "postJoin",
+            "requestBody": {"required": True, "content": {CBOR: {"schema": {"type": "string", "format": "binary"}}}},
+            "responses": signed_post}},
+        "/v1/revocations": {"post": {
+            "summary": "Deliver the admission authority's signed revocation envelope",
+            "operationId": "postRevocation",
             "requestBody": {"required": True, "content": {CBOR: {"schema": {"type": "string", "format": "binary"}}}},
             "responses": signed_post}},
         "/v1/peers": {"get": {"summary": "Peers the node knows", "operationId": "peers",

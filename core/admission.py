@@ -13,12 +13,23 @@ import hashlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import attrs
+
 from .envelope import SignedEnvelope
-from .errors import VerificationError
+from .errors import DecodeError, VerificationError
 from .identity import PeerId
 from .leases import next_unproven, undelivered
 from .messages import Signed
-from .objects import PROTOCOL_VERSION, Head, Heartbeat, JoinRequest, LeaveRequest, check_admission
+from .objects import (
+    MAX_HEAD_REVOCATIONS,
+    PROTOCOL_VERSION,
+    Head,
+    Heartbeat,
+    JoinRequest,
+    LeaveRequest,
+    check_admission,
+    check_revocation,
+)
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -31,6 +42,17 @@ MAX_WITHDRAWN = 4096
 # Joins a validator holds at once, per manifest `max_joins` (or at least this many); more are refused.
 JOIN_BACKLOG_FACTOR = 4
 MIN_JOIN_BACKLOG = 64
+# Revocations (spec/auth.md §6) a validator takes from peers; only the admission authority can sign them.
+MAX_REVOCATIONS = 4096
+REVOCATION_PREFIX = "revocation/"  # record key of a kept revocation: prefix + envelope id (hex)
+
+
+@attrs.frozen(kw_only=True)
+class RevocationWrite:
+    """A revocation envelope being persisted (`REVOCATION_PREFIX` record): forwarded to the other
+    validators once durable."""
+
+    envelope: SignedEnvelope
 
 
 def join_priority(head_id: bytes, peer: PeerId) -> bytes:
@@ -48,8 +70,10 @@ class Admission:
     the withdrawn one, a later one is a new request); `heard`: trainer -> latest window it was heard in
     (heartbeat, update or join); `first_window`: the first window this validator saw (a trainer counts as
     heard then, so a validator that just started expires nobody early); `heartbeats_taken`: (sender,
-    signer, window), one each. `joins`, `admitted`, `leaves`, `heard` and `first_window` are in the engine
-    snapshot.
+    signer, window), one each; `revocations`: envelope id -> the admission authority's revocation
+    envelope, and `revoked`: peer -> the id of the envelope that revokes it (spec/auth.md §6). `joins`,
+    `admitted`, `leaves`, `heard` and `first_window` are in the engine snapshot; revocations are records of
+    their own (`REVOCATION_PREFIX`), read back when the engine starts from its records.
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -62,6 +86,13 @@ class Admission:
         self.heard: dict[PeerId, int] = {}
         self.first_window: int | None = None
         self.heartbeats_taken: set[tuple[PeerId, PeerId, int]] = set()
+        self.revocations: dict[bytes, SignedEnvelope] = {}
+        self.revoked: dict[PeerId, bytes] = {}
+        for key in sorted(k for k in engine.records if k.startswith(REVOCATION_PREFIX)):
+            try:
+                self.learn_revocation(SignedEnvelope.from_bytes(engine.records[key]))
+            except (DecodeError, VerificationError):
+                engine.stats["bad_revocation_records"] += 1  # not ours to trust (another revision's)
 
     @property
     def window(self) -> int:
@@ -73,7 +104,14 @@ class Admission:
         with a later join), old withdrawals, and heartbeats of past windows."""
         self.head = head
         window = self.window
-        for p in head.left + head.expired:
+        for envelope in head.revoked:  # certified: a validator that never heard it learns it here
+            try:
+                if self.learn_revocation(envelope):
+                    self._persist(envelope)
+            except VerificationError:  # only a faulty quorum certifies a bad one: not kept, never a crash
+                self.engine.stats["bad_certified_revocations"] += 1
+        revoked_out = [p for p in self.joins if p in self.revoked and p not in head.roster_peers]
+        for p in head.left + head.expired + tuple(revoked_out):
             self.joins.pop(p, None)
             self.admitted.pop(p, None)
         self.leaves = {p: w for p, w in self.leaves.items() if w >= window and p not in head.left}
@@ -112,6 +150,11 @@ class Admission:
             return False
         capacity = max(1, join.capacity)
         cert = None
+        if signer in self.revoked:
+            if peer == signer:
+                raise VerificationError("join-not-admitted", "revoked")
+            e.stats["revoked_joins_ignored"] += 1  # relayed before the relay heard the revocation
+            return False
         if e.manifest.admission == "certificate":
             # Raises join-not-admitted, charged to the sender (an honest validator relays only admitted
             # joins). Checked before the backlog: a join that is not admitted evicts nobody.
@@ -138,6 +181,51 @@ class Admission:
         self.joins[signer] = capacity
         self.hear(signer, self.window)
         return True
+
+    def on_revocation(self, peer: PeerId, envelope: SignedEnvelope) -> None:
+        """The admission authority's signed revocation, from any peer (spec/auth.md §6): kept, forwarded
+        once to the other validators; the revoked peers' pending joins are dropped. Raises
+        VerificationError ``bad-revocation`` (charged to `peer` by the engine)."""
+        e = self.engine
+        check_revocation(envelope, e.revision.id, e.manifest)
+        if envelope.id in self.revocations:
+            return
+        if len(self.revocations) >= MAX_REVOCATIONS:
+            e.stats["revocations_dropped"] += 1
+            return
+        self.learn_revocation(envelope)
+        e.log("revocation", peers=len(self.revocations))
+        self._persist(envelope)
+
+    def _persist(self, envelope: SignedEnvelope) -> None:
+        """Write a newly kept revocation as a record; `durable` forwards it once written."""
+        self.engine.persist_then(REVOCATION_PREFIX + envelope.id.hex(), envelope.to_bytes(), "validator",
+                                 RevocationWrite(envelope=envelope))
+
+    def durable(self, work: RevocationWrite) -> None:
+        """A kept revocation is durable: forward it once to the other validators (they keep it too)."""
+        self.engine.broadcast(Signed(envelope=work.envelope), roles=("validator",))
+
+    def learn_revocation(self, envelope: SignedEnvelope) -> bool:
+        """Keep a revocation `envelope` (from a peer, a certified head or a record): its peers are revoked,
+        and their joins not yet rostered are dropped. False if it was kept already. Raises
+        VerificationError ``bad-revocation``."""
+        if envelope.id in self.revocations:
+            return False
+        revocation = check_revocation(envelope, self.engine.revision.id, self.engine.manifest)
+        self.revocations[envelope.id] = envelope
+        for p in revocation.peers:
+            self.revoked.setdefault(p, envelope.id)
+            if self.head is None or p not in self.head.roster_peers:
+                self.joins.pop(p, None)
+                self.admitted.pop(p, None)
+        return True
+
+    def removals(self, head: Head) -> tuple[SignedEnvelope, ...]:
+        """The revocation envelopes the head after `head` carries: those revoking a peer of `head`'s
+        roster, sorted by id, at most MAX_HEAD_REVOCATIONS (the rest wait for a later head)."""
+        ids = sorted({self.revoked[p] for p in head.roster_peers if p in self.revoked})
+        return tuple(self.revocations[i] for i in ids[:MAX_HEAD_REVOCATIONS])
 
     def on_leave(self, peer: PeerId, envelope: SignedEnvelope) -> None:
         """A rostered trainer's signed leave: the head of its window drops it from the roster. From a trainer
@@ -244,16 +332,17 @@ class Admission:
         return True
 
     def next_roster(self, head: Head, quarantine: tuple[tuple[PeerId, int], ...],
-                    left: tuple[PeerId, ...], expired: tuple[PeerId, ...] = ()) -> tuple[tuple[PeerId, int], ...]:
-        """The parent's roster less the peers that `left` or `expired`, plus joins seen here, except from
-        peers quarantined by the new head."""
-        gone = set(left) | set(expired)
+                    left: tuple[PeerId, ...], expired: tuple[PeerId, ...] = (),
+                    revoked: frozenset[PeerId] = frozenset()) -> tuple[tuple[PeerId, int], ...]:
+        """The parent's roster less the peers that `left`, `expired` or are `revoked` (by the new head's
+        revocations), plus joins seen here, except from peers quarantined by the new head or revoked."""
+        gone = set(left) | set(expired) | revoked
         roster = {p: c for p, c in head.roster if p not in gone}
         quarantined = {p for p, until in quarantine if until > head.window + 2}
         room = self.engine.manifest.max_joins or len(self.joins)  # joins are taken by priority (§4.1)
         for peer, capacity in sorted(self.joins.items(), key=lambda kv: join_priority(head.id, kv[0])):
             if room and peer not in quarantined and peer not in roster and peer not in gone and \
-                    peer not in self.withdrawn:
+                    peer not in self.withdrawn and peer not in self.revoked:
                 roster[peer] = min(capacity, self.engine.manifest.max_capacity)
                 room -= 1
         return tuple(sorted(roster.items()))
@@ -268,6 +357,10 @@ class Admission:
         assert parent is not None
         window = self.window
         roster, before, left = dict(head.roster), dict(parent.roster), set(head.left)
+        fault = self.revocation_fault(head, parent)
+        if fault:
+            return fault
+        revoked = head.revoked_peers
         if list(head.left) != sorted(left) or any(p not in before or p in roster for p in left) or \
                 any(self.leaves.get(p, window + 1) > window for p in left):
             return "left-unknown"  # a departure without a signed leave held here for this window
@@ -281,7 +374,8 @@ class Admission:
             return "unproven-kept"  # an unproven leaseholder that delivered nothing stays rostered
         if any(not self.idle(p, window) for p in expired - silent) and not backed():
             return "expired-heard"  # this validator heard it within idle_windows: not valid here
-        if any(roster.get(p) != cap for p, cap in before.items() if p not in left and p not in expired):
+        if any(roster.get(p) != cap for p, cap in before.items()
+               if p not in left and p not in expired and p not in revoked):
             return "roster-shrunk"  # the roster shrinks only by the peers that left or expired
         if any(p in self.withdrawn for p in roster if p not in before) and not backed():
             return "join-withdrawn"  # it withdrew its join here: not valid here, unless a quorum backs it
@@ -291,9 +385,24 @@ class Admission:
         if e.manifest.admission == "certificate" and any(
                 p not in self.admitted or cap > self.admitted[p] for p, cap in roster.items() if p not in before):
             return "roster-not-admitted"
+        if any(p in self.revoked for p in roster if p not in before):
+            return "roster-not-admitted"  # a revoked peer joins again
         if e.manifest.max_joins and sum(1 for p in roster if p not in before) > e.manifest.max_joins:
             return "roster-too-many-joins"
         if head.unproven != next_unproven(parent, e.manifest, head.roster, cohort,
                                           None if head.skipped else delivered):
             return "unproven-mismatch"
+        return ""
+
+    def revocation_fault(self, head: Head, parent: Head) -> str:
+        """``bad-revocation`` unless every revocation `head` carries is the admission authority's, for this
+        revision, names a peer of `parent`'s roster, and none of its peers stays in `head`'s roster; else ""."""
+        e = self.engine
+        for envelope in head.revoked:
+            try:
+                revocation = check_revocation(envelope, e.revision.id, e.manifest)
+            except VerificationError:
+                return "bad-revocation"
+            if not set(revocation.peers) & parent.roster_peers or set(revocation.peers) & head.roster_peers:
+                return "bad-revocation"
         return ""

@@ -405,7 +405,10 @@ class Head:
     digest. `left` lists (sorted) the trainers of the parent's roster that left with a signed `LeaveRequest`;
     `expired` lists (sorted, disjoint from `left`) those the proposer has not heard from in the last
     `idle_windows` windows (manifest; spec/protocol.md §5), and unproven leaseholders of this window that
-    delivered no update (§4.1): the roster shrinks by exactly `left` and `expired` and by no other peer.
+    delivered no update (§4.1); `revoked` holds (sorted by id, absent when empty) the admission authority's
+    revocation envelopes (`AdmissionRevocation`) that remove rostered peers: each names at least one peer of
+    the parent's roster, and no peer they name is in this roster (spec/auth.md §6). The roster shrinks by
+    exactly `left`, `expired` and the revoked peers, and by no other peer.
     `unproven` lists (sorted) the rostered trainers that joined and have not yet had an update in a certified
     cohort (spec/protocol.md §4.1); they hold a bounded share of the leases. Every field is derived
     deterministically from the parent and the window's inputs (`core/quarantine.py`), so every validator
@@ -430,6 +433,12 @@ class Head:
     left: tuple[PeerId, ...] = ()
     expired: tuple[PeerId, ...] = ()
     unproven: tuple[PeerId, ...] = ()
+    revoked: tuple[SignedEnvelope, ...] = ()
+
+    @functools.cached_property
+    def revoked_peers(self) -> frozenset[PeerId]:
+        """The peers the `revoked` envelopes name (`revocation_peers`)."""
+        return revocation_peers(self.revoked)
 
     @property
     def quarantined(self) -> frozenset[PeerId]:
@@ -456,6 +465,7 @@ class Head:
             "outer_state_digest": self.outer_state_digest, "left": [p.to_bytes() for p in self.left],
             **({"expired": [p.to_bytes() for p in self.expired]} if self.expired else {}),
             **({"unproven": [p.to_bytes() for p in self.unproven]} if self.unproven else {}),
+            **({"revoked": [r.to_cbor() for r in self.revoked]} if self.revoked else {}),
         }
 
     def to_cbor(self) -> dict[str, Any]:
@@ -503,7 +513,7 @@ class Head:
 _HEADER_KEYS = frozenset({"revision", "parent", "window", "skipped", "params", "params_digest", "cohort",
                           "roster_digest", "quarantine", "metrics", "strikes", "rejected", "evidence", "outer_state",
                           "outer_state_digest", "left"})
-_HEADER_OPTIONAL = frozenset({"expired", "unproven"})  # present only when not empty
+_HEADER_OPTIONAL = frozenset({"expired", "unproven", "revoked"})  # present only when not empty
 _HEAD_KEYS = _HEADER_KEYS | {"roster"}
 
 
@@ -548,6 +558,10 @@ def head_fields(obj: Any) -> dict[str, Any]:
         if "unproven" in body else ()
     if ("unproven" in body and not unproven) or list(unproven) != sorted(set(unproven)):
         raise DecodeError("bad-field", "unproven must be sorted distinct peer ids, absent when empty")
+    revoked = tuple(SignedEnvelope.from_cbor(r) for r in f.array(body, "revoked", max_len=MAX_HEAD_REVOCATIONS)) \
+        if "revoked" in body else ()
+    if ("revoked" in body and not revoked) or not _strictly_ascending([r.id for r in revoked]):
+        raise DecodeError("bad-field", "revoked must be envelopes sorted by id, distinct, absent when empty")
     return dict(
         revision=f.cid(body, "revision"), parent=f.optional_cid(body, "parent"),
         window=f.uint(body, "window"), skipped=f.boolean(body, "skipped"),
@@ -558,7 +572,7 @@ def head_fields(obj: Any) -> dict[str, Any]:
         strikes=_peer_records(body, "strikes", 3), rejected=tuple(rejected), evidence=tuple(evidence),
         outer_state=None if state is None else ArtifactRef.from_cbor(state),
         outer_state_digest=f.optional_cid(body, "outer_state_digest"), left=left, expired=expired,
-        unproven=unproven,
+        unproven=unproven, revoked=revoked,
     )
 
 
@@ -735,6 +749,59 @@ def check_admission(envelope: SignedEnvelope | None, revision_id: bytes, manifes
     if window is not None and cert.expires_window is not None and window > cert.expires_window:
         raise VerificationError("join-not-admitted", f"certificate expired after window {cert.expires_window}")
     return cert
+
+
+MAX_REVOKED_PEERS = 64  # peers one revocation names
+MAX_HEAD_REVOCATIONS = 16  # revocation envelopes one head carries
+
+
+@attrs.frozen(kw_only=True)
+class AdmissionRevocation:
+    """The manifest's admission authority revokes the admission of `peers` (1..MAX_REVOKED_PEERS distinct
+    peer ids, sorted) to revision `revision` (spec/auth.md §6, spec/protocol.md §5). Self-authenticating in
+    its envelope (kind ``revocation``), so any peer may forward it: validators refuse joins of a revoked
+    peer, and the next head drops revoked rostered peers, carrying the envelope as its justification."""
+
+    KIND: ClassVar[str] = "revocation"
+
+    revision: bytes
+    peers: tuple[PeerId, ...]
+
+    def to_cbor(self) -> dict[str, Any]:
+        return {"revision": self.revision, "peers": [p.to_bytes() for p in self.peers]}
+
+    @classmethod
+    def from_cbor(cls, obj: Any) -> AdmissionRevocation:
+        body = f.exact_keys(obj, frozenset({"revision", "peers"}), "revocation")
+        peers = tuple(f.peer({"p": p}, "p") for p in f.array(body, "peers", max_len=MAX_REVOKED_PEERS))
+        if not peers or not _strictly_ascending(peers):
+            raise DecodeError("bad-field", "revocation peers: 1 or more sorted distinct peer ids")
+        return cls(revision=f.cid(body, "revision"), peers=peers)
+
+
+def revocation_peers(envelopes: Sequence[SignedEnvelope]) -> frozenset[PeerId]:
+    """The peers that revocation `envelopes` name. Raises DecodeError/VerificationError for an envelope that
+    is not a well-formed, well-signed revocation (its signer is checked by `check_revocation`)."""
+    peers: set[PeerId] = set()
+    for envelope in envelopes:
+        peers.update(AdmissionRevocation.from_cbor(envelope.open(AdmissionRevocation.KIND, PROTOCOL_VERSION)).peers)
+    return frozenset(peers)
+
+
+def check_revocation(envelope: SignedEnvelope, revision_id: bytes, manifest: Manifest) -> AdmissionRevocation:
+    """The revocation in `envelope`, signed by the manifest's admission authority for revision `revision_id`;
+    raises VerificationError ``bad-revocation`` (another signer, bad signature, another revision, malformed
+    body)."""
+    authority = manifest.admission_authority
+    if authority is None or envelope.signer != authority:
+        raise VerificationError("bad-revocation", "not signed by the admission authority")
+    try:
+        revocation = AdmissionRevocation.from_cbor(envelope.open(AdmissionRevocation.KIND, PROTOCOL_VERSION))
+    except (DecodeError, VerificationError) as exc:
+        raise VerificationError("bad-revocation", f"{exc.reason}: {exc.detail}") from exc
+    if revocation.revision != revision_id:
+        raise VerificationError("bad-revocation", "another revision")
+    return revocation
 
 
 @attrs.frozen(kw_only=True)

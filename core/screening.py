@@ -34,6 +34,7 @@ from .objects import (
     Head,
     ReductionProposal,
     UpdateAnnouncement,
+    revocation_peers,
 )
 from .pending import Failed, Outcome
 from .quarantine import STRIKE_REASONS, check_evidence, next_records
@@ -198,10 +199,11 @@ class Screening:
         quarantine, strikes = next_records(parent, window, (), (a.signer for a, _ in evidence), m)
         left = admission.departures(parent)
         expired = admission.expirations(parent, left)
-        roster = admission.next_roster(parent, quarantine, left, expired)
+        revoked = admission.removals(parent)
+        roster = admission.next_roster(parent, quarantine, left, expired, revocation_peers(revoked))
         return Head(revision=parent.revision, parent=parent.id, window=window, skipped=True,
                     params=parent.params, params_digest=parent.params_digest, cohort=(),
-                    roster=roster, quarantine=quarantine,
+                    roster=roster, quarantine=quarantine, revoked=revoked,
                     metrics=parent.metrics, strikes=strikes, evidence=evidence, outer_state=parent.outer_state,
                     outer_state_digest=parent.outer_state_digest, left=left, expired=expired,
                     unproven=next_unproven(parent, m, roster, frozenset(), None))
@@ -218,11 +220,12 @@ class Screening:
         left = admission.departures(parent)
         delivered = proven | {u.signer for u in rejected}
         expired = admission.expirations(parent, left, delivered)
-        roster = admission.next_roster(parent, quarantine, left, expired)
+        revoked = admission.removals(parent)
+        roster = admission.next_roster(parent, quarantine, left, expired, revocation_peers(revoked))
         return Head(revision=e.revision.id, parent=parent.id, window=window, skipped=False,
                     params=result["params"], params_digest=result["params_digest"],
                     cohort=tuple(sorted(result["kept"])),
-                    roster=roster, quarantine=quarantine,
+                    roster=roster, quarantine=quarantine, revoked=revoked,
                     metrics=result["metrics"], strikes=strikes, rejected=tuple(sorted(u.id for u in rejected)),
                     evidence=evidence, outer_state=result["outer_state"],
                     outer_state_digest=result["outer_state_digest"], left=left, expired=expired,

@@ -24,6 +24,7 @@ from .admission import (
     MIN_JOIN_BACKLOG,
     WINDOWS_AHEAD,
     Admission,
+    RevocationWrite,
     join_priority,
 )
 from .agreement import WindowAgreement
@@ -34,7 +35,16 @@ from .fsm import Table, step
 from .identity import PeerId
 from .leases import next_unproven, undelivered
 from .messages import UpdatesRequest
-from .objects import VOTE_KIND, Head, HeadProposal, Heartbeat, JoinRequest, LeaveRequest, ReductionProposal
+from .objects import (
+    VOTE_KIND,
+    AdmissionRevocation,
+    Head,
+    HeadProposal,
+    Heartbeat,
+    JoinRequest,
+    LeaveRequest,
+    ReductionProposal,
+)
 from .pending import Outcome
 from .proposals import ProposalTracker
 from .roles import RoleBase
@@ -125,6 +135,8 @@ class ValidatorRole(RoleBase):
                 self.screening.on_task(work.seq, outcome)
             case VotingWrite():
                 self.voting.durable(work.seq)
+            case RevocationWrite():
+                self.admission.durable(work)
             case Screen() | FetchBase() | FetchDelta() | FetchAuditParams():
                 resume_collector(self.engine, self.collector, work, outcome)
             case _:
@@ -256,6 +268,8 @@ class ValidatorRole(RoleBase):
             self.admission.on_leave(peer, envelope)
         elif kind == Heartbeat.KIND:
             self.admission.on_heartbeat(peer, envelope)
+        elif kind == AdmissionRevocation.KIND:
+            self.admission.on_revocation(peer, envelope)
         elif kind == ReductionProposal.KIND:
             self.screening.on_reduction_proposal(envelope)
         else:

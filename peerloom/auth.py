@@ -31,7 +31,10 @@ An ``auth.toml`` (relative paths are relative to its directory)::
     groups_claim = "groups"
 
 `auth revoke --login NAME` (or `--peer ID`, which revokes the login that peer was issued to) records the
-revocation; the service then refuses that login and its peers, and lists them at ``/v1/revocations``.
+revocation; the service then refuses that login and its peers, and lists them at ``/v1/revocations``. With
+``--out FILE`` it also writes the admission authority's signed revocation of those peers (an
+`AdmissionRevocation` envelope, spec/auth.md §6); POST it to a validator's HTTP edge
+(``POST /v1/revocations``, application/cbor) and the fleet drops the peers from the roster.
 """
 
 from __future__ import annotations
@@ -138,6 +141,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     who.add_argument("--login", help="a login name as the service records it, e.g. github:583231")
     who.add_argument("--peer", help="a peer id: revokes the login(s) it was issued to")
     revoke.add_argument("--reason", default="", help="recorded with the revocation")
+    revoke.add_argument("--out", type=Path, help="write the signed revocation of the peers here (for validators)")
     listing = cmds.add_parser("revocations", help="print the revoked logins and their peers as JSON")
     listing.add_argument("--config", type=Path, required=True, help="auth.toml")
 
@@ -161,14 +165,40 @@ def run(args: argparse.Namespace) -> int | str:
         logins = {args.login} if args.login else ledger.logins_of_peer(args.peer)
         if not logins:
             return f"peerloom auth revoke: no certificate was issued to peer {args.peer}"
+        revoked: set[str] = set()
         for login in sorted(logins):
             peers = ledger.revoke(login, reason=args.reason, now=time.time())
+            revoked |= peers
             print(f"revoked {login} (peers: {', '.join(sorted(peers)) or 'none'})")
+        if args.out is not None:
+            return write_revocation(settings, revoked, args.out)
         return 0
     if args.auth_command == "revocations":
         print(json.dumps({"revoked": ledger.revocations()}, indent=2))
         return 0
     return serve(settings, host, port)
+
+
+def write_revocation(settings: Any, peers: set[str], out: Path) -> int | str:
+    """Write the admission authority's signed `AdmissionRevocation` of `peers` (peer id texts) to `out`:
+    0, or a message when there is nothing to revoke or more than `MAX_REVOKED_PEERS` peers."""
+    from peerloom.adapters.storage import atomic_write
+    from peerloom.core.errors import VerificationError
+    from peerloom.core.identity import PeerId
+    from peerloom.core.objects import MAX_REVOKED_PEERS, AdmissionRevocation, check_revocation, seal
+
+    if not peers or len(peers) > MAX_REVOKED_PEERS:
+        return f"peerloom auth revoke: {len(peers)} peers to revoke; a revocation names 1..{MAX_REVOKED_PEERS}"
+    revocation = AdmissionRevocation(revision=settings.revision.id,
+                                     peers=tuple(sorted(PeerId.from_text(p) for p in peers)))
+    envelope = seal(settings.authority, revocation)
+    try:  # as validators will check it: the key must be the manifest's admission_authority
+        check_revocation(envelope, settings.revision.id, settings.revision.manifest)
+    except VerificationError as exc:
+        return f"peerloom auth revoke: {exc}"
+    atomic_write(out, envelope.to_bytes())
+    print(f"wrote {out}: POST it to a validator's edge at /v1/revocations")
+    return 0
 
 
 def serve(settings: Any, host: str, port: int) -> int:

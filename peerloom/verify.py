@@ -29,7 +29,7 @@ from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.errors import PeerloomError, VerificationError
 from peerloom.core.identity import PeerId
 from peerloom.core.leases import demotable
-from peerloom.core.objects import Head, QuorumCertificate, Revision
+from peerloom.core.objects import Head, QuorumCertificate, Revision, check_revocation
 
 
 def check_rules(revision: Revision, entries: Sequence[tuple[Head, QuorumCertificate]]) -> list[str]:
@@ -39,8 +39,10 @@ def check_rules(revision: Revision, entries: Sequence[tuple[Head, QuorumCertific
     roster is sorted, names each trainer once, with a capacity in 1..``max_capacity``; a trainer leaves
     the roster only by a signed leave, which the head records in ``left``, or by idle expiry (manifest
     ``idle_windows`` > 0), recorded in ``expired``: the roster shrinks by exactly the head's ``left`` and
-    ``expired`` (disjoint peers of the previous roster, absent from the new one) and by no other peer
-    (quarantine, not removal, takes a misbehaving peer out of the leases); with ``idle_windows`` = 0 only
+    ``expired`` (disjoint peers of the previous roster, absent from the new one), and by the peers of the
+    admission authority's revocations the head carries in ``revoked`` (each well signed, naming a peer of
+    the previous roster and none of the new one; spec/auth.md §6), and by no other peer (quarantine, not
+    removal, takes a misbehaving peer out of the leases); with ``idle_windows`` = 0 only
     unproven trainers expire. A head adds at most ``max_joins`` trainers, and lists every one of them in
     ``unproven``; a trainer turns unproven only by joining or, in a head that is not skipped, by holding a
     lease of its window (the authors of updates are not in the chain, so this is a bound: `demotable`,
@@ -61,6 +63,12 @@ def check_rules(revision: Revision, entries: Sequence[tuple[Head, QuorumCertific
             raise VerificationError("roster-capacity", where)
         before = {p for p, _ in previous.roster}
         dropped, added = before - set(peers), set(peers) - before
+        revoked: set[PeerId] = set()
+        for envelope in head.revoked:
+            named = set(check_revocation(envelope, revision.id, m).peers)  # raises bad-revocation
+            if not named & before or named & set(peers):
+                raise VerificationError("bad-revocation", f"{where}: a revocation that removes no rostered peer")
+            revoked |= named
         if m.idle_windows == 0 and not set(head.expired) <= set(previous.unproven):
             raise VerificationError("expired-disabled", f"{where}: idle expiry is off in this manifest, and "
                                                         "only unproven trainers may be dropped (§4.1)")
@@ -72,12 +80,13 @@ def check_rules(revision: Revision, entries: Sequence[tuple[Head, QuorumCertific
             raise VerificationError("unproven-mismatch", f"{where}: unproven must hold every joiner, and only "
                                                          "rostered trainers that joined or held a lease since "
                                                          "they were proven")
-        if set(head.left) & set(head.expired) or dropped != set(head.left) | set(head.expired):
+        if set(head.left) & set(head.expired) or \
+                not set(head.left) | set(head.expired) <= dropped <= set(head.left) | set(head.expired) | revoked:
             raise VerificationError("roster-shrunk", f"{where}: {len(dropped)} trainer(s) dropped, "
                                                      f"{len(head.left)} left, {len(head.expired)} expired")
         previous = head
     return [f"cohort and roster rules hold for {len(entries)} heads (cohort >= {m.min_updates}, "
-            f"capacity <= {m.max_capacity}, roster shrinks only by signed leaves and expiry, "
+            f"capacity <= {m.max_capacity}, roster shrinks only by signed leaves, expiry and revocations, "
             f"joins bounded and unproven)"]
 
 

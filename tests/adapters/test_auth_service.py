@@ -26,7 +26,15 @@ from peerloom.adapters.auth_service import (
 )
 from peerloom.adapters.keys import save_identity
 from peerloom.adapters.storage import atomic_write
-from peerloom.core.objects import PROTOCOL_VERSION, AdmissionCertificate, Revision, check_admission, seal
+from peerloom.core.envelope import SignedEnvelope
+from peerloom.core.objects import (
+    PROTOCOL_VERSION,
+    AdmissionCertificate,
+    Revision,
+    check_admission,
+    check_revocation,
+    seal,
+)
 from peerloom.login import LoginError, login
 from tests.fake_oidc import CLIENT_ID, FakeProvider, running_service
 from tests.helpers import ident, make_revision
@@ -239,7 +247,8 @@ def test_revoked_login_gets_nothing_and_is_listed(tmp_path):
         with running_service(service) as url:
             login(url, "oidc", PEER, out=io.StringIO(), timeout_s=30)
             out = subprocess.run([sys.executable, "-m", "peerloom", "auth", "revoke", "--config", str(config),
-                                  "--peer", PEER.peer_id.to_text(), "--reason", "test"],
+                                  "--peer", PEER.peer_id.to_text(), "--reason", "test",
+                                  "--out", str(tmp_path / "revocation.cbor")],
                                  capture_output=True, text=True)
             assert out.returncode == 0, out.stderr
             with pytest.raises(LoginError, match="revoked"):
@@ -249,6 +258,10 @@ def test_revoked_login_gets_nothing_and_is_listed(tmp_path):
     digest = login_digest(f"oidc:{provider.issuer}#volunteer-1").hex()
     assert listed == {"revoked": [{"login_digest": digest, "peers": [PEER.peer_id.to_text()]}]}
     assert service.issued == 1
+    # --out: the admission authority's signed revocation of the peer, for validators (spec/auth.md §6)
+    revocation = check_revocation(SignedEnvelope.from_bytes((tmp_path / "revocation.cbor").read_bytes()),
+                                  service.settings.revision.id, service.settings.revision.manifest)
+    assert revocation.peers == (PEER.peer_id,)
 
 
 def test_malformed_requests_are_refused(tmp_path):

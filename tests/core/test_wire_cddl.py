@@ -212,6 +212,12 @@ def instances() -> list[tuple[str, bytes, int]]:
     if "expired" in attrs.fields_dict(Head):  # a head recording departures and idle expiries (newer fields)
         gone = attrs.evolve(head, left=(ident(14).peer_id,), expired=(ident(15).peer_id,))
         newer.append(("message", encode_message(CertifiedHead(head=gone, certificate=cert)), 2))
+    if hasattr(core_objects, "AdmissionRevocation"):  # a revocation, alone and carried by a head (newer kind)
+        revocation = seal(ident(98), core_objects.AdmissionRevocation(
+            revision=revision.id, peers=tuple(sorted((ident(16).peer_id, ident(17).peer_id)))))
+        newer.append(("message", encode_message(Signed(envelope=revocation)), 1))
+        newer.append(("message", encode_message(CertifiedHead(head=attrs.evolve(head, revoked=(revocation,)),
+                                                               certificate=cert)), 3))
     if "next-head" in MESSAGE_TYPES:  # a head without its roster, for a peer holding the parent (newer kind)
         newer.append(("message", encode_message(MESSAGE_TYPES["next-head"].of(head, genesis, cert)), 2))
     if "updates-get" in MESSAGE_TYPES:  # announcements a head proposal names by id (newer kind)

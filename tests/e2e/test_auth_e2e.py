@@ -1,14 +1,16 @@
 """End to end (issue 21 done-when): a fleet of `peerloom node` processes whose manifest admits by certificate.
 One trainer logs in with `peerloom login` at a `peerloom auth serve` process against the fake OIDC provider,
-then trains (its update is certified: it leaves the head's `unproven`); a trainer with an expired certificate
-is refused by the validator (join-not-admitted), one with a forged certificate is refused by its own node at
-start; `peerloom verify` accepts the chain."""
+then trains (its update is certified: it leaves the head's `unproven`), until `peerloom auth revoke --out`
+revokes it and the revocation POSTed to the validator's edge drops it from the roster; a trainer with an
+expired certificate is refused by the validator (join-not-admitted), one with a forged certificate is refused
+by its own node at start; `peerloom verify` accepts the chain."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import urllib.request
 
 import attrs
 import pytest
@@ -101,7 +103,33 @@ def test_login_admits_a_trainer_that_trains_and_bad_certificates_are_refused(tmp
                            for e in validator.events())
 
             wait_until(expired_refused, 60.0, "the expired certificate's join refused", nodes)
+
+            # revocation (spec/auth.md §6): the signed revocation, POSTed to the validator's edge, drops the
+            # logged-in trainer from the roster, and its later joins (valid certificate) are refused
+            out = peerloom("auth", "revoke", "--config", str(tmp_path / "auth.toml"), "--peer", me.to_text(),
+                           "--out", str(tmp_path / "revocation.cbor"))
+            assert out.returncode == 0, out.stderr
+            request = urllib.request.Request(f"http://127.0.0.1:{edge_port}/v1/revocations", method="POST",
+                                             data=(tmp_path / "revocation.cbor").read_bytes(),
+                                             headers={"Content-Type": "application/cbor"})
+            with urllib.request.urlopen(request, timeout=30) as resp:
+                assert resp.status == 202
+
+            def removed() -> bool:
+                heads = chain(validator)
+                return any(h.revoked for h in heads) and me not in heads[-1].roster_peers
+
+            wait_until(removed, 60.0, "the revoked trainer dropped by a head that carries the revocation", nodes)
+
+            def rejoin_refused() -> bool:
+                return any(e["event"] == "reject" and e.get("peer") == me.to_text()
+                           and e["reason"] == "join-not-admitted" and "revoked" in e.get("detail", "")
+                           for e in validator.events())
+
+            wait_until(rejoin_refused, 60.0, "the revoked trainer's join refused", nodes)
             heads = chain(validator)
+            i = next(i for i, h in enumerate(heads) if h.revoked)
+            assert all(me not in h.roster_peers for h in heads[i:])
             assert all(expired.identity.peer_id not in h.roster_peers for h in heads)
             assert all(forged.identity.peer_id not in h.roster_peers for h in heads)
         finally:
