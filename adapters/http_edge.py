@@ -672,23 +672,21 @@ class HttpEdge:
             upload.release()
 
     async def post_join(self, request: web.Request) -> web.Response:
-        body = await self._read_small(request)
-        envelope = _open_envelope(body, JoinRequest.KIND)
-        try:
-            JoinRequest.from_cbor(envelope.open(JoinRequest.KIND, PROTOCOL_VERSION))
-        except DecodeError as exc:
-            raise ApiError(400, exc.reason, str(exc)) from None
-        return await self._submit(JoinRequest.KIND, body, None)
+        return await self._post_small(request, JoinRequest)
 
     async def post_revocation(self, request: web.Request) -> web.Response:
         """The admission authority's signed revocation (spec/auth.md §6), judged by the engine like a join."""
+        return await self._post_small(request, AdmissionRevocation)
+
+    async def _post_small(self, request: web.Request, body_type: Any) -> web.Response:
+        """A small signed envelope of `body_type` (a join or a revocation): strict decode, then the engine."""
         body = await self._read_small(request)
-        envelope = _open_envelope(body, AdmissionRevocation.KIND)
+        envelope = _open_envelope(body, body_type.KIND)
         try:
-            AdmissionRevocation.from_cbor(envelope.open(AdmissionRevocation.KIND, PROTOCOL_VERSION))
+            body_type.from_cbor(envelope.open(body_type.KIND, PROTOCOL_VERSION))
         except DecodeError as exc:
             raise ApiError(400, exc.reason, str(exc)) from None
-        return await self._submit(AdmissionRevocation.KIND, body, None)
+        return await self._submit(body_type.KIND, body, None)
 
     def _check_update_file(self, path: Path) -> tuple[bytes, bytes]:
         """Parse and pre-check a spooled upload; returns (envelope, artifact) bytes. Runs on a worker thread.
