@@ -27,9 +27,11 @@ async def test_one_node_listens_on_three_transports_and_each_proves_it(tmp_path:
         kinds = [a.split(":")[0] if "://" in a else "tcp" for a in runtime.listen_addresses]
         assert kinds == ["tcp", "http", "memory"]
         assert runtime.engine.config.listen_address == runtime.listen_addresses[0]  # hello.listen
-        for transport, address in zip((TcpTransport(), HttpTransport(), MemoryNetworkTransport(network)),
-                                      runtime.listen_addresses, strict=True):
-            conn = await transport.dial(address, ident(20), expected_peer=TRAINER.peer_id,
+        # One dialer per transport: the runtime drops a second connection from a peer whose first one it
+        # has not yet seen close, which a fast redial of the same identity could race into.
+        transports = (TcpTransport(), HttpTransport(), MemoryNetworkTransport(network))
+        for n, transport, address in zip((20, 21, 22), transports, runtime.listen_addresses, strict=True):
+            conn = await transport.dial(address, ident(n), expected_peer=TRAINER.peer_id,
                                         max_message_bytes=1 << 20)
             hello = await first_message(conn)
             assert isinstance(hello, Hello) and hello.listen == runtime.listen_addresses[0]
