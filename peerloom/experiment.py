@@ -114,19 +114,10 @@ class Experiment:
         return names + [(f"trainer-{i}", "trainer") for i in range(1, self.trainers + self.late_joiners + 1)]
 
     def _ports(self, count: int) -> list[int]:
-        """`count` + 1 ports: the HTTP edge's, then each node's."""
+        """`count` + 1 ports: the HTTP edge's, then each node's (`base_port` 0: `_unused_ports`)."""
         if self.base_port:
             return list(range(self.base_port - 1, self.base_port + count))
-        import socket
-
-        sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count + 1)]
-        try:
-            for s in sockets:
-                s.bind(("127.0.0.1", 0))
-            return [s.getsockname()[1] for s in sockets]
-        finally:
-            for s in sockets:
-                s.close()
+        return _unused_ports(count + 1)
 
     def write(self, directory: str | Path) -> Path:
         """Create the experiment directory (see the module docstring); returns its path.
@@ -467,3 +458,30 @@ def _experiment_from(args: Any) -> Experiment:
         min_updates=args.min_updates, aggregation=args.rule, outer_optimizer=args.optimizer,
         outer_lr=args.outer_lr, inner_steps=args.inner_steps, codec=args.codec, audit=args.audit,
         base_port=args.base_port)
+
+
+def _unused_ports(count: int) -> list[int]:
+    """`count` distinct ports free on 127.0.0.1 now, drawn below the kernel's ephemeral range: the nodes bind
+    them only at `up`, and a port from that range (what binding port 0 gives) can meanwhile become the local
+    end of some outgoing connection ("Address already in use")."""
+    import random
+    import socket
+
+    low = 32768  # Linux's default ip_local_port_range starts here
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.Random()
+    ports: list[int] = []
+    while len(ports) < count:
+        port = rng.randrange(1025, max(low, 2048))
+        if port in ports:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+    return ports
