@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +33,17 @@ from peerloom.backends.numpy import codecs as np_codecs
 from peerloom.backends.numpy import reduce as np_reduce
 from peerloom.backends.numpy.aggregate import aggregate, outer_step, screening_stats
 from peerloom.backends.numpy.screening import schema_matches
+from peerloom.backends.numpy.stored import StoredTensors, TensorFileWriter, open_stored, stored_digest
 from peerloom.backends.numpy.tensors import (
     from_safetensors,
+    safetensors_header,
     safetensors_parts,
     safetensors_views,
+    schema_of,
     tensor_digest,
     to_safetensors,
 )
-from peerloom.core.errors import DecodeError
+from peerloom.core.errors import DecodeError, VerificationError
 from peerloom.core.identity import PeerId
 from peerloom.core.objects import ERROR_FEEDBACK_CODECS, ArtifactRef, Manifest
 
@@ -58,12 +62,15 @@ class NumpyCompute:
     def aggregate(self, rule: str, deltas: list[dict[str, np.ndarray]], weights: list[int]) -> dict[str, np.ndarray]:
         return aggregate(rule, deltas, weights)
 
+    streams = True
+    """Takes `peerloom.backends.numpy.stored` tensors (read and written block by block) for any tensor dict."""
+
     def outer(self, optimizer: str, params: dict[str, np.ndarray], centre: dict[str, np.ndarray],
-              state: dict[str, np.ndarray] | None, lr: float,
-              momentum: float) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
+              state: dict[str, np.ndarray] | None, lr: float, momentum: float, *, out: dict[str, Any] | None = None,
+              out_state: dict[str, Any] | None = None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
         if optimizer == "fedavg":
-            return np_reduce.outer_sgd_step(params, centre, lr), None
-        return outer_step(optimizer, params, centre, state, lr=lr, momentum=momentum)
+            return np_reduce.outer_sgd_step(params, centre, lr, out=out), None
+        return outer_step(optimizer, params, centre, state, lr=lr, momentum=momentum, out=out, out_state=out_state)
 
     def stats(self, delta: dict[str, np.ndarray], reference: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
         return screening_stats(delta, reference=reference)
@@ -74,6 +81,7 @@ class TorchCompute(NumpyCompute):
     numpy out. Needs torch (ImportError otherwise)."""
 
     name = "torch"
+    streams = False  # torch kernels take whole torch tensors
 
     def __init__(self) -> None:
         import torch
@@ -95,8 +103,8 @@ class TorchCompute(NumpyCompute):
         return self._out(self._aggregate.aggregate(rule, [self._in(d) for d in deltas], weights))
 
     def outer(self, optimizer: str, params: dict[str, np.ndarray], centre: dict[str, np.ndarray],
-              state: dict[str, np.ndarray] | None, lr: float,
-              momentum: float) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
+              state: dict[str, np.ndarray] | None, lr: float, momentum: float, *, out: None = None,
+              out_state: None = None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
         if optimizer == "fedavg":
             return self._out(self._reduce.outer_sgd_step(self._in(params), self._in(centre), lr)), None
         new, new_state = self._aggregate.outer_step(optimizer, self._in(params), self._in(centre),
@@ -136,6 +144,7 @@ class ComputeExecutor:
         self.compute = compute_backend(compute)
         # Error-feedback residual per trainer (its peer id; None when the task names none), across windows.
         self.residuals: dict[PeerId | None, np_codecs.ErrorFeedback] = {}
+        self._params: tuple[bytes, dict[str, np.ndarray]] | None = None  # `load_params`
 
     def _residual_path(self, author: PeerId | None) -> Path | None:
         if self.state_dir is None or author is None:
@@ -166,6 +175,52 @@ class ComputeExecutor:
         """The stored artifact's tensors: read-only views into its bytes, read once (no parse copy)."""
         return safetensors_views(self.store.get(ref.digest))
 
+    def load_params(self, ref: ArtifactRef) -> dict[str, np.ndarray]:
+        """`load` of a params artifact, kept until another is loaded (issue 20): a validator evaluates a head
+        and then audits every update of the next window against the same params, one read instead of one
+        per task. Content-addressed and read-only, so a kept copy is never stale."""
+        if self._params is None or self._params[0] != ref.digest:
+            self._params = None  # drop the old one before reading the next
+            self._params = (ref.digest, self.load(ref))
+        return self._params[1]
+
+    def _streams(self) -> bool:
+        """Whether tasks read and write stored tensors block by block (issue 20): the numpy backend over an
+        `ArtifactStore` on disk (not the simulator's in-memory disk)."""
+        return self.compute.streams and hasattr(self.store, "open_writer")
+
+    def open(self, ref: ArtifactRef, stack: ExitStack) -> dict[str, Any]:
+        """The stored artifact's tensors for the backend's kernels: `open_stored` file tensors, closed with
+        `stack`, where the backend streams (`_streams`); else loaded whole (`load`). VerificationError(
+        "corrupt-artifact") when the file's size is not the artifact's."""
+        if self._streams():
+            if not self.store.has(ref.digest):
+                raise KeyError(ref.digest.hex())
+            path = self.store.path_of(ref.digest)
+            if path.stat().st_size != ref.size:
+                raise VerificationError("corrupt-artifact", f"{ref.digest.hex()}: not {ref.size} bytes")
+            stored = open_stored(path)
+            if stored is not None:
+                return stack.enter_context(stored)
+        return self.load(ref)
+
+    def writer(self, schema: Any, stack: ExitStack) -> tuple[TensorFileWriter, Any] | None:
+        """A `TensorFileWriter` of `schema` into a new artifact of the store (aborted with `stack` unless
+        committed), or None where outputs are built in memory (no streaming, or no fixed header)."""
+        header = safetensors_header(schema) if self._streams() else None
+        if header is None:
+            return None
+        size = len(header) + sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
+                                 for _, dt, shape in schema)
+        artifact = self.store.open_writer(size)
+        stack.callback(artifact.abort)
+        return TensorFileWriter(schema, artifact.write), artifact
+
+    @staticmethod
+    def digest(tensors: dict[str, Any]) -> bytes:
+        """`tensor_digest` of loaded or stored (`open`) tensors."""
+        return stored_digest(tensors) if isinstance(tensors, StoredTensors) else tensor_digest(tensors)
+
     def save(self, tensors: dict[str, np.ndarray]) -> tuple[ArtifactRef, bytes]:
         """Store `tensors` as safetensors, written and hashed from the arrays' own memory where the
         container allows (`safetensors_parts`; else serialized first). Returns (ref, tensor digest)."""
@@ -177,31 +232,38 @@ class ComputeExecutor:
         """Run one task; raises on failure (the host turns that into TaskFailed)."""
         match kind:
             case "train":
-                delta, metrics = self._train(self.load(args["params"]), args["shards"], args["seed"],
+                delta, metrics = self._train(self.load_params(args["params"]), args["shards"], args["seed"],
                                              int(args.get("inner_steps", 0)))
                 ref, digest = self.save(self._encode(delta, args.get("author")))
                 return {"delta": ref, "delta_digest": digest, "train_loss": float(metrics["train_loss"])}
             case "screen":
-                try:
-                    encoded = self.load(args["delta"])
-                    delta = self._decode(encoded)
-                except DecodeError:
-                    return {"ok": False, "reason": "undecodable", "norm": float("nan")}
-                ok, reason, norm = self._screen(delta)
-                if ok and tensor_digest(encoded) != args["delta_digest"]:
-                    ok, reason = False, "digest-mismatch"
-                max_norm = float(args.get("max_norm", 0.0))
-                if ok and max_norm > 0.0 and not norm <= max_norm:
-                    ok, reason = False, "norm-bound"
-                audit = args.get("audit")
-                if ok and audit is not None:
-                    ok, reason = self._audit(delta, audit)
-                return {"ok": ok, "reason": reason, "norm": norm}
+                with ExitStack() as stack:
+                    return self._screen_task(args, stack)
             case "reduce":
-                return self._reduce(args)
+                with ExitStack() as stack:
+                    return self._reduce(args, stack)
             case "evaluate":
-                return self._evaluate(self.load(args["params"]))
+                return self._evaluate(self.load_params(args["params"]))
         raise ValueError(f"unknown task kind {kind!r}")
+
+    def _screen_task(self, args: dict[str, Any], stack: ExitStack) -> dict[str, Any]:
+        """The ``screen`` task: decode, screen, check the tensor digest and the norm bound, audit. A delta in
+        the ``none`` codec is read block by block where the backend streams (`open`)."""
+        try:
+            encoded = self.open(args["delta"], stack) if self.manifest.codec == "none" else self.load(args["delta"])
+            delta = self._decode(encoded)
+        except DecodeError:
+            return {"ok": False, "reason": "undecodable", "norm": float("nan")}
+        ok, reason, norm = self._screen(delta)
+        if ok and self.digest(encoded) != args["delta_digest"]:
+            ok, reason = False, "digest-mismatch"
+        max_norm = float(args.get("max_norm", 0.0))
+        if ok and max_norm > 0.0 and not norm <= max_norm:
+            ok, reason = False, "norm-bound"
+        audit = args.get("audit")
+        if ok and audit is not None:
+            ok, reason = self._audit(delta, audit)
+        return {"ok": ok, "reason": reason, "norm": norm}
 
     def _screen(self, delta: dict[str, np.ndarray]) -> tuple[bool, str, float]:
         """(ok, reason, norm) of a decoded delta: ``schema`` (names, dtypes, shapes as the manifest's),
@@ -274,7 +336,7 @@ class ComputeExecutor:
         ``audit["min_cosine"]``; an honest update on the same platform reproduces bit for bit, and on
         another platform stays within floating-point drift of 1.
         """
-        expected, _ = self._train(self.load(audit["params"]), audit["shards"], int(audit["seed"]),
+        expected, _ = self._train(self.load_params(audit["params"]), audit["shards"], int(audit["seed"]),
                                   int(audit["inner_steps"]))
         if self.manifest.codec != "none":
             encoded, _ = np_codecs.encode(self.manifest.codec, expected, fraction=self.manifest.codec_fraction)
@@ -286,7 +348,7 @@ class ComputeExecutor:
             cosine = 1.0 if stats["global_norm"] == 0.0 and self.compute.stats(expected)["global_norm"] == 0.0 else 0.0
         return (True, "") if cosine >= float(audit["min_cosine"]) else (False, "audit")
 
-    def _reduce(self, args: dict[str, Any]) -> dict[str, Any]:
+    def _reduce(self, args: dict[str, Any], stack: ExitStack) -> dict[str, Any]:
         """Cohort screening, then aggregation and the outer optimizer step (spec/protocol.md §6-7).
 
         The candidates (canonical order) are screened against each other: the robust centre is their
@@ -297,39 +359,52 @@ class ComputeExecutor:
         `outer_state` artifact or zeros). Result: params, params_digest, outer_state (ArtifactRef or None),
         outer_state_digest, outliers ([[candidate index, reason]]) and kept (candidate indices reduced).
 
-        Memory (issue 20): the inputs are views of their stored bytes (`load`), the deltas are dropped once
-        aggregated and the inputs once the step is taken, so the peak is about five model sizes (params,
-        optimizer state, centre, new params, new state) plus the candidates while they are aggregated.
+        Memory (issue 20): where the backend streams (`open`, `writer`), the params, the optimizer state and
+        the deltas (``none`` codec) are read block by block from their files and the new params and state
+        are written block by block into new artifacts, hashed on the way, so the task holds about one model
+        size (the aggregate) whatever the cohort. Otherwise the inputs are views of their stored bytes,
+        dropped once used: about five model sizes.
         """
-        deltas = [self._decode(self.load(ref)) for ref in args["deltas"]]
+        read = (lambda ref: self.open(ref, stack)) if self.manifest.codec == "none" else self.load
+        deltas = [self._decode(read(ref)) for ref in args["deltas"]]
         weights = list(args["weights"])
         outliers = self._outliers(deltas, float(args.get("norm_ratio", 0.0)), float(args.get("min_cosine", -1.0)))
         bad = {i for i, _ in outliers}
         kept = [i for i in range(len(deltas)) if i not in bad]
         out: dict[str, Any] = {"outliers": outliers, "kept": kept, "outer_state": None, "outer_state_digest": None}
         if not kept:
-            out.update(params=args["params"], params_digest=tensor_digest(self.load(args["params"])))
+            out.update(params=args["params"], params_digest=self.digest(self.open(args["params"], stack)))
             return out
         centre = self.compute.aggregate(args["rule"], [deltas[i] for i in kept], [weights[i] for i in kept])
         del deltas
-        params = self.load(args["params"])
+        params = self.open(args["params"], stack)
         optimizer = args["outer_optimizer"]
-        new_state = None
-        if optimizer == "fedavg":
-            new, _ = self.compute.outer("fedavg", params, centre, None, args["outer_lr"], 0.0)
-        elif optimizer == "diloco":
-            state_ref = args.get("outer_state")
-            state = self.load(state_ref) if state_ref is not None else None
-            new, new_state = self.compute.outer("diloco", params, centre, state, args["outer_lr"],
-                                                args.get("outer_momentum", 0.9))
-            del state
-        else:
+        if optimizer not in ("fedavg", "diloco"):
             raise ValueError(f"unknown outer optimizer {optimizer!r}")
-        del params, centre
+        schema = schema_of(centre)
+        new_writer = self.writer(schema, stack)
+        state_writer = self.writer(schema, stack) if optimizer == "diloco" and new_writer is not None else None
+        state = None
+        if optimizer == "diloco" and args.get("outer_state") is not None:
+            state = self.open(args["outer_state"], stack)
+        new, new_state = self.compute.outer(
+            optimizer, params, centre, state, args["outer_lr"],
+            args.get("outer_momentum", 0.9) if optimizer == "diloco" else 0.0,
+            out=None if new_writer is None else new_writer[0].tensors,
+            out_state=None if state_writer is None else state_writer[0].tensors)
+        del params, centre, state
         if new_state is not None:
-            out["outer_state"], out["outer_state_digest"] = self.save(new_state)
+            if state_writer is None:
+                out["outer_state"], out["outer_state_digest"] = self.save(new_state)
+            else:
+                out["outer_state_digest"] = state_writer[0].finish()
+                out["outer_state"] = state_writer[1].commit()
             del new_state
-        out["params"], out["params_digest"] = self.save(new)
+        if new_writer is None:
+            out["params"], out["params_digest"] = self.save(new)
+        else:
+            out["params_digest"] = new_writer[0].finish()
+            out["params"] = new_writer[1].commit()
         return out
 
     def _outliers(self, deltas: list[dict[str, np.ndarray]], norm_ratio: float, min_cosine: float) -> list[list[Any]]:

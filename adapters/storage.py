@@ -176,28 +176,92 @@ def _file_digest(fd: int, size: int) -> bytes:
     return SHA256_MULTIHASH_PREFIX + hasher.digest() if offset == size else b""
 
 
-def _ref_of_parts(parts: Sequence[bytes | memoryview], chunk_size: int) -> ArtifactRef:
-    """`make_artifact_ref` of the concatenation of `parts`, hashing each piece in place (no concatenation)."""
-    whole = hashlib.sha256()
-    chunks: list[bytes] = []
-    chunk, filled, size = hashlib.sha256(), 0, 0
-    for part in parts:
+class _RefHasher:
+    """The content id and chunk digests of bytes fed in order (`make_artifact_ref`'s, without holding them)."""
+
+    def __init__(self, chunk_size: int) -> None:
+        self.chunk_size = chunk_size
+        self.whole = hashlib.sha256()
+        self.chunks: list[bytes] = []
+        self.chunk, self.filled, self.size = hashlib.sha256(), 0, 0
+
+    def update(self, part: bytes | memoryview) -> None:
         view = memoryview(part).cast("B")
-        whole.update(view)
-        size += len(view)
+        self.whole.update(view)
+        self.size += len(view)
         offset = 0
         while offset < len(view):
-            take = min(chunk_size - filled, len(view) - offset)
-            chunk.update(view[offset:offset + take])
-            filled += take
+            take = min(self.chunk_size - self.filled, len(view) - offset)
+            self.chunk.update(view[offset:offset + take])
+            self.filled += take
             offset += take
-            if filled == chunk_size:
-                chunks.append(chunk.digest())
-                chunk, filled = hashlib.sha256(), 0
-    if filled:
-        chunks.append(chunk.digest())
-    return ArtifactRef(digest=SHA256_MULTIHASH_PREFIX + whole.digest(), size=size, chunk_size=chunk_size,
-                       chunks=tuple(chunks))
+            if self.filled == self.chunk_size:
+                self.chunks.append(self.chunk.digest())
+                self.chunk, self.filled = hashlib.sha256(), 0
+
+    def ref(self) -> ArtifactRef:
+        chunks = self.chunks + ([self.chunk.digest()] if self.filled else [])
+        return ArtifactRef(digest=SHA256_MULTIHASH_PREFIX + self.whole.digest(), size=self.size,
+                           chunk_size=self.chunk_size, chunks=tuple(chunks))
+
+
+def _ref_of_parts(parts: Sequence[bytes | memoryview], chunk_size: int) -> ArtifactRef:
+    """`make_artifact_ref` of the concatenation of `parts`, hashing each piece in place (no concatenation)."""
+    hasher = _RefHasher(chunk_size)
+    for part in parts:
+        hasher.update(part)
+    return hasher.ref()
+
+
+class ArtifactWriter:
+    """One artifact of `size` bytes written sequentially (`write`), hashed on the way, made visible by
+    `commit` like `ArtifactStore.put` (fsync, rename, directory fsync) or dropped by `abort` (issue 20: a
+    reduction streams its outputs here block by block instead of building them in memory)."""
+
+    def __init__(self, store: ArtifactStore, size: int) -> None:
+        self.store, self.size = store, size
+        self._tmp = store._artifacts / f".stream.{os.getpid()}.{threading.get_ident()}.{id(self)}.tmp"
+        self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        _preallocate(self._fd, size)
+        self._hasher = _RefHasher(store.chunk_size)
+
+    def write(self, data: bytes | memoryview) -> None:
+        """Append `data`. ValueError past `size`."""
+        view = memoryview(data).cast("B")
+        offset = self._hasher.size
+        if offset + len(view) > self.size:
+            raise ValueError(f"artifact writer: {offset + len(view)} bytes > {self.size}")
+        self._hasher.update(view)
+        while len(view):
+            written = os.pwrite(self._fd, view, offset)
+            view, offset = view[written:], offset + written
+
+    def commit(self) -> ArtifactRef:
+        """Make the artifact visible (idempotent for bytes already stored); its ArtifactRef. ValueError when
+        fewer than `size` bytes were written."""
+        if self._hasher.size != self.size:
+            self.abort()
+            raise ValueError(f"artifact writer: {self._hasher.size} of {self.size} bytes written")
+        ref = self._hasher.ref()
+        store = self.store
+        try:
+            if ref.digest in store._refs:
+                return ref
+            os.fsync(self._fd)
+            os.replace(self._tmp, store._path(ref.digest))
+            _fsync_dir(store._artifacts)
+            store._finish(ref)
+            store._drop_partial(ref.digest)
+            return ref
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Drop what was written (nothing once committed)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self._tmp.unlink(missing_ok=True)
 
 
 class ArtifactStore:
@@ -269,6 +333,10 @@ class ArtifactStore:
             self._finish(ref)
             self._drop_partial(ref.digest)
         return ref
+
+    def open_writer(self, size: int) -> ArtifactWriter:
+        """An `ArtifactWriter` for an artifact of `size` bytes, written in order and committed at the end."""
+        return ArtifactWriter(self, size)
 
     def _drop_partial(self, digest: bytes) -> None:
         """A fetch of bytes this store has just computed itself is over (core `Engine.note_stored`): its

@@ -121,18 +121,19 @@ OUTER_DEFAULTS = {"fedavg": (1.0, 0.0), "diloco": (0.7, 0.9)}
 
 
 def outer_step(ops: Ops, ws: Workspace, check: CheckSchema, name: str, params: TensorDict,
-               pseudo_gradient: TensorDict, state: TensorDict | None, lr: float | None, momentum: float | None
+               pseudo_gradient: TensorDict, state: TensorDict | None, lr: float | None, momentum: float | None,
+               out: TensorDict | None = None, out_state: TensorDict | None = None
                ) -> tuple[TensorDict, TensorDict | None]:
     """The body of both backends' ``outer_step`` (contract in `peerloom.backends.numpy.aggregate.outer_step`):
-    `name` picks the defaults of `OUTER_DEFAULTS`, then `_robust.outer_momentum`. ValueError for an unknown
-    name or a schema mismatch."""
+    `name` picks the defaults of `OUTER_DEFAULTS`, then `_robust.outer_momentum`, writing into `out` and
+    `out_state` when given. ValueError for an unknown name or a schema mismatch."""
     if name not in OUTER_DEFAULTS:
         raise ValueError(f"unknown outer optimizer {name!r}; known: {', '.join(OUTER_DEFAULTS)}")
     lr = OUTER_DEFAULTS[name][0] if lr is None else float(lr)
     momentum = OUTER_DEFAULTS[name][1] if momentum is None else float(momentum)
     schema = check([params, pseudo_gradient] + ([state] if state is not None else []), "outer input")
-    out = _output(ops, schema, None, check)
-    out_buf = _output(ops, schema, None, check) if momentum else None
+    out = _output(ops, schema, out, check)
+    out_buf = _output(ops, schema, out_state, check) if momentum else None
     _robust.outer_momentum(ops, ws, schema, params, pseudo_gradient, state, lr, momentum, name == "diloco", out,
                            out_buf)
     return out, out_buf

@@ -179,6 +179,26 @@ def dots(
     return fold_lanes(ops, lanes) if rows else []
 
 
+def squared_norms(ops: Ops, ws: Workspace, schema: Schema, flat: dict[str, Any]) -> tuple[dict[str, float], float]:
+    """Each tensor's squared L2 norm and the global one, read in one pass: the same floats as `dots` on each
+    tensor alone and on all of them (the same products added into the same lanes in the same order)."""
+    tensor_lanes = ws.get("norm_lanes", 1, BLOCK)
+    total_lanes = ws.get("total_lanes", 1, BLOCK)
+    ops.fill(total_lanes, 0.0)
+    s = ws.get("s", 0, BLOCK)
+    per: dict[str, float] = {}
+    for name, dtype, shape in schema:
+        ops.fill(tensor_lanes, 0.0)
+        for _, start, end, _ in segments(((name, dtype, shape),)):
+            n = end - start
+            x = flat[name][start:end]
+            ops.mul_into(s[:n], x, x)
+            ops.add(tensor_lanes[0, :n], s[:n])
+            ops.add(total_lanes[0, :n], s[:n])
+        per[name] = fold_lanes(ops, tensor_lanes)[0]
+    return per, (fold_lanes(ops, total_lanes)[0] if schema else 0.0)
+
+
 # ---------------------------------------------------------------- weighted sums
 
 
@@ -655,9 +675,7 @@ def screening_stats(
 ) -> dict[str, Any]:
     """``{"norms": {name: L2}, "global_norm", "cosine" (to `reference`, NaN without one or for a zero norm),
     "distance" (L2 to `centre`, NaN without one)}``; every sum a float64 lane sum (identical on backends)."""
-    per = {name: dots(ops, ws, ((name, dt, shape),), {name: [ops.flat(delta[name])]})[0]
-           for name, dt, shape in schema}
-    total = dots(ops, ws, schema, {n: [ops.flat(delta[n])] for n in delta})[0] if schema else 0.0
+    per, total = squared_norms(ops, ws, schema, {n: ops.flat(delta[n]) for n in delta})
     out: dict[str, Any] = {"norms": {n: math.sqrt(v) for n, v in per.items()}, "global_norm": math.sqrt(total)}
     out["cosine"] = math.nan
     if reference is not None:

@@ -59,6 +59,8 @@ from peerloom.backends import _reduce, _robust
 from peerloom.backends._reduce import OUTER_DEFAULTS
 from peerloom.backends._robust import DEFAULT_RULE, RULES, Schema
 
+from .stored import FileTensor
+from .stored import all_finite as stored_all_finite
 from .tensors import TensorDict, schema_of
 
 __all__ = ["DEFAULT_RULE", "NUMPY_OPS", "OUTER_DEFAULTS", "RULES", "aggregate", "outer_step", "screening_stats",
@@ -185,16 +187,20 @@ def outer_step(
     *,
     lr: float | None = None,
     momentum: float | None = None,
+    out: TensorDict | None = None,
+    out_state: TensorDict | None = None,
 ) -> tuple[TensorDict, TensorDict | None]:
     """One outer-optimizer step; returns ``(new_params, new_state)``.
 
     ``"fedavg"``: SGD (lr 1 = plain FedAvg), heavy-ball momentum (FedAvgM) if `momentum` > 0.
     ``"diloco"``: SGD with Nesterov momentum. Formulas and rounding: `peerloom.backends._robust.outer_momentum`
     (PyTorch's SGD formulation). `state` is the momentum buffer, a tensor dict of the params' schema (None =
-    zeros); the returned state is None when momentum is 0. Raises ValueError on schema mismatch/unknown name.
+    zeros); the returned state is None when momentum is 0. `out` / `out_state` receive the results when given
+    (e.g. `peerloom.backends.numpy.stored.TensorFileWriter` tensors, written block by block). Any input may be
+    a `peerloom.backends.numpy.stored.FileTensor` dict. Raises ValueError on schema mismatch/unknown name.
     """
     return _reduce.outer_step(NUMPY_OPS, workspace(), check_schema, name, params, pseudo_gradient, state, lr,
-                              momentum)
+                              momentum, out, out_state)
 
 
 def screening_stats(
@@ -207,5 +213,21 @@ def screening_stats(
     return _reduce.screening_stats(NUMPY_OPS, workspace(), check_schema, _all_finite, delta, reference, centre)
 
 
-def _all_finite(t: np.ndarray) -> bool:
-    return bool(np.isfinite(t).all())
+FINITE_BLOCK = 1 << 20
+"""Elements per `np.isfinite` call: its boolean result goes to a reused buffer, not a fresh model-sized one."""
+
+
+def _all_finite(t: np.ndarray | FileTensor) -> bool:
+    if isinstance(t, FileTensor):
+        return stored_all_finite(t)
+    flat = np.reshape(t, -1)
+    if flat.size <= FINITE_BLOCK:
+        return bool(np.isfinite(flat).all())
+    scratch = getattr(_local, "finite", None)
+    if scratch is None:
+        scratch = _local.finite = np.empty(FINITE_BLOCK, dtype=bool)
+    for start in range(0, flat.size, FINITE_BLOCK):
+        block = flat[start:start + FINITE_BLOCK]
+        if not np.isfinite(block, out=scratch[:block.size]).all():
+            return False
+    return True

@@ -67,22 +67,39 @@ def safetensors_parts(tensors: TensorDict) -> list[bytes | memoryview] | None:
     tests/backends/test_safetensors_views.py checks that the bytes are the library's."""
     names = sorted(tensors)  # one dtype: the library orders by name
     arrays = [_little_endian_c(tensors[n]) for n in names]
-    kinds = {a.dtype.str for a in arrays}
-    codes = {"<f4": "F32", "|i1": "I8", "|u1": "U8", "<i4": "I32", "<i8": "I64"}
-    if len(kinds) > 1 or not kinds <= set(codes) or "__metadata__" in tensors or \
-            not all(isinstance(n, str) and n and set(n) <= _SAFE_NAME for n in names):
+    if "__metadata__" in tensors:
+        return None
+    header = safetensors_header(tuple((n, a.dtype.name, a.shape) for n, a in zip(names, arrays, strict=True)))
+    if header is None:
+        return None
+    parts: list[bytes | memoryview] = [header]
+    parts += [memoryview(a.reshape(-1)).cast("B") for a in arrays if a.nbytes]
+    return parts
+
+
+_HEADER_CODES = {"float32": "F32", "int8": "I8", "uint8": "U8", "int32": "I32", "int64": "I64"}
+
+
+def safetensors_header(schema: Schema) -> bytes | None:
+    """The 8-byte length and JSON header the safetensors library writes for tensors of `schema` (``(name,
+    numpy dtype name, shape)`` sorted by name, one dtype: the data then holds the tensors in that order).
+    None where the library's bytes could differ (`safetensors_parts` lists the cases)."""
+    if len({dtype for _, dtype, _ in schema}) > 1 or any(
+            dtype not in _HEADER_CODES or not (isinstance(name, str) and name and set(name) <= _SAFE_NAME)
+            or name == "__metadata__" for name, dtype, _ in schema):
         return None
     entries, offset = [], 0
-    for name, array in zip(names, arrays, strict=True):
-        end = offset + array.nbytes
-        shape = ",".join(str(d) for d in array.shape)
-        entries.append(f'"{name}":{{"dtype":"{codes[array.dtype.str]}","shape":[{shape}],"data_offsets":[{offset},{end}]}}')
+    for name, dtype, shape in schema:
+        count = 1
+        for d in shape:
+            count *= int(d)
+        end = offset + count * np.dtype(dtype).itemsize
+        dims = ",".join(str(int(d)) for d in shape)
+        entries.append(f'"{name}":{{"dtype":"{_HEADER_CODES[dtype]}","shape":[{dims}],"data_offsets":[{offset},{end}]}}')
         offset = end
     header = ("{" + ",".join(entries) + "}").encode()
     header += b" " * (-len(header) % 8)
-    parts: list[bytes | memoryview] = [len(header).to_bytes(8, "little") + header]
-    parts += [memoryview(a.reshape(-1)).cast("B") for a in arrays if a.nbytes]
-    return parts
+    return len(header).to_bytes(8, "little") + header
 
 def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
     out: dict[str, object] = {}
@@ -157,23 +174,41 @@ def safetensors_views(data: bytes, *, max_tensors: int = DEFAULT_MAX_TENSORS) ->
     header_len = int.from_bytes(data[:8], "little")
     if header_len > len(data) - 8 or header_len > MAX_HEADER_BYTES:
         raise DecodeError("bad-safetensors", f"header length {header_len} does not fit {len(data)} bytes")
+    spans = safetensors_layout(data[8 : 8 + header_len], len(data), max_tensors=max_tensors)
+    if spans is None:
+        return from_safetensors(data, max_tensors=max_tensors)
+    base = 8 + header_len
+    tensors: TensorDict = {}
+    for begin, _, name, dtype, shape, count in spans:
+        tensors[name] = np.frombuffer(data, dtype=dtype, count=count, offset=base + begin).reshape(shape)
+    return tensors
+
+
+Span = tuple[int, int, str, np.dtype, tuple[int, ...], int]
+"""``(begin, end, name, dtype, shape, elements)`` of one tensor, offsets relative to the data after the header."""
+
+
+def safetensors_layout(header: bytes, total: int, *, max_tensors: int = DEFAULT_MAX_TENSORS) -> list[Span] | None:
+    """The tensors of a safetensors file of `total` bytes whose JSON header is `header` (the bytes after the
+    8-byte length), checked as `safetensors_views` documents, sorted by offset. None when a dtype numpy
+    cannot view (the caller falls back to the library). Raises `DecodeError("bad-safetensors", detail)`."""
     try:
-        header = json.loads(data[8 : 8 + header_len].decode("utf-8"), object_pairs_hook=_reject_duplicates)
+        parsed = json.loads(header.decode("utf-8"), object_pairs_hook=_reject_duplicates)
     except (ValueError, RecursionError) as exc:
         raise DecodeError("bad-safetensors", f"header is not JSON: {exc}") from exc
-    if not isinstance(header, dict):
+    if not isinstance(parsed, dict):
         raise DecodeError("bad-safetensors", "header is not a JSON object")
-    entries = [(k, v) for k, v in header.items() if k != "__metadata__"]
+    entries = [(k, v) for k, v in parsed.items() if k != "__metadata__"]
     if len(entries) > max_tensors:
         raise DecodeError("bad-safetensors", f"{len(entries)} tensors > {max_tensors}")
-    spans = []
+    spans: list[Span] = []
     for name, entry in entries:
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
             raise DecodeError("bad-safetensors", f"tensor {name!r}: bad entry")
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
         if dtype not in _VIEW_DTYPES:
             if isinstance(dtype, str):
-                return from_safetensors(data, max_tensors=max_tensors)
+                return None
             raise DecodeError("bad-safetensors", f"tensor {name!r}: bad dtype")
         if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
                 and isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
@@ -191,13 +226,11 @@ def safetensors_views(data: bytes, *, max_tensors: int = DEFAULT_MAX_TENSORS) ->
         if begin != end:
             raise DecodeError("bad-safetensors", f"tensor {name!r}: data does not tile the buffer")
         end = stop
-    base = 8 + header_len
-    if base + end != len(data):
-        raise DecodeError("bad-safetensors", f"{len(data) - base - end} bytes after the last tensor")
-    tensors: TensorDict = {}
-    for begin, _, name, dtype, shape, count in spans:
-        tensors[name] = np.frombuffer(data, dtype=dtype, count=count, offset=base + begin).reshape(shape)
-    return tensors
+    base = 8 + len(header)
+    if base + end != total:
+        raise DecodeError("bad-safetensors", f"{total - base - end} bytes after the last tensor")
+    return spans
+
 
 def schema_of(tensors: TensorDict) -> Schema:
     """``((name, dtype, shape), ...)`` sorted by name; dtype is numpy's name (``"float32"``, ``"int64"``)."""

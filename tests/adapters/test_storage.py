@@ -166,3 +166,32 @@ def test_key_files_are_private_and_never_overwritten(tmp_path):
     path.write_text("zz")
     with pytest.raises(ValueError):
         load_identity(path)
+
+
+def test_an_artifact_written_in_pieces_is_the_artifact_put_whole(tmp_path):
+    store = ArtifactStore(tmp_path, chunk_size=1000)
+    data = bytes(range(256)) * 30  # 7,680 bytes: 7 full chunks and a short one
+    writer = store.open_writer(len(data))
+    for start in range(0, len(data), 333):
+        writer.write(memoryview(data)[start:start + 333])
+    ref = writer.commit()
+    assert ref == make_artifact_ref(data, 1000) and store.get(ref.digest) == data
+    assert ArtifactStore(tmp_path, chunk_size=1000).ref(ref.digest) == ref  # durable: a reopened store has it
+    again = store.open_writer(len(data))
+    again.write(data)
+    assert again.commit() == ref  # storing it twice is harmless
+    assert not list((tmp_path / "artifacts").glob(".*.tmp"))
+
+
+def test_an_artifact_writer_refuses_too_many_or_too_few_bytes_and_leaves_nothing(tmp_path):
+    store = ArtifactStore(tmp_path)
+    writer = store.open_writer(4)
+    with pytest.raises(ValueError, match="5 bytes > 4"):
+        writer.write(b"abcde")
+    writer.write(b"abc")
+    with pytest.raises(ValueError, match="3 of 4 bytes"):
+        writer.commit()
+    aborted = store.open_writer(2)
+    aborted.write(b"ab")
+    aborted.abort()
+    assert store.refs() == [] and not list((tmp_path / "artifacts").iterdir())

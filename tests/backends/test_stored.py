@@ -1,0 +1,172 @@
+"""Stored tensors read and written block by block (backends/numpy/stored.py, issue 20): the kernels give the
+same bytes on file tensors as on arrays, the writer produces the library's safetensors bytes and the tensor
+digest, and malformed files are refused with DecodeError."""
+
+import hashlib
+import tracemalloc
+from contextlib import ExitStack
+
+import attrs
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from peerloom.adapters.compute import ComputeExecutor
+from peerloom.adapters.storage import ArtifactStore
+from peerloom.backends._robust import BLOCK, RULES
+from peerloom.backends.numpy.aggregate import aggregate, outer_step, screening_stats
+from peerloom.backends.numpy.stored import (
+    FileTensor,
+    TensorFileWriter,
+    all_finite,
+    open_stored,
+    stored_digest,
+)
+from peerloom.backends.numpy.tensors import safetensors_views, schema_of, tensor_digest, to_safetensors
+from peerloom.core.errors import DecodeError
+from tests.helpers import make_revision
+
+
+def _file(tmp_path, tensors, name="t.safetensors"):
+    path = tmp_path / name
+    path.write_bytes(to_safetensors(tensors))
+    return path
+
+
+def _cohort(rng, n, sizes):
+    return [{f"t{j}": rng.standard_normal(size).astype(np.float32) for j, size in enumerate(sizes)}
+            for _ in range(n)]
+
+
+@settings(max_examples=25, deadline=None)
+@given(sizes=st.lists(st.sampled_from([0, 1, 7, BLOCK - 1, BLOCK + 3]), min_size=1, max_size=3),
+       start=st.integers(0, 2 * BLOCK), length=st.integers(0, 2 * BLOCK))
+def test_file_tensors_read_what_the_views_hold(tmp_path_factory, sizes, start, length):
+    tensors = _cohort(np.random.default_rng(len(sizes)), 1, sizes)[0]
+    path = _file(tmp_path_factory.mktemp("s"), tensors)
+    views = safetensors_views(path.read_bytes())
+    with open_stored(path) as stored:
+        assert set(stored) == set(views)
+        for name, view in views.items():
+            flat = stored[name].reshape(-1)
+            assert stored[name].shape == view.shape and stored[name].dtype == view.dtype
+            assert np.array_equal(flat[start:start + length], view.reshape(-1)[start:start + length])
+        assert stored_digest(stored) == tensor_digest(tensors)
+        assert all(all_finite(t) for t in stored.values())
+
+
+def test_a_file_tensor_is_never_loaded_whole_by_accident(tmp_path):
+    with open_stored(_file(tmp_path, {"w": np.ones(10, np.float32)})) as stored:
+        with pytest.raises(TypeError):
+            np.asarray(stored["w"])
+        with pytest.raises(TypeError):
+            stored["w"].reshape(-1)[::2]
+
+
+def test_non_finite_stored_values_are_found(tmp_path):
+    w = np.ones(3 * BLOCK, np.float32)
+    w[2 * BLOCK + 5] = np.nan
+    with open_stored(_file(tmp_path, {"w": w})) as stored:
+        assert not all_finite(stored["w"])
+        assert screening_stats(stored)["finite"] is False
+
+
+def test_every_rule_and_outer_step_give_the_same_bytes_on_files(tmp_path):
+    rng = np.random.default_rng(3)
+    cohort = _cohort(rng, 5, [2 * BLOCK + 11, 5])
+    cohort[4] = {k: v * 40 for k, v in cohort[4].items()}  # an outlier, so clipping and trimming bite
+    weights = [3, 1, 2, 2, 1]
+    stored = [open_stored(_file(tmp_path, m, f"m{i}")) for i, m in enumerate(cohort)]
+    try:
+        for rule in RULES:
+            assert to_safetensors(aggregate(rule, stored, weights)) == \
+                to_safetensors(aggregate(rule, cohort, weights)), rule
+        params, state = cohort[0], {k: v * 0.1 for k, v in cohort[1].items()}
+        grad = aggregate("mean", cohort, weights)
+        expected_params, expected_state = outer_step("diloco", params, grad, state)
+        files = {"p": open_stored(_file(tmp_path, params, "p")), "s": open_stored(_file(tmp_path, state, "s"))}
+        schema = schema_of(params)
+        written = {"p": bytearray(), "s": bytearray()}
+        writers = {k: TensorFileWriter(schema, written[k].extend) for k in written}
+        outer_step("diloco", files["p"], grad, files["s"], out=writers["p"].tensors, out_state=writers["s"].tensors)
+        assert writers["p"].finish() == tensor_digest(expected_params)
+        assert writers["s"].finish() == tensor_digest(expected_state)
+        assert bytes(written["p"]) == to_safetensors(expected_params)
+        assert bytes(written["s"]) == to_safetensors(expected_state)
+        assert screening_stats(stored[4], reference=files["p"]) == screening_stats(cohort[4], reference=params)
+    finally:
+        for f in stored:
+            f.close()
+
+
+def test_the_writer_refuses_gaps_steps_back_and_short_output():
+    schema = (("a", "float32", (10,)), ("b", "float32", (4,)))
+    writer = TensorFileWriter(schema, lambda data: None)
+    with pytest.raises(ValueError, match="out of order"):
+        writer.tensors["b"].reshape(-1)[0:4]
+    writer.tensors["a"].reshape(-1)[0:5][:] = 1
+    with pytest.raises(ValueError, match="out of order"):
+        writer.tensors["a"].reshape(-1)[6:10]
+    with pytest.raises(ValueError, match="not written whole"):
+        TensorFileWriter(schema, lambda data: None).finish()
+    with pytest.raises(ValueError, match="several dtypes"):
+        TensorFileWriter((("a", "float32", (1,)), ("b", "int64", (1,))), lambda data: None)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "short-prefix", "huge-header", "bad-json", "gap"])
+def test_malformed_stored_files_are_refused(tmp_path, damage):
+    data = to_safetensors({"a": np.ones(8, np.float32), "b": np.ones(4, np.float32)})
+    header_len = int.from_bytes(data[:8], "little")
+    match damage:
+        case "truncated":
+            data = data[:-4]
+        case "short-prefix":
+            data = data[:5]
+        case "huge-header":
+            data = (1 << 40).to_bytes(8, "little") + data[8:]
+        case "bad-json":
+            data = data[:8] + b"{" * header_len + data[8 + header_len:]
+        case "gap":
+            data = data + b"\0" * 4
+    path = tmp_path / "bad"
+    path.write_bytes(data)
+    with pytest.raises(DecodeError):
+        open_stored(path)
+
+
+def test_a_streamed_diloco_reduce_holds_about_one_model_size(tmp_path):
+    """The executor's reduce on the numpy backend reads its inputs and writes its outputs block by block:
+    the Python-visible peak (tracemalloc, which numpy reports to) is about the aggregate alone, where loading
+    params, state and deltas whole and building new params and state in memory took about 5x the model."""
+    size = 1 << 22  # 16 MiB of float32 (the kernels' reused buffers, a few MiB, are small beside it)
+    schema = (("w", "float32", (size,)),)
+    manifest = attrs.evolve(make_revision(schema=schema).manifest, aggregation="centered_clip",
+                            outer_optimizer="diloco")
+    ex = ComputeExecutor(ArtifactStore(tmp_path, chunk_size=1 << 16), manifest, None, [])
+    rng = np.random.default_rng(0)
+    params = ex.save({"w": rng.standard_normal(size).astype(np.float32)})[0]
+    state = ex.save({"w": rng.standard_normal(size).astype(np.float32)})[0]
+    deltas = [ex.save({"w": rng.standard_normal(size).astype(np.float32)})[0] for _ in range(3)]
+    args = {"params": params, "deltas": deltas, "weights": [1, 1, 1], "rule": "centered_clip",
+            "outer_optimizer": "diloco", "outer_lr": 0.7, "outer_momentum": 0.9, "outer_state": state,
+            "norm_ratio": 3.0, "min_cosine": -1.0}
+    tracemalloc.start()
+    try:
+        result = ex.run("reduce", args)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    model = 4 * size
+    assert peak < 1.6 * model, peak / model
+    # and the artifacts it streamed are the ones the in-memory path computes
+    loaded = {k: ex.load(v) for k, v in (("p", params), ("s", state))}
+    centre = aggregate("centered_clip", [ex.load(d) for d in deltas], [1, 1, 1])
+    new, new_state = outer_step("diloco", loaded["p"], centre, loaded["s"], lr=0.7, momentum=0.9)
+    assert result["params_digest"] == tensor_digest(new)
+    assert result["outer_state_digest"] == tensor_digest(new_state)
+    assert ex.store.get(result["params"].digest) == to_safetensors(new)
+    assert hashlib.sha256(ex.store.get(result["outer_state"].digest)).digest() == \
+        result["outer_state"].digest[2:]
+    with ExitStack() as stack:
+        assert isinstance(ex.open(params, stack)["w"], FileTensor)
