@@ -57,6 +57,9 @@ class Host(Protocol):
     def commit_artifact(self, effect: fx.CommitArtifact) -> None:
         """Assemble and verify the artifact, then feed back `stored_event`'s event."""
 
+    def drop_artifacts(self, effect: fx.DropArtifacts) -> None:
+        """Delete the stored artifacts the engine dropped (retention; `remove_artifacts` does it for a store)."""
+
     def head_promoted(self, effect: fx.HeadPromoted) -> None:
         """A new certified head is canonical (notification)."""
 
@@ -94,6 +97,8 @@ def dispatch(effect: fx.Effect, host: Host) -> None:
             host.store_chunk(effect)
         case fx.CommitArtifact():
             host.commit_artifact(effect)
+        case fx.DropArtifacts():
+            host.drop_artifacts(effect)
         case fx.HeadPromoted():
             host.head_promoted(effect)
         case fx.PeersDiscovered():
@@ -137,9 +142,9 @@ def stored_event(store: ArtifactStore, effect: fx.CommitArtifact, now: float) ->
 
 
 def apply_storage_effect(store: ArtifactStore, effect: fx.Effect) -> bool:
-    """Execute Persist / StoreChunk against `store`; False for any other effect (`CommitArtifact` goes through
-    `stored_event`, which says whether the artifact was stored). For hand-written loops in tests; hosts
-    implement `Host` and use `drain`.
+    """Execute Persist / StoreChunk / DropArtifacts against `store`; False for any other effect
+    (`CommitArtifact` goes through `stored_event`, which says whether the artifact was stored). For
+    hand-written loops in tests; hosts implement `Host` and use `drain`.
 
     The caller feeds back `Persisted` (with its own clock) after this returns True for a Persist.
     A Persist is committed to the node database (SQLite WAL, synchronous=FULL) before this returns, so the
@@ -151,6 +156,8 @@ def apply_storage_effect(store: ArtifactStore, effect: fx.Effect) -> bool:
             store.put_record(effect.key, effect.record)
         case fx.StoreChunk():
             store.write_chunk(effect.ref, effect.index, effect.data)
+        case fx.DropArtifacts():
+            store.remove(effect.digests)
         case _:
             return False
     return True

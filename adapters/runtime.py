@@ -70,6 +70,11 @@ cap a peer that stops reading would make its outbox, and this node's memory, gro
 largest message (`RuntimeOptions.max_message_bytes`, 16 MiB by default), so one whole message always fits."""
 
 
+DEFAULT_KEEP_WINDOWS = 0
+"""A node keeps every artifact unless told to delete a window's this many heads later (node config
+``keep_windows``; 2 is enough for the protocol, spec/protocol.md §8.1)."""
+
+
 @attrs.frozen(kw_only=True)
 class RuntimeOptions:
     listen_host: str = "127.0.0.1"  # the tcp listener when `listen` is empty
@@ -96,6 +101,9 @@ class RuntimeOptions:
     mdns: bool = False  # advertise and browse `_peerloom._tcp.local.` on 127.0.0.1 (adapters.discovery)
     max_control_outbox_bytes: int = MAX_CONTROL_OUTBOX_BYTES  # per peer; over it: hang up ("outbox-full")
     max_bulk_outbox_bytes: int = MAX_BULK_OUTBOX_BYTES  # per peer; over it: hang up ("outbox-full")
+    # Retention (`EngineConfig.keep_windows`, spec/protocol.md §8.1): stored artifacts are deleted this many
+    # heads after the window they served, the current head's kept; 0 (the default) keeps every artifact.
+    keep_windows: int = DEFAULT_KEEP_WINDOWS
 
 
 @attrs.define
@@ -139,7 +147,7 @@ class NodeRuntime:
         self.on_chain_entry = on_chain_entry  # each certified head once durable in the store (see module doc)
         config = EngineConfig(roles=frozenset(roles), revision=revision, capacity=capacity,
                               max_message_bytes=options.max_message_bytes, stop_after_window=stop_after_window,
-                              admission=admission)
+                              admission=admission, keep_windows=options.keep_windows)
         self.engine = Engine(config, identity, random.Random(), stored=store.refs(), records=store.records())
         self._events_file = open(events_path, "a", buffering=1) if events_path else None
         self._send_events, self._receive_events = trio.open_memory_channel[ev.Event | _Submit](math.inf)
@@ -386,6 +394,9 @@ class NodeRuntime:
 
     def commit_artifact(self, effect: fx.CommitArtifact) -> None:
         self.engine.handle(stored_event(self.store, effect, trio.current_time()))
+
+    def drop_artifacts(self, effect: fx.DropArtifacts) -> None:
+        self.store.remove(effect.digests)
 
     def run_task(self, effect: fx.RunTask) -> None:
         assert self._nursery is not None

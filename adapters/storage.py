@@ -418,17 +418,25 @@ class ArtifactStore:
         told they are stored.
         """
         keep = set(self.db.pins().values())
-        removed = []
-        for digest in list(self._refs):
-            if digest not in keep:
-                del self._refs[digest]
-                self._readers.close(digest)
-                self._path(digest).with_suffix(".ref").unlink(missing_ok=True)
-                self._path(digest).unlink(missing_ok=True)
-                removed.append(digest)
+        removed = [digest for digest in self._refs if digest not in keep]
+        self.remove(removed)
         if removed:
             _fsync_dir(self._artifacts)
         return removed
+
+    def remove(self, digests: Sequence[bytes]) -> int:
+        """Delete these artifacts (retention, `peerloom.core.effects.DropArtifacts`); absent ones are skipped.
+        Returns the bytes freed. A reader already holding one keeps its open file until it is done."""
+        freed = 0
+        for digest in digests:
+            ref = self._refs.pop(digest, None)
+            if ref is None:
+                continue
+            self._readers.close(digest)
+            self._path(digest).with_suffix(".ref").unlink(missing_ok=True)
+            self._path(digest).unlink(missing_ok=True)
+            freed += ref.size
+        return freed
 
     def check(self) -> list[str]:
         """Verify every artifact against its digest and the database's integrity; returns the problems."""

@@ -36,9 +36,11 @@ Output (last line): ``{"cpus", "results": [{"params", "model_bytes", "windows", 
 per window}, "wire_ratio": {role: bytes / model_bytes}, "peak_rss_bytes": {role: max}, "rss_ratio": {role:
 peak / model_bytes}, "baseline_s", "ratio", "skipped"}]}``. ``--quick``: P = 1M, 3 windows.
 
-Disk: nodes keep every artifact while they run, about ``4 P x (12 (windows + 1) + 2)`` bytes with one
-validator and two trainers (25 GB at 100M and 4 windows); each fleet's directory is removed once measured
-(unless `--out`), and a size that would not fit, with 2 GiB to spare, is refused before it starts.
+Disk: nodes delete a window's artifacts two heads later (node config ``keep_windows = 2``, as a deployment
+at this scale would set it; spec/protocol.md §8.1), so a fleet holds about ``4 P x 12 x 4`` bytes at most
+with one validator and two trainers (19 GB at 100M) however many windows run; each fleet's directory is
+removed once measured (unless `--out`), and a size that would not fit, with 2 GiB to spare, is refused
+before it starts.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,6 +66,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 PARAMS_ENV = "PEERLOOM_BENCH_PARAMS"
 PHASES = ("fetch_head", "train", "publish", "fetch", "screen", "reduce", "agree")
+KEEP_WINDOWS = 2  # node config keep_windows: what a fleet at this scale runs with (module docstring)
 
 
 class FlatWorkload:
@@ -164,11 +168,11 @@ def _events(path: Path) -> list[dict[str, Any]]:
 
 
 def disk_needed(params: int, windows: int, trainers: int, validators: int) -> int:
-    """Bytes the fleet's stores fill (nodes keep every artifact during a run): per window each trainer
-    stores its delta and the head, and each validator and the reducer the deltas, params and optimizer
-    state; plus the genesis params."""
+    """Bytes the fleet's stores fill at most: per window each trainer stores its delta and the head, and
+    each validator and the reducer the deltas, params and optimizer state; nodes keep the windows of the
+    last `KEEP_WINDOWS` heads and the one under way (retention), plus the genesis params."""
     per_window = 2 * trainers + (validators + 1) * (trainers + 2)
-    return 4 * params * (per_window * (windows + 1) + validators + 1)
+    return 4 * params * (per_window * min(windows + 1, KEEP_WINDOWS + 2) + validators + 1)
 
 
 def run_fleet(params: int, *, windows: int, trainers: int, validators: int, out: Path,
@@ -191,8 +195,10 @@ def run_fleet(params: int, *, windows: int, trainers: int, validators: int, out:
     experiment = Experiment(
         workload="bench.window:flat_factory", name="bench-window", trainers=trainers, validators=validators,
         reducers=1, shards=trainers, window_s=window_s, min_updates=trainers, aggregation="centered_clip",
-        outer_optimizer="diloco", audit=True, chunk_size=1 << 20, base_port=0,
-        node_options={f"validator-{i}": {"stop_after_window": windows} for i in range(1, validators + 1)})
+        outer_optimizer="diloco", audit=True, chunk_size=1 << 20, base_port=0)
+    experiment = attrs.evolve(experiment, node_options={
+        name: {"keep_windows": KEEP_WINDOWS} | ({"stop_after_window": windows} if role == "validator" else {})
+        for name, role in experiment.node_names()})
     experiment.write(directory)
     fleet = Fleet.open(directory)
     names = [n["name"] for n in fleet.layout["nodes"]]

@@ -4,6 +4,7 @@ from .chain import verify_chain
 from .effects import (
     Ban,
     CommitArtifact,
+    DropArtifacts,
     Effect,
     HangUp,
     HeadPromoted,
@@ -40,7 +41,8 @@ from .objects import ArtifactRef, Head, Manifest, QuorumCertificate, Revision
 from .roles import Role
 
 __all__ = [
-    "ArtifactCorrupt", "ArtifactRef", "ArtifactStored", "Ban", "CommitArtifact", "DecodeError", "Effect", "Engine",
+    "ArtifactCorrupt", "ArtifactRef", "ArtifactStored", "Ban", "CommitArtifact", "DecodeError", "DropArtifacts",
+    "Effect", "Engine",
     "EngineConfig", "Event", "HangUp", "Head", "HeadPromoted", "Identity", "JoinRequested", "LeaveRequested",
     "LocalProtocolError", "Log", "Manifest", "MessageReceived", "PeerConnected", "PeerDisconnected", "PeerId",
     "PeerloomError", "PeersDiscovered", "Persist", "Persisted", "QuorumCertificate", "Rejected",

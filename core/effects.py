@@ -82,6 +82,13 @@ class CommitArtifact:
 
 
 @attrs.frozen(kw_only=True)
+class DropArtifacts:
+    """Retention (spec/protocol.md §8.1, `EngineConfig.keep_windows`): the engine no longer needs these
+    stored artifacts (it has stopped serving them); the host deletes them from its store."""
+    digests: tuple[bytes, ...]
+
+
+@attrs.frozen(kw_only=True)
 class HeadPromoted:
     """Notification: a new certified head is canonical at this node."""
     head: Head
@@ -132,5 +139,5 @@ class Log:
     fields: dict[str, Any]
 
 
-Effect = (Send | HangUp | Persist | RunTask | ServeChunk | StoreChunk | CommitArtifact | HeadPromoted
-          | PeersDiscovered | Rejected | Ban | SubmitReply | Log)
+Effect = (Send | HangUp | Persist | RunTask | ServeChunk | StoreChunk | CommitArtifact | DropArtifacts
+          | HeadPromoted | PeersDiscovered | Rejected | Ban | SubmitReply | Log)

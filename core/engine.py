@@ -103,6 +103,9 @@ class EngineConfig:
     serve_bytes_burst: int = 1 << 30  # bucket size, bytes
     announcement_slack: int = 4  # offers a sender may make per window beyond the number of leases
     stop_after_window: int | None = None  # local policy: open no window after this one
+    # Retention (spec/protocol.md §8.1): at each new head, drop the stored artifacts first held while the head
+    # was more than this many windows older (never the current head's params or optimizer state). 0: keep all.
+    keep_windows: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     agreement_timeout_s: float = 2.0  # Tendermint base timeout; grows linearly with the round
     # A head proposal carries its cohort's signed announcements while they and the head fit in this many
     # bytes; beyond, it names them by id only and validators fetch what they lack (spec/agreement.md §3).
@@ -205,6 +208,7 @@ class Engine:
         self._seq = 0
         self._held: dict[int, tuple[str, Pending]] = {}  # persist token -> (record key, what then)
         self._stored: dict[bytes, ArtifactRef] = {r.digest: r for r in stored}
+        self._stored_at: dict[bytes, int] = {}  # digest -> head window when first held (retention)
         self._fetches: dict[bytes, _Fetch] = {}
         # digest -> (ref, verified chunk indices) of a failed fetch; in memory only, like the host's partial
         # chunks, which a restart also drops.
@@ -486,6 +490,7 @@ class Engine:
             self._on_artifact_stored(ref)
             return
         self._stored[ref.digest] = ref
+        self._stored_at.setdefault(ref.digest, self.head.window)
         self._partial.pop(ref.digest, None)
 
     def fetch(self, ref: ArtifactRef, providers: Iterable[PeerId], owner: str, work: Any) -> None:
@@ -564,6 +569,7 @@ class Engine:
         parent = self.head
         self.head, self.certificate = head, cert
         self.emit(fx.HeadPromoted(head=head, certificate=cert))
+        self._retire_artifacts()
         self.log("head", window=head.window, id=head.id.hex(), skipped=head.skipped,
                  cohort=len(head.cohort), metrics=dict(head.metrics))
         if self.config.roles & SERVER_ROLES:
@@ -1028,6 +1034,31 @@ class Engine:
         if not fetch.in_flight:
             self._pump(fetch)
 
+    def _retire_artifacts(self) -> None:
+        """Retention (spec/protocol.md §8.1): forget and drop (`DropArtifacts`) the stored artifacts first
+        held while the head was older than ``window - keep_windows``, except the current head's params and
+        optimizer state. What a window's work needs (its base head's params and state, its updates, the
+        proposals and the next params) is held from the base head on, so it outlives the window by
+        `keep_windows` heads; a peer asking for a dropped artifact gets `chunk-missing`."""
+        keep = self.config.keep_windows
+        if keep <= 0:
+            return
+        for digest in self._stored:
+            self._stored_at.setdefault(digest, self.head.window)  # restored with the node: from now on
+        pinned = {self.head.params.digest}
+        if self.head.outer_state is not None:
+            pinned.add(self.head.outer_state.digest)
+        floor = self.head.window - keep
+        old = sorted(d for d, w in self._stored_at.items() if w < floor and d not in pinned)
+        if not old:
+            return
+        freed = 0
+        for digest in old:
+            freed += self._stored.pop(digest).size
+            del self._stored_at[digest]
+        self.emit(fx.DropArtifacts(digests=tuple(old)))
+        self.log("artifacts-dropped", window=self.head.window, count=len(old), bytes=freed)
+
     def _on_artifact_corrupt(self, ref: ArtifactRef) -> None:
         """Every chunk verified yet the whole is not `ref.digest`: the ref itself is false. Nothing of it
         is worth resuming, and no provider can fix it, so the fetch fails (its owner charges the author)."""
@@ -1039,6 +1070,7 @@ class Engine:
 
     def _on_artifact_stored(self, ref: ArtifactRef) -> None:
         self._stored[ref.digest] = ref
+        self._stored_at.setdefault(ref.digest, self.head.window)
         self._partial.pop(ref.digest, None)
         fetch = self._fetches.pop(ref.digest, None)
         if fetch is not None:

@@ -74,6 +74,9 @@ class Host:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
+    def drop_artifacts(self, effect: fx.DropArtifacts) -> None:
+        self.store.remove(effect.digests)
+
     def head_promoted(self, effect: fx.HeadPromoted) -> None:
         self.heads.append((effect.head.window, effect.head.metrics.get("test_accuracy", float("nan"))))
 

@@ -62,6 +62,8 @@ class Loop:
                 node.store.write_chunk(ref, index, data)
             case fx.CommitArtifact():
                 self.inbox.append((node, stored_event(node.store, effect, self.now)))
+            case fx.DropArtifacts(digests=digests):
+                node.store.remove(digests)
             case fx.RunTask(task_id=task_id, kind=kind, args=args):
                 try:  # synchronously: compute takes no virtual time here
                     result = node.executor.run(kind, args)

@@ -73,6 +73,9 @@ class TrioHost:
     def run_task(self, effect: fx.RunTask) -> None:
         self.nursery.start_soon(self.compute, effect)
 
+    def drop_artifacts(self, effect: fx.DropArtifacts) -> None:
+        self.store.remove(effect.digests)
+
     def head_promoted(self, effect: fx.HeadPromoted) -> None:
         self.heads.append((effect.head.window, effect.head.metrics.get("test_accuracy", float("nan"))))
 

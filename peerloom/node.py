@@ -28,6 +28,12 @@ Config keys (TOML)::
                                        # outer step on validators and reducers: numpy or torch (needs torch).
                                        # Both give the same bytes, so a fleet may mix them. Default numpy
     stop_after_window = 20             # optional: open no window after this one
+    keep_windows = 2                   # optional: artifacts (params, optimizer state, updates) are deleted
+                                       # from the store this many heads after the window they served, all but
+                                       # the current head's (spec/protocol.md §8.1), so the disk holds a few
+                                       # windows' worth however long the run (at 100M parameters a small
+                                       # fleet stores ~5 GB per window). Default 0: keep every artifact (any
+                                       # head's weights can be exported)
     workload = "mypkg.train:factory"   # optional: a user's workload factory (module:function) or a registry
                                        # name; default: the manifest's workload from the registry
     behaviour = "alie"                 # optional, trainers only: a Byzantine attack from backends.attacks.ATTACKS
@@ -120,7 +126,7 @@ from peerloom.adapters.pool import (
     run_worker,
 )
 from peerloom.adapters.relay import RelayLimits
-from peerloom.adapters.runtime import NodeRuntime, RuntimeOptions
+from peerloom.adapters.runtime import DEFAULT_KEEP_WINDOWS, NodeRuntime, RuntimeOptions
 from peerloom.adapters.storage import ArtifactStore, atomic_write
 from peerloom.adapters.transport import address_kind, canonical_address
 from peerloom.backends.behaviours import wrap_workload
@@ -148,7 +154,7 @@ KEYS: dict[str, tuple[type, ...]] = {
     "stats": (str,), "threads": (int,), "stop_after_window": (int,), "workload": (str,), "log_format": (str,),
     "log_level": (str,), "http": (dict,), "discovery": (dict,), "behaviour": (str,), "admission": (str,),
     "leave_on_exit": (bool,), "leave_grace_s": (float, int), "device": (str,), "compute": (str,),
-    "pool": (dict,), "transport": (dict, list), "relay": (dict,),
+    "pool": (dict,), "transport": (dict, list), "relay": (dict,), "keep_windows": (int,),
 }
 RELAY_KEYS: dict[str, tuple[type, ...]] = {
     "enabled": (bool,), "listen": (str,), "via": (list,), "only": (bool,), "reservation_s": (float, int),
@@ -229,6 +235,8 @@ def _check(config: dict[str, Any]) -> None:
     for key in ("capacity", "threads"):
         if key in config and config[key] < 1:
             raise ConfigError(f"{key} must be at least 1, got {config[key]}")
+    if config.get("keep_windows", 0) < 0:
+        raise ConfigError(f"keep_windows must be 0 (keep every artifact) or more, got {config['keep_windows']}")
     try:
         PeerId.from_text(config["authority"])
     except Exception:
@@ -586,7 +594,8 @@ def build_runtime(config: dict[str, Any], config_path: Path | None = None, *,
                              bootstrap=tuple(config.get("bootstrap", [])), memory_network=memory_network,
                              http_listen=http_listen, mdns=bool(config.get("discovery", {}).get("mdns", False)),
                              relay_listen=relay_listen, relay_limits=relay_limits,
-                             relay_only=bool(config.get("relay", {}).get("only", False)))
+                             relay_only=bool(config.get("relay", {}).get("only", False)),
+                             keep_windows=int(config.get("keep_windows", DEFAULT_KEEP_WINDOWS)))
     # The store's chain directory: one file per certified head the node holds, kept as they become durable.
     chain_dir = Path(config["store"]) / "chain"
     atomic_write(Path(config["store"]) / "manifest.cbor", envelope.to_bytes())

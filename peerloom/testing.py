@@ -107,15 +107,17 @@ class Cluster:
     `latency_s` after it is sent, records are durable once written (a crash loses none), a task reports
     back `task_s[kind]` after it starts on its node's one compute queue, a hung-up link stays down. For
     h11/aioquic-style tests of whole engines: add nodes, `connect` them, `start()`, then
-    `run_until(done, max_time=...)`. `logs` holds every Log effect as (time, node, event, fields)."""
+    `run_until(done, max_time=...)`. `logs` holds every Log effect as (time, node, event, fields).
+    `engine_options` are `EngineConfig` fields given to every engine (e.g. ``{"keep_windows": 1}``)."""
 
     def __init__(self, revision: Revision, *, seed: int = 0, latency_s: float = 0.005, persist_s: float = 0.001,
-                 task_s: dict[str, float] | None = None) -> None:
+                 task_s: dict[str, float] | None = None, engine_options: dict[str, Any] | None = None) -> None:
         self.revision = revision
         self.seed = seed
         self.logs: list[tuple[float, str, str, dict[str, Any]]] = []
         self.nodes: dict[str, ClusterNode] = {}
         self._latency_s, self._persist_s, self._task_s = latency_s, persist_s, task_s
+        self._engine_options = dict(engine_options or {})
         self.sim: Simulation | None = None  # built with the first node's workload
 
     @property
@@ -127,7 +129,8 @@ class Cluster:
             self.sim = Simulation(self.revision, seed=self.seed, workload=workload, shards=shards,
                                   default_link=LinkSpec(latency=Latency(median_s=self._latency_s)),
                                   task_s=self._task_s, persist_s=self._persist_s, lose_unsynced=False,
-                                  detect_s=0.0, redial_s=None, trace=_Logs(self.logs))
+                                  detect_s=0.0, redial_s=None, trace=_Logs(self.logs),
+                                  engine_options=self._engine_options)
             self.sim.observers.append(self)
         return self.sim
 

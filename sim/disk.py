@@ -17,6 +17,8 @@ what they have in common, making a ref and checking a digest, is already shared 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from peerloom.core.encoding import content_id
 from peerloom.core.errors import VerificationError
 from peerloom.core.objects import ArtifactRef, make_artifact_ref
@@ -56,6 +58,14 @@ class SimDisk:
         if digest not in self._refs:
             raise KeyError(digest.hex())
         return self._data[digest]
+
+    def remove(self, digests: Sequence[bytes]) -> int:
+        """Forget these artifacts (retention); returns the bytes freed."""
+        freed = 0
+        for digest in digests:
+            if self._refs.pop(digest, None) is not None:
+                freed += len(self._data.pop(digest))
+        return freed
 
     def read_chunk(self, ref: ArtifactRef, index: int) -> bytes:
         start = index * ref.chunk_size

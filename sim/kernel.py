@@ -583,6 +583,9 @@ class _NodeHost:
     def run_task(self, effect: fx.RunTask) -> None:
         self.sim._run_task(self.node, effect)
 
+    def drop_artifacts(self, effect: fx.DropArtifacts) -> None:
+        self.node.disk.remove(effect.digests)
+
     def hang_up(self, effect: fx.HangUp) -> None:
         self.sim._hang_up(self.node.name, self.sim.by_peer[effect.peer].name, effect.reason)
 

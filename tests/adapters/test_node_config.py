@@ -41,6 +41,8 @@ def test_relative_paths_resolve_next_to_config(tmp_path):
     ('bootstrap = ["127.0.0.1:x"]\n', "must be host:port"),
     ("bootstrap = [7001]\n", "bootstrap entries"),
     ("capacity = 0\n", "capacity must be at least 1"),
+    ("keep_windows = -1\n", "keep_windows must be 0 (keep every artifact) or more, got -1"),
+    ("keep_windows = \"2\"\n", "keep_windows"),
     ('capacity = "2"\n', "capacity must be an integer, got '2'"),
     ('lisen = "127.0.0.1:1"\n', "lisen: unknown key (did you mean 'listen'?); valid keys: admission,"),
     ('log_format = "xml"\n', "log_format"),

@@ -36,7 +36,7 @@ def ident(n: int) -> Identity:
 
 
 def build(tmp_path: Path, workload, *, trainers=2, min_updates=1, window_s=5.0, validators=1, quorum=1,
-          rule="mean", compute="numpy", **manifest_fields):
+          rule="mean", compute="numpy", engine_options=None, **manifest_fields):
     """A validator (or `validators` of them), a reducer and `trainers` trainers, connected, on `workload`'s
     (workload, shards); validators and the reducer screen and reduce with the `compute` backend, either one
     name for all or a list (validators, then the reducer)."""
@@ -56,7 +56,7 @@ def build(tmp_path: Path, workload, *, trainers=2, min_updates=1, window_s=5.0, 
         chunk_size=16 * 1024, genesis_params=make_artifact_ref(genesis, 16 * 1024),
         genesis_params_digest=tensor_digest(params), roster=tuple(sorted((t.peer_id, 1) for t in tr)))
     revision = Revision.verify(manifest.seal(authority), authority.peer_id)
-    cluster = Cluster(revision, seed=SEED)
+    cluster = Cluster(revision, seed=SEED, engine_options=engine_options)
     names = ["validator"] + [f"v{i}" for i in range(1, validators)]
     computes = [compute] * (validators + 1) if isinstance(compute, str) else list(compute)
     for name, identity, backend in zip(names, vals, computes[:-1], strict=True):
