@@ -35,7 +35,33 @@ DIGEST_BLOCK_BYTES = 1 << 20
 """Bytes per read when hashing or checking a `FileTensor` whole (one buffer, freed after the pass)."""
 
 
-class FileTensor:
+class _Blocked:
+    """What `FileTensor` and `FileTensorSink` share: a shape, and only a flat view to slice."""
+
+    shape: tuple[int, ...]
+    size: int
+    _flat: Any
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def reshape(self, *shape: Any, **_: Any) -> Any:
+        """The flat view (``-1`` or ``(size,)``, cached); other shapes are refused (ValueError)."""
+        want = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        if tuple(want) not in ((-1,), (self.size,)):
+            raise ValueError(f"a {type(self).__name__} only reshapes to flat, not {want}")
+        if self.ndim == 1:
+            return self
+        if self._flat is None:
+            self._flat = self._flat_view()
+        return self._flat
+
+    def _flat_view(self) -> Any:
+        raise NotImplementedError
+
+
+class FileTensor(_Blocked):
     """A read-only tensor of `shape` and `dtype` at byte `offset` of the open file `fd` (not owned: the
     `StoredTensors` that made it closes it). Slicing is only defined on the flat view (``reshape(-1)``) with
     a contiguous ``[start:stop]``; each flat view reads into its own reused buffer."""
@@ -47,20 +73,8 @@ class FileTensor:
         self._buffer: np.ndarray | None = None
         self._flat: FileTensor | None = None  # the cached flat view (not self: no reference cycle)
 
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def reshape(self, *shape: Any, **_: Any) -> FileTensor:
-        """The flat view (``-1`` or ``(size,)``); other shapes are refused (ValueError)."""
-        want = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
-        if tuple(want) not in ((-1,), (self.size,)):
-            raise ValueError(f"a FileTensor only reshapes to flat, not {want}")
-        if self.ndim == 1:
-            return self
-        if self._flat is None:
-            self._flat = FileTensor(self.fd, self.offset, self.dtype, (self.size,))
-        return self._flat
+    def _flat_view(self) -> FileTensor:
+        return FileTensor(self.fd, self.offset, self.dtype, (self.size,))
 
     def __getitem__(self, key: slice) -> np.ndarray:
         if self.ndim != 1 or not isinstance(key, slice) or key.step not in (None, 1):
@@ -220,7 +234,7 @@ class TensorFileWriter:
         return SHA256_MULTIHASH_PREFIX + self._digest.digest()
 
 
-class FileTensorSink:
+class FileTensorSink(_Blocked):
     """One output tensor of a `TensorFileWriter`: its flat view's ``[start:stop]`` is a writable buffer for
     those elements, written when the next block (of any tensor of the writer) is asked for."""
 
@@ -230,19 +244,8 @@ class FileTensorSink:
         self._buffer: np.ndarray | None = None
         self._flat: FileTensorSink | None = None
 
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def reshape(self, *shape: Any, **_: Any) -> FileTensorSink:
-        want = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
-        if tuple(want) not in ((-1,), (self.size,)):
-            raise ValueError(f"a FileTensorSink only reshapes to flat, not {want}")
-        if self.ndim == 1:
-            return self
-        if self._flat is None:
-            self._flat = FileTensorSink(self.writer, self.name, self.dtype, (self.size,))
-        return self._flat
+    def _flat_view(self) -> FileTensorSink:
+        return FileTensorSink(self.writer, self.name, self.dtype, (self.size,))
 
     def buffer(self, count: int) -> np.ndarray:
         if self._buffer is None or self._buffer.size < count:
