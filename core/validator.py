@@ -71,10 +71,13 @@ PROPOSER_DOMAIN = b"peerloom/proposer/v1"
 
 
 def proposer_of(parent: bytes, window: int, round_: int, validators: tuple[PeerId, ...]) -> PeerId:
-    """The proposer of `round_` of `window` on head `parent` (spec/agreement.md): round-robin by hash, the
-    validator with the smallest SHA-256(domain, parent, window, round, id)."""
-    prefix = PROPOSER_DOMAIN + parent + window.to_bytes(8, "big") + round_.to_bytes(4, "big")
-    return min(validators, key=lambda v: hashlib.sha256(prefix + v.to_bytes()).digest())
+    """The proposer of `round_` of `window` on head `parent` (spec/agreement.md §3): the validators ordered
+    by SHA-256(domain, parent, window, u32(0), id), and round r's proposer the (r mod n)-th of that order,
+    so n consecutive rounds have n different proposers: a silent validator costs one round per window,
+    never several in a row (drawing each round afresh once gave a crashed validator 3 rounds running)."""
+    prefix = PROPOSER_DOMAIN + parent + window.to_bytes(8, "big") + (0).to_bytes(4, "big")
+    order = sorted(validators, key=lambda v: hashlib.sha256(prefix + v.to_bytes()).digest())
+    return order[round_ % len(order)]
 
 
 class ValidatorRole(RoleBase):

@@ -3,6 +3,8 @@
 from collections import defaultdict
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from peerloom.backends.registry import build_workload
 from peerloom.core import events as ev
@@ -12,6 +14,7 @@ from peerloom.core.messages import Signed, decode_message, encode_message
 from peerloom.core.objects import PREVOTE, ReductionProposal, seal, sign_vote
 from peerloom.core.validator import proposer_of
 from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
+from tests.helpers import ident
 
 VALIDATORS = ["validator", "v1", "v2", "v3"]
 
@@ -120,3 +123,13 @@ def test_wrong_reducer_aggregate_is_charged_and_validators_certify_their_own(tmp
     assert v.rejected_by_reason["proposal-mismatch"] >= 1
     assert v.head.params_digest != head.params_digest  # the validators' own reduction moved the model
     assert isinstance(bogus, SignedEnvelope)
+
+
+@given(parent=st.binary(min_size=34, max_size=34), window=st.integers(1, 10_000), n=st.integers(1, 12))
+def test_n_consecutive_rounds_have_n_different_proposers(parent, window, n):
+    """spec/agreement.md §3: a rotation, so a silent validator costs one round of a window, not several in
+    a row; round 0's proposer is the smallest hash, and the order is the same at every validator."""
+    validators = tuple(ident(40 + i).peer_id for i in range(n))
+    rounds = [proposer_of(parent, window, r, validators) for r in range(2 * n)]
+    assert len(set(rounds[:n])) == n and rounds[n:] == rounds[:n]
+    assert proposer_of(parent, window, 0, tuple(reversed(validators))) == rounds[0]
