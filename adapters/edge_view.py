@@ -25,7 +25,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from peerloom.core.encoding import content_id
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.errors import DecodeError, VerificationError
 from peerloom.core.identity import PeerId
@@ -39,6 +38,7 @@ from peerloom.core.objects import (
     Revision,
     UpdateAnnouncement,
     check_revocation,
+    make_artifact_ref,
 )
 
 SUBMIT_TIMEOUT_S = 10.0
@@ -213,7 +213,8 @@ def check_submission(revision: Revision, head: Head, envelope: bytes, artifact: 
         raise VerificationError("no-lease", str(env.signer))
     if ann.shards != shards:
         raise VerificationError("bad-lease", str(env.signer))
-    if artifact is None or len(artifact) != ann.delta.size or content_id(artifact) != ann.delta.digest:
+    if artifact is None or len(artifact) != ann.delta.size or \
+            make_artifact_ref(artifact, ann.delta.chunk_size) != ann.delta:
         raise VerificationError("bad-artifact", "delta bytes do not match the announcement")
     return env, ann
 
@@ -355,9 +356,9 @@ class InMemoryEdgeView(ChainIndex, _ViewIdentity):
 
     # --- test controls ----------------------------------------------------------------------------
 
-    def put_artifact(self, data: bytes) -> bytes:
-        """Store `data` and return its content id."""
-        digest = content_id(data)
+    def put_artifact(self, data: bytes, chunk_size: int | None = None) -> bytes:
+        """Store `data` and return its artifact id in `chunk_size` chunks (default: the manifest's)."""
+        digest = make_artifact_ref(data, chunk_size or self._revision.manifest.chunk_size).digest
         (self._dir / digest.hex()).write_bytes(data)
         return digest
 
@@ -390,7 +391,7 @@ class InMemoryEdgeView(ChainIndex, _ViewIdentity):
                 self.revocations.append(obj)
         else:
             assert artifact is not None
-            self.put_artifact(artifact)
+            self.put_artifact(artifact, obj.delta.chunk_size)
             with self._lock:
                 self.updates.append((obj, env))
         return SubmitResult(accepted=True, envelope_id=env.id)

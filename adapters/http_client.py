@@ -31,7 +31,7 @@ from typing import Any
 import attrs
 
 from peerloom.core.audit import train_seed
-from peerloom.core.encoding import content_id, decode, encode
+from peerloom.core.encoding import decode, encode
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.errors import VerificationError
 from peerloom.core.identity import Identity, PeerId
@@ -43,6 +43,7 @@ from peerloom.core.objects import (
     QuorumCertificate,
     Revision,
     UpdateAnnouncement,
+    artifact_id,
     seal,
 )
 
@@ -159,7 +160,7 @@ class EdgeClient:
                     raise VerificationError("bad-chunk", f"chunk {index} of {ref.digest.hex()[:16]}")
             out[start:end + 1] = body
         data = bytes(out)
-        if content_id(data) != ref.digest:
+        if artifact_id(ref.size, ref.chunk_size, ref.chunks) != ref.digest:  # every chunk was checked above
             raise VerificationError("corrupt-artifact", ref.digest.hex())
         return data
 

@@ -93,7 +93,7 @@ from aiohttp import HttpVersion11, web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from peerloom.core.encoding import content_id, encode
+from peerloom.core.encoding import encode
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.errors import DecodeError, VerificationError
 from peerloom.core.identity import PeerId
@@ -104,6 +104,7 @@ from peerloom.core.objects import (
     JoinRequest,
     QuorumCertificate,
     UpdateAnnouncement,
+    make_artifact_ref,
 )
 
 from .edge_dashboard import DASHBOARD_HTML
@@ -714,7 +715,7 @@ class HttpEdge:
             if size != ann.delta.size:
                 raise ApiError(400, "artifact-mismatch", "artifact bytes do not match the announced delta")
             artifact = body.read_at(offset, size)
-        if content_id(artifact) != ann.delta.digest:
+        if make_artifact_ref(artifact, ann.delta.chunk_size) != ann.delta:
             raise ApiError(400, "artifact-mismatch", "artifact bytes do not match the announced delta")
         return envelope, artifact
 

@@ -14,15 +14,15 @@ is fsynced, so a crash at any point leaves either the old state or the new one, 
 the store removes what a crash can leave behind (temporary files, partial fetches, an artifact without its
 ref); `check()` verifies everything.
 
-An artifact's digest is computed once, when it enters the store (`put` hashes what it writes, `commit`
-what was fetched), and then trusted: `get` checks only the size, so a task does not hash its inputs
-again (issue 20: at 10M parameters the re-hash on every read was about a tenth of a reduce task). A damaged
-disk is `check()`'s to find (`peerloom inspect`). Chunk reads and writes keep one open file per artifact
-(`_Handles`) instead of opening one per chunk; `commit` hashes the fetched file in 4 MiB blocks, never
-holding it whole in memory.
+An artifact is hashed once, chunk by chunk, when it enters the store: `put` and `open_writer` hash what
+they write, and a fetched artifact's chunks were each verified on arrival, so `commit` checks only that
+the ref names its chunks (`artifact_id`) and the size. Then it is trusted: `get` checks only the size, so
+a task does not hash its inputs again (issue 20: at 10M parameters the re-hash on every read was about a
+tenth of a reduce task). A damaged disk is `check()`'s to find (`peerloom inspect`). Chunk reads and
+writes keep one open file per artifact (`_Handles`) instead of opening one per chunk.
 
 `sim/disk.py` offers the same interface in memory for the simulator; the two share `make_artifact_ref` and
-`content_id` (core) and nothing else, since what remains is how each medium stores bytes (issue 18).
+`artifact_id` (core) and nothing else, since what remains is how each medium stores bytes (issue 18).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from peerloom.core.encoding import SHA256_MULTIHASH_PREFIX, content_id, decode, encode
-from peerloom.core.errors import VerificationError
-from peerloom.core.objects import ArtifactRef, make_artifact_ref
+from peerloom.core.encoding import decode, encode
+from peerloom.core.errors import DecodeError, VerificationError
+from peerloom.core.objects import ArtifactRef, artifact_id, make_artifact_ref
 
 from .database import DB_NAME, Database
 
@@ -81,10 +81,16 @@ def read_artifact(root: str | Path, digest: bytes) -> bytes:
     sweep and no database, so it is safe beside a running node (e.g. `peerloom export`).
 
     FileNotFoundError when the store does not hold it; VerificationError("corrupt-artifact") when the
-    bytes on disk do not hash to `digest` (a content id, spec/design.md §6).
+    bytes on disk are not the artifact `digest` names (`artifact_id`, spec/wire.md §5; the chunk size is
+    read from its ``.ref`` file).
     """
-    data = (Path(root) / "artifacts" / digest[2:].hex()).read_bytes()
-    if content_id(data) != digest:
+    path = Path(root) / "artifacts" / digest[2:].hex()
+    data = path.read_bytes()
+    try:
+        ref = ArtifactRef.from_cbor(decode(path.with_suffix(".ref").read_bytes(), max_bytes=1 << 24))
+    except DecodeError as exc:
+        raise VerificationError("corrupt-artifact", f"{digest.hex()} in {root}: bad ref file ({exc})") from None
+    if ref.digest != digest or make_artifact_ref(data, ref.chunk_size) != ref:
         raise VerificationError("corrupt-artifact", f"{digest.hex()} in {root}")
     return data
 
@@ -136,12 +142,13 @@ class _Handles:
                 os.close(fd)
             path.unlink(missing_ok=True)
 
-    def verify_and_sync(self, digest: bytes, path: Path, size: int) -> bool:
-        """True iff the file is `size` bytes hashing to `digest`, then fsynced; the descriptor is closed."""
+    def sync_whole(self, digest: bytes, path: Path, size: int) -> bool:
+        """True iff the file is `size` bytes, then fsynced; the descriptor is closed. Its chunks were each
+        verified against the ref when they arrived, so nothing is hashed again here."""
         with self._lock:
             fd = self._fd(digest, path)
             try:
-                ok = os.fstat(fd).st_size == size and _file_digest(fd, size) == digest
+                ok = os.fstat(fd).st_size == size
                 if ok:
                     os.fsync(fd)
                 return ok
@@ -161,10 +168,11 @@ class _Handles:
             os.close(fd)
 
 
-def _file_digest(fd: int, size: int) -> bytes:
-    """The content id (multihash SHA-256) of the first `size` bytes of `fd`, read in 4 MiB blocks."""
-    hasher = hashlib.sha256()
-    buffer = bytearray(min(size, HASH_BLOCK_BYTES))
+def _file_digest(fd: int, size: int, chunk_size: int) -> bytes:
+    """The artifact id of the first `size` bytes of `fd` in `chunk_size` chunks, read in 4 MiB blocks; b""
+    if the file is shorter."""
+    hasher = _RefHasher(chunk_size)
+    buffer = bytearray(max(1, min(size, HASH_BLOCK_BYTES)))
     view = memoryview(buffer)
     offset = 0
     while offset < size:
@@ -173,21 +181,19 @@ def _file_digest(fd: int, size: int) -> bytes:
             break
         hasher.update(view[:got])
         offset += got
-    return SHA256_MULTIHASH_PREFIX + hasher.digest() if offset == size else b""
+    return hasher.ref().digest if offset == size else b""
 
 
 class _RefHasher:
-    """The content id and chunk digests of bytes fed in order (`make_artifact_ref`'s, without holding them)."""
+    """The chunk digests and artifact id of bytes fed in order (`make_artifact_ref`'s, without holding them)."""
 
     def __init__(self, chunk_size: int) -> None:
         self.chunk_size = chunk_size
-        self.whole = hashlib.sha256()
         self.chunks: list[bytes] = []
         self.chunk, self.filled, self.size = hashlib.sha256(), 0, 0
 
     def update(self, part: bytes | memoryview) -> None:
         view = memoryview(part).cast("B")
-        self.whole.update(view)
         self.size += len(view)
         offset = 0
         while offset < len(view):
@@ -200,9 +206,9 @@ class _RefHasher:
                 self.chunk, self.filled = hashlib.sha256(), 0
 
     def ref(self) -> ArtifactRef:
-        chunks = self.chunks + ([self.chunk.digest()] if self.filled else [])
-        return ArtifactRef(digest=SHA256_MULTIHASH_PREFIX + self.whole.digest(), size=self.size,
-                           chunk_size=self.chunk_size, chunks=tuple(chunks))
+        chunks = tuple(self.chunks + ([self.chunk.digest()] if self.filled else []))
+        return ArtifactRef(digest=artifact_id(self.size, self.chunk_size, chunks), size=self.size,
+                           chunk_size=self.chunk_size, chunks=chunks)
 
 
 def _ref_of_parts(parts: Sequence[bytes | memoryview], chunk_size: int) -> ArtifactRef:
@@ -364,7 +370,7 @@ class ArtifactStore:
         ref = self._refs[digest]
         fd = os.open(self._path(digest), os.O_RDONLY)
         try:
-            ok = os.fstat(fd).st_size == ref.size and _file_digest(fd, ref.size) == digest
+            ok = os.fstat(fd).st_size == ref.size and _file_digest(fd, ref.size, ref.chunk_size) == digest
         finally:
             os.close(fd)
         if not ok:
@@ -383,12 +389,17 @@ class ArtifactStore:
                              skip=lambda: ref.digest in self._refs)
 
     def commit(self, ref: ArtifactRef) -> None:
-        """Verify a fully fetched artifact (hashed in 4 MiB blocks) and make it visible, durably (fsync,
-        rename, directory fsync). VerificationError if the bytes are wrong."""
+        """Make a fully fetched artifact visible, durably (fsync, rename, directory fsync). Its chunks were
+        each verified against `ref` as they arrived (the engine's `chunk_ok`) and `ref.digest` names those
+        chunks (`artifact_id`), so the bytes are not hashed again (issue 20). VerificationError when the ref
+        is not self-consistent or the file is not `ref.size` bytes."""
         if ref.digest in self._refs:
             return
         path = self._partial / ref.digest[2:].hex()
-        if not self._writers.verify_and_sync(ref.digest, path, ref.size):
+        if artifact_id(ref.size, ref.chunk_size, ref.chunks) != ref.digest:
+            self._writers.discard(ref.digest, path)
+            raise VerificationError("corrupt-artifact", f"{ref.digest.hex()} is not the id of its chunks")
+        if not self._writers.sync_whole(ref.digest, path, ref.size):
             path.unlink(missing_ok=True)
             if ref.digest in self._refs:
                 return  # computed and stored here meanwhile (`_drop_partial` took the partial file)

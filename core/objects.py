@@ -52,7 +52,7 @@ DILOCO_MOMENTUM = 0.9
 
 @attrs.frozen(kw_only=True)
 class ArtifactRef:
-    """Names an immutable byte string: its content id, size and per-chunk SHA-256 digests.
+    """Names an immutable byte string: its content id (`artifact_id`), size and per-chunk SHA-256 digests.
 
     The bytes are split into `chunk_size`-byte chunks (the last may be shorter); each chunk fetched from
     an untrusted peer is checked against `chunks[i]` on arrival, so a bad chunk is charged to its sender.
@@ -85,6 +85,9 @@ class ArtifactRef:
 
     @classmethod
     def from_cbor(cls, obj: Any) -> ArtifactRef:
+        """Decode and check a ref, including that `digest` is the `artifact_id` of its size and chunks
+        (DecodeError("bad-field") otherwise: a ref that could never be fetched is refused before any byte
+        of it is, and charged to whoever signed it)."""
         body = f.exact_keys(obj, frozenset({"digest", "size", "chunk_size", "chunks"}), "artifact")
         size = f.uint(body, "size", maximum=MAX_ARTIFACT_BYTES)
         chunk_size = f.uint(body, "chunk_size", maximum=MAX_CHUNK_BYTES)
@@ -94,14 +97,26 @@ class ArtifactRef:
         chunks = f.array(body, "chunks", max_len=expected)
         if len(chunks) != expected or not all(isinstance(c, bytes) and len(c) == 32 for c in chunks):
             raise DecodeError("bad-field", f"chunks must be {expected} SHA-256 digests")
-        return cls(digest=f.cid(body, "digest"), size=size, chunk_size=chunk_size, chunks=tuple(chunks))
+        digest = f.cid(body, "digest")
+        if digest != artifact_id(size, chunk_size, chunks):
+            raise DecodeError("bad-field", "artifact digest is not the id of its size and chunks")
+        return cls(digest=digest, size=size, chunk_size=chunk_size, chunks=tuple(chunks))
+
+
+def artifact_id(size: int, chunk_size: int, chunks: Sequence[bytes]) -> bytes:
+    """The content id naming an artifact (spec/wire.md §5): the `cid` of the canonical CBOR of ``[size,
+    chunk_size, [SHA-256 of each chunk]]``, one level of a Merkle tree over the chunks (as an IPFS CID
+    names a node listing its children). Whoever holds a ref checks it without the bytes, and the bytes are
+    hashed once, chunk by chunk, whether they are stored or fetched (issue 20)."""
+    return content_id(encode([size, chunk_size, list(chunks)]))
 
 
 def make_artifact_ref(data: bytes | memoryview, chunk_size: int) -> ArtifactRef:
-    """Describe `data` as an artifact with `chunk_size`-byte chunks (hashes the bytes once per chunk)."""
+    """Describe `data` as an artifact with `chunk_size`-byte chunks (hashes the bytes once, chunk by chunk)."""
     view = memoryview(data)
     chunks = tuple(hashlib.sha256(view[i:i + chunk_size]).digest() for i in range(0, len(view), chunk_size))
-    return ArtifactRef(digest=content_id(view), size=len(view), chunk_size=chunk_size, chunks=chunks)
+    return ArtifactRef(digest=artifact_id(len(view), chunk_size, chunks), size=len(view), chunk_size=chunk_size,
+                       chunks=chunks)
 
 
 # --- manifest ----------------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from peerloom.core.encoding import content_id
 from peerloom.core.errors import VerificationError
 from peerloom.core.objects import ArtifactRef, make_artifact_ref
 
@@ -79,7 +78,7 @@ class SimDisk:
             return
         parts = self._partial.pop(ref.digest, {})
         data = b"".join(parts[i] for i in sorted(parts))
-        if len(data) != ref.size or content_id(data) != ref.digest:
+        if len(data) != ref.size or make_artifact_ref(data, ref.chunk_size) != ref:
             raise VerificationError("corrupt-artifact", ref.digest.hex())
         self._data[ref.digest] = data
         self._refs[ref.digest] = ref

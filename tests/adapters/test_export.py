@@ -204,7 +204,7 @@ def test_params_that_do_not_match_the_certified_digest_are_refused(tmp_path):
     head = child(revision, revision.genesis(), params=make_artifact_ref(blob, revision.manifest.chunk_size),
                  params_digest=tensor_digest({"w": np.full(2, 2, np.float32)}))
     store_dir = tmp_path / "store"
-    store = ArtifactStore(store_dir)
+    store = ArtifactStore(store_dir, chunk_size=revision.manifest.chunk_size)
     store.put(blob)
     store.put_record(chain_key(1), encode_chain_entry(head, certify(revision, head, validators)))
     store.put_record(HEAD_RECORD, encode_chain_entry(head, certify(revision, head, validators)))

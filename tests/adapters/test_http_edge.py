@@ -115,9 +115,10 @@ def test_chain_pages_verify_as_a_chain(world):
 
 
 def test_artifact_ranges(world):
-    _view, _heads, server = world
+    view, _heads, server = world
     data = b"params of window 5 " * 100
-    url = server.url + f"/v1/artifacts/{content_id(data).hex()}"
+    digest = view.put_artifact(data)  # already there (a head's params): its artifact id
+    url = server.url + f"/v1/artifacts/{digest.hex()}"
     status, headers, body = fetch(url)
     assert status == 200 and body == data and headers["Accept-Ranges"] == "bytes"
     for spec, want in (("bytes=10-19", data[10:20]), ("bytes=1890-", data[1890:]), ("bytes=-7", data[-7:]),
@@ -133,7 +134,7 @@ def test_artifact_ranges(world):
         status, _, body = fetch(url, headers={"Range": ignored})
         assert status == 200 and body == data, ignored
     assert fetch(server.url + f"/v1/artifacts/{content_id(b'nope').hex()}")[0] == 404
-    status, headers, body = fetch(url, headers={"If-None-Match": f'"{content_id(data).hex()}"'})
+    status, headers, body = fetch(url, headers={"If-None-Match": f'"{digest.hex()}"'})
     assert status == 304 and body == b""
     assert fetch(url, headers={"If-None-Match": '"other"'})[0] == 200
 
@@ -192,10 +193,11 @@ def test_signed_update_is_accepted_and_tampered_ones_change_nothing(world):
         status, _, body = post(server, "/v1/updates", junk)
         assert 400 <= status < 500, junk
     assert post(server, "/v1/updates", b"{}", "application/json")[0] == 415
-    assert view.updates == [] and view.artifact_path(content_id(artifact)) is None
+    stored_as = make_artifact_ref(artifact, 64 * 1024).digest
+    assert view.updates == [] and view.artifact_path(stored_as) is None
     status, _, body = post(server, "/v1/updates", encode({"envelope": envelope, "artifact": artifact}))
     assert status == 202 and json.loads(body)["id"] == SignedEnvelope.from_bytes(envelope).id.hex()
-    assert len(view.updates) == 1 and view.artifact_path(content_id(artifact)) is not None
+    assert len(view.updates) == 1 and view.artifact_path(stored_as) is not None
     # A validly signed update the node rejects (not the leaseholder's shards) is 422 with the node's reason.
     bad = signed_update(view, trainer, artifact, shards=(99,))
     status, _, body = post(server, "/v1/updates", encode({"envelope": bad, "artifact": artifact}))

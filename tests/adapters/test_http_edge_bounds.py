@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from peerloom.adapters.http_edge import SPOOL_PREFIX, UPLOAD_BUFFER_BYTES, EdgeLimits, EdgeServer
-from peerloom.core.encoding import content_id, encode
+from peerloom.core.encoding import encode
+from peerloom.core.objects import make_artifact_ref
 from tests.adapters.test_http_edge import error_code, leaseholder, post, signed_update
 from tests.edge_fixtures import make_view
 
@@ -254,7 +255,7 @@ def test_an_accepted_upload_holds_one_copy_of_its_body(view):
     assert status == 202, answer
     assert peak < len(body) + 2 * UPLOAD_BUFFER_BYTES, peak / len(body)
     # Stored whole and verified.
-    stored = view.artifact_path(content_id(artifact))
+    stored = view.artifact_path(make_artifact_ref(artifact, 64 * 1024).digest)  # as `signed_update` names it
     assert stored is not None and stored.read_bytes() == artifact and len(view.updates) == 1
     assert spooled(view) == []
 

@@ -4,6 +4,7 @@ import itertools
 import os
 import stat
 
+import attrs
 import pytest
 
 from peerloom.adapters.keys import load_identity, load_or_create_identity, save_identity
@@ -106,12 +107,14 @@ def test_chunks_assemble_out_of_order_and_bad_assembly_refused(tmp_path):
         store.write_chunk(ref, i, data[i * 300:(i + 1) * 300])
     store.commit(ref)
     assert store.get(ref.digest) == data
-    other = make_artifact_ref(b"a" * 600, 300)
-    store.write_chunk(other, 0, b"a" * 300)
-    store.write_chunk(other, 1, b"b" * 300)
+    # The chunks were verified as they arrived (the engine's job), so commit hashes nothing again; what it
+    # refuses is a ref whose digest does not name its chunks (one built in-process: none decodes).
+    forged = attrs.evolve(make_artifact_ref(b"a" * 600, 300), digest=ref.digest[:2] + bytes(32))
+    store.write_chunk(forged, 0, b"a" * 300)
+    store.write_chunk(forged, 1, b"a" * 300)
     with pytest.raises(VerificationError):
-        store.commit(other)
-    assert not store.has(other.digest)
+        store.commit(forged)
+    assert not store.has(forged.digest) and not list((tmp_path / "partial").iterdir())
 
 
 def test_records_round_trip_and_no_temp_files_left(tmp_path):

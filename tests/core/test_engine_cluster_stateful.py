@@ -108,7 +108,7 @@ class Host:
             case fx.CommitArtifact():
                 parts = self.partial.pop(effect.ref.digest)
                 data = b"".join(parts[i] for i in range(effect.ref.num_chunks))
-                assert content_id(data) == effect.ref.digest
+                assert make_artifact_ref(data, effect.ref.chunk_size) == effect.ref
                 self.store[effect.ref.digest] = data
                 self.local.append(ev.ArtifactStored(now=now, ref=effect.ref))
             case fx.Persist():

@@ -1,11 +1,13 @@
-"""A ref whose chunk hashes are honest but whose digest is not (spec/wire.md §5): every chunk verifies on
-arrival, so only the final commit can tell. The host must not crash on it; the engine fails the fetch."""
+"""A ref whose chunk hashes are honest but whose digest is not (spec/wire.md §5). No such ref decodes (the
+digest is the id of the chunks: tests/core/test_objects.py), but one built in-process still reaches a
+commit that refuses it: the host must not crash on it; the engine fails the fetch."""
 
 from __future__ import annotations
 
 import random
 
 import attrs
+import pytest
 
 from peerloom.adapters.host import apply_storage_effect, stored_event
 from peerloom.adapters.storage import ArtifactStore
@@ -13,8 +15,9 @@ from peerloom.core import effects as fx
 from peerloom.core import events as ev
 from peerloom.core.encoding import content_id
 from peerloom.core.engine import Engine, EngineConfig
+from peerloom.core.errors import DecodeError
 from peerloom.core.messages import Chunk, ChunkRequest, Hello, decode_message, encode_message
-from peerloom.core.objects import make_artifact_ref
+from peerloom.core.objects import ArtifactRef, make_artifact_ref
 from tests.core.test_fetch_resume import WAITER, watch
 from tests.helpers import ident, make_revision
 
@@ -63,6 +66,8 @@ def test_honest_ref_is_stored(tmp_path):
 
 def test_ref_with_a_false_digest_fails_the_fetch_without_stopping_the_host(tmp_path):
     forged = attrs.evolve(make_artifact_ref(DATA, CHUNK), digest=content_id(b"not these bytes"))
+    with pytest.raises(DecodeError, match="not the id of its size and chunks"):
+        ArtifactRef.from_cbor(forged.to_cbor())  # on the wire it would be refused here
     outcomes, store, engine = fetch(tmp_path, forged)
     assert outcomes == ["corrupt-artifact"]
     assert not store.has(forged.digest) and not engine.is_stored(forged.digest)

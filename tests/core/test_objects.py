@@ -19,6 +19,7 @@ from peerloom.core.objects import (
     Manifest,
     QuorumCertificate,
     Revision,
+    artifact_id,
     make_artifact_ref,
     sign_vote,
 )
@@ -129,6 +130,32 @@ def test_artifact_ref_chunks_verify():
     bad = ref.to_cbor() | {"chunks": ref.to_cbor()["chunks"][:2]}
     with pytest.raises(DecodeError):
         ArtifactRef.from_cbor(bad)
+
+
+@given(data=st.binary(max_size=3000), chunk_size=st.integers(1, 1200), field=st.sampled_from(
+    ["digest", "size", "chunk_size", "chunks"]), flip=st.integers(0, 7))
+def test_an_artifact_id_names_its_size_chunking_and_chunks(data, chunk_size, field, flip):
+    """spec/wire.md §5: digest = cid(canonical([size, chunk_size, chunks])). A ref that changes any one of
+    them without the digest (or the digest alone) is refused when decoded, before any byte is fetched."""
+    ref = make_artifact_ref(data, chunk_size)
+    assert ref.digest == artifact_id(len(data), chunk_size, ref.chunks)
+    assert ArtifactRef.from_cbor(ref.to_cbor()) == ref
+    body = ref.to_cbor()
+    if field == "digest":
+        body["digest"] = body["digest"][:2] + bytes([body["digest"][2] ^ (1 << flip)]) + body["digest"][3:]
+    elif field == "chunks":
+        if not ref.chunks:
+            return
+        first = body["chunks"][0]
+        body["chunks"] = [bytes([first[0] ^ (1 << flip)]) + first[1:], *body["chunks"][1:]]
+    else:
+        # another size or chunking that keeps the same number of chunks (else the count check refuses first)
+        other = ref.size + 1 if field == "size" else ref.chunk_size + 1
+        body[field] = other
+        if -(-body["size"] // body["chunk_size"]) != len(ref.chunks):
+            return
+    with pytest.raises(DecodeError, match="not the id of its size and chunks"):
+        ArtifactRef.from_cbor(body)
 
 
 @given(st.integers(1, 12), st.integers(1, 40), st.binary(min_size=34, max_size=34), st.integers(1, 100))
