@@ -36,7 +36,6 @@ from peerloom.backends.numpy.screening import schema_matches
 from peerloom.backends.numpy.stored import StoredTensors, TensorFileWriter, open_stored, stored_digest
 from peerloom.backends.numpy.tensors import (
     from_safetensors,
-    safetensors_header,
     safetensors_parts,
     safetensors_views,
     schema_of,
@@ -207,11 +206,9 @@ class ComputeExecutor:
     def writer(self, schema: Any, stack: ExitStack) -> tuple[TensorFileWriter, Any] | None:
         """A `TensorFileWriter` of `schema` into a new artifact of the store (aborted with `stack` unless
         committed), or None where outputs are built in memory (no streaming, or no fixed header)."""
-        header = safetensors_header(schema) if self._streams() else None
-        if header is None:
+        size = TensorFileWriter.file_size(schema) if self._streams() else None
+        if size is None:
             return None
-        size = len(header) + sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
-                                 for _, dt, shape in schema)
         artifact = self.store.open_writer(size)
         stack.callback(artifact.abort)
         return TensorFileWriter(schema, artifact.write), artifact

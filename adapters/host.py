@@ -58,7 +58,8 @@ class Host(Protocol):
         """Assemble and verify the artifact, then feed back `stored_event`'s event."""
 
     def drop_artifacts(self, effect: fx.DropArtifacts) -> None:
-        """Delete the stored artifacts the engine dropped (retention; `remove_artifacts` does it for a store)."""
+        """Delete the stored artifacts the engine dropped (retention; `ArtifactStore.remove` does it for a
+        store, as `apply_storage_effect` shows)."""
 
     def head_promoted(self, effect: fx.HeadPromoted) -> None:
         """A new certified head is canonical (notification)."""

@@ -256,8 +256,7 @@ class ArtifactWriter:
             os.fsync(self._fd)
             os.replace(self._tmp, store._path(ref.digest))
             _fsync_dir(store._artifacts)
-            store._finish(ref)
-            store._drop_partial(ref.digest)
+            store._finish_computed(ref)
             return ref
         finally:
             self.abort()
@@ -323,12 +322,7 @@ class ArtifactStore:
 
     def put(self, data: bytes | memoryview) -> ArtifactRef:
         """Store `data` (idempotent) and return its ArtifactRef."""
-        ref = make_artifact_ref(data, self.chunk_size)
-        if ref.digest not in self._refs:
-            atomic_write(self._path(ref.digest), data)
-            self._finish(ref)
-            self._drop_partial(ref.digest)
-        return ref
+        return self.put_parts([data])
 
     def put_parts(self, parts: Sequence[bytes | memoryview]) -> ArtifactRef:
         """`put` of the concatenation of `parts`, which is never built: the pieces (e.g. an array's own
@@ -336,8 +330,7 @@ class ArtifactStore:
         ref = _ref_of_parts(parts, self.chunk_size)
         if ref.digest not in self._refs:
             atomic_write(self._path(ref.digest), parts)
-            self._finish(ref)
-            self._drop_partial(ref.digest)
+            self._finish_computed(ref)
         return ref
 
     def open_writer(self, size: int) -> ArtifactWriter:
@@ -348,6 +341,11 @@ class ArtifactStore:
         """A fetch of bytes this store has just computed itself is over (core `Engine.note_stored`): its
         partial file goes, and chunk writes still queued for it are skipped (`write_chunk`)."""
         self._writers.discard(digest, self._partial / digest[2:].hex())
+
+    def _finish_computed(self, ref: ArtifactRef) -> None:
+        """An artifact computed here is durable under its name: visible, and a fetch of it is over."""
+        self._finish(ref)
+        self._drop_partial(ref.digest)
 
     def _finish(self, ref: ArtifactRef) -> None:
         atomic_write(self._path(ref.digest).with_suffix(".ref"), encode(ref.to_cbor()))

@@ -202,6 +202,16 @@ class TensorFileWriter:
         self.tensors = {name: FileTensorSink(self, name, np.dtype(dtype), tuple(shape))
                         for name, dtype, shape in schema}
 
+    @staticmethod
+    def file_size(schema: Schema) -> int | None:
+        """Bytes of the file a writer of `schema` writes (header and data); None when the schema has no
+        fixed header (the constructor's ValueError)."""
+        header = safetensors_header(schema)
+        if header is None:
+            return None
+        return len(header) + sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
+                                 for _, dt, shape in schema)
+
     def _flush(self) -> None:
         if self._pending is None:
             return
