@@ -241,6 +241,8 @@ class ComputeExecutor:
                     return self._reduce(args, stack)
             case "evaluate":
                 return self._evaluate(self.load_params(args["params"]))
+            case "audit":
+                return self._audit_task(args)
         raise ValueError(f"unknown task kind {kind!r}")
 
     def _screen_task(self, args: dict[str, Any], stack: ExitStack) -> dict[str, Any]:
@@ -257,10 +259,38 @@ class ComputeExecutor:
         max_norm = float(args.get("max_norm", 0.0))
         if ok and max_norm > 0.0 and not norm <= max_norm:
             ok, reason = False, "norm-bound"
+        detail = ""
+        loss_check = args.get("loss_check")
+        if ok and loss_check is not None:
+            # The loss check needs the update applied whole: a streamed delta is read into memory here.
+            whole = delta if all(isinstance(t, np.ndarray) for t in delta.values()) else self.load(args["delta"])
+            ok, reason, detail = self._loss_check(whole, loss_check)
         audit = args.get("audit")
         if ok and audit is not None:
             ok, reason = self._audit(delta, audit)
-        return {"ok": ok, "reason": reason, "norm": norm}
+        return {"ok": ok, "reason": reason, "norm": norm, "detail": detail}
+
+    def _loss_check(self, delta: dict[str, np.ndarray], check: dict[str, Any]) -> tuple[bool, str, str]:
+        """The loss check (spec/protocol.md §6.1): the workload's loss on a batch of the author's leased
+        samples before and after applying the decoded `delta` to the base params (forward passes only).
+        (ok, reason ``loss``, detail "before -> after") - ok iff the loss after is finite and at most
+        ``(1 - min_drop)`` times the loss before, and lower than it.
+
+        The batch is ``check["samples"]`` of the lease's sample indices (all when fewer), drawn without
+        replacement by ``np.random.default_rng(check["seed"])`` (the update's `loss_batch_seed`), in lease
+        order. A workload without ``loss`` raises AttributeError (a task failure, never a strike)."""
+        indices = np.asarray([i for s in check["shards"] for i in self.shards[s]], dtype=np.int64)
+        samples = int(check["samples"])
+        if len(indices) > samples:
+            pick = np.random.default_rng(int(check["seed"])).choice(len(indices), samples, replace=False)
+            indices = indices[np.sort(pick)]
+        params = self.load_params(check["params"])
+        after_params = {n: np.subtract(params[n], delta[n], dtype=np.float32) for n in params}
+        before = float(self.workload.loss(params, indices.tolist()))
+        after = float(self.workload.loss(after_params, indices.tolist()))
+        detail = f"loss {before:.6g} -> {after:.6g} on {len(indices)} samples"
+        ok = math.isfinite(after) and after < before and after <= (1.0 - float(check["min_drop"])) * before
+        return ok, "" if ok else "loss", detail
 
     def _screen(self, delta: dict[str, np.ndarray]) -> tuple[bool, str, float]:
         """(ok, reason, norm) of a decoded delta: ``schema`` (names, dtypes, shapes as the manifest's),
@@ -344,6 +374,18 @@ class ComputeExecutor:
         if math.isnan(cosine):  # a zero norm on one side: only "both zero" reproduces
             cosine = 1.0 if stats["global_norm"] == 0.0 and self.compute.stats(expected)["global_norm"] == 0.0 else 0.0
         return (True, "") if cosine >= float(audit["min_cosine"]) else (False, "audit")
+
+    def _audit_task(self, args: dict[str, Any]) -> dict[str, Any]:
+        """The ``audit`` task of a sampled audit (spec/protocol.md §6.2): decode the stored delta and recompute
+        it (`_audit`). Result ``{"ok": bool, "reason": "audit" | "undecodable" | ""}``."""
+        try:
+            delta = self._decode(self.load(args["delta"]))
+        except DecodeError:
+            return {"ok": False, "reason": "undecodable"}
+        if not schema_matches(delta, self.manifest.schema):
+            return {"ok": False, "reason": "schema"}
+        ok, reason = self._audit(delta, args["audit"])
+        return {"ok": ok, "reason": reason}
 
     def _reduce(self, args: dict[str, Any], stack: ExitStack) -> dict[str, Any]:
         """Cohort screening, then aggregation and the outer optimizer step (spec/protocol.md §6-7).

@@ -358,8 +358,9 @@ class TrainerPool:
 
 
 class PoolWorkload:
-    """A workload whose ``train`` runs on a `TrainerPool`; everything else (``evaluate``, ``schema``,
-    ``initial_params``, ...) is the wrapped workload's, on rank 0 alone."""
+    """A workload whose ``train`` runs on a `TrainerPool`; everything else (``evaluate``, ``loss``, ``schema``,
+    ``initial_params``, ...) is the wrapped workload's, on rank 0 alone (``loss`` is forward passes only: it
+    needs no collective, and the other ranks never hear of it)."""
 
     def __init__(self, workload: Any, pool: TrainerPool) -> None:
         self.workload = workload

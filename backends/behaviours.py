@@ -5,11 +5,17 @@ A node whose config sets ``behaviour = "sign-flip-scale"`` (or any name in
 `peerloom.backends.attacks.craft_update` makes of it. The node signs and announces that update like any
 other: nothing in the protocol marks it, so only screening and the aggregation rule can stop it. The
 attacker is alone — it sees no other trainer's update — so ALIE and IPM estimate the cohort from deltas
-trained on slices of the attacker's own lease (`local_references`).
+trained on slices of the attacker's own lease (`local_references`), and ``free-rider-noise`` sends a random
+direction with the honest norm (it has no cohort mean to aim its cosine at).
+
+The training-level attacks (`peerloom.backends.attacks.TRAINING_ATTACKS`: ``lazy``, ``replayer``,
+``lazy-1-in-5``) call the wrapped workload's ``train`` differently instead of rewriting its result; see
+`ByzantineWorkload.train` and the table in `peerloom.backends.attacks`.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,10 +25,17 @@ from peerloom.backends.attacks import (
     ATTACKS,
     DATA_ATTACKS,
     NEEDS_REFERENCES,
+    TRAINING_ATTACKS,
     alie_z,
+    check_training_params,
     craft_update,
+    global_norm,
+    is_lazy_call,
     label_flipped,
+    lazy_work,
     local_references,
+    perturb,
+    scale_to_norm,
 )
 
 # Attack parameters for the demo fleet (8 trainers, 2 of them Byzantine): ALIE's z from Baruch et al. for
@@ -34,40 +47,113 @@ DEMO_PARAMS: dict[str, dict[str, Any]] = {
 }
 
 
+def _copy(delta: dict[str, Any]) -> dict[str, np.ndarray]:
+    return {k: np.array(v, dtype=np.float32, copy=True) for k, v in delta.items()}
+
+
 class ByzantineWorkload:
     """Wraps a workload (same interface) so that `train` returns an attacker's update instead of the honest one.
 
-    `train(params, indices, seed) -> (delta, metrics)`: `delta` is a dict of float32 arrays with the honest
-    delta's names and shapes; the reported ``train_loss`` stays the honest one (a liar keeps its story
-    straight). Deterministic given `seed`. ValueError for an unknown attack.
+    `train(params, indices, seed, **options) -> (delta, metrics)`: `options` (``inner_steps=``, ``epochs=``)
+    go to the wrapped ``train``; `delta` is a dict of float32 arrays with the honest delta's names and shapes;
+    the reported metrics (``train_loss``...) stay the honest ones (a liar keeps its story straight).
+    Deterministic given `seed` and, for the training attacks, the number of earlier `train` calls (`calls`).
+    ValueError for an unknown attack or a bad parameter, TypeError for a parameter the attack does not take.
+
+    `attack` is one of `ATTACKS` (the honest delta rewritten by `craft_update`) or of `TRAINING_ATTACKS`:
+
+    * ``lazy``: trains a quarter of the work (`lazy_work`: ``max(1, H // 4)`` inner steps, or the first
+      quarter of the lease for the workload's local epochs) and sends that delta scaled to the honest delta's
+      global norm (`scale_to_norm`). The wrapper also runs the honest training, only to know that target norm
+      (the strongest lazy attacker knows it; a real one would estimate it from earlier windows): it spends
+      more compute than an honest trainer, the update it sends uses a quarter.
+    * ``replayer``: trains honestly, keeps its last ``age`` honest deltas (in memory, ``age=2``) and, from
+      its ``age``-th call on, sends the delta of ``age`` calls ago with `perturb` applied (a new tensor digest,
+      cosine ~1 to the original); earlier calls send the honest delta.
+    * ``lazy-1-in-5``: ``lazy`` in the calls ``k`` (counted from 0 over this wrapper's life) with
+      ``k % 5 == 0`` (parameters ``period=5``, ``phase=0``: calls 0, 5, 10, ...), honest in the others.
+
+    H for ``lazy`` is the call's ``inner_steps`` option, else the wrapped workload's ``inner_steps``
+    attribute (the bundled workloads train that many steps when the option is absent), else the workload
+    trains local epochs and the lazy call gets a quarter of the samples. With ``keep_optimizer_state`` the
+    extra honest call advances the kept optimizer state like any other call.
+
+    `calls` counts `train` calls; `last_action` says what the last one sent: ``"honest"``, ``"lazy"``,
+    ``"replay"`` or ``"crafted"`` (a `craft_update` attack).
     """
 
     def __init__(self, inner: Any, attack: str, *, params: dict[str, Any] | None = None, seed: int = 0) -> None:
-        if attack not in ATTACKS:
-            raise ValueError(f"unknown behaviour {attack!r}; known: honest, {', '.join(ATTACKS)}")
+        if attack not in ATTACKS and attack not in TRAINING_ATTACKS:
+            raise ValueError(f"unknown behaviour {attack!r}; known: honest, {', '.join((*ATTACKS, *TRAINING_ATTACKS))}")
         self.inner = label_flipped(inner) if attack in DATA_ATTACKS else inner
         self.attack = attack
-        self.params = dict(DEMO_PARAMS.get(attack, {}) if params is None else params)
+        if attack in TRAINING_ATTACKS:
+            self.params = check_training_params(attack, {} if params is None else dict(params))
+        else:
+            self.params = dict(DEMO_PARAMS.get(attack, {}) if params is None else params)
         self.seed = seed
+        self.calls = 0
+        self.last_action = ""
+        # replayer: its last `age` honest deltas, oldest first (no other attack keeps any)
+        self.history: deque[dict[str, np.ndarray]] = deque(maxlen=self.params["age"] if attack == "replayer" else 0)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def train(self, params: dict[str, np.ndarray], indices: Sequence[int], seed: int,
               **options: Any) -> tuple[dict, dict]:
+        call = self.calls
+        self.calls += 1
+        if self.attack in TRAINING_ATTACKS:
+            return self._training_attack(call, params, indices, seed, options)
         delta, metrics = self.inner.train(params, indices, seed, **options)
-        honest = {k: np.array(v, dtype=np.float32, copy=True) for k, v in delta.items()}
+        honest = _copy(delta)
         references: list[dict[str, np.ndarray]] = []
         if self.attack in NEEDS_REFERENCES and len(indices) >= 2:
             references = local_references(self.inner, params, indices, seed, parts=min(4, len(indices)))
         rng = np.random.default_rng([self.seed, seed])
         if self.attack in DATA_ATTACKS:
+            self.last_action = "honest"
             return honest, metrics
+        self.last_action = "crafted"
         return craft_update(self.attack, honest, references, rng, **self.params), metrics
 
+    def _inner_steps(self, options: dict[str, Any]) -> int | None:
+        """H of this call: the ``inner_steps`` option, else the workload's ``inner_steps`` attribute, else None."""
+        steps = options.get("inner_steps")
+        if steps is None:
+            steps = getattr(self.inner, "inner_steps", None)
+        if isinstance(steps, bool) or not isinstance(steps, int | np.integer) or steps < 1:
+            return None
+        return int(steps)
 
-def wrap_workload(workload: Any, behaviour: str | None, *, seed: int = 0) -> Any:
-    """`workload` itself for ``None``/``"honest"``, else a `ByzantineWorkload` playing `behaviour`."""
+    def _training_attack(self, call: int, params: dict[str, np.ndarray], indices: Sequence[int], seed: int,
+                         options: dict[str, Any]) -> tuple[dict, dict]:
+        delta, metrics = self.inner.train(params, indices, seed, **options)
+        honest = _copy(delta)
+        if self.attack == "replayer":
+            if len(self.history) == self.history.maxlen:
+                sent, self.last_action = perturb(self.history[0], self.params["rel"]), "replay"
+            else:
+                sent, self.last_action = _copy(honest), "honest"
+            self.history.append(honest)
+            return sent, metrics
+        if self.attack == "lazy-1-in-5" and not is_lazy_call(call, self.params["period"], self.params["phase"]):
+            self.last_action = "honest"
+            return honest, metrics
+        lazy_indices, lazy_steps = lazy_work(indices, self._inner_steps(options), self.params["divisor"])
+        lazy_options = dict(options)
+        if lazy_steps is not None:
+            lazy_options["inner_steps"] = lazy_steps
+        lazy, _ = self.inner.train(params, lazy_indices, seed, **lazy_options)
+        self.last_action = "lazy"
+        return scale_to_norm(_copy(lazy), global_norm(honest)), metrics
+
+
+def wrap_workload(workload: Any, behaviour: str | None, *, seed: int = 0,
+                  params: dict[str, Any] | None = None) -> Any:
+    """`workload` itself for ``None``/``"honest"``, else a `ByzantineWorkload` playing `behaviour` (one of
+    `ATTACKS` or `TRAINING_ATTACKS`) with `params` (None: the attack's defaults, `DEMO_PARAMS` for some)."""
     if behaviour in (None, "honest"):
         return workload
-    return ByzantineWorkload(workload, behaviour, seed=seed)
+    return ByzantineWorkload(workload, behaviour, params=params, seed=seed)

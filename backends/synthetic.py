@@ -11,7 +11,7 @@ disagree like non-i.i.d. shards do, and the average over all leases is (close to
 rows of the same table chosen by a hash of (seed, k): no generator is built, nothing is allocated beyond a
 few `dim`-sized arrays, so one call costs tens of microseconds (dim 16, 5 steps) and is a pure function
 of (params, indices, seed). Same interface as the other workloads (`schema`, `initial_params`, `train`,
-`evaluate`, `num_train`), so the simulator can swap it in for digits at 10,000 trainers.
+`loss`, `evaluate`, `num_train`), so the simulator can swap it in for digits at 10,000 trainers.
 """
 
 from __future__ import annotations
@@ -114,18 +114,35 @@ class QuadraticWorkload:
         steps = inner_steps if inner_steps is not None else self.local_steps * (1 if epochs is None else epochs)
         if steps < 1:
             raise ValueError(f"need >= 1 step, got {steps}")
-        x0 = params.get("x")
-        if x0 is None or len(params) != 1 or x0.shape != (self.dim,) or x0.dtype != np.float32:
-            raise ValueError(f"params must be {self._schema}")
+        x0 = self._x(params)
         c = self.lease_target(indices)
-        diff = x0 - c
-        loss = 0.5 * float(np.dot(self.a * diff, diff))
+        loss = self._lease_loss(x0, c)
         x = x0.copy()
         for k in range(steps):
             g = self.a * (x - c)
             g += self.grad_noise * self.table[_row(seed, k)]
             x -= self.lr * g
         return {"x": x0 - x}, {"train_loss": loss, "samples": len(indices)}
+
+    def loss(self, params: TensorDict, indices: Sequence[int]) -> float:
+        """The lease objective ``f_lease(x) = 1/2 sum_j a_j (x_j - c_j)^2`` at ``params["x"]``, with ``c`` =
+        `lease_target` (indices): what `train` descends and reports as ``train_loss`` (the same float for the same
+        params). The per-sample objectives' mean, ``1/2 sum_j a_j mean_i (x_j - c_ij)^2``, exceeds it by a
+        constant independent of ``x`` (the targets' spread), so both rank params alike. A Python float,
+        deterministic; touches no state. Raises ValueError for empty or out-of-range indices or params that are
+        not ``{"x": float32 [dim]}``."""
+        x = self._x(params)
+        return self._lease_loss(x, self.lease_target(indices))
+
+    def _x(self, params: TensorDict) -> np.ndarray:
+        x = params.get("x")
+        if x is None or len(params) != 1 or np.shape(x) != (self.dim,) or np.asarray(x).dtype != np.float32:
+            raise ValueError(f"params must be {self._schema}")
+        return np.asarray(x)
+
+    def _lease_loss(self, x: np.ndarray, c: np.ndarray) -> float:
+        diff = x - c
+        return 0.5 * float(np.dot(self.a * diff, diff))
 
     def evaluate(self, params: TensorDict) -> dict[str, float]:
         """``{"loss": f(x), "accuracy": fraction of coordinates with |x_j - x*_j| < tolerance}`` (a

@@ -91,6 +91,17 @@ class FlatWorkload:
         scale = np.float32(1e-3 * (1.0 + (int(indices[0]) % 7) / 100.0))
         return {"w": params["w"] * scale}, {"train_loss": 1.0, "samples": len(indices)}
 
+    def loss(self, params: dict[str, np.ndarray], indices: Any) -> float:
+        """The mean square of the parameters (as `evaluate`; `train`'s step shrinks it) whatever the samples:
+        a float, for a validator's loss check. ValueError for empty or out-of-range indices or a wrong schema."""
+        index = np.asarray(indices, dtype=np.int64)
+        if index.ndim != 1 or len(index) == 0 or int(index.min()) < 0 or int(index.max()) >= self.num_train:
+            raise ValueError(f"indices must be a non-empty sequence of ints in [0, {self.num_train})")
+        w = params.get("w")
+        if len(params) != 1 or w is None or w.dtype != np.float32 or w.shape != (self.params,):
+            raise ValueError(f"params must be {self.schema()}")
+        return self.evaluate(params)["loss"]
+
     def evaluate(self, params: dict[str, np.ndarray]) -> dict[str, float]:
         w = params["w"]
         return {"loss": float(np.dot(w, w)) / max(1, w.size)}

@@ -17,9 +17,18 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
+from .envelope import SignedEnvelope
+from .errors import VerificationError
 from .identity import PeerId
+from .objects import PROTOCOL_VERSION, AuditEvidence, AuditFailure, Manifest, UpdateAnnouncement
 
+AUDIT_WINDOWS = 8
+"""A failed audit enters a head at most this many windows after the update's own window (spec/protocol.md
+§6.2): older verdicts are dropped, so one failure cannot quarantine its author twice when the quarantine
+is shorter than this."""
 SEED_DOMAIN = b"peerloom/train-seed/v1"
+LOSS_BATCH_DOMAIN = b"peerloom/loss-batch/v1"
+AUDIT_SELECT_DOMAIN = b"peerloom/audit-select/v1"
 
 
 def train_seed(base: bytes, window: int, shards: Sequence[int], author: PeerId) -> int:
@@ -33,3 +42,57 @@ def train_seed(base: bytes, window: int, shards: Sequence[int], author: PeerId) 
         h.update(shard.to_bytes(4, "big"))
     h.update(author.to_bytes())
     return int.from_bytes(h.digest()[:4], "big")
+
+
+def loss_batch_seed(update_id: bytes) -> int:
+    """The 64-bit seed that picks the samples of an update's loss check (spec/protocol.md §6.1): the first 8
+    bytes (big-endian) of SHA-256(``LOSS_BATCH_DOMAIN`` ‖ update id). Every validator draws the same batch."""
+    return int.from_bytes(hashlib.sha256(LOSS_BATCH_DOMAIN + update_id).digest()[:8], "big")
+
+
+def audit_selected(head_id: bytes, update_id: bytes, rate: float) -> bool:
+    """Whether the cohort update `update_id` of the head `head_id` is audited (spec/protocol.md §6.2): the
+    first 8 bytes (big-endian) of SHA-256(``AUDIT_SELECT_DOMAIN`` ‖ head id ‖ update id), as a fraction of
+    2^64, are below `rate`. The head id depends on every cohort member's signature and on the validators'
+    recomputation, so no trainer knows, when it announces, whether its update will be audited."""
+    draw = int.from_bytes(hashlib.sha256(AUDIT_SELECT_DOMAIN + head_id + update_id).digest()[:8], "big")
+    return draw < rate * 2.0**64
+
+
+def verdicts_needed(manifest: Manifest) -> int:
+    """Distinct validators whose `AuditFailure` verdicts quarantine an update's author: ``n - quorum + 1``,
+    one more than the faulty validators a revision tolerates, so at least one of them is honest."""
+    return len(manifest.validators) - manifest.quorum + 1
+
+
+def check_audit_evidence(verdicts: AuditEvidence, revision_id: bytes,
+                         manifest: Manifest) -> tuple[SignedEnvelope, UpdateAnnouncement]:
+    """The update (its envelope and announcement) that `verdicts` prove failed a sampled audit, checked from
+    the verdicts alone (spec/protocol.md §6.2): each is an `AuditFailure` signed by a distinct validator of
+    the manifest (sorted by signer), for this revision, about one and the same update announcement, signed
+    by its author for this revision; there are at least `verdicts_needed` of them.
+
+    Whether that update was in a certified cohort and selected for audit needs the chain
+    (`peerloom verify` checks both; `audit_selected`). Raises VerificationError (``bad-audit``,
+    ``not-a-validator``, ``wrong-revision``, ``bad-signature``) or DecodeError.
+    """
+    if len(verdicts) < verdicts_needed(manifest):
+        raise VerificationError("bad-audit", f"{len(verdicts)} verdicts, {verdicts_needed(manifest)} needed")
+    signers = [v.signer for v in verdicts]
+    if signers != sorted(set(signers)):
+        raise VerificationError("bad-audit", "verdicts must come from distinct validators, sorted by signer")
+    update: SignedEnvelope | None = None
+    for verdict in verdicts:
+        if verdict.signer not in manifest.validators:
+            raise VerificationError("not-a-validator", str(verdict.signer))
+        failure = AuditFailure.from_cbor(verdict.open(AuditFailure.KIND, PROTOCOL_VERSION))
+        if failure.revision != revision_id:
+            raise VerificationError("wrong-revision", "audit verdict")
+        if update is not None and failure.update != update:
+            raise VerificationError("bad-audit", "verdicts name different updates")
+        update = failure.update
+    assert update is not None
+    ann = UpdateAnnouncement.from_cbor(update.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
+    if ann.revision != revision_id:
+        raise VerificationError("wrong-revision", "audited update")
+    return update, ann

@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from .audit import train_seed
+from .audit import loss_batch_seed, train_seed
 from .envelope import SignedEnvelope
 from .errors import DecodeError, VerificationError
 from .fsm import Table, step
 from .identity import PeerId
 from .leases import claims_of, lease_weight, leases_of
-from .objects import PROTOCOL_VERSION, Head, UpdateAnnouncement
+from .objects import PROTOCOL_VERSION, Head, Manifest, UpdateAnnouncement
 from .pending import Done, Failed, Outcome
 
 if TYPE_CHECKING:
@@ -95,8 +95,8 @@ class FetchDelta:
 
 @attrs.frozen(kw_only=True)
 class FetchAuditParams:
-    """The base params an audit of the update filling `slot` of `window` needs are being fetched (then its
-    delta, from its author and `sender`)."""
+    """The base params the screen of the update filling `slot` of `window` needs (an inline audit or the
+    loss check) are being fetched (then its delta, from its author and `sender`)."""
 
     window: int
     slot: Slot
@@ -104,6 +104,19 @@ class FetchAuditParams:
 
 
 CollectorWork = Screen | FetchBase | FetchDelta | FetchAuditParams
+
+
+def screen_needs_base(manifest: Manifest) -> bool:
+    """Whether an update's ``screen`` task reads the base head's params: for an inline audit (`audit`
+    without `audit_rate`) or the loss check."""
+    return (manifest.audit and not manifest.audit_rate) or manifest.loss_check_samples > 0
+
+
+def audit_args(manifest: Manifest, base: Head, author: PeerId, ann: UpdateAnnouncement) -> dict[str, Any]:
+    """The ``audit`` arguments of a recomputation of `author`'s update `ann` trained on `base` (core/audit.py):
+    the training exactly as the author had to run it, and the cosine it must reach."""
+    return {"params": base.params, "shards": ann.shards, "seed": train_seed(ann.base, ann.window, ann.shards, author),
+            "inner_steps": manifest.inner_steps, "min_cosine": manifest.audit_min_cosine}
 
 
 def resume_collector(engine: Engine, collector: Collector | None, work: CollectorWork, outcome: Outcome) -> None:
@@ -219,9 +232,10 @@ class Collector:
             if first != author or (seen is not None and seen < window):
                 self._move(entry, "replay", "screen-replay")
                 return
-            if e.manifest.audit:
-                # The audit re-runs training from the base head's params: a validator that adopted that head
-                # from others' certificate may not hold them yet. The author trained on them, so it can serve.
+            if screen_needs_base(e.manifest):
+                # The inline audit re-runs training from the base head's params, and the loss check evaluates
+                # them: a validator that adopted that head from others' certificate may not hold them yet. The
+                # author trained on them, so it can serve.
                 providers = [author, sender, *e.peers_with("validator"), *e.peers_with("reducer")]
                 e.fetch(self.head.params, providers, self.owner,
                         FetchAuditParams(window=window, slot=slot, sender=sender))
@@ -257,14 +271,14 @@ class Collector:
             return own is not None and own.state in live
         return any(x.state in live for x in self.claims_on.get(author, ()))
 
-    def _move(self, entry: Entry, event: str, reason: str = "") -> None:
+    def _move(self, entry: Entry, event: str, reason: str = "", detail: str = "") -> None:
         before = entry.state
         entry.state = step("collector", TABLE, entry.state, event)
         if entry.announcement.claim is None and before not in ("accepted", "rejected"):
             self.final_own += 1  # every move of an own-lease update here ends accepted or rejected
         entry.reason = reason
         if entry.state == "rejected":
-            self.engine.reject(entry.envelope.signer, reason)
+            self.engine.reject(entry.envelope.signer, reason, detail)
         elif entry.state == "accepted":
             self.accepted_at.setdefault(entry.slot, self.engine.now)
         self.on_change()
@@ -278,11 +292,14 @@ class Collector:
         manifest = self.engine.manifest
         args: dict[str, Any] = {"delta": ann.delta, "delta_digest": ann.delta_digest,
                                 "max_norm": manifest.max_update_norm}
-        if manifest.audit:
+        if manifest.loss_check_samples:
+            # The loss before and after the update on a batch of the author's leased samples (§6.1).
+            args["loss_check"] = {"params": self.head.params, "shards": ann.shards,
+                                  "seed": loss_batch_seed(entry.envelope.id),
+                                  "samples": manifest.loss_check_samples, "min_drop": manifest.loss_min_drop}
+        if manifest.audit and not manifest.audit_rate:
             # Re-run the author's training exactly as it had to run it (core/audit.py).
-            args["audit"] = {"params": self.head.params, "shards": ann.shards,
-                             "seed": train_seed(ann.base, ann.window, ann.shards, entry.envelope.signer),
-                             "inner_steps": manifest.inner_steps, "min_cosine": manifest.audit_min_cosine}
+            args["audit"] = audit_args(manifest, self.head, entry.envelope.signer, ann)
         self.engine.run_task("screen", args, self.owner, Screen(window=window, slot=slot))
 
     def resume(self, work: Screen | FetchDelta | FetchAuditParams, outcome: Outcome) -> None:
@@ -322,7 +339,7 @@ class Collector:
             seen.setdefault(entry.announcement.delta_digest, self.window)
             self._move(entry, "screened-ok")
         else:
-            self._move(entry, "screened-bad", f"screen-{result['reason']}")
+            self._move(entry, "screened-bad", f"screen-{result['reason']}", str(result.get("detail", "")))
 
     def _screen_failed(self, slot: Slot, reason: str) -> None:
         if self.entries[slot].state == "screening":

@@ -46,8 +46,11 @@ class RunTask:
     - ``train``: params, shards (tuple[int]), seed, inner_steps (manifest H; 0 = workload default), author
       (PeerId: whose error-feedback residual) -> result delta (ArtifactRef of the delta encoded with the
       manifest's codec), delta_digest (tensor digest of the encoded tensors), train_loss
-    - ``screen``: delta, delta_digest, max_norm, optional audit -> result ok (bool), reason (str), norm
-      (float); the delta is decoded with the manifest's codec first
+    - ``screen``: delta, delta_digest, max_norm, optional loss_check (params, shards, seed, samples,
+      min_drop; spec/protocol.md §6.1), optional audit -> result ok (bool), reason (str), norm (float),
+      detail (str); the delta is decoded with the manifest's codec first
+    - ``audit``: delta, audit (params, shards, seed, inner_steps, min_cosine) -> result ok (bool), reason
+      (str): a sampled audit's recomputation (spec/protocol.md §6.2)
     - ``reduce``: params, deltas (tuple[ArtifactRef]), weights (tuple[int]), rule, outer_optimizer,
       outer_lr -> result params (ArtifactRef), params_digest
     - ``evaluate``: params -> result {metric name: float}, every metric the workload reports (``loss`` and

@@ -202,6 +202,17 @@ class Manifest:
     # update's training and reject one whose cosine to the recomputation is below `audit_min_cosine`.
     audit: bool = False
     audit_min_cosine: float = 0.99
+    # Sampled audits (spec/protocol.md §6.2): with `audit` and `audit_rate` > 0, updates are screened without
+    # a replay, and after a head certifies them each cohort update is audited with probability `audit_rate`,
+    # selected by the certifying head's id (`core/audit.py`); a failed audit quarantines its author in a
+    # later head. 0 (absent from the encoding) keeps the inline audit of every update.
+    audit_rate: float = 0.0
+    # Loss check (spec/protocol.md §6.1): validators and reducers compute the workload's loss before and
+    # after applying an update on `loss_check_samples` of the author's leased samples (forward passes only)
+    # and reject (`screen-loss`, a strike) an update that does not lower it to at most `1 - loss_min_drop`
+    # times its value before. 0 samples (absent from the encoding) is off.
+    loss_check_samples: int = 0
+    loss_min_drop: float = 0.0
     # Update codec (spec/protocol.md §6): trainers announce their delta encoded with `codec` (one of
     # `CODECS`); `codec_fraction` is top-k's kept share of each tensor's elements, in (0, 1].
     codec: str = "none"
@@ -256,6 +267,12 @@ class Manifest:
             raise DecodeError("bad-field", "idle_windows must be >= 0")
         if not 0.0 < self.unproven_share <= 1.0 or self.max_joins < 0:
             raise DecodeError("bad-field", "unproven_share must be in (0, 1] and max_joins >= 0")
+        if not 0.0 <= self.audit_rate <= 1.0 or (self.audit_rate > 0.0 and not self.audit):
+            raise DecodeError("bad-field", "audit_rate must be in [0, 1], and > 0 only with audit")
+        if self.loss_check_samples < 0 or not 0.0 <= self.loss_min_drop < 1.0 or \
+                (self.loss_min_drop > 0.0 and not self.loss_check_samples):
+            raise DecodeError("bad-field", "loss_check_samples must be >= 0 and loss_min_drop in [0, 1) (and "
+                                           "0 without a loss check)")
         if self.audit and self.codec in ERROR_FEEDBACK_CODECS:
             # The error-feedback residual is private trainer state no validator can recompute, so an
             # audit could not tell an honest update from a forged one.
@@ -286,6 +303,12 @@ class Manifest:
             body["unproven_share"] = self.unproven_share
         if self.max_joins:
             body["max_joins"] = self.max_joins
+        if self.audit_rate:
+            body["audit_rate"] = self.audit_rate
+        if self.loss_check_samples:
+            body["loss_check_samples"] = self.loss_check_samples
+        if self.loss_min_drop:
+            body["loss_min_drop"] = self.loss_min_drop
         return body
 
     @classmethod
@@ -295,9 +318,15 @@ class Manifest:
         idle_windows = f.uint(body, "idle_windows", maximum=1 << 16) if "idle_windows" in body else 0
         unproven_share = f.number(body, "unproven_share") if "unproven_share" in body else 1.0
         max_joins = f.uint(body, "max_joins", maximum=1 << 16) if "max_joins" in body else 0
+        audit_rate = f.number(body, "audit_rate") if "audit_rate" in body else 0.0
+        loss_check_samples = f.uint(body, "loss_check_samples", maximum=1 << 20) if "loss_check_samples" in body else 0
+        loss_min_drop = f.number(body, "loss_min_drop") if "loss_min_drop" in body else 0.0
         if ("idle_windows" in body and idle_windows == 0) or ("unproven_share" in body and unproven_share == 1.0) \
-                or ("max_joins" in body and max_joins == 0):
-            raise DecodeError("bad-field", "idle_windows, unproven_share and max_joins are absent when off")
+                or ("max_joins" in body and max_joins == 0) or ("audit_rate" in body and audit_rate == 0.0) \
+                or ("loss_check_samples" in body and loss_check_samples == 0) \
+                or ("loss_min_drop" in body and loss_min_drop == 0.0):
+            raise DecodeError("bad-field", "idle_windows, unproven_share, max_joins, audit_rate, loss_check_samples "
+                                           "and loss_min_drop are absent when off")
         schema = []
         for item in f.array(body, "schema", max_len=MAX_TENSORS):
             if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
@@ -332,6 +361,7 @@ class Manifest:
             codec_fraction=f.number(body, "codec_fraction"), admission=f.text(body, "admission"),
             admission_authority=None if body["admission_authority"] is None else f.peer(body, "admission_authority"),
             idle_windows=idle_windows, unproven_share=unproven_share, max_joins=max_joins,
+            audit_rate=audit_rate, loss_check_samples=loss_check_samples, loss_min_drop=loss_min_drop,
         )
 
     def seal(self, authority: Identity) -> SignedEnvelope:
@@ -346,7 +376,8 @@ _MANIFEST_KEYS = frozenset({
     "lease_s", "audit", "audit_min_cosine", "codec", "codec_fraction",
     "admission", "admission_authority",
 })
-_MANIFEST_OPTIONAL = frozenset({"idle_windows", "unproven_share", "max_joins"})  # present only when not off
+_MANIFEST_OPTIONAL = frozenset({"idle_windows", "unproven_share", "max_joins", "audit_rate", "loss_check_samples",
+                                "loss_min_drop"})  # present only when not off
 
 
 @attrs.frozen(kw_only=True)
@@ -390,6 +421,8 @@ class Revision:
 QuarantineRecord = tuple[PeerId, int]  # (peer, first window in which it may hold a lease again)
 StrikeRecord = tuple[PeerId, int, int]  # (peer, screening rejections counted, window of the latest)
 Evidence = tuple[SignedEnvelope, SignedEnvelope]  # two conflicting votes of one validator, sorted by id
+AuditEvidence = tuple[SignedEnvelope, ...]  # `AuditFailure` verdicts on one update, sorted by signer
+MAX_HEAD_AUDITS = 16  # failed audits one head carries
 
 
 def _peer_records(body: dict[str, Any], key: str, width: int) -> tuple[Any, ...]:
@@ -424,6 +457,9 @@ class Head:
     revocation envelopes (`AdmissionRevocation`) that remove rostered peers: each names at least one peer of
     the parent's roster, and no peer they name is in this roster (spec/auth.md §6). The roster shrinks by
     exactly `left`, `expired` and the revoked peers, and by no other peer.
+    `audits` holds (absent when empty, sorted by update id, each author once) the verdicts of failed sampled
+    audits (`AuditFailure` envelopes of distinct validators, sorted by signer) whose authors this head
+    quarantines (spec/protocol.md §6.2).
     `unproven` lists (sorted) the rostered trainers that joined and have not yet had an update in a certified
     cohort (spec/protocol.md §4.1); they hold a bounded share of the leases. Every field is derived
     deterministically from the parent and the window's inputs (`core/quarantine.py`), so every validator
@@ -449,6 +485,7 @@ class Head:
     expired: tuple[PeerId, ...] = ()
     unproven: tuple[PeerId, ...] = ()
     revoked: tuple[SignedEnvelope, ...] = ()
+    audits: tuple[AuditEvidence, ...] = ()
 
     @functools.cached_property
     def revoked_peers(self) -> frozenset[PeerId]:
@@ -481,6 +518,7 @@ class Head:
             **({"expired": [p.to_bytes() for p in self.expired]} if self.expired else {}),
             **({"unproven": [p.to_bytes() for p in self.unproven]} if self.unproven else {}),
             **({"revoked": [r.to_cbor() for r in self.revoked]} if self.revoked else {}),
+            **({"audits": [[v.to_cbor() for v in verdicts] for verdicts in self.audits]} if self.audits else {}),
         }
 
     def to_cbor(self) -> dict[str, Any]:
@@ -528,7 +566,7 @@ class Head:
 _HEADER_KEYS = frozenset({"revision", "parent", "window", "skipped", "params", "params_digest", "cohort",
                           "roster_digest", "quarantine", "metrics", "strikes", "rejected", "evidence", "outer_state",
                           "outer_state_digest", "left"})
-_HEADER_OPTIONAL = frozenset({"expired", "unproven", "revoked"})  # present only when not empty
+_HEADER_OPTIONAL = frozenset({"expired", "unproven", "revoked", "audits"})  # present only when not empty
 _HEAD_KEYS = _HEADER_KEYS | {"roster"}
 
 
@@ -577,6 +615,13 @@ def head_fields(obj: Any) -> dict[str, Any]:
         if "revoked" in body else ()
     if ("revoked" in body and not revoked) or not _strictly_ascending([r.id for r in revoked]):
         raise DecodeError("bad-field", "revoked must be envelopes sorted by id, distinct, absent when empty")
+    audits = []
+    for item in (f.array(body, "audits", max_len=MAX_HEAD_AUDITS) if "audits" in body else ()):
+        if not (isinstance(item, list) and 1 <= len(item) <= MAX_PEERS):
+            raise DecodeError("bad-field", "audits entries are non-empty arrays of verdicts")
+        audits.append(tuple(SignedEnvelope.from_cbor(v) for v in item))
+    if "audits" in body and not audits:
+        raise DecodeError("bad-field", "audits is absent when empty")
     return dict(
         revision=f.cid(body, "revision"), parent=f.optional_cid(body, "parent"),
         window=f.uint(body, "window"), skipped=f.boolean(body, "skipped"),
@@ -587,7 +632,7 @@ def head_fields(obj: Any) -> dict[str, Any]:
         strikes=_peer_records(body, "strikes", 3), rejected=tuple(rejected), evidence=tuple(evidence),
         outer_state=None if state is None else ArtifactRef.from_cbor(state),
         outer_state_digest=f.optional_cid(body, "outer_state_digest"), left=left, expired=expired,
-        unproven=unproven, revoked=revoked,
+        unproven=unproven, revoked=revoked, audits=tuple(audits),
     )
 
 
@@ -923,7 +968,33 @@ class ReductionProposal:
                    params_digest=f.cid(body, "params_digest"))
 
 
-Sealable = UpdateAnnouncement | JoinRequest | ReductionProposal | AdmissionCertificate | LeaveRequest | Heartbeat
+@attrs.frozen(kw_only=True)
+class AuditFailure:
+    """A validator's verdict that a sampled audit of a certified update failed (spec/protocol.md §6.2): it
+    re-ran `update`'s training from its base and the result did not reproduce the announced delta.
+
+    `update` is the trainer's signed update announcement itself, so the verdict is transferable: anyone
+    holding the manifest checks a head's `audits` from the head alone (`core/audit.py`). The signer is one
+    of the manifest's validators; `n - quorum + 1` verdicts of distinct validators (at least one honest)
+    quarantine the update's author.
+    """
+
+    KIND: ClassVar[str] = "audit-failure"
+
+    revision: bytes
+    update: SignedEnvelope
+
+    def to_cbor(self) -> dict[str, Any]:
+        return {"revision": self.revision, "update": self.update.to_cbor()}
+
+    @classmethod
+    def from_cbor(cls, obj: Any) -> AuditFailure:
+        body = f.exact_keys(obj, frozenset({"revision", "update"}), "audit-failure")
+        return cls(revision=f.cid(body, "revision"), update=SignedEnvelope.from_cbor(body["update"]))
+
+
+Sealable = UpdateAnnouncement | JoinRequest | ReductionProposal | AdmissionCertificate | LeaveRequest | Heartbeat \
+    | AuditFailure
 
 
 def seal(identity: Identity, obj: Sealable | HeadProposal) -> SignedEnvelope:

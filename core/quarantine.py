@@ -28,7 +28,7 @@ from .objects import PRECOMMIT, PREVOTE, PROTOCOL_VERSION, VOTE_KIND, Evidence, 
 # order announcements arrived in) never are.
 STRIKE_REASONS = frozenset({
     "screen-undecodable", "screen-schema", "screen-non-finite", "screen-digest-mismatch", "screen-norm-bound",
-    "screen-norm-outlier", "screen-cosine", "screen-audit",
+    "screen-norm-outlier", "screen-cosine", "screen-audit", "screen-loss",
 })
 
 

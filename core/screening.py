@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from .admission import WINDOWS_AHEAD
+from .auditing import audit_authors
 from .collector import slot_of
 from .envelope import SignedEnvelope
 from .errors import DecodeError, VerificationError
@@ -31,6 +32,7 @@ from .objects import (
     OUTLIER_REASONS,
     PROTOCOL_VERSION,
     ArtifactRef,
+    AuditEvidence,
     Head,
     ReductionProposal,
     UpdateAnnouncement,
@@ -73,6 +75,12 @@ def head_metrics(evaluated: Mapping[str, float], train_loss: float) -> dict[str,
     ``test_<name>`` (``test_loss``, ``test_accuracy`` for the bundled workloads), and ``train_loss``, the
     mean of the kept updates' announced training losses."""
     return {**{f"test_{name}": float(value) for name, value in evaluated.items()}, "train_loss": float(train_loss)}
+
+
+def quarantined_now(evidence: Evidence, audits: tuple[AuditEvidence, ...]) -> tuple[PeerId, ...]:
+    """The peers a head quarantines at once (spec/protocol.md §9): validators named by its equivocation
+    `evidence` and authors of its failed `audits` (both checked already)."""
+    return (*(a.signer for a, _ in evidence), *audit_authors(audits))
 
 
 @attrs.define
@@ -168,7 +176,7 @@ class Screening:
     def _own_skip(self, accepted: int) -> None:
         e, c = self.engine, self.role.collector
         assert c is not None
-        skip = self.skip_head(c.head, self.role.voting.pending_evidence(c.head))
+        skip = self.skip_head(c.head, self.role.voting.pending_evidence(c.head), self.role.audits.pending(c.head))
         e.log("window-skipped", window=c.window, accepted=accepted, needed=e.manifest.min_updates)
         self.own = (skip, ())
         self.verdicts[skip.id] = True
@@ -184,7 +192,8 @@ class Screening:
             self._own_skip(len(result["kept"]))
         else:
             struck = tuple(x.envelope for x in c.struck())
-            head = self.make_head(result, struck, self.role.voting.pending_evidence(c.head))
+            head = self.make_head(result, struck, self.role.voting.pending_evidence(c.head),
+                                  self.role.audits.pending(c.head))
             kept = set(result["kept"])
             self.own = (head, tuple(u for u in result["candidates"] if u.id in kept) + struck)
             self.verdicts[head.id] = True
@@ -192,11 +201,12 @@ class Screening:
         if self.role.agreement is not None:
             self.role.agreement.progress()
 
-    def skip_head(self, parent: Head, evidence: Evidence) -> Head:
-        """The skipped head after `parent` (parent's params, empty cohort), with `evidence` recorded."""
+    def skip_head(self, parent: Head, evidence: Evidence, audits: tuple[AuditEvidence, ...] = ()) -> Head:
+        """The skipped head after `parent` (parent's params, empty cohort), with `evidence` and failed `audits`
+        recorded."""
         admission, m = self.role.admission, self.engine.manifest
         window = parent.window + 1
-        quarantine, strikes = next_records(parent, window, (), (a.signer for a, _ in evidence), m)
+        quarantine, strikes = next_records(parent, window, (), quarantined_now(evidence, audits), m)
         left = admission.departures(parent)
         expired = admission.expirations(parent, left)
         revoked = admission.removals(parent)
@@ -206,15 +216,17 @@ class Screening:
                     roster=roster, quarantine=quarantine, revoked=revoked,
                     metrics=parent.metrics, strikes=strikes, evidence=evidence, outer_state=parent.outer_state,
                     outer_state_digest=parent.outer_state_digest, left=left, expired=expired,
-                    unproven=next_unproven(parent, m, roster, frozenset(), None))
+                    unproven=next_unproven(parent, m, roster, frozenset(), None), audits=audits)
 
-    def make_head(self, result: dict[str, Any], rejected: tuple[SignedEnvelope, ...], evidence: Evidence) -> Head:
-        """The head of a reduction `result`, with the quarantine records its rejections and evidence imply."""
+    def make_head(self, result: dict[str, Any], rejected: tuple[SignedEnvelope, ...], evidence: Evidence,
+                  audits: tuple[AuditEvidence, ...] = ()) -> Head:
+        """The head of a reduction `result`, with the quarantine records its rejections, evidence and failed
+        audits imply."""
         e, c, admission = self.engine, self.role.collector, self.role.admission
         assert c is not None
         parent, window = c.head, c.window
         quarantine, strikes = next_records(parent, window, (u.signer for u in rejected),
-                                           (a.signer for a, _ in evidence), e.manifest)
+                                           quarantined_now(evidence, audits), e.manifest)
         kept = set(result["kept"])
         proven = frozenset(u.signer for u in result["candidates"] if u.id in kept)
         left = admission.departures(parent)
@@ -229,7 +241,7 @@ class Screening:
                     metrics=result["metrics"], strikes=strikes, rejected=tuple(sorted(u.id for u in rejected)),
                     evidence=evidence, outer_state=result["outer_state"],
                     outer_state_digest=result["outer_state_digest"], left=left, expired=expired,
-                    unproven=next_unproven(parent, e.manifest, roster, proven, delivered))
+                    unproven=next_unproven(parent, e.manifest, roster, proven, delivered), audits=audits)
 
     # --- recomputation: reduce, then evaluate -----------------------------------------------------
 
@@ -351,14 +363,14 @@ class Screening:
         parent = c.head
         if head.revision != e.revision.id or head.parent != parent.id or head.window != c.window:
             return "wrong-parent"
-        fault = self._evidence_fault(head)
+        fault = self._evidence_fault(head) or self.role.audits.fault(head, parent)
         if fault:
             return fault
         cohort_ids, rejected_ids = set(head.cohort), set(head.rejected)
         cohort = tuple(u for u in updates if u.id in cohort_ids)
         rejected = tuple(u for u in updates if u.id in rejected_ids)
         quarantine, strikes = next_records(parent, c.window, (u.signer for u in rejected),
-                                           (a.signer for a, _ in head.evidence), e.manifest)
+                                           quarantined_now(head.evidence, head.audits), e.manifest)
         if (head.quarantine, head.strikes) != (quarantine, strikes):
             return "quarantine-mismatch"
         fault = self.role.admission.roster_fault(

@@ -28,6 +28,7 @@ from .admission import (
     join_priority,
 )
 from .agreement import WindowAgreement
+from .auditing import AuditTask, SampledAudits
 from .collector import Collector, FetchAuditParams, FetchBase, FetchDelta, Screen, resume_collector
 from .deadlines import MAX_DEADLINE_WINDOWS, WAIT_WINDOWS, WindowClock
 from .envelope import SignedEnvelope
@@ -38,6 +39,7 @@ from .messages import UpdatesRequest
 from .objects import (
     VOTE_KIND,
     AdmissionRevocation,
+    AuditFailure,
     Head,
     HeadProposal,
     Heartbeat,
@@ -94,6 +96,7 @@ class ValidatorRole(RoleBase):
         self.screening = Screening(self)
         self.proposals = ProposalTracker(self)
         self.voting = Voting(self)
+        self.audits = SampledAudits(engine)
 
     def _step(self, event: str) -> None:
         self.state = step("validator", TABLE, self.state, event)
@@ -140,6 +143,8 @@ class ValidatorRole(RoleBase):
                 self.voting.durable(work.seq)
             case RevocationWrite():
                 self.admission.durable(work)
+            case AuditTask():
+                self.audits.on_task(work, outcome)
             case Screen() | FetchBase() | FetchDelta() | FetchAuditParams():
                 resume_collector(self.engine, self.collector, work, outcome)
             case _:
@@ -150,6 +155,7 @@ class ValidatorRole(RoleBase):
     def on_head(self, head: Head) -> None:
         e = self.engine
         self._step("head")
+        self.audits.on_certified(head, self.collector)  # the window's collector, before the next one replaces it
         self.collector = Collector(e, head, self._on_collector_change, owner="validator")
         window = self.collector.window
         self.clock.open()
@@ -275,6 +281,9 @@ class ValidatorRole(RoleBase):
             self.admission.on_revocation(peer, envelope)
         elif kind == ReductionProposal.KIND:
             self.screening.on_reduction_proposal(envelope)
+        elif kind == AuditFailure.KIND:
+            if c is not None:
+                self.audits.on_verdict(peer, envelope, c.head)
         else:
             e.reject(peer, "unexpected-envelope", kind)
 

@@ -260,10 +260,11 @@ def _check(config: dict[str, Any]) -> None:
     if "workload" in config:
         _workload_factory(config["workload"])  # importable and callable, checked before anything starts
     if "behaviour" in config:
-        from peerloom.backends.attacks import ATTACKS
+        from peerloom.backends.attacks import ATTACKS, TRAINING_ATTACKS
 
-        if config["behaviour"] not in (*ATTACKS, "honest"):
-            raise ConfigError(f"behaviour must be honest or one of {', '.join(ATTACKS)}; got {config['behaviour']!r}")
+        known = (*ATTACKS, *TRAINING_ATTACKS)
+        if config["behaviour"] not in (*known, "honest"):
+            raise ConfigError(f"behaviour must be honest or one of {', '.join(known)}; got {config['behaviour']!r}")
         if config["behaviour"] != "honest" and roles != ["trainer"]:
             raise ConfigError("behaviour applies to nodes whose only role is trainer")
     for key in ("admission", "leave_on_exit"):

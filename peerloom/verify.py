@@ -24,9 +24,10 @@ import errno
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from peerloom.core.audit import AUDIT_WINDOWS, audit_selected, check_audit_evidence
 from peerloom.core.chain import decode_chain_entry, verify_chain
 from peerloom.core.envelope import SignedEnvelope
-from peerloom.core.errors import PeerloomError, VerificationError
+from peerloom.core.errors import DecodeError, PeerloomError, VerificationError
 from peerloom.core.identity import PeerId
 from peerloom.core.leases import demotable
 from peerloom.core.objects import Head, QuorumCertificate, Revision, check_revocation
@@ -46,12 +47,16 @@ def check_rules(revision: Revision, entries: Sequence[tuple[Head, QuorumCertific
     unproven trainers expire. A head adds at most ``max_joins`` trainers, and lists every one of them in
     ``unproven``; a trainer turns unproven only by joining or, in a head that is not skipped, by holding a
     lease of its window (the authors of updates are not in the chain, so this is a bound: `demotable`,
-    spec/protocol.md §4.1). Raises VerificationError naming the window at the first failure.
+    spec/protocol.md §4.1). Failed sampled audits a head carries must hold (`check_audits`). Raises
+    VerificationError naming the window at the first failure.
     """
     m = revision.manifest
     previous = revision.genesis()
+    by_window = {head.window: head for head, _ in entries}
+    audits = 0
     for head, _ in entries:
         where = f"window {head.window}"
+        audits += check_audits(revision, head, previous, by_window)
         if not head.skipped and len(head.cohort) < m.min_updates:
             raise VerificationError("cohort-too-small", f"{where}: {len(head.cohort)} < {m.min_updates}")
         if len(set(head.cohort)) != len(head.cohort):
@@ -87,7 +92,43 @@ def check_rules(revision: Revision, entries: Sequence[tuple[Head, QuorumCertific
         previous = head
     return [f"cohort and roster rules hold for {len(entries)} heads (cohort >= {m.min_updates}, "
             f"capacity <= {m.max_capacity}, roster shrinks only by signed leaves, expiry and revocations, "
-            f"joins bounded and unproven)"]
+            f"joins bounded and unproven)"] + \
+        ([f"{audits} failed sampled audit(s): verdicts signed, updates certified and selected, authors "
+          f"quarantined"] if audits else [])
+
+
+def check_audits(revision: Revision, head: Head, previous: Head, by_window: dict[int, Head]) -> int:
+    """Check the failed sampled audits `head` carries (spec/protocol.md §6.2); returns how many.
+
+    Each entry's verdicts prove a failed audit (`check_audit_evidence`: enough distinct validators, one
+    update); the update's window is within `AUDIT_WINDOWS` before `head`'s; the certified head of that
+    window has the update in its cohort and `audit_selected` picked it with that head's id and the
+    manifest's `audit_rate`; its author was not quarantined by `previous` and is quarantined by `head`
+    for `quarantine_windows` windows; entries are sorted by update id, one per author. Raises
+    VerificationError (``bad-audit``)."""
+    m, where = revision.manifest, f"window {head.window}"
+    if head.audits and not (m.audit and m.audit_rate > 0):
+        raise VerificationError("bad-audit", f"{where}: audits in a revision without sampled audits")
+    ids, authors = [], set()
+    release = dict(head.quarantine)
+    for verdicts in head.audits:
+        try:
+            update, ann = check_audit_evidence(verdicts, revision.id, m)
+        except (DecodeError, VerificationError) as exc:
+            raise VerificationError("bad-audit", f"{where}: {exc.reason} {exc.detail}".rstrip()) from exc
+        certified = by_window.get(ann.window)
+        if not head.window - AUDIT_WINDOWS <= ann.window < head.window or certified is None or \
+                update.id not in certified.cohort or not audit_selected(certified.id, update.id, m.audit_rate):
+            raise VerificationError("bad-audit", f"{where}: update of window {ann.window} was not certified and "
+                                                 "selected for audit")
+        if update.signer in previous.quarantined or update.signer in authors or \
+                release.get(update.signer, 0) < head.window + 1 + m.quarantine_windows:
+            raise VerificationError("bad-audit", f"{where}: {update.signer} must be quarantined once, by this head")
+        ids.append(update.id)
+        authors.add(update.signer)
+    if ids != sorted(ids):
+        raise VerificationError("bad-audit", f"{where}: audits must be sorted by update id")
+    return len(ids)
 
 
 def _chain_dir_entries(chain_dir: Path) -> list[tuple[int, bytes]]:

@@ -7,7 +7,11 @@ what the simulator shows is what honest peers running the real engine do against
 
 Trainer attacks that change the update use `peerloom.backends.attacks.craft_update` (one shared
 definition with the robustness bench); the references an attack may read are the honest deltas the
-simulator saw trained in the same window (the omniscient colluding setting of ALIE / IPM).
+simulator saw trained in the same window (the omniscient colluding setting of ALIE / IPM; ``free-rider-noise``
+aims its cosine at their mean, and sends a plain random direction when no honest trainer of the window has
+trained yet). The training-level attacks (`peerloom.backends.attacks.TRAINING_ATTACKS`: ``lazy``,
+``replayer``, ``lazy-1-in-5``) wrap the node's compute workload in the same
+`peerloom.backends.behaviours.ByzantineWorkload` real nodes use (`TrainingAttack`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import attrs
 import numpy as np
 
 from peerloom.backends import attacks
+from peerloom.backends.behaviours import ByzantineWorkload
 from peerloom.backends.numpy.tensors import from_safetensors, tensor_digest, to_safetensors
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.leases import leases_of
@@ -38,7 +43,8 @@ from .kernel import Behaviour, derive_seed
 if TYPE_CHECKING:
     from .kernel import SimNode, Simulation
 
-TRAINER_BEHAVIOURS = (*attacks.ATTACKS, "replay", "lease-squatting", "sybil", "sybil-silent")
+TRAINER_BEHAVIOURS = (*attacks.ATTACKS, *attacks.TRAINING_ATTACKS, "replay", "lease-squatting", "sybil",
+                      "sybil-silent")
 SYBIL_BEHAVIOURS = ("sybil", "sybil-silent")  # extra nodes that join during the run
 REDUCER_BEHAVIOURS = ("wrong-aggregate", "silent")
 VALIDATOR_BEHAVIOURS = ("equivocation", "vote-withholding", "late-votes", "announcement-withholding")
@@ -95,6 +101,36 @@ class ModelAttack(Behaviour):
         self.previous = honest
         ref = node.disk.put(to_safetensors(crafted))
         return dict(result, delta=ref, delta_digest=tensor_digest(crafted))
+
+
+class TrainingAttack(Behaviour):
+    """A trainer running one of `attacks.TRAINING_ATTACKS` (``lazy``, ``replayer``, ``lazy-1-in-5``; table in
+    `peerloom.backends.attacks`): its compute executor's workload is wrapped in a `ByzantineWorkload`, so the
+    executor's ``train`` task gets the attacker's delta and stores and digests it like an honest one. Each
+    train task leaves an ``adversary`` trace line with the wrapper's call number and what it sent
+    (``honest``, ``lazy`` or ``replay``). Calls are counted over the node's life (restarts included), one
+    per train task."""
+
+    byzantine = True
+
+    def __init__(self, attack: str, **params: Any) -> None:
+        if attack not in attacks.TRAINING_ATTACKS:
+            raise ValueError(f"unknown training attack {attack!r}")
+        self.name = attack
+        self.params = attacks.check_training_params(attack, params)
+        self.workload: ByzantineWorkload | None = None
+
+    def attach(self, sim: Simulation, node: SimNode) -> None:
+        self.workload = ByzantineWorkload(node.executor.workload, self.name, params=self.params,
+                                          seed=derive_seed(sim.seed, f"adversary/{node.name}"))
+        node.executor.workload = self.workload
+
+    def on_task(self, sim: Simulation, node: SimNode, kind: str, args: dict[str, Any],
+                result: dict[str, Any]) -> dict[str, Any]:
+        if kind == "train" and self.workload is not None:
+            sim.record(node.name, "adversary", behaviour=self.name, window=int(args.get("window", 0)),
+                       call=self.workload.calls - 1, action=self.workload.last_action)
+        return result
 
 
 class Replay(Behaviour):
@@ -339,6 +375,8 @@ def make_behaviour(name: str, **params: Any) -> Behaviour:
     """The behaviour named `name` (one of BEHAVIOURS) with its parameters. ValueError if unknown."""
     if name in attacks.ATTACKS:
         return ModelAttack(name, **params)
+    if name in attacks.TRAINING_ATTACKS:
+        return TrainingAttack(name, **params)
     simple: dict[str, Any] = {
         "replay": Replay, "lease-squatting": LeaseSquatting, "sybil": Sybil, "sybil-silent": SilentSybil,
         "wrong-aggregate": WrongAggregate,

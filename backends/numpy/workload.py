@@ -2,11 +2,12 @@
 workload for peers without torch and for the simulator (issue 5 item 6, spec/design.md §5).
 
 Same interface as `peerloom.backends.torch.workload.TorchWorkload`: ``schema()``, ``initial_params(seed)``,
-``train(params, indices, seed) -> (delta, {"train_loss", "samples"})``, ``evaluate(params) -> {"loss",
-"accuracy"}``, ``num_train``. Parameter names and shapes follow ``torch.nn.Sequential(Linear, ReLU,
-Linear, ...)`` (``"0.weight"`` ``[out, in]``, ``"0.bias"`` ``[out]``, ``"2.weight"``...), so a numpy peer and
-a torch peer share the manifest's schema; the arithmetic differs (float32 BLAS here), so their deltas are not
-bit-identical — the reduction is what must be, and it is (`peerloom.backends._robust`).
+``train(params, indices, seed) -> (delta, {"train_loss", "samples"})``, ``loss(params, indices) -> float``
+(forward only, a validator's loss check), ``evaluate(params) -> {"loss", "accuracy"}``, ``num_train``.
+Parameter names and shapes follow ``torch.nn.Sequential(Linear, ReLU, Linear, ...)`` (``"0.weight"``
+``[out, in]``, ``"0.bias"`` ``[out]``, ``"2.weight"``...), so a numpy peer and a torch peer share the
+manifest's schema; the arithmetic differs (float32 BLAS here), so their deltas are not bit-identical — the
+reduction is what must be, and it is (`peerloom.backends._robust`).
 
 Training modes: FedAvg local epochs (``local_epochs`` passes over the lease), or DiLoCo inner steps
 (``inner_steps`` = H optimizer steps per window, cycling through reshuffled passes of the lease; Douillard et
@@ -24,6 +25,9 @@ from typing import Any
 import numpy as np
 
 from .tensors import Schema, TensorDict, schema_of
+
+LOSS_CHUNK = 1024
+"""Rows per forward pass of `NumpyWorkload.loss` (memory only: the result is their sample-weighted mean)."""
 
 
 def _softmax_xent(logits: np.ndarray, y: np.ndarray, grad: bool) -> tuple[float, np.ndarray | None]:
@@ -236,6 +240,32 @@ class NumpyWorkload:
             return {name: float(metric(logits, self.y_eval)) for name, metric in self.metrics.items()}
         loss, _ = _softmax_xent(logits, self.y_eval, grad=False)
         return {"loss": loss, "accuracy": float(np.mean(logits.argmax(axis=1) == self.y_eval))}
+
+    def loss(self, params: TensorDict, indices: Sequence[int]) -> float:
+        """Mean training loss (cross-entropy, as `train` minimizes) of `params` over the training samples
+        `indices`: forward passes only, for a validator's loss check (loss before vs after an update).
+
+        `params`: the workload's schema (float32 arrays). `indices`: ints in ``[0, num_train)``, duplicates
+        allowed (each occurrence counts). The rows are taken in the given order in chunks of `LOSS_CHUNK`, and
+        the result is the sample-weighted mean of the chunks' mean losses (a Python float; NaN or inf if the
+        params overflow). No gradient, no optimizer state, no RNG: the working weights and kept Adam state
+        are untouched, so a later `train` gives the same bytes as without this call. Deterministic: the same
+        (params, indices) give the same float. Raises ValueError for empty or out-of-range indices or params
+        of the wrong schema.
+        """
+        index = np.asarray(indices, dtype=np.int64)
+        if index.ndim != 1 or len(index) == 0:
+            raise ValueError("indices must be a non-empty sequence of ints")
+        if int(index.min()) < 0 or int(index.max()) >= self.num_train:
+            raise ValueError(f"indices must lie in [0, {self.num_train})")
+        if schema_of(params) != self._schema:
+            raise ValueError(f"params have schema {schema_of(params)}, expected {self._schema}")
+        total = 0.0
+        for start in range(0, len(index), LOSS_CHUNK):
+            rows = index[start : start + LOSS_CHUNK]
+            value, _ = _softmax_xent(self._forward(params, self.x_train[rows])[-1], self.y_train[rows], grad=False)
+            total += value * len(rows)
+        return total / len(index)
 
     def reset_optimizer_state(self, state_key: Any = None) -> None:
         """Forget the kept inner optimizer state of `state_key` (no-op if none)."""

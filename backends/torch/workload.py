@@ -1,8 +1,9 @@
 """`TorchWorkload`: an ordinary PyTorch model, optimizer, loss and datasets as a peerloom workload
 (spec/design.md §5; spec/protocol.md §5-6).
 
-A workload turns (params, lease) into a pseudo-gradient and params into metrics. Parameters cross the
-boundary as numpy float32 `TensorDict`s (name -> array, the model's ``state_dict`` names), so the
+A workload turns (params, lease) into a pseudo-gradient and params into metrics, and (`TorchWorkload.loss`,
+forward only) (params, lease) into the mean training loss a validator's loss check compares. Parameters
+cross the boundary as numpy float32 `TensorDict`s (name -> array, the model's ``state_dict`` names), so the
 protocol never sees torch objects. One model instance is kept for the workload's life; params are
 loaded into it in place with ``copy_``, never reallocated.
 
@@ -53,6 +54,8 @@ TrainLoaderFactory = Callable[[Dataset, torch.Generator], Iterable[Batch]]
 EvalLoaderFactory = Callable[[Dataset], Iterable[Batch]]
 MAX_METRICS = 63
 """A head holds at most 64 metrics (spec/wire.md): the workload's, each as ``test_<name>``, and ``train_loss``."""
+LOSS_SEED = 0
+"""The seed of `TorchWorkload.loss`'s forked global RNG and of the generator it hands a ``train_loader``."""
 
 
 def set_num_threads(n: int = 1) -> None:
@@ -386,6 +389,15 @@ class TorchWorkload:
             if steps is None and passes >= epochs:
                 return
 
+    def _lease_index(self, indices: Sequence[int]) -> torch.Tensor:
+        """`indices` as an int64 tensor; ValueError unless a non-empty 1-D sequence in ``[0, num_train)``."""
+        index = torch.as_tensor(np.asarray(indices, dtype=np.int64))
+        if index.ndim != 1 or len(index) == 0:
+            raise ValueError("indices must be a non-empty sequence of ints")
+        if int(index.min()) < 0 or int(index.max()) >= self.num_train:
+            raise ValueError(f"indices must lie in [0, {self.num_train})")
+        return index
+
     def train(
         self,
         params: TensorDict,
@@ -418,11 +430,7 @@ class TorchWorkload:
         n_epochs = self.local_epochs if epochs is None else epochs
         if n_epochs < 1 or (steps is not None and steps < 1):
             raise ValueError(f"epochs and inner_steps must be >= 1, got {n_epochs}, {steps}")
-        index = torch.as_tensor(np.asarray(indices, dtype=np.int64))
-        if index.ndim != 1 or len(index) == 0:
-            raise ValueError("indices must be a non-empty sequence of ints")
-        if int(index.min()) < 0 or int(index.max()) >= self.num_train:
-            raise ValueError(f"indices must lie in [0, {self.num_train})")
+        index = self._lease_index(indices)
         self._load(params)
         model = self.model
         model.train()
@@ -460,6 +468,66 @@ class TorchWorkload:
                 self._saved_schedulers[state_key] = copy.deepcopy(scheduler.state_dict())
         delta = {name: np.subtract(params[name], self._host(name), dtype=np.float32) for name in self._state}
         return delta, {"train_loss": loss_sum / seen, "samples": len(index)}
+
+    def _loss_batches(self, index: torch.Tensor) -> Iterable[Batch]:
+        """`loss`'s ``(inputs, targets)`` batches of the samples `index`: consecutive slices of the given order,
+        ``max(batch_size, eval_batch_size)`` samples each, or one pass of ``train_loader`` over the leased subset
+        with a generator seeded with `LOSS_SEED`."""
+        if self.train_loader is not None:
+            generator = torch.Generator().manual_seed(LOSS_SEED)
+            yield from self.train_loader(Subset(self._train_dataset(), index.tolist()), generator)
+            return
+        size = max(self.batch_size, self.eval_batch_size)
+        for start in range(0, len(index), size):
+            yield self._train_batch(index[start : start + size])
+
+    def loss(self, params: TensorDict, indices: Sequence[int]) -> float:
+        """Mean training loss of `params` over the training samples `indices` — forward passes only, for a
+        validator's loss check (an update's loss before vs after, on the trainer's leased samples).
+
+        `params`: the workload's schema (numpy float32). `indices`: ints in ``[0, num_train)`` (each occurrence
+        of a duplicate counts). Computes the training loss as `train` does — ``loss_fn(model(inputs), targets)`` on
+        the workload's device, under bf16 autocast if ``bf16`` — but in ``model.eval()`` (no dropout; BatchNorm
+        uses and keeps its running statistics) and under ``torch.no_grad()``: no backward, no optimizer or
+        scheduler, kept optimizer state untouched. Batches: consecutive slices of `indices` in the given order,
+        ``max(batch_size, eval_batch_size)`` samples each; with a ``train_loader``, one pass of
+        ``train_loader(Subset(train set, indices), generator)`` with the generator seeded with `LOSS_SEED` (the
+        loss then covers the samples that pass yields: a ``drop_last`` loader leaves some out). Returns the
+        sample-weighted mean of the batches' losses (a Python float, which may be NaN or inf for diverged
+        params), i.e. the mean over the samples for a ``loss_fn`` that averages over its batch.
+
+        Leaves no trace: the global torch RNG is forked (and seeded with `LOSS_SEED` inside, so random layers
+        or loader transforms are reproducible), the model's weights are restored to what they were before the
+        call and every module's train/eval mode is put back. Deterministic: the same (params, indices) give the
+        same float in one process on one platform (GPU kernels permitting, as for `train`). Raises ValueError
+        for empty or out-of-range indices, params of the wrong schema, or a ``train_loader`` yielding no batch.
+        """
+        index = self._lease_index(indices)
+        if schema_of(params) != self._schema:
+            raise ValueError(f"params have schema {schema_of(params)}, expected {self._schema}")
+        model = self.model
+        before = self.params()
+        modes = [(module, module.training) for module in model.modules()]
+        total, seen = 0.0, 0
+        try:
+            self._load(params)
+            model.eval()
+            with self._forked_rng(), torch.no_grad():
+                torch.manual_seed(LOSS_SEED)
+                for inputs, targets in self._loss_batches(index):
+                    inputs, targets = _move(inputs, self.device), _move(targets, self.device)
+                    with self._autocast():
+                        value = self.loss_fn(model(inputs), targets)
+                    count = _batch_len(targets)
+                    total += float(value) * count
+                    seen += count
+        finally:
+            self._load(before)
+            for module, mode in modes:
+                module.training = mode
+        if seen == 0:
+            raise ValueError("train_loader yielded no batch for the given indices")
+        return total / seen
 
     def _eval_batches(self) -> Iterable[Batch]:
         if self.eval_loader is not None:

@@ -46,7 +46,7 @@ def test_screen_audit_passes_the_honest_update_and_rejects_a_crafted_one(tmp_pat
     audit = {"params": params_ref, "shards": (2,), "seed": seed, "inner_steps": 0, "min_cosine": 0.99}
 
     honest = ex.run("screen", {"delta": trained["delta"], "delta_digest": trained["delta_digest"], "audit": audit})
-    assert honest == {"ok": True, "reason": "", "norm": honest["norm"]}
+    assert honest == {"ok": True, "reason": "", "norm": honest["norm"], "detail": ""}
 
     # ALIE from a lone attacker: statistically typical, computationally false.
     alie = ByzantineWorkload(workload, "alie").train(params, [i for i in shards[2]], seed)[0]

@@ -218,6 +218,15 @@ def instances() -> list[tuple[str, bytes, int]]:
         newer.append(("message", encode_message(Signed(envelope=revocation)), 1))
         newer.append(("message", encode_message(CertifiedHead(head=attrs.evolve(head, revoked=(revocation,)),
                                                                certificate=cert)), 3))
+    if hasattr(core_objects, "AuditFailure"):  # a failed sampled audit, alone and carried by a head (newer kind)
+        verdicts = tuple(sorted((seal(v, core_objects.AuditFailure(revision=revision.id, update=update))
+                                 for v in validators[:2]), key=lambda x: x.signer))
+        newer.append(("message", encode_message(Signed(envelope=verdicts[0])), 2))  # the verdict and its update
+        newer.append(("message", encode_message(CertifiedHead(head=attrs.evolve(head, audits=(verdicts,)),
+                                                               certificate=cert)), 6))
+        sampled = attrs.evolve(revision.manifest, audit=True, audit_rate=0.5, loss_check_samples=64,
+                               loss_min_drop=0.01)
+        newer.append(("envelope", sampled.seal(ident(98)).to_bytes(), 1))
     if "next-head" in MESSAGE_TYPES:  # a head without its roster, for a peer holding the parent (newer kind)
         newer.append(("message", encode_message(MESSAGE_TYPES["next-head"].of(head, genesis, cert)), 2))
     if "updates-get" in MESSAGE_TYPES:  # announcements a head proposal names by id (newer kind)

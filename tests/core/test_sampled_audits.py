@@ -1,0 +1,204 @@
+"""Sampled audits after the fact and the loss check (spec/protocol.md §6.1, §6.2).
+
+- the manifest fields encode only when on, and refuse settings that cannot work;
+- `audit_selected` is a public, deterministic draw at the manifest's rate;
+- the ``screen`` task's loss check passes an honest update and rejects one that does not lower the loss;
+- connected engines: a trainer whose update fails a sampled audit is quarantined by a later head that
+  carries the validators' verdicts, and `peerloom verify` checks those verdicts against the chain;
+- tampered audit evidence is refused by validators and by `peerloom verify`.
+"""
+
+import attrs
+import numpy as np
+import pytest
+
+from peerloom.adapters.compute import ComputeExecutor
+from peerloom.adapters.storage import ArtifactStore
+from peerloom.backends.behaviours import ByzantineWorkload
+from peerloom.backends.numpy.tensors import to_safetensors
+from peerloom.backends.registry import build_workload
+from peerloom.core.audit import audit_selected, check_audit_evidence, loss_batch_seed, train_seed, verdicts_needed
+from peerloom.core.errors import DecodeError, VerificationError
+from peerloom.core.objects import AuditFailure, Manifest, seal
+from peerloom.verify import check_audits, check_rules
+from tests.core.test_engine_pair import N_SHARDS, SEED, build
+from tests.helpers import ident, make_revision
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return build_workload("digits-numpy", SEED, N_SHARDS)
+
+
+# --- manifest -------------------------------------------------------------------------------------------
+
+def test_new_manifest_fields_are_absent_when_off_and_round_trip_when_on():
+    m = make_revision().manifest
+    assert not {"audit_rate", "loss_check_samples", "loss_min_drop"} & set(m.to_cbor())
+    on = attrs.evolve(m, audit=True, audit_rate=0.25, loss_check_samples=128, loss_min_drop=0.02)
+    body = on.to_cbor()
+    assert (body["audit_rate"], body["loss_check_samples"], body["loss_min_drop"]) == (0.25, 128, 0.02)
+    assert Manifest.from_cbor(body) == on
+
+
+@pytest.mark.parametrize("fields", [
+    {"audit_rate": 0.5},  # sampled audits need audit = true
+    {"audit": True, "audit_rate": 1.5},
+    {"audit": True, "audit_rate": float("nan")},
+    {"loss_min_drop": 0.1},  # a drop threshold without a loss check
+    {"loss_check_samples": 8, "loss_min_drop": 1.0},
+    {"loss_check_samples": -1},
+])
+def test_manifest_refuses_sampling_and_loss_settings_that_cannot_work(fields):
+    with pytest.raises(DecodeError):
+        attrs.evolve(make_revision().manifest, **fields)
+
+
+@pytest.mark.parametrize("key, value", [("audit_rate", 0.0), ("loss_check_samples", 0), ("loss_min_drop", 0.0)])
+def test_an_explicit_off_value_is_not_a_second_encoding(key, value):
+    body = attrs.evolve(make_revision().manifest, audit=True).to_cbor() | {key: value}
+    with pytest.raises(DecodeError):
+        Manifest.from_cbor(body)
+
+
+# --- selection ------------------------------------------------------------------------------------------
+
+def test_audit_selection_is_deterministic_and_draws_at_the_rate():
+    head = b"\x12\x20" + bytes(range(32))
+    ids = [b"\x12\x20" + i.to_bytes(32, "big") for i in range(4000)]
+    picked = [u for u in ids if audit_selected(head, u, 0.25)]
+    assert picked == [u for u in ids if audit_selected(head, u, 0.25)]
+    assert 1000 - 150 < len(picked) < 1000 + 150  # binomial(4000, 0.25): sd 27
+    other = [u for u in ids if audit_selected(b"\x12\x20" + bytes(32), u, 0.25)]
+    assert set(other) != set(picked)  # another head picks another sample
+    assert not any(audit_selected(head, u, 0.0) for u in ids) and all(audit_selected(head, u, 1.0) for u in ids)
+
+
+def test_loss_batch_seed_is_a_64_bit_function_of_the_update_id():
+    a, b = b"\x12\x20" + bytes(32), b"\x12\x20" + bytes(31) + b"\x01"
+    assert loss_batch_seed(a) == loss_batch_seed(a) != loss_batch_seed(b) and 0 <= loss_batch_seed(a) < 2**64
+
+
+# --- the loss check in the screen task ------------------------------------------------------------------
+
+def _executor(tmp_path, digits, **fields):
+    workload, shards = digits
+    params = workload.initial_params(SEED)
+    rev = make_revision(schema=tuple((k, "float32", v.shape) for k, v in params.items()))
+    ex = ComputeExecutor(ArtifactStore(tmp_path, chunk_size=1 << 16), attrs.evolve(rev.manifest, **fields),
+                         workload, shards)
+    return ex, params, ex.store.put(to_safetensors(params))
+
+
+def test_loss_check_passes_an_honest_update_and_rejects_one_that_raises_the_loss(tmp_path, digits):
+    ex, _params, params_ref = _executor(tmp_path, digits, loss_check_samples=64)
+    seed = train_seed(b"\x12\x20" + bytes(32), 1, (2,), ident(7).peer_id)
+    trained = ex.run("train", {"params": params_ref, "shards": (2,), "seed": seed, "inner_steps": 0})
+    check = {"params": params_ref, "shards": (2,), "seed": 5, "samples": 64, "min_drop": 0.0}
+    honest = ex.run("screen", {"delta": trained["delta"], "delta_digest": trained["delta_digest"],
+                               "loss_check": check})
+    assert honest["ok"] is True and "->" in honest["detail"]
+    flipped = {k: -v for k, v in ex.load(trained["delta"]).items()}
+    ref, digest = ex.save(flipped)
+    bad = ex.run("screen", {"delta": ref, "delta_digest": digest, "loss_check": check})
+    assert (bad["ok"], bad["reason"]) == (False, "loss")
+    before, after = (float(x) for x in bad["detail"].split()[1:4:2])
+    assert after > before  # the detail says what the validator measured
+    # A drop threshold the honest update does not reach rejects it too: the threshold is what decides.
+    strict = ex.run("screen", {"delta": trained["delta"], "delta_digest": trained["delta_digest"],
+                               "loss_check": dict(check, min_drop=0.999)})
+    assert (strict["ok"], strict["reason"]) == (False, "loss")
+
+
+def test_loss_check_batch_is_the_seeded_subset_of_the_lease(tmp_path, digits):
+    """Validators must agree: the same seed picks the same samples, another seed others."""
+    ex, params, params_ref = _executor(tmp_path, digits, loss_check_samples=16)
+    seen = []
+
+    class Spy:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def loss(self, p, indices):
+            seen.append(tuple(indices))
+            return self.inner.loss(p, indices)
+
+    ex.workload = Spy(ex.workload)
+    zero = {k: np.zeros_like(v) for k, v in params.items()}
+    for seed in (1, 1, 2):
+        ex._loss_check(zero, {"params": params_ref, "shards": (1,), "seed": seed, "samples": 16, "min_drop": 0.0})
+    lease = set(ex.shards[1])
+    assert len(seen[0]) == 16 and set(seen[0]) <= lease and seen[0] == seen[1] == seen[2] == seen[3]
+    assert seen[4] != seen[0] and set(seen[4]) <= lease
+
+
+# --- sampled audits between connected engines ---------------------------------------------------------
+
+def _audited_cluster(tmp_path, digits, **fields):
+    cluster = build(tmp_path, digits, trainers=3, min_updates=1, window_s=3.0, quarantine_windows=3,
+                    audit=True, audit_rate=1.0, **fields)
+    attacker = cluster.nodes["t2"]
+    attacker.executor.workload = ByzantineWorkload(attacker.executor.workload, "alie")
+    return cluster, attacker.identity.peer_id
+
+
+def test_a_failed_sampled_audit_quarantines_its_author_with_verdicts_in_the_head(tmp_path, digits):
+    cluster, me = _audited_cluster(tmp_path, digits)
+    assert cluster.run_until(lambda c: me in c.nodes["validator"].engine.head.quarantined, max_time=200.0)
+    v = cluster.nodes["validator"]
+    chain = [(h, c) for _, h, c in v.heads]
+    carrying = [h for h, _ in chain if h.audits]
+    assert len(carrying) == 1
+    update, ann = check_audit_evidence(carrying[0].audits[0], cluster.revision.id, cluster.revision.manifest)
+    assert update.signer == me and ann.window < carrying[0].window
+    # ALIE passes statistical screening: only the audit caught it, after the head certified it.
+    assert v.engine.rejected_by_reason["screen-audit"] == 0 and v.engine.stats["audits_failed"] >= 1
+    assert v.engine.stats["audits_passed"] >= 1  # the honest trainers' updates reproduce
+    assert "2 failed" not in " ".join(check_rules(cluster.revision, chain))
+    assert any("1 failed sampled audit" in line for line in check_rules(cluster.revision, chain))
+    # the reducer never replays training when audits are sampled
+    assert not any(k.startswith("audits_") for k in cluster.nodes["reducer"].engine.stats)
+
+
+def test_tampered_audit_evidence_is_refused_by_validators_and_verify(tmp_path, digits):
+    cluster, me = _audited_cluster(tmp_path, digits)
+    assert cluster.run_until(lambda c: me in c.nodes["validator"].engine.head.quarantined, max_time=200.0)
+    v = cluster.nodes["validator"]
+    chain = [(h, c) for _, h, c in v.heads]
+    k = next(i for i, (h, _) in enumerate(chain) if h.audits)
+    head, previous = chain[k][0], chain[k - 1][0]
+    by_window = {h.window: h for h, _ in chain}
+    revision, manifest = cluster.revision, cluster.revision.manifest
+    assert check_audits(revision, head, previous, by_window) == 1
+    verdict = head.audits[0][0]
+    failure = AuditFailure.from_cbor(verdict.open(AuditFailure.KIND, 1))
+    forged_by_trainer = seal(cluster.nodes["t0"].identity, failure)  # not a validator
+    audits_role = v.engine._validator.audits
+    bad_heads = {
+        "not-a-validator": attrs.evolve(head, audits=((forged_by_trainer,),)),
+        "too-few": attrs.evolve(head, audits=((),)),
+        "twice": attrs.evolve(head, audits=(head.audits[0], head.audits[0])),
+    }
+    for name, bad in bad_heads.items():
+        with pytest.raises(VerificationError):
+            check_audits(revision, bad, previous, by_window)
+        assert audits_role.fault(bad, previous) == "bad-audit", name
+    # an update the chain never certified (its window's head does not hold it)
+    uncertified = dict(by_window)
+    ann_window = check_audit_evidence(head.audits[0], revision.id, manifest)[1].window
+    uncertified[ann_window] = attrs.evolve(by_window[ann_window], cohort=())
+    with pytest.raises(VerificationError, match="selected"):
+        check_audits(revision, head, previous, uncertified)
+    # an author not quarantined by the head that carries its failure
+    with pytest.raises(VerificationError, match="quarantined"):
+        check_audits(revision, attrs.evolve(head, quarantine=()), previous, by_window)
+    # a revision that does not sample audits has no audits to carry
+    plain = attrs.evolve(revision, manifest=attrs.evolve(manifest, audit_rate=0.0))
+    with pytest.raises(VerificationError):
+        check_audits(plain, head, previous, by_window)
+    assert verdicts_needed(manifest) == 1
+
+
+def test_verdicts_needed_is_one_more_than_the_tolerated_faults():
+    m = make_revision(validators=[ident(i) for i in range(1, 5)], quorum=3).manifest
+    assert verdicts_needed(m) == 2
