@@ -42,9 +42,10 @@ from peerloom.backends.numpy.tensors import (
     tensor_digest,
     to_safetensors,
 )
+from peerloom.core.encoding import decode, encode
 from peerloom.core.errors import DecodeError, VerificationError
 from peerloom.core.identity import PeerId
-from peerloom.core.objects import ERROR_FEEDBACK_CODECS, ArtifactRef, Manifest
+from peerloom.core.objects import ERROR_FEEDBACK_CODECS, ArtifactRef, Manifest, Trajectory
 
 from .storage import ArtifactStore, atomic_write
 
@@ -221,18 +222,13 @@ class ComputeExecutor:
     def save(self, tensors: dict[str, np.ndarray]) -> tuple[ArtifactRef, bytes]:
         """Store `tensors` as safetensors, written and hashed from the arrays' own memory where the
         container allows (`safetensors_parts`; else serialized first). Returns (ref, tensor digest)."""
-        parts = safetensors_parts(tensors) if hasattr(self.store, "put_parts") else None
-        ref = self.store.put(to_safetensors(tensors)) if parts is None else self.store.put_parts(parts)
-        return ref, tensor_digest(tensors)
+        return self._store_state(tensors), tensor_digest(tensors)
 
     def run(self, kind: str, args: dict[str, Any]) -> dict[str, Any]:
         """Run one task; raises on failure (the host turns that into TaskFailed)."""
         match kind:
             case "train":
-                delta, metrics = self._train(self.load_params(args["params"]), args["shards"], args["seed"],
-                                             int(args.get("inner_steps", 0)))
-                ref, digest = self.save(self._encode(delta, args.get("author")))
-                return {"delta": ref, "delta_digest": digest, "train_loss": float(metrics["train_loss"])}
+                return self._train_task(args)
             case "screen":
                 with ExitStack() as stack:
                     return self._screen_task(args, stack)
@@ -243,7 +239,65 @@ class ComputeExecutor:
                 return self._evaluate(self.load_params(args["params"]))
             case "audit":
                 return self._audit_task(args)
+            case "audit-plan":
+                return self._audit_plan(args)
         raise ValueError(f"unknown task kind {kind!r}")
+
+    def _train_task(self, args: dict[str, Any]) -> dict[str, Any]:
+        """The ``train`` task: train, encode (error feedback for biased codecs), store the delta. With
+        ``segments`` S > 0 (segment audits, spec/protocol.md §6.3) the workload's whole training state after
+        each segment is stored as a checkpoint artifact, the residual the encoding starts from too, and both
+        are committed in a `Trajectory` artifact: result ``trajectory`` (its ref) and ``committed`` (every
+        artifact the trainer must serve: checkpoints 1..S, the residual, the trajectory)."""
+        params = self.load_params(args["params"])
+        inner_steps, segments = int(args.get("inner_steps", 0)), int(args.get("segments", 0))
+        checkpoints: list[ArtifactRef] = []
+        if segments:
+            def keep(j: int, state: dict[str, np.ndarray]) -> None:
+                checkpoints.append(self._store_state(state))
+            indices = [i for s in args["shards"] for i in self.shards[s]]
+            delta, metrics = self.workload.train(params, indices, args["seed"], inner_steps=inner_steps,
+                                                 checkpoints=segments, on_checkpoint=keep)
+            if len(checkpoints) != segments:
+                raise ValueError(f"the workload took {len(checkpoints)} checkpoints, not {segments}")
+        else:
+            delta, metrics = self._train(params, args["shards"], args["seed"], inner_steps)
+        author = args.get("author")
+        residual = None
+        if segments and self.manifest.codec in ERROR_FEEDBACK_CODECS:
+            state = self._residual_of(author, delta)
+            residual = self._store_state(state.residual)
+        ref, digest = self.save(self._encode(delta, author))
+        out: dict[str, Any] = {"delta": ref, "delta_digest": digest, "train_loss": float(metrics["train_loss"])}
+        if segments:
+            trajectory = self.store.put(encode(Trajectory(checkpoints=tuple(checkpoints), residual=residual).to_cbor()))
+            out["trajectory"] = trajectory
+            out["committed"] = [*checkpoints, *([residual] if residual is not None else []), trajectory]
+        return out
+
+    def _store_state(self, tensors: dict[str, np.ndarray]) -> ArtifactRef:
+        """Store a checkpoint (`save` without the tensor digest nobody asks of it)."""
+        parts = safetensors_parts(tensors) if hasattr(self.store, "put_parts") else None
+        return self.store.put(to_safetensors(tensors)) if parts is None else self.store.put_parts(parts)
+
+    def _audit_plan(self, args: dict[str, Any]) -> dict[str, Any]:
+        """The ``audit-plan`` task of a segment audit (spec/protocol.md §6.3): read the author's stored
+        `Trajectory` (hostile input: decoded with a size bound) and name the artifacts segment
+        ``args["segment"]`` needs: ``{"ok": True, "start": ref | None (segment 0 starts from the base params),
+        "stop": ref, "final": ref, "residual": ref | None}``, or ``{"ok": False, "reason": "bad-trajectory"}``
+        when it is not a trajectory of ``args["segments"]`` checkpoints (with a residual exactly when the
+        codec uses error feedback)."""
+        segments, j = int(args["segments"]), int(args["segment"])
+        try:
+            trajectory = Trajectory.from_cbor(decode(self.store.get(args["trajectory"].digest), max_bytes=1 << 24))
+        except (DecodeError, VerificationError):
+            return {"ok": False, "reason": "bad-trajectory"}
+        if len(trajectory.checkpoints) != segments or \
+                (trajectory.residual is not None) != (self.manifest.codec in ERROR_FEEDBACK_CODECS):
+            return {"ok": False, "reason": "bad-trajectory"}
+        return {"ok": True, "start": trajectory.checkpoints[j - 1] if j > 0 else None,
+                "stop": trajectory.checkpoints[j], "final": trajectory.checkpoints[-1],
+                "residual": trajectory.residual}
 
     def _screen_task(self, args: dict[str, Any], stack: ExitStack) -> dict[str, Any]:
         """The ``screen`` task: decode, screen, check the tensor digest and the norm bound, audit. A delta in
@@ -330,16 +384,19 @@ class ComputeExecutor:
             return self.workload.train(params, indices, seed)
         return self.workload.train(params, indices, seed, inner_steps=inner_steps)
 
+    def _residual_of(self, author: PeerId | None, delta: dict[str, np.ndarray]) -> np_codecs.ErrorFeedback:
+        """The error-feedback residual `author`'s next encoding starts from (in memory, on disk, or zeros)."""
+        state = self.residuals.get(author) or self._load_residual(author)
+        if state is None:
+            state = self.residuals[author] = np_codecs.zeros_state(delta)
+        return state
+
     def _encode(self, delta: dict[str, np.ndarray], author: PeerId | None) -> dict[str, np.ndarray]:
         """`delta` in the manifest's codec; error feedback (the author's residual) for biased codecs."""
         codec = self.manifest.codec
         if codec == "none":
             return delta
-        state = None
-        if codec in ERROR_FEEDBACK_CODECS:
-            state = self.residuals.get(author) or self._load_residual(author)
-            if state is None:
-                state = np_codecs.zeros_state(delta)
+        state = self._residual_of(author, delta) if codec in ERROR_FEEDBACK_CODECS else None
         encoded, new_state = np_codecs.encode(codec, delta, state, fraction=self.manifest.codec_fraction)
         if new_state is not None:
             self.residuals[author] = new_state
@@ -377,15 +434,80 @@ class ComputeExecutor:
 
     def _audit_task(self, args: dict[str, Any]) -> dict[str, Any]:
         """The ``audit`` task of a sampled audit (spec/protocol.md §6.2): decode the stored delta and recompute
-        it (`_audit`). Result ``{"ok": bool, "reason": "audit" | "undecodable" | ""}``."""
+        it, whole (`_audit`) or, with ``args["segment"]``, one committed segment (`_audit_segment`). Result
+        ``{"ok": bool, "reason": "audit" | "segment" | "inconsistent" | "bad-checkpoint" | "undecodable" |
+        "schema" | ""}``."""
         try:
-            delta = self._decode(self.load(args["delta"]))
+            encoded = self.load(args["delta"])
+            delta = self._decode(encoded)
         except DecodeError:
             return {"ok": False, "reason": "undecodable"}
         if not schema_matches(delta, self.manifest.schema):
             return {"ok": False, "reason": "schema"}
-        ok, reason = self._audit(delta, args["audit"])
+        segment = args.get("segment")
+        if segment is None:
+            ok, reason = self._audit(delta, args["audit"])
+        else:
+            ok, reason = self._audit_segment(encoded, delta, args["audit"], segment)
         return {"ok": ok, "reason": reason}
+
+    def _checkpoint(self, ref: ArtifactRef, like: dict[str, np.ndarray] | None) -> dict[str, np.ndarray] | None:
+        """A committed checkpoint's tensors: the params of the manifest's schema (float32, exact shapes) and
+        its training state, of the same names, dtypes and shapes as `like` when given; None when it is not."""
+        try:
+            state = safetensors_views(self.store.get(ref.digest))
+        except (DecodeError, ValueError, KeyError):
+            return None
+        params = {n: state.get(n) for n, _, _ in self.manifest.schema}
+        if any(t is None for t in params.values()) or not schema_matches(params, self.manifest.schema):
+            return None
+        if like is not None and {n: (t.dtype, t.shape) for n, t in state.items()} != \
+                {n: (t.dtype, t.shape) for n, t in like.items()}:
+            return None
+        return state
+
+    def _audit_segment(self, encoded: dict[str, np.ndarray], delta: dict[str, np.ndarray], audit: dict[str, Any],
+                       segment: dict[str, Any]) -> tuple[bool, str]:
+        """Replay one committed segment and check that the trajectory ends in the announced delta
+        (spec/protocol.md §6.3). ``segment``: start (checkpoint ref, None = the base params), stop, final
+        (checkpoint refs), residual (ref or None), from / to (inner-step bounds). (ok, reason):
+
+        - ``bad-checkpoint``: a checkpoint is not a state of this workload's layout;
+        - ``segment``: the replay from `start` does not reach `stop`: the cosine between the state's
+          movement over the segment as committed and as replayed (all float tensors of the state, float64
+          sums) is below ``audit["min_cosine"]``, or the step counters differ;
+        - ``inconsistent``: the announced delta is not the manifest's codec of ``base - final params`` (plus
+          the committed residual under error feedback), bit for bit.
+        """
+        base = self.load_params(audit["params"])
+        stop = self._checkpoint(segment["stop"], None)
+        final = stop if segment["final"] == segment["stop"] else self._checkpoint(segment["final"], stop)
+        start = base if segment["start"] is None else self._checkpoint(segment["start"], stop)
+        if stop is None or final is None or start is None:
+            return False, "bad-checkpoint"
+        expected = {n: np.subtract(base[n], final[n], dtype=np.float32) for n, _, _ in self.manifest.schema}
+        codec = self.manifest.codec
+        if codec != "none":
+            state = None
+            if codec in ERROR_FEEDBACK_CODECS:
+                if segment["residual"] is None:
+                    return False, "inconsistent"
+                residual = self._checkpoint(segment["residual"], None)
+                if residual is None or set(residual) != set(expected):
+                    return False, "inconsistent"
+                state = np_codecs.ErrorFeedback({n: np.array(t, dtype=np.float32) for n, t in residual.items()})
+            expected, _ = np_codecs.encode(codec, expected, state, fraction=self.manifest.codec_fraction)
+            delta = encoded
+        if set(expected) != set(delta) or not all(np.array_equal(expected[n], delta[n]) for n in expected):
+            return False, "inconsistent"
+        indices = [i for s in audit["shards"] for i in self.shards[s]]
+        replayed = self.workload.resume(dict(start), indices, int(audit["seed"]), inner_steps=int(audit["inner_steps"]),
+                                        start=int(segment["from"]), stop=int(segment["to"]))
+        if set(replayed) != set(stop):
+            return False, "segment"
+        params = [n for n, _, _ in self.manifest.schema]
+        alike = _moved_alike(start, stop, replayed, params, float(audit["min_cosine"]))
+        return (True, "") if alike else (False, "segment")
 
     def _reduce(self, args: dict[str, Any], stack: ExitStack) -> dict[str, Any]:
         """Cohort screening, then aggregation and the outer optimizer step (spec/protocol.md §6-7).
@@ -461,3 +583,29 @@ class ComputeExecutor:
             elif min_cosine > -1.0 and s["cosine"] == s["cosine"] and s["cosine"] < min_cosine:
                 outliers.append([i, "cosine"])
         return outliers
+
+
+STEP_SUFFIX = "step"
+
+
+def _moved_alike(start: dict[str, Any], committed: dict[str, Any], replayed: dict[str, Any], params: list[str],
+                 min_cosine: float) -> bool:
+    """Whether a replayed segment moved the params as the committed one did: counters (state names ending
+    in ``step``) equal, and the cosine between ``committed - start`` and ``replayed - start`` over the
+    `params` at least `min_cosine` (float32 differences, dot products summed in float64); two segments that
+    did not move at all agree. The rest of the state (optimizer moments) is not compared: a fabricated one
+    makes the next segment's replay miss its committed end instead."""
+    for name, end in committed.items():
+        if name.endswith(STEP_SUFFIX) and not np.array_equal(np.asarray(end), np.asarray(replayed[name])):
+            return False
+    dot = a2 = b2 = 0.0
+    for name in params:
+        origin = np.asarray(start[name], dtype=np.float32).ravel()
+        a = np.subtract(np.asarray(committed[name], dtype=np.float32).ravel(), origin)
+        b = np.subtract(np.asarray(replayed[name], dtype=np.float32).ravel(), origin)
+        dot += float(np.dot(a, b))
+        a2 += float(np.dot(a, a))
+        b2 += float(np.dot(b, b))
+    if a2 == 0.0 or b2 == 0.0:
+        return a2 == b2
+    return math.isfinite(dot) and dot / math.sqrt(a2 * b2) >= min_cosine

@@ -239,6 +239,11 @@ class LightTrainer:
         self.capacity = capacity
         self.revision = client.revision(authority)
         manifest = self.revision.manifest
+        if manifest.audit_segments:
+            # Its auditors fetch a trainer's checkpoints from the trainer itself (spec/protocol.md §6.3); a
+            # trainer that only dials HTTP serves nothing, so every audit of it would fail.
+            raise VerificationError("no-segment-audits", "this revision has segment audits (audit_segments), "
+                                    "which need trainers that serve their checkpoints: run `peerloom node`")
         if workload is None:
             from peerloom.backends.registry import build_workload
 

@@ -129,6 +129,10 @@ class ByzantineWorkload:
 
     def _training_attack(self, call: int, params: dict[str, np.ndarray], indices: Sequence[int], seed: int,
                          options: dict[str, Any]) -> tuple[dict, dict]:
+        lazy_now = self.attack == "lazy" or (
+            self.attack == "lazy-1-in-5" and is_lazy_call(call, self.params["period"], self.params["phase"]))
+        if lazy_now and options.get("checkpoints"):
+            return self._lazy_committed(params, indices, seed, options)
         delta, metrics = self.inner.train(params, indices, seed, **options)
         honest = _copy(delta)
         if self.attack == "replayer":
@@ -148,6 +152,45 @@ class ByzantineWorkload:
         lazy, _ = self.inner.train(params, lazy_indices, seed, **lazy_options)
         self.last_action = "lazy"
         return scale_to_norm(_copy(lazy), global_norm(honest)), metrics
+
+
+    def _lazy_committed(self, params: dict[str, np.ndarray], indices: Sequence[int], seed: int,
+                        options: dict[str, Any]) -> tuple[dict, dict]:
+        """A lazy trainer that must commit to a trajectory (segment audits, spec/protocol.md §6.3) and cheats
+        as well as it can: it really trains the first quarter of the segments (``max(1, S // divisor)`` of
+        S, so its checkpoints there are genuine), scales that delta to the honest norm, and fabricates the
+        remaining checkpoints on the straight line from its last real state to the params its delta implies
+        (the rest of the state copied, step counters advanced). Its trajectory is consistent with its delta,
+        so only a replay of a fabricated segment can expose it. The honest run only sets the target norm."""
+        steps, segments = self._inner_steps(options), int(options["checkpoints"])
+        report = options["on_checkpoint"]
+        plain = {k: v for k, v in options.items() if k not in ("checkpoints", "on_checkpoint")}
+        honest, metrics = self.inner.train(params, indices, seed, **plain)
+        assert steps is not None  # checkpoints need inner steps
+        bounds = [(j * steps) // segments for j in range(segments + 1)]
+        real = max(1, segments // int(self.params["divisor"]))
+        states: dict[int, dict[str, np.ndarray]] = {}
+        prefix = dict(plain, inner_steps=bounds[real], checkpoints=real,
+                      on_checkpoint=lambda j, st: states.__setitem__(j, _copy(st)))
+        lazy, _ = self.inner.train(params, indices, seed, **prefix)
+        sent = scale_to_norm(_copy(lazy), global_norm(honest))
+        last = states[real]
+        final = {n: np.subtract(params[n], sent[n], dtype=np.float32) for n in params}
+        for j in range(real + 1, segments + 1):
+            frac = (bounds[j] - bounds[real]) / (bounds[segments] - bounds[real])
+            fake = _copy(last)
+            for n in params:
+                fake[n] = (last[n] + np.float32(frac) * (final[n] - last[n])).astype(np.float32)
+            for n in fake:
+                if n.endswith("step"):
+                    fake[n] = (last[n] + (bounds[j] - bounds[real])).astype(last[n].dtype)
+            if j == segments:
+                fake.update(final)  # exactly the params the delta was taken from
+            states[j] = fake
+        for j in range(1, segments + 1):
+            report(j, states[j])
+        self.last_action = "lazy"
+        return sent, metrics
 
 
 def wrap_workload(workload: Any, behaviour: str | None, *, seed: int = 0,

@@ -12,12 +12,17 @@ rows of the same table chosen by a hash of (seed, k): no generator is built, not
 few `dim`-sized arrays, so one call costs tens of microseconds (dim 16, 5 steps) and is a pure function
 of (params, indices, seed). Same interface as the other workloads (`schema`, `initial_params`, `train`,
 `loss`, `evaluate`, `num_train`), so the simulator can swap it in for digits at 10,000 trainers.
+
+Segment audits: the step count H of a `train` call (``inner_steps``, else ``local_steps * epochs``) is its
+number of SGD steps, and step k depends on ``x``, the lease and (seed, k) alone, so the training state after
+any step is ``{"x": x}``: `train` reports it at segment boundaries (``checkpoints``) and `resume` continues
+from it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -105,24 +110,56 @@ class QuadraticWorkload:
         epochs: int | None = None,
         inner_steps: int | None = None,
         state_key: object = None,
+        checkpoints: int = 0,
+        on_checkpoint: Callable[[int, TensorDict], None] | None = None,
     ) -> tuple[TensorDict, dict[str, float | int]]:
         """Noisy SGD steps toward the lease's target: `inner_steps` if given, else ``local_steps * epochs``
         (epochs default 1; the keywords mirror the digits workloads, `state_key` is accepted and unused — plain
         SGD has no state). Returns ``({"x": params - trained}, {"train_loss": f_lease at the start, "samples":
-        len(indices)})``. Raises ValueError for an empty lease, out-of-range indices, a wrong schema or a
-        step count < 1."""
+        len(indices)})``.
+
+        With ``checkpoints = S > 0`` (``1 <= S <= H``, H the step count above: this workload always has inner
+        steps) it calls ``on_checkpoint(j, state)`` after step ``(j * H) // S`` for ``j = 1 .. S``; `state` is
+        the whole training state, ``{"x": float32 [dim]}`` (a fresh array; SGD keeps nothing else and the noise
+        of step k is a function of (seed, k)), which `resume` continues from. Checkpoints change no byte.
+
+        Raises ValueError for an empty lease, out-of-range indices, a wrong schema, a step count < 1 or
+        checkpoints outside ``1 .. H``."""
         steps = inner_steps if inner_steps is not None else self.local_steps * (1 if epochs is None else epochs)
         if steps < 1:
             raise ValueError(f"need >= 1 step, got {steps}")
+        if checkpoints and not 1 <= checkpoints <= steps:
+            raise ValueError(f"need 1 <= checkpoints <= steps = {steps}, got {checkpoints}")
+        bounds = {(j * steps) // checkpoints: j for j in range(1, checkpoints + 1)} if checkpoints else {}
         x0 = self._x(params)
         c = self.lease_target(indices)
         loss = self._lease_loss(x0, c)
         x = x0.copy()
-        for k in range(steps):
+        self._run(x, c, seed, 0, steps, bounds, on_checkpoint)
+        return {"x": x0 - x}, {"train_loss": loss, "samples": len(indices)}
+
+    def resume(self, state: TensorDict, indices: Sequence[int], seed: int, *, inner_steps: int, start: int,
+               stop: int) -> TensorDict:
+        """The state ``{"x"}`` after step `stop` of a `train` call with these indices, seed and `inner_steps`,
+        continued from `state`, its state after step `start` (a segment audit's replay): bit for bit what
+        `train` passes to ``on_checkpoint`` there. Returns a new dict. Raises ValueError for bounds outside
+        ``0 <= start < stop <= inner_steps``, a state that is not ``{"x": float32 [dim]}`` or a bad lease."""
+        if not 0 <= start < stop <= inner_steps:
+            raise ValueError(f"need 0 <= start < stop <= inner_steps, got {start}, {stop}, {inner_steps}")
+        x = self._x(state).copy()
+        self._run(x, self.lease_target(indices), seed, start, stop, {}, None)
+        return {"x": x}
+
+    def _run(self, x: np.ndarray, c: np.ndarray, seed: int, start: int, stop: int, bounds: dict[int, int],
+             on_checkpoint: Callable[[int, TensorDict], None] | None) -> None:
+        """SGD steps ``start .. stop - 1`` on `x` in place; ``on_checkpoint(bounds[k + 1], {"x": copy})`` after
+        step k when it is a boundary."""
+        for k in range(start, stop):
             g = self.a * (x - c)
             g += self.grad_noise * self.table[_row(seed, k)]
             x -= self.lr * g
-        return {"x": x0 - x}, {"train_loss": loss, "samples": len(indices)}
+            if on_checkpoint is not None and k + 1 in bounds:
+                on_checkpoint(bounds[k + 1], {"x": x.copy()})
 
     def loss(self, params: TensorDict, indices: Sequence[int]) -> float:
         """The lease objective ``f_lease(x) = 1/2 sum_j a_j (x_j - c_j)^2`` at ``params["x"]``, with ``c`` =

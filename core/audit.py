@@ -29,6 +29,7 @@ is shorter than this."""
 SEED_DOMAIN = b"peerloom/train-seed/v1"
 LOSS_BATCH_DOMAIN = b"peerloom/loss-batch/v1"
 AUDIT_SELECT_DOMAIN = b"peerloom/audit-select/v1"
+AUDIT_SEGMENT_DOMAIN = b"peerloom/audit-segment/v1"
 
 
 def train_seed(base: bytes, window: int, shards: Sequence[int], author: PeerId) -> int:
@@ -96,3 +97,18 @@ def check_audit_evidence(verdicts: AuditEvidence, revision_id: bytes,
     if ann.revision != revision_id:
         raise VerificationError("wrong-revision", "audited update")
     return update, ann
+
+
+def segment_bounds(inner_steps: int, segments: int) -> tuple[int, ...]:
+    """The inner-step counts ``b_0 = 0 < b_1 < ... < b_S = H`` at which a trainer's committed checkpoints
+    are taken (spec/protocol.md §6.3): ``b_j = floor(j H / S)``. ValueError unless ``1 <= S <= H``."""
+    if not 1 <= segments <= inner_steps:
+        raise ValueError(f"need 1 <= segments <= inner_steps, got {segments}, {inner_steps}")
+    return tuple((j * inner_steps) // segments for j in range(segments + 1))
+
+
+def audit_segment(head_id: bytes, update_id: bytes, segments: int) -> int:
+    """Which segment ``j`` (steps ``b_j .. b_{j+1}``, 0-based ``j < segments``) a sampled audit of `update_id`
+    replays (spec/protocol.md §6.3): SHA-256(``AUDIT_SEGMENT_DOMAIN`` ‖ head id ‖ update id) as a big-endian
+    integer, modulo `segments`. Fixed by the certifying head, so unknown to the trainer when it commits."""
+    return int.from_bytes(hashlib.sha256(AUDIT_SEGMENT_DOMAIN + head_id + update_id).digest(), "big") % segments

@@ -19,7 +19,14 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from .audit import AUDIT_WINDOWS, audit_selected, check_audit_evidence, verdicts_needed
+from .audit import (
+    AUDIT_WINDOWS,
+    audit_segment,
+    audit_selected,
+    check_audit_evidence,
+    segment_bounds,
+    verdicts_needed,
+)
 from .collector import Collector, audit_args
 from .envelope import SignedEnvelope
 from .errors import DecodeError, VerificationError
@@ -28,13 +35,14 @@ from .messages import Signed
 from .objects import (
     MAX_HEAD_AUDITS,
     PROTOCOL_VERSION,
+    ArtifactRef,
     AuditEvidence,
     AuditFailure,
     Head,
     UpdateAnnouncement,
     seal,
 )
-from .pending import Failed, Outcome
+from .pending import Done, Failed, Outcome
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -50,6 +58,47 @@ class AuditTask:
     window: int
 
 
+@attrs.frozen(kw_only=True)
+class FetchTrajectory:
+    """The author's `Trajectory` artifact of `update_id` is being fetched (segment audits, §6.3)."""
+
+    update_id: bytes
+    window: int
+
+
+@attrs.frozen(kw_only=True)
+class PlanAudit:
+    """The ``audit-plan`` task (which checkpoints the audit of `update_id` needs) is in flight."""
+
+    update_id: bytes
+    window: int
+
+
+@attrs.frozen(kw_only=True)
+class FetchCheckpoint:
+    """One artifact (`digest`) the segment audit of `update_id` needs is being fetched from its author."""
+
+    update_id: bytes
+    window: int
+    digest: bytes
+
+
+AuditWork = AuditTask | FetchTrajectory | PlanAudit | FetchCheckpoint
+
+
+@attrs.define
+class _Run:
+    """One audit in flight: the update, the base head it was trained on, its segment (None: whole replay),
+    what the segment needs (`plan`, from the trajectory) and the artifacts still being fetched."""
+
+    envelope: SignedEnvelope
+    announcement: UpdateAnnouncement
+    base: Head
+    segment: int | None
+    plan: dict[str, ArtifactRef | None] = attrs.Factory(dict)
+    waiting: set[bytes] = attrs.Factory(set)
+
+
 def audit_authors(audits: tuple[AuditEvidence, ...]) -> tuple[PeerId, ...]:
     """The authors of the updates whose failed `audits` a head carries (already checked)."""
     return tuple(AuditFailure.from_cbor(v[0].open(AuditFailure.KIND, PROTOCOL_VERSION)).update.signer
@@ -62,7 +111,7 @@ class SampledAudits:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.running: dict[bytes, SignedEnvelope] = {}  # update id -> its envelope, audit in flight
+        self.running: dict[bytes, _Run] = {}  # update id -> its audit in flight
         self.updates: dict[bytes, tuple[SignedEnvelope, UpdateAnnouncement]] = {}
         self.verdicts: dict[bytes, dict[PeerId, SignedEnvelope]] = {}  # update id -> signer -> verdict
 
@@ -89,32 +138,81 @@ class SampledAudits:
                 e.stats["audits_unavailable"] += 1
                 continue
             e.stats["audits_started"] += 1
-            self.running[update_id] = entry.envelope
+            segment = audit_segment(head.id, update_id, m.audit_segments) if m.audit_segments else None
+            run = self.running[update_id] = _Run(envelope=entry.envelope, announcement=entry.announcement,
+                                                 base=collector.head, segment=segment)
             self.updates[update_id] = (entry.envelope, entry.announcement)
-            args = {"delta": entry.announcement.delta,
-                    "audit": audit_args(m, collector.head, entry.envelope.signer, entry.announcement)}
-            e.run_task("audit", args, "validator", AuditTask(update_id=update_id, window=head.window))
+            if segment is None:
+                self._replay(update_id, head.window, run)
+            else:
+                # Only the author holds its checkpoints: it must serve them (spec/protocol.md §6.3).
+                assert entry.announcement.trajectory is not None  # the collector took it only with one
+                e.fetch(entry.announcement.trajectory, [entry.envelope.signer], "validator",
+                        FetchTrajectory(update_id=update_id, window=head.window))
 
-    def on_task(self, work: AuditTask, outcome: Outcome) -> None:
+    def resume(self, work: AuditWork, outcome: Outcome) -> None:
+        """Go on with an audit's fetch or task once it ended with `outcome`."""
+        e = self.engine
+        run = self.running.get(work.update_id)
+        if run is None:
+            return
+        if isinstance(work, (FetchTrajectory, FetchCheckpoint)) and isinstance(outcome, Failed):
+            self._concluded(work, False, f"unserved-{outcome.reason}")  # the author did not serve its commitment
+            return
+        if isinstance(work, (AuditTask, PlanAudit)) and isinstance(outcome, Failed):
+            del self.running[work.update_id]
+            e.stats["audits_errored"] += 1  # this validator's trouble, never the author's
+            e.log("audit-error", window=work.window, author=str(run.envelope.signer), reason=outcome.reason)
+            return
+        result = outcome.result if isinstance(outcome, Done) else None
+        match work:
+            case FetchTrajectory():
+                assert run.announcement.trajectory is not None and run.segment is not None
+                e.run_task("audit-plan", {"trajectory": run.announcement.trajectory, "segment": run.segment,
+                                          "segments": e.manifest.audit_segments}, "validator",
+                           PlanAudit(update_id=work.update_id, window=work.window))
+            case PlanAudit():
+                assert result is not None
+                if not result["ok"]:
+                    self._concluded(work, False, result["reason"])
+                    return
+                run.plan = {k: result[k] for k in ("start", "stop", "final", "residual")}
+                needed = {ref.digest: ref for ref in run.plan.values() if ref is not None}
+                run.waiting = set(needed)
+                for digest, ref in needed.items():
+                    e.fetch(ref, [run.envelope.signer], "validator",
+                            FetchCheckpoint(update_id=work.update_id, window=work.window, digest=digest))
+            case FetchCheckpoint():
+                run.waiting.discard(work.digest)
+                if not run.waiting:
+                    self._replay(work.update_id, work.window, run)
+            case AuditTask():
+                assert result is not None
+                self._concluded(work, bool(result["ok"]), str(result["reason"]))
+
+    def _replay(self, update_id: bytes, window: int, run: _Run) -> None:
+        """Start the ``audit`` task: the whole training, or the run's segment from its checkpoints."""
+        e, m = self.engine, self.engine.manifest
+        args: dict[str, object] = {"delta": run.announcement.delta,
+                                   "audit": audit_args(m, run.base, run.envelope.signer, run.announcement)}
+        if run.segment is not None:
+            bounds = segment_bounds(m.inner_steps, m.audit_segments)
+            args["segment"] = {**run.plan, "from": bounds[run.segment], "to": bounds[run.segment + 1]}
+        e.run_task("audit", args, "validator", AuditTask(update_id=update_id, window=window))
+
+    def _concluded(self, work: AuditWork, ok: bool, reason: str) -> None:
         """An audit ended: a failure is signed, kept and sent to every validator."""
         e = self.engine
-        envelope = self.running.pop(work.update_id, None)
-        if envelope is None:
-            return
-        author = str(envelope.signer)
-        if isinstance(outcome, Failed):
-            e.stats["audits_errored"] += 1  # this validator's trouble, never the author's
-            e.log("audit-error", window=work.window, author=author, reason=outcome.reason)
-            return
-        assert outcome.result is not None
-        if outcome.result["ok"]:
+        run = self.running.pop(work.update_id)
+        author = str(run.envelope.signer)
+        if ok:
             e.stats["audits_passed"] += 1
-            e.log("audit-passed", window=work.window, author=author)
+            e.log("audit-passed", window=work.window, author=author, segment=run.segment)
             return
         e.stats["audits_failed"] += 1
-        e.log("audit-failed", window=work.window, author=author, reason=outcome.result["reason"])
-        verdict = seal(e.identity, AuditFailure(revision=e.revision.id, update=envelope))
-        self._hold(verdict, envelope, self.updates[work.update_id][1])
+        e.log("audit-failed", window=work.window, author=author, reason=reason, segment=run.segment)
+        verdict = seal(e.identity, AuditFailure(revision=e.revision.id, update=run.envelope))
+        self._hold(verdict, run.envelope, run.announcement)
         e.broadcast(Signed(envelope=verdict), roles=("validator",))
 
     def on_verdict(self, peer: PeerId, verdict: SignedEnvelope, head: Head) -> None:

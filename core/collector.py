@@ -205,6 +205,8 @@ class Collector:
             e.rejected_by_reason["late"] += 1
         elif ann.base != self.head.id:
             e.reject(sender, "wrong-base")
+        elif (ann.trajectory is not None) != (e.manifest.audit_segments > 0):
+            e.reject(sender, "bad-trajectory", "segment audits need one, and only they")
         elif author in self.quarantined:
             e.reject(sender, "quarantined")
         elif ann.claim is None and author not in self.leases:

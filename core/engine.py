@@ -1059,6 +1059,18 @@ class Engine:
         self.emit(fx.DropArtifacts(digests=tuple(old)))
         self.log("artifacts-dropped", window=self.head.window, count=len(old), bytes=freed)
 
+    def drop_stored(self, digests: Iterable[bytes]) -> None:
+        """Forget and drop (`DropArtifacts`) stored artifacts this node will not serve again, such as a
+        trainer's checkpoints that no audit selected (spec/protocol.md §6.3). The current head's params and
+        optimizer state are never dropped."""
+        pinned = {self.head.params.digest} | ({self.head.outer_state.digest} if self.head.outer_state else set())
+        gone = tuple(sorted(d for d in set(digests) if d in self._stored and d not in pinned))
+        for digest in gone:
+            del self._stored[digest]
+            self._stored_at.pop(digest, None)
+        if gone:
+            self.emit(fx.DropArtifacts(digests=gone))
+
     def _on_artifact_corrupt(self, ref: ArtifactRef) -> None:
         """Every chunk verified yet the whole is not `ref.digest`: the ref itself is false. Nothing of it
         is worth resuming, and no provider can fix it, so the fetch fails (its owner charges the author)."""

@@ -207,6 +207,10 @@ class Manifest:
     # selected by the certifying head's id (`core/audit.py`); a failed audit quarantines its author in a
     # later head. 0 (absent from the encoding) keeps the inline audit of every update.
     audit_rate: float = 0.0
+    # Segment audits (spec/protocol.md §6.3): with `audit_segments` S > 0 trainers commit to S checkpoints
+    # of their inner loop (`UpdateAnnouncement.trajectory`) and a sampled audit replays one segment of
+    # H / S inner steps instead of the whole training. 0 (absent from the encoding): whole replays.
+    audit_segments: int = 0
     # Loss check (spec/protocol.md §6.1): validators and reducers compute the workload's loss before and
     # after applying an update on `loss_check_samples` of the author's leased samples (forward passes only)
     # and reject (`screen-loss`, a strike) an update that does not lower it to at most `1 - loss_min_drop`
@@ -273,10 +277,14 @@ class Manifest:
                 (self.loss_min_drop > 0.0 and not self.loss_check_samples):
             raise DecodeError("bad-field", "loss_check_samples must be >= 0 and loss_min_drop in [0, 1) (and "
                                            "0 without a loss check)")
-        if self.audit and self.codec in ERROR_FEEDBACK_CODECS:
-            # The error-feedback residual is private trainer state no validator can recompute, so an
-            # audit could not tell an honest update from a forged one.
-            raise DecodeError("bad-field", f"audits cannot check updates of error-feedback codec {self.codec!r}")
+        if self.audit_segments and not (self.audit_rate > 0.0 and 1 <= self.audit_segments
+                                        <= min(self.inner_steps, MAX_AUDIT_SEGMENTS)):
+            raise DecodeError("bad-field", f"audit_segments needs sampled audits (audit_rate > 0) and "
+                                           f"1 <= audit_segments <= min(inner_steps, {MAX_AUDIT_SEGMENTS})")
+        if self.audit and self.codec in ERROR_FEEDBACK_CODECS and not self.audit_segments:
+            # The error-feedback residual is private trainer state no validator can recompute, unless the
+            # trainer commits to it in its trajectory (segment audits, §6.3).
+            raise DecodeError("bad-field", f"audits of error-feedback codec {self.codec!r} need audit_segments")
 
     def to_cbor(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -305,6 +313,8 @@ class Manifest:
             body["max_joins"] = self.max_joins
         if self.audit_rate:
             body["audit_rate"] = self.audit_rate
+        if self.audit_segments:
+            body["audit_segments"] = self.audit_segments
         if self.loss_check_samples:
             body["loss_check_samples"] = self.loss_check_samples
         if self.loss_min_drop:
@@ -319,10 +329,12 @@ class Manifest:
         unproven_share = f.number(body, "unproven_share") if "unproven_share" in body else 1.0
         max_joins = f.uint(body, "max_joins", maximum=1 << 16) if "max_joins" in body else 0
         audit_rate = f.number(body, "audit_rate") if "audit_rate" in body else 0.0
+        audit_segments = f.uint(body, "audit_segments", maximum=MAX_AUDIT_SEGMENTS) if "audit_segments" in body else 0
         loss_check_samples = f.uint(body, "loss_check_samples", maximum=1 << 20) if "loss_check_samples" in body else 0
         loss_min_drop = f.number(body, "loss_min_drop") if "loss_min_drop" in body else 0.0
         if ("idle_windows" in body and idle_windows == 0) or ("unproven_share" in body and unproven_share == 1.0) \
                 or ("max_joins" in body and max_joins == 0) or ("audit_rate" in body and audit_rate == 0.0) \
+                or ("audit_segments" in body and audit_segments == 0) \
                 or ("loss_check_samples" in body and loss_check_samples == 0) \
                 or ("loss_min_drop" in body and loss_min_drop == 0.0):
             raise DecodeError("bad-field", "idle_windows, unproven_share, max_joins, audit_rate, loss_check_samples "
@@ -362,6 +374,7 @@ class Manifest:
             admission_authority=None if body["admission_authority"] is None else f.peer(body, "admission_authority"),
             idle_windows=idle_windows, unproven_share=unproven_share, max_joins=max_joins,
             audit_rate=audit_rate, loss_check_samples=loss_check_samples, loss_min_drop=loss_min_drop,
+            audit_segments=audit_segments,
         )
 
     def seal(self, authority: Identity) -> SignedEnvelope:
@@ -377,7 +390,7 @@ _MANIFEST_KEYS = frozenset({
     "admission", "admission_authority",
 })
 _MANIFEST_OPTIONAL = frozenset({"idle_windows", "unproven_share", "max_joins", "audit_rate", "loss_check_samples",
-                                "loss_min_drop"})  # present only when not off
+                                "loss_min_drop", "audit_segments"})  # present only when not off
 
 
 @attrs.frozen(kw_only=True)
@@ -716,7 +729,9 @@ class UpdateAnnouncement:
     `delta` is the safetensors artifact of the pseudo-gradient (base params minus trained params, DiLoCo
     convention); `delta_digest` its canonical tensor digest. `train_loss` is informational only.
     `claim` names the leaseholder whose expired lease this update claims as next-ranked trainer (None for
-    an update on the author's own lease; the key is then absent from the encoding).
+    an update on the author's own lease; the key is then absent from the encoding). `trajectory` (under
+    segment audits, else None and absent) is the artifact of the author's `Trajectory`: its committed
+    training checkpoints and error-feedback residual (spec/protocol.md §6.3).
     """
 
     KIND: ClassVar[str] = "update"
@@ -729,18 +744,22 @@ class UpdateAnnouncement:
     delta_digest: bytes
     train_loss: float
     claim: PeerId | None = None
+    trajectory: ArtifactRef | None = None
 
     def to_cbor(self) -> dict[str, Any]:
         body = {"revision": self.revision, "window": self.window, "base": self.base, "shards": list(self.shards),
                 "delta": self.delta.to_cbor(), "delta_digest": self.delta_digest, "train_loss": self.train_loss}
         if self.claim is not None:
             body["claim"] = self.claim.to_bytes()
+        if self.trajectory is not None:
+            body["trajectory"] = self.trajectory.to_cbor()
         return body
 
     @classmethod
     def from_cbor(cls, obj: Any) -> UpdateAnnouncement:
         keys = frozenset({"revision", "window", "base", "shards", "delta", "delta_digest", "train_loss"})
-        body = f.exact_keys(obj, keys | {"claim"} if isinstance(obj, dict) and "claim" in obj else keys, "update")
+        optional = {"claim", "trajectory"} & set(obj) if isinstance(obj, dict) else set()
+        body = f.exact_keys(obj, keys | optional, "update")
         shards = f.array(body, "shards", max_len=MAX_SHARDS)
         if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shards) or \
                 shards != sorted(set(shards)):
@@ -748,7 +767,33 @@ class UpdateAnnouncement:
         return cls(revision=f.cid(body, "revision"), window=f.uint(body, "window"), base=f.cid(body, "base"),
                    shards=tuple(shards), delta=ArtifactRef.from_cbor(body["delta"]),
                    delta_digest=f.cid(body, "delta_digest"), train_loss=f.number(body, "train_loss"),
-                   claim=f.peer(body, "claim") if "claim" in body else None)
+                   claim=f.peer(body, "claim") if "claim" in body else None,
+                   trajectory=ArtifactRef.from_cbor(body["trajectory"]) if "trajectory" in body else None)
+
+
+@attrs.frozen(kw_only=True)
+class Trajectory:
+    """What a trainer commits to under segment audits (spec/protocol.md §6.3), stored as the canonical CBOR
+    artifact its update names in `trajectory`: `checkpoints[j - 1]` is the artifact (safetensors) of its
+    whole training state after inner step ``b_j`` (`core.audit.segment_bounds`), ``j = 1 .. S``, the last
+    one holding the trained params the delta was taken from; `residual` is its error-feedback residual as it
+    stood before this update's encoding (None for codecs without error feedback)."""
+
+    checkpoints: tuple[ArtifactRef, ...]
+    residual: ArtifactRef | None = None
+
+    def to_cbor(self) -> dict[str, Any]:
+        return {"checkpoints": [c.to_cbor() for c in self.checkpoints],
+                "residual": None if self.residual is None else self.residual.to_cbor()}
+
+    @classmethod
+    def from_cbor(cls, obj: Any) -> Trajectory:
+        body = f.exact_keys(obj, frozenset({"checkpoints", "residual"}), "trajectory")
+        checkpoints = f.array(body, "checkpoints", max_len=MAX_AUDIT_SEGMENTS)
+        if not checkpoints:
+            raise DecodeError("bad-field", "a trajectory commits to at least one checkpoint")
+        return cls(checkpoints=tuple(ArtifactRef.from_cbor(c) for c in checkpoints),
+                   residual=None if body["residual"] is None else ArtifactRef.from_cbor(body["residual"]))
 
 
 @attrs.frozen(kw_only=True)
@@ -813,6 +858,7 @@ def check_admission(envelope: SignedEnvelope | None, revision_id: bytes, manifes
 
 MAX_REVOKED_PEERS = 64  # peers one revocation names
 MAX_HEAD_REVOCATIONS = 16  # revocation envelopes one head carries
+MAX_AUDIT_SEGMENTS = 64  # checkpoints one trajectory commits to
 
 
 @attrs.frozen(kw_only=True)

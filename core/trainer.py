@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from .audit import train_seed
+from .audit import AUDIT_WINDOWS, audit_segment, audit_selected, train_seed
 from .envelope import SignedEnvelope
 from .fsm import Table, step
 from .identity import PeerId
@@ -135,12 +135,50 @@ class TrainerRole(RoleBase):
         self.claims: dict[PeerId, tuple[int, ...]] = {}
         self.claim_state: dict[PeerId, str] = {}
         self.claim_announcements: dict[PeerId, SignedEnvelope] = {}
+        # Segment audits (spec/protocol.md §6.3): update id -> (window, committed artifacts in trajectory order:
+        # checkpoints 1..S, then the residual if any, then the trajectory itself) until its head tells which
+        # ones an audit needs; then update id -> (window, kept artifacts) until AUDIT_WINDOWS windows later.
+        self.committed: dict[bytes, tuple[int, tuple[ArtifactRef, ...]]] = {}
+        self.kept: dict[bytes, tuple[int, tuple[ArtifactRef, ...]]] = {}
 
     def _step(self, event: str) -> None:
         self.state = step("trainer", TABLE, self.state, event)
 
+    def _retire_commitments(self, head: Head) -> None:
+        """Keep, of each trajectory this head decides on, what a sampled audit of it needs: the checkpoints
+        around its selected segment, the final one, the residual and the trajectory; drop the rest at once
+        (a trainer stores S checkpoints of its whole training state per update only until its head)."""
+        e, segments = self.engine, self.engine.manifest.audit_segments
+        drop: list[bytes] = []
+        for update_id, (window, refs) in list(self.committed.items()):
+            if window > head.window:
+                continue
+            del self.committed[update_id]
+            keep: set[int] = set()
+            if update_id in head.cohort and audit_selected(head.id, update_id, e.manifest.audit_rate):
+                j = audit_segment(head.id, update_id, segments)
+                keep = {i for i in (j - 1, j, segments - 1) if i >= 0} | set(range(segments, len(refs)))
+                self.kept[update_id] = (window, tuple(refs[i] for i in sorted(keep)))
+            drop.extend(ref.digest for i, ref in enumerate(refs) if i not in keep)
+        for update_id, (window, refs) in list(self.kept.items()):
+            if window + AUDIT_WINDOWS <= head.window:
+                del self.kept[update_id]
+                drop.extend(ref.digest for ref in refs)
+        if drop:
+            e.drop_stored(drop)
+
+    def _commit(self, window: int, envelope: SignedEnvelope, result: dict[str, Any]) -> None:
+        """Serve the artifacts a trajectory commits to (`result["committed"]`) until its head decides."""
+        committed = tuple(result.get("committed", ()))
+        for ref in committed:
+            self.engine.note_stored(ref)
+        if committed:
+            self.committed[envelope.id] = (window, committed)
+
     def on_head(self, head: Head) -> None:
         e = self.engine
+        if self.committed or self.kept:
+            self._retire_commitments(head)
         self.head, self.window, self.state, self.announcement = head, head.window + 1, "idle", None
         self.shards = leases_of(head, e.manifest).get(e.me, ())
         self.claims = claims_of(head, e.manifest).get(e.me, {}) if e.manifest.lease_s > 0 else {}
@@ -276,7 +314,8 @@ class TrainerRole(RoleBase):
         e = self.engine
         args = {"params": self.head.params, "shards": self.shards,
                 "seed": train_seed(self.head.id, window, self.shards, e.me),
-                "window": window, "inner_steps": e.manifest.inner_steps, "author": e.me}
+                "window": window, "inner_steps": e.manifest.inner_steps, "author": e.me,
+                "segments": e.manifest.audit_segments}
         e.run_task("train", args, "trainer", Train(window=window))
 
     def _fetch_failed(self, window: int, reason: str) -> None:
@@ -298,8 +337,9 @@ class TrainerRole(RoleBase):
         self._step("trained")
         ann = UpdateAnnouncement(revision=e.revision.id, window=window, base=self.head.id, shards=self.shards,
                                  delta=delta, delta_digest=result["delta_digest"],
-                                 train_loss=float(result["train_loss"]))
+                                 train_loss=float(result["train_loss"]), trajectory=result.get("trajectory"))
         envelope = seal(e.identity, ann)
+        self._commit(window, envelope, result)
         e.persist_then(claim_key(window), envelope.to_bytes(), "trainer",
                        Announce(window=window, envelope=envelope, train_loss=ann.train_loss))
 
@@ -379,7 +419,8 @@ class TrainerRole(RoleBase):
         e = self.engine
         args = {"params": self.head.params, "shards": self.claims[holder],
                 "seed": train_seed(self.head.id, window, self.claims[holder], e.me),
-                "window": window, "inner_steps": e.manifest.inner_steps, "author": e.me}
+                "window": window, "inner_steps": e.manifest.inner_steps, "author": e.me,
+                "segments": e.manifest.audit_segments}
         e.run_task("train", args, "trainer", Train(window=window, holder=holder))
 
     def _claim_trained(self, window: int, holder: PeerId, result: dict[str, Any]) -> None:
@@ -391,7 +432,8 @@ class TrainerRole(RoleBase):
         envelope = seal(e.identity, UpdateAnnouncement(
             revision=e.revision.id, window=window, base=self.head.id, shards=self.claims[holder],
             delta=result["delta"], delta_digest=result["delta_digest"], train_loss=float(result["train_loss"]),
-            claim=holder))
+            claim=holder, trajectory=result.get("trajectory")))
+        self._commit(window, envelope, result)
         e.persist_then(claim_key(window, holder), envelope.to_bytes(), "trainer",
                        Announce(window=window, envelope=envelope, train_loss=float(result["train_loss"]),
                                 holder=holder))

@@ -28,7 +28,7 @@ from .admission import (
     join_priority,
 )
 from .agreement import WindowAgreement
-from .auditing import AuditTask, SampledAudits
+from .auditing import AuditTask, FetchCheckpoint, FetchTrajectory, PlanAudit, SampledAudits
 from .collector import Collector, FetchAuditParams, FetchBase, FetchDelta, Screen, resume_collector
 from .deadlines import MAX_DEADLINE_WINDOWS, WAIT_WINDOWS, WindowClock
 from .envelope import SignedEnvelope
@@ -143,8 +143,8 @@ class ValidatorRole(RoleBase):
                 self.voting.durable(work.seq)
             case RevocationWrite():
                 self.admission.durable(work)
-            case AuditTask():
-                self.audits.on_task(work, outcome)
+            case AuditTask() | FetchTrajectory() | PlanAudit() | FetchCheckpoint():
+                self.audits.resume(work, outcome)
             case Screen() | FetchBase() | FetchDelta() | FetchAuditParams():
                 resume_collector(self.engine, self.collector, work, outcome)
             case _:

@@ -424,6 +424,13 @@ def add_parsers(subparsers: Any) -> None:
     init.add_argument("--inner-steps", type=int, default=0, help="inner steps per window (0: the workload's)")
     init.add_argument("--codec", default="none", choices=CODECS)
     init.add_argument("--audit", action="store_true", help="validators re-run every update's training")
+    init.add_argument("--audit-rate", type=float, default=0.0,
+                      help="audit this share of certified updates after the fact instead (implies --audit)")
+    init.add_argument("--audit-segments", type=int, default=0,
+                      help="replay one of this many committed segments per audit (needs --audit-rate, "
+                           "--inner-steps)")
+    init.add_argument("--loss-check", type=int, default=0, metavar="SAMPLES",
+                      help="reject updates that do not lower the loss on this many of their samples")
     init.add_argument("--base-port", type=int, default=7100, help="first TCP port of the local fleet")
     up = subparsers.add_parser("up", help="start an experiment's fleet as local processes (Ctrl-C stops it)")
     up.add_argument("directory", type=Path)
@@ -456,8 +463,10 @@ def _experiment_from(args: Any) -> Experiment:
         workload=args.workload, name=args.name, trainers=args.trainers, validators=args.validators,
         reducers=args.reducers, shards=args.shards, seed=args.seed, window_s=args.window_s,
         min_updates=args.min_updates, aggregation=args.rule, outer_optimizer=args.optimizer,
-        outer_lr=args.outer_lr, inner_steps=args.inner_steps, codec=args.codec, audit=args.audit,
-        base_port=args.base_port)
+        outer_lr=args.outer_lr, inner_steps=args.inner_steps, codec=args.codec,
+        audit=args.audit or args.audit_rate > 0, base_port=args.base_port,
+        manifest_options={k: v for k, v in (("audit_rate", args.audit_rate), ("audit_segments", args.audit_segments),
+                                            ("loss_check_samples", args.loss_check)) if v})
 
 
 def _unused_ports(count: int) -> list[int]:

@@ -42,7 +42,8 @@ from .links import Links
 from .network import LinkSpec, Network
 
 SUBSYSTEMS = ("network", "churn", "compute", "adversaries")
-DEFAULT_TASK_S = {"train": 0.5, "screen": 0.01, "reduce": 0.05, "evaluate": 0.05, "audit": 0.5}
+DEFAULT_TASK_S = {"train": 0.5, "screen": 0.01, "reduce": 0.05, "evaluate": 0.05, "audit": 0.5,
+                  "audit-plan": 0.001}
 
 
 def derive_seed(master: int, name: str) -> int:

@@ -30,6 +30,10 @@ LOSS_CHUNK = 1024
 """Rows per forward pass of `NumpyWorkload.loss` (memory only: the result is their sample-weighted mean)."""
 
 
+STATE_PREFIX = "train_state."
+"""Names of a checkpoint's training state beyond the params (`NumpyWorkload.train` ``on_checkpoint``)."""
+
+
 def _softmax_xent(logits: np.ndarray, y: np.ndarray, grad: bool) -> tuple[float, np.ndarray | None]:
     """Mean cross-entropy of logits ``[b, C]`` against labels ``[b]``; with `grad`, d loss / d logits."""
     z = logits - logits.max(axis=1, keepdims=True)
@@ -179,6 +183,8 @@ class NumpyWorkload:
         epochs: int | None = None,
         inner_steps: int | None = None,
         state_key: Any = None,
+        checkpoints: int = 0,
+        on_checkpoint: Callable[[int, TensorDict], None] | None = None,
     ) -> tuple[TensorDict, dict[str, float | int]]:
         """Local training on the leased samples; returns ``(delta, metrics)``.
 
@@ -186,11 +192,76 @@ class NumpyWorkload:
         `local_epochs`) passes, over ``indices`` in mini-batches of `batch_size`, reshuffled every pass by
         ``np.random.default_rng(seed)``. Same (params, indices, seed, optimizer state) -> same bytes.
 
+        With ``checkpoints = S > 0`` (inner steps only, ``1 <= S <= H``, fresh optimizer state: a segment
+        audit must rebuild step 0 from the base params, spec/protocol.md §6.3) it calls
+        ``on_checkpoint(j, state)`` after step ``segment_bounds(H, S)[j]`` for ``j = 1 .. S``: `state` is the
+        whole training state (`resume` continues from it), the params under their names and Adam's moments
+        and step count under ``train_state.`` names; its arrays are the workload's own buffers, valid only
+        during the call.
+
         Returns ``delta = params - trained`` (float32, DiLoCo sign convention) and ``{"train_loss":
         sample-weighted mean loss of the last pass (inner steps: of the last len(indices) samples seen),
-        "samples": len(indices)}``. Raises ValueError for an empty lease, out-of-range indices or params
-        of the wrong schema.
+        "samples": len(indices)}``. Raises ValueError for an empty lease, out-of-range indices, params
+        of the wrong schema or checkpoints that cannot be taken.
         """
+        index = self._lease(indices, params)
+        steps = self.inner_steps if inner_steps is None else inner_steps
+        n_epochs = self.local_epochs if epochs is None else epochs
+        if (steps is not None and steps < 1) or n_epochs < 1:
+            raise ValueError("epochs and inner_steps must be >= 1")
+        bounds: dict[int, int] = {}
+        if checkpoints:
+            if steps is None or not 1 <= checkpoints <= steps or self.keep_optimizer_state:
+                raise ValueError("checkpoints need inner steps, 1 <= checkpoints <= inner_steps and a fresh "
+                                 "optimizer state (keep_optimizer_state=False)")
+            bounds = {(j * steps) // checkpoints: j for j in range(1, checkpoints + 1)}
+        for n, t in self._w.items():
+            np.copyto(t, params[n], casting="no")
+        t_step = self._restore_state(state_key)
+        batches_per_pass = -(-len(index) // self.batch_size)
+        total = steps if steps is not None else n_epochs * batches_per_pass
+
+        def checkpoint(done: int, t: int) -> None:
+            if on_checkpoint is not None and done in bounds:
+                on_checkpoint(bounds[done], self._state(t))
+
+        t_step, recent = self._run(index, np.random.default_rng(seed), 0, total, t_step, checkpoint)
+        if self.keep_optimizer_state:
+            self._saved[state_key] = (t_step, {k: v.copy() for k, v in self._m.items()},
+                                      {k: v.copy() for k, v in self._v.items()})
+        seen = sum(c for _, c in recent)
+        delta = {name: np.subtract(params[name], self._w[name], dtype=np.float32) for name, _, _ in self._schema}
+        return delta, {"train_loss": sum(loss * c for loss, c in recent) / seen, "samples": len(index)}
+
+    def resume(self, state: TensorDict, indices: Sequence[int], seed: int, *, inner_steps: int, start: int,
+               stop: int) -> TensorDict:
+        """The training state after step `stop` of a `train` call with these indices, seed and inner steps,
+        continued from `state`, its state after step `start` (a segment audit's replay, spec/protocol.md
+        §6.3). At ``start = 0`` `state` may be the params alone (a fresh optimizer). Returns a new dict in the
+        layout `train` passes to ``on_checkpoint``. Raises ValueError for bounds outside ``0 <= start < stop
+        <= inner_steps`` or a state of another layout."""
+        if not 0 <= start < stop <= inner_steps:
+            raise ValueError(f"need 0 <= start < stop <= inner_steps, got {start}, {stop}, {inner_steps}")
+        params = {name: state[name] for name, _, _ in self._schema if name in state}
+        index = self._lease(indices, params)
+        for n, t in self._w.items():
+            np.copyto(t, params[n], casting="no")
+        extra = set(state) - set(params)
+        if not extra and start == 0:
+            t_step = 0
+            for t in (*self._m.values(), *self._v.values()):
+                t.fill(0.0)
+        elif extra == set(self._state(0)) - set(params):
+            t_step = int(np.asarray(state[f"{STATE_PREFIX}step"]).reshape(()))
+            for n in self._m:
+                np.copyto(self._m[n], state[f"{STATE_PREFIX}m.{n}"], casting="no")
+                np.copyto(self._v[n], state[f"{STATE_PREFIX}v.{n}"], casting="no")
+        else:
+            raise ValueError(f"state must hold the params and {sorted(set(self._state(0)) - set(params))}")
+        t_step, _ = self._run(index, np.random.default_rng(seed), start, stop, t_step, None)
+        return {n: np.array(t, copy=True) for n, t in self._state(t_step).items()}
+
+    def _lease(self, indices: Sequence[int], params: TensorDict) -> np.ndarray:
         index = np.asarray(indices, dtype=np.int64)
         if index.ndim != 1 or len(index) == 0:
             raise ValueError("indices must be a non-empty sequence of ints")
@@ -198,20 +269,20 @@ class NumpyWorkload:
             raise ValueError(f"indices must lie in [0, {self.num_train})")
         if schema_of(params) != self._schema:
             raise ValueError(f"params have schema {schema_of(params)}, expected {self._schema}")
-        steps = self.inner_steps if inner_steps is None else inner_steps
-        n_epochs = self.local_epochs if epochs is None else epochs
-        if (steps is not None and steps < 1) or n_epochs < 1:
-            raise ValueError("epochs and inner_steps must be >= 1")
-        for n, t in self._w.items():
-            np.copyto(t, params[n], casting="no")
-        t_step = self._restore_state(state_key)
-        rng = np.random.default_rng(seed)
+        return index
+
+    def _run(self, index: np.ndarray, rng: np.random.Generator, start: int, stop: int, t_step: int,
+             after_step: Callable[[int, int], None] | None) -> tuple[int, list[tuple[float, int]]]:
+        """Steps ``start .. stop - 1`` of a pass sequence over `index` (each pass a fresh ``rng.permutation``,
+        drawn at its first step; the passes before `start` are drawn and skipped, so step k sees the batch it
+        sees in a run from 0). Returns (Adam's step count, (loss, batch size) of the current pass's steps)."""
         n = len(index)
         batches_per_pass = -(-n // self.batch_size)
-        total = steps if steps is not None else n_epochs * batches_per_pass
+        for _ in range(start // batches_per_pass):
+            rng.permutation(n)
+        order = index[rng.permutation(n)] if start % batches_per_pass else index
         recent: list[tuple[float, int]] = []
-        order = index
-        for k in range(total):
+        for k in range(start, stop):
             pos = k % batches_per_pass
             if pos == 0:
                 order = index[rng.permutation(n)]
@@ -220,12 +291,18 @@ class NumpyWorkload:
             t_step += 1
             loss = self._step(self.x_train[batch], self.y_train[batch], t_step)
             recent.append((loss, len(batch)))
-        if self.keep_optimizer_state:
-            self._saved[state_key] = (t_step, {k: v.copy() for k, v in self._m.items()},
-                                      {k: v.copy() for k, v in self._v.items()})
-        seen = sum(c for _, c in recent)
-        delta = {name: np.subtract(params[name], self._w[name], dtype=np.float32) for name, _, _ in self._schema}
-        return delta, {"train_loss": sum(loss * c for loss, c in recent) / seen, "samples": n}
+            if after_step is not None:
+                after_step(k + 1, t_step)
+        return t_step, recent
+
+    def _state(self, t_step: int) -> TensorDict:
+        """The training state: params, Adam's moments and step count (``train_state.`` names)."""
+        state: TensorDict = dict(self._w)
+        for n in self._m:
+            state[f"{STATE_PREFIX}m.{n}"] = self._m[n]
+            state[f"{STATE_PREFIX}v.{n}"] = self._v[n]
+        state[f"{STATE_PREFIX}step"] = np.array([t_step], dtype=np.float32)
+        return state
 
     def evaluate(self, params: TensorDict) -> dict[str, float]:
         """``{"loss": mean cross-entropy, "accuracy": fraction of argmax == label}`` over the eval set, or the

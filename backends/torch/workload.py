@@ -23,6 +23,11 @@ On CUDA, `to_device` sets ``torch.backends.cudnn.deterministic = True`` and ``be
 (``CUBLAS_WORKSPACE_CONFIG=:4096:8``, no atomics-based ops), else audits see floating-point drift and
 compare by cosine (``audit_min_cosine``).
 
+Segment audits: ``train(..., checkpoints=S, on_checkpoint=cb)`` hands ``cb`` the whole training state
+(params, optimizer state, global RNG, a ``train_loader``'s pass) after steps ``(j * H) // S``, and `resume`
+replays any range of steps from such a state bit for bit (same platform), so a validator can recompute one
+committed segment instead of the whole run (`TorchWorkload.resume` lists the state's names).
+
 Evaluation runs on the CPU in float32 unless ``eval_on_device``: validators compare each other's head
 metrics within ``METRIC_TOLERANCE`` (1e-4, spec/agreement.md), and a GPU's arithmetic (TF32 convolutions,
 other kernels, bf16) can differ from a CPU's by more than that, so validators on different devices would
@@ -32,7 +37,9 @@ refuse each other's heads.
 from __future__ import annotations
 
 import copy
+import json
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -56,6 +63,12 @@ MAX_METRICS = 63
 """A head holds at most 64 metrics (spec/wire.md): the workload's, each as ``test_<name>``, and ``train_loss``."""
 LOSS_SEED = 0
 """The seed of `TorchWorkload.loss`'s forked global RNG and of the generator it hands a ``train_loader``."""
+STATE_PREFIX = "train_state."
+"""Names of a checkpoint's training state beyond the params (`TorchWorkload.train` ``on_checkpoint``)."""
+_STATE_VERSION = 1
+"""``version`` of a checkpoint's ``train_state.meta`` (`TorchWorkload.train`)."""
+_MAX_META_BYTES = 1 << 24
+"""Largest ``train_state.meta`` `TorchWorkload.resume` decodes (16 MiB of JSON)."""
 
 
 def set_num_threads(n: int = 1) -> None:
@@ -110,6 +123,73 @@ def _float32(out: Any) -> Any:
     if isinstance(out, torch.Tensor) and out.is_floating_point() and out.dtype != torch.float32:
         return out.float()
     return out
+
+
+def _byte_values(data: bytes) -> np.ndarray:
+    """`data` as a float32 array of its byte values (0..255, exact): bytes in a one-dtype checkpoint."""
+    return np.frombuffer(data, dtype=np.uint8).astype(np.float32)
+
+
+def _value_bytes(array: Any, name: str, limit: int = _MAX_META_BYTES) -> bytes:
+    """The bytes `_byte_values` made `array` from; ValueError unless a float32 vector of integers 0..255."""
+    values = np.asarray(array)
+    if values.dtype != np.float32 or values.ndim != 1 or len(values) > limit:
+        raise ValueError(f"state {name!r} must be a float32 vector of byte values")
+    as_bytes = values.astype(np.uint8)
+    if not np.array_equal(as_bytes.astype(np.float32), values):
+        raise ValueError(f"state {name!r} must hold integers 0..255")
+    return as_bytes.tobytes()
+
+
+def _f32(tensor: torch.Tensor) -> np.ndarray:
+    """A float32 tensor as a fresh C-contiguous little-endian array on the CPU (a 0-d tensor as shape [1])."""
+    array = tensor.detach().cpu().numpy().astype("<f4", copy=True)
+    return array.reshape(1) if array.ndim == 0 else np.ascontiguousarray(array)
+
+
+_TENSOR_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool)}
+
+
+def _encode_value(value: Any, where: str) -> dict[str, Any]:
+    """A JSON spec of a small non-float32 value of a training state: a tensor (dtype, shape, hex bytes) or a
+    Python scalar. ValueError for anything else (it could not be restored exactly)."""
+    if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).removeprefix("torch.")
+        if dtype not in _TENSOR_DTYPES:
+            raise ValueError(f"cannot checkpoint {where}: a {value.dtype} tensor")
+        flat = value.detach().cpu().contiguous().reshape(-1)
+        raw = flat.view(torch.uint8) if flat.dtype != torch.bool else flat.to(torch.uint8)
+        return {"dtype": dtype, "shape": list(value.shape), "hex": raw.numpy().tobytes().hex()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"value": value}
+    raise ValueError(f"cannot checkpoint {where}: a {type(value).__name__}")
+
+
+def _decode_value(spec: Any, where: str) -> Any:
+    """The value `_encode_value` encoded (a CPU tensor or a Python scalar); ValueError for a malformed spec."""
+    if isinstance(spec, dict) and set(spec) == {"value"}:
+        value = spec["value"]
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+    elif isinstance(spec, dict) and set(spec) == {"dtype", "shape", "hex"}:
+        dtype, shape, data = _TENSOR_DTYPES.get(spec["dtype"]), spec["shape"], spec["hex"]
+        if (dtype is not None and isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+                and isinstance(data, str)):
+            try:
+                raw = bytes.fromhex(data)
+            except ValueError:
+                raw = None
+            count = math.prod(shape)
+            if raw is not None and len(raw) == count * torch.empty((), dtype=dtype).element_size():
+                if not raw:
+                    return torch.empty(shape, dtype=dtype)
+                values = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+                if dtype == torch.bool:
+                    return (values != 0).reshape(shape)
+                return values.view(dtype).reshape(shape)
+    raise ValueError(f"malformed state entry {where}")
 
 
 def argmax_accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -242,6 +322,10 @@ class TorchWorkload:
         self._state = self._state_tensors(self.model)
         self._staging: dict[str, torch.Tensor] = {}
         self._schema = schema_of({n: t.numpy() for n, t in self._state.items()})
+        # The model's other state_dict entries as built (e.g. BatchNorm's num_batches_tracked): where a
+        # checkpointed `train` and a `resume` from the params alone start them.
+        self._built_buffers = {n: t.detach().clone() for n, t in self.model.state_dict(keep_vars=True).items()
+                               if not t.is_floating_point()}
         if device != "cpu":
             self.to_device(device)
 
@@ -359,15 +443,27 @@ class TorchWorkload:
         dataset = self.train_dataset
         return self.collate_fn([dataset[i] for i in batch.tolist()])  # type: ignore[index]
 
-    def _train_batches(self, index: torch.Tensor, generator: torch.Generator, steps: int | None,
-                       epochs: int) -> Iterator[tuple[bool, Batch]]:
-        """``(first of a pass, (inputs, targets))`` for every optimizer step of one `train` call."""
+    def _train_batches(self, index: torch.Tensor, generator: torch.Generator, steps: int | None, epochs: int,
+                       start: int = 0, on_pass: Callable[[int], None] | None = None,
+                       at_start: Callable[[], None] | None = None) -> Iterator[tuple[bool, Batch]]:
+        """``(first of a pass, (inputs, targets))`` for the optimizer steps ``start ..`` of one `train` call.
+
+        Built-in batching draws the permutations of the passes before `start` and skips them, so step k sees
+        the batch it sees from step 0. A ``train_loader`` is iterated from the call's first pass, the batches
+        before `start` fetched and dropped (a loader's position cannot be set; fetching is cheap next to
+        training). ``on_pass(steps done)`` runs right before each pass of a ``train_loader`` is started
+        (``iter``), ``at_start()`` right before the batch of step `start` is drawn (a checkpoint restores the
+        global RNG there, `resume`)."""
         n = len(index)
         if self.train_loader is None:
             per_pass = -(-n // self.batch_size)
             total = steps if steps is not None else epochs * per_pass
-            order = index
-            for k in range(total):
+            for _ in range(start // per_pass):
+                torch.randperm(n, generator=generator)
+            order = index[torch.randperm(n, generator=generator)] if start % per_pass else index
+            for k in range(start, total):
+                if k == start and at_start is not None:
+                    at_start()
                 pos = k % per_pass
                 if pos == 0:
                     order = index[torch.randperm(n, generator=generator)]
@@ -376,9 +472,20 @@ class TorchWorkload:
         loader = self.train_loader(Subset(self._train_dataset(), index.tolist()), generator)
         done = passes = 0
         while True:
+            if on_pass is not None:
+                on_pass(done)
+            batches = iter(loader)
             first = True
-            for batch in loader:
-                yield first, batch
+            while True:
+                if done == start and at_start is not None:
+                    at_start()
+                    at_start = None
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    break
+                if done >= start:
+                    yield first, batch
                 first = False
                 done += 1
                 if steps is not None and done >= steps:
@@ -407,6 +514,8 @@ class TorchWorkload:
         epochs: int | None = None,
         inner_steps: int | None = None,
         state_key: Any = None,
+        checkpoints: int = 0,
+        on_checkpoint: Callable[[int, TensorDict], None] | None = None,
     ) -> tuple[TensorDict, dict[str, float | int]]:
         """Local training on the leased samples; returns ``(delta, metrics)``.
 
@@ -420,18 +529,38 @@ class TorchWorkload:
         ``keep_optimizer_state``, restored from the state this workload saved for `state_key` at the end of its
         previous call (the host passes one key per trainer when one workload serves several).
 
+        With ``checkpoints = S > 0`` (inner steps only, ``1 <= S <= H``, fresh optimizer state: a segment audit
+        must rebuild step 0 from the base params) it calls ``on_checkpoint(j, state)`` after step ``(j * H) //
+        S`` for ``j = 1 .. S``; `state` is the whole training state, which `resume` continues from (see there
+        for its names), as fresh float32 arrays the callee may keep. The callback must not use this workload
+        (it would move the working model); checkpoints change nothing in the training's bytes, but for one
+        thing: a checkpointed call starts the model's non-float ``state_dict`` entries (BatchNorm's
+        ``num_batches_tracked``, which otherwise carries over from call to call) from their values as built,
+        as `resume` from the params alone does, so its states are a function of (params, lease, seed). Only
+        a ``BatchNorm(momentum=None)`` (cumulative average) reads that counter.
+
         Returns the pseudo-gradient ``delta = params_before - params_after`` (numpy float32 on the CPU, same
         schema; DiLoCo sign convention, arXiv 2311.08105, so the outer step is ``params - lr * mean(delta)``)
         and ``{"train_loss": sample-weighted mean loss of the last pass (inner steps: of the batches since the
         last reshuffle), "samples": len(indices)}``.
-        Raises ValueError for an empty lease, out-of-range indices or params of the wrong schema.
+        Raises ValueError for an empty lease, out-of-range indices, params of the wrong schema or checkpoints
+        that cannot be taken (also: optimizer state that is not tensors and Python scalars).
         """
         steps = self.inner_steps if inner_steps is None else inner_steps
         n_epochs = self.local_epochs if epochs is None else epochs
         if n_epochs < 1 or (steps is not None and steps < 1):
             raise ValueError(f"epochs and inner_steps must be >= 1, got {n_epochs}, {steps}")
+        bounds: dict[int, int] = {}
+        if checkpoints:
+            if steps is None or not 1 <= checkpoints <= steps or self.keep_optimizer_state:
+                raise ValueError("checkpoints need inner steps, 1 <= checkpoints <= inner_steps and a fresh "
+                                 "optimizer state (keep_optimizer_state=False)")
+            if on_checkpoint is not None:
+                bounds = {(j * steps) // checkpoints: j for j in range(1, checkpoints + 1)}
         index = self._lease_index(indices)
         self._load(params)
+        if checkpoints:
+            self._reset_buffers()
         model = self.model
         model.train()
         optimizer = self.optimizer_factory(model.parameters())
@@ -444,30 +573,302 @@ class TorchWorkload:
                 scheduler.load_state_dict(saved)
         generator = torch.Generator().manual_seed(seed)
         loss_sum, seen = 0.0, 0
+        current: list[Any] = [0, None]  # a train_loader's current pass: (steps done at its start, RNG state then)
+
+        def on_pass(done: int) -> None:
+            current[:] = [done, self._rng_states()]
+
         with self._forked_rng():
             torch.manual_seed(seed)
-            for first, (inputs, targets) in self._train_batches(index, generator, steps, n_epochs):
+            batches = self._train_batches(index, generator, steps, n_epochs,
+                                          on_pass=on_pass if bounds and self.train_loader is not None else None)
+            for done, (first, (inputs, targets)) in enumerate(batches, 1):
                 if first:
                     loss_sum, seen = 0.0, 0
-                inputs, targets = _move(inputs, self.device), _move(targets, self.device)
-                optimizer.zero_grad(set_to_none=True)
-                with self._autocast():
-                    loss = self.loss_fn(model(inputs), targets)
-                loss.backward()
-                if self.clip_grad_norm is not None:
-                    nn.utils.clip_grad_norm_(model.parameters(), self.clip_grad_norm)
-                optimizer.step()
-                if scheduler is not None:
-                    scheduler.step()
-                count = _batch_len(targets)
+                loss, count = self._train_step(optimizer, scheduler, inputs, targets)
                 loss_sum += float(loss.detach()) * count
                 seen += count
+                if done in bounds:
+                    rng = self._rng_states()
+                    on_checkpoint(bounds[done], self._training_state(optimizer, done, current))  # type: ignore[misc]
+                    self._set_rng_states(rng)  # whatever the callback drew, training draws as without it
         if self.keep_optimizer_state:
             self._saved_optimizers[state_key] = copy.deepcopy(optimizer.state_dict())
             if scheduler is not None:
                 self._saved_schedulers[state_key] = copy.deepcopy(scheduler.state_dict())
         delta = {name: np.subtract(params[name], self._host(name), dtype=np.float32) for name in self._state}
         return delta, {"train_loss": loss_sum / seen, "samples": len(index)}
+
+    def _train_step(self, optimizer: torch.optim.Optimizer, scheduler: Any, inputs: Any,
+                    targets: Any) -> tuple[torch.Tensor, int]:
+        """One optimizer step of `train` (and `resume`) on a batch; returns (its loss, its sample count)."""
+        inputs, targets = _move(inputs, self.device), _move(targets, self.device)
+        optimizer.zero_grad(set_to_none=True)
+        with self._autocast():
+            loss = self.loss_fn(self.model(inputs), targets)
+        loss.backward()
+        if self.clip_grad_norm is not None:
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        return loss, _batch_len(targets)
+
+    def resume(self, state: TensorDict, indices: Sequence[int], seed: int, *, inner_steps: int, start: int,
+               stop: int) -> TensorDict:
+        """The training state after step `stop` of a checkpointed `train` call with these indices, seed and
+        inner steps, continued from `state`, its state after step `start` (a segment audit's replay); at
+        ``start = 0`` `state` may be the params alone (a fresh optimizer and the seeded RNG, as `train` starts).
+        Bit for bit what that call passes to ``on_checkpoint`` after step `stop`, on the same platform (GPU
+        kernels permitting, as for `train`). Returns a new dict in that layout:
+
+        - the params (the schema's names, float32);
+        - ``train_state.step``: steps done (float32 ``[1]``; `resume` requires it to equal `start`);
+        - ``train_state.optimizer.<param name>.<key>``: each float32 tensor of the optimizer's per-parameter
+          state (e.g. Adam's ``exp_avg``, ``exp_avg_sq`` and ``step``, SGD's ``momentum_buffer``; a 0-d tensor
+          as shape ``[1]``); parameters the optimizer holds no state for (no step yet) have none;
+        - ``train_state.meta``: UTF-8 JSON as float32 byte values (0..255): ``{"version", "optimizer":
+          {param name: {key: {"shape": [...]} (the array above) | {"value": Python scalar or null} |
+          {"dtype", "shape", "hex"} (another tensor's bytes)}}, "buffers": {name: {"dtype", "shape", "hex"}}}``
+          (the model's non-float ``state_dict`` entries, e.g. BatchNorm's ``num_batches_tracked``);
+        - ``train_state.rng.cpu`` (and ``.cuda`` / ``.mps`` when training there): the global torch RNG's state
+          (``torch.get_rng_state()``) as float32 byte values, which dropout and other random layers draw from;
+        - with a ``train_loader`` only: ``train_state.pass_start`` (float32 ``[1]``: steps done when the pass
+          holding the last step began) and ``train_state.rng.pass_cpu`` (``.pass_cuda`` ...): the global RNG
+          when that pass's loader iterator was started (a loader without a generator draws its order there).
+
+        Not in the state, rebuilt instead: the optimizer's hyper-parameters (``optimizer_factory``), the learning
+        rate schedule (a fresh ``scheduler_factory`` scheduler stepped `start` times: a function of the step
+        count) and the data order (a ``torch.Generator`` seeded with `seed`: the permutations of the earlier
+        passes are drawn and dropped; a ``train_loader`` is iterated from the first pass and its batches before
+        `start` fetched and dropped, its current pass started under ``rng.pass_*``). Raises ValueError for
+        bounds outside ``0 <= start < stop <= inner_steps``, a state of another layout (missing or extra names,
+        wrong step count or schema, malformed meta, a pass start the loader's passes do not have), or bad
+        indices.
+        """
+        if not 0 <= start < stop <= inner_steps:
+            raise ValueError(f"need 0 <= start < stop <= inner_steps, got {start}, {stop}, {inner_steps}")
+        index = self._lease_index(indices)
+        params = {name: state[name] for name, _, _ in self._schema if name in state}
+        if schema_of(params) != self._schema:
+            raise ValueError(f"state params have schema {schema_of(params)}, expected {self._schema}")
+        restored = None if start == 0 and set(state) == set(params) else self._parse_training_state(state, start)
+        self._load(params)
+        model = self.model
+        model.train()
+        optimizer = self.optimizer_factory(model.parameters())
+        if restored is not None:
+            self._restore_training_state(optimizer, restored)
+        else:
+            self._reset_buffers()
+        scheduler = self.scheduler_factory(optimizer) if self.scheduler_factory is not None else None
+        if scheduler is not None and start:
+            with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": on purpose
+                warnings.simplefilter("ignore")
+                for _ in range(start):
+                    scheduler.step()
+        generator = torch.Generator().manual_seed(seed)
+        current: list[Any] = [0, None]
+
+        def on_pass(done: int) -> None:
+            if restored is not None and done == restored["pass_start"]:
+                self._set_rng_states(restored["pass_rng"])
+            current[:] = [done, self._rng_states()]
+
+        def at_start() -> None:
+            if restored is None:
+                return
+            if self.train_loader is not None and current[0] != restored["pass_start"]:
+                raise ValueError(f"state's pass_start {restored['pass_start']} is not where the train_loader's "
+                                 f"pass holding step {start} began ({current[0]})")
+            self._set_rng_states(restored["rng"])
+
+        with self._forked_rng():
+            torch.manual_seed(seed)
+            batches = self._train_batches(index, generator, stop, 1, start=start,
+                                          on_pass=on_pass if self.train_loader is not None else None,
+                                          at_start=at_start)
+            for _, (inputs, targets) in batches:
+                self._train_step(optimizer, scheduler, inputs, targets)
+            return self._training_state(optimizer, stop, current)
+
+    def _reset_buffers(self) -> None:
+        """The model's non-float state_dict entries back to their values as built."""
+        current = self.model.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, value in self._built_buffers.items():
+                current[name].copy_(value)
+
+    def _rng_devices(self) -> dict[str, Any]:
+        """``{name: device}`` of the global RNGs training draws from: ``cpu``, and the accelerator's."""
+        if self.device.type == "cuda":
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            return {"cpu": None, "cuda": index}
+        if self.device.type == "mps":
+            return {"cpu": None, "mps": None}
+        return {"cpu": None}
+
+    def _rng_states(self) -> dict[str, torch.Tensor]:
+        """The global RNGs' states (uint8 CPU tensors), by `_rng_devices` name."""
+        out = {}
+        for name, index in self._rng_devices().items():
+            if name == "cuda":
+                out[name] = torch.cuda.get_rng_state(index)
+            elif name == "mps":
+                out[name] = torch.mps.get_rng_state()
+            else:
+                out[name] = torch.get_rng_state()
+        return out
+
+    def _set_rng_states(self, states: Mapping[str, torch.Tensor]) -> None:
+        for name, index in self._rng_devices().items():
+            if name == "cuda":
+                torch.cuda.set_rng_state(states[name], index)
+            elif name == "mps":
+                torch.mps.set_rng_state(states[name])
+            else:
+                torch.set_rng_state(states[name])
+
+    def _rng_arrays(self, state: TensorDict, prefix: str) -> dict[str, torch.Tensor]:
+        """RNG states from a training state's ``train_state.rng.<prefix><device>`` byte arrays; ValueError
+        for a missing one or one of another size than this process's RNG state."""
+        out = {}
+        for name, current in self._rng_states().items():
+            key = f"{STATE_PREFIX}rng.{prefix}{name}"
+            if key not in state:
+                raise ValueError(f"state lacks {key!r}")
+            data = _value_bytes(state[key], key, limit=len(current))
+            if len(data) != len(current):
+                raise ValueError(f"state {key!r} holds {len(data)} bytes, the RNG state has {len(current)}")
+            out[name] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return out
+
+    def _param_names(self) -> dict[int, str]:
+        return {id(p): n for n, p in self.model.named_parameters()}
+
+    def _training_state(self, optimizer: torch.optim.Optimizer, done: int, current: list[Any]) -> TensorDict:
+        """The whole training state after `done` steps, in `resume`'s layout (fresh arrays)."""
+        state: TensorDict = {name: self._host(name).copy() for name in self._state}
+        names = self._param_names()
+        specs: dict[str, dict[str, Any]] = {}
+        for param, entries in optimizer.state.items():
+            name = names.get(id(param))
+            if name is None:
+                raise ValueError("cannot checkpoint an optimizer holding a tensor that is not a model parameter")
+            spec: dict[str, Any] = {}
+            for key, value in entries.items():
+                if not isinstance(key, str):
+                    raise ValueError(f"cannot checkpoint optimizer state key {key!r} of {name!r}")
+                if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+                    state[f"{STATE_PREFIX}optimizer.{name}.{key}"] = _f32(value)
+                    spec[key] = {"shape": list(value.shape)}
+                else:
+                    spec[key] = _encode_value(value, f"optimizer state {key!r} of {name!r}")
+            specs[name] = spec
+        buffers = {name: _encode_value(t, f"buffer {name!r}")
+                   for name, t in self.model.state_dict(keep_vars=True).items() if not t.is_floating_point()}
+        meta = {"version": _STATE_VERSION, "optimizer": specs, "buffers": buffers}
+        state[f"{STATE_PREFIX}meta"] = _byte_values(
+            json.dumps(meta, sort_keys=True, separators=(",", ":")).encode())
+        state[f"{STATE_PREFIX}step"] = np.array([done], dtype=np.float32)
+        for name, tensor in self._rng_states().items():
+            state[f"{STATE_PREFIX}rng.{name}"] = tensor.numpy().astype(np.float32)
+        if self.train_loader is not None:
+            state[f"{STATE_PREFIX}pass_start"] = np.array([current[0]], dtype=np.float32)
+            for name, tensor in current[1].items():
+                state[f"{STATE_PREFIX}rng.pass_{name}"] = tensor.numpy().astype(np.float32)
+        return state
+
+    def _parse_training_state(self, state: TensorDict, start: int) -> dict[str, Any]:
+        """`resume`'s reading of a full training state after step `start`; ValueError for another layout."""
+        key = f"{STATE_PREFIX}meta"
+        if key not in state:
+            raise ValueError(f"state must hold the params alone (at start 0) or a training state with {key!r}")
+        try:
+            meta = json.loads(_value_bytes(state[key], key).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"state {key!r} is not JSON: {exc}") from None
+        if (not isinstance(meta, dict) or set(meta) != {"version", "optimizer", "buffers"}
+                or meta["version"] != _STATE_VERSION or not isinstance(meta["optimizer"], dict)
+                or not isinstance(meta["buffers"], dict)):
+            raise ValueError(f"state {key!r} is not a version {_STATE_VERSION} training state")
+        params = dict(self.model.named_parameters())
+        expected = {name for name, _, _ in self._schema} | {key, f"{STATE_PREFIX}step"}
+        expected |= {f"{STATE_PREFIX}rng.{name}" for name in self._rng_devices()}
+        if self.train_loader is not None:
+            expected.add(f"{STATE_PREFIX}pass_start")
+            expected |= {f"{STATE_PREFIX}rng.pass_{name}" for name in self._rng_devices()}
+        optimizer: dict[str, dict[str, Any]] = {}
+        for name, spec in meta["optimizer"].items():
+            if name not in params or not isinstance(spec, dict):
+                raise ValueError(f"state's optimizer entry {name!r} names no model parameter")
+            entries: dict[str, Any] = {}
+            for item, value in spec.items():
+                where = f"{STATE_PREFIX}optimizer.{name}.{item}"
+                if isinstance(value, dict) and set(value) == {"shape"}:
+                    shape = value["shape"]
+                    array = state.get(where)
+                    if (array is None or not isinstance(shape, list) or not all(type(d) is int and d >= 0
+                                                                                for d in shape)
+                            or np.asarray(array).dtype != np.float32
+                            or np.asarray(array).size != math.prod(shape)):
+                        raise ValueError(f"state {where!r} is missing or does not match its shape {shape}")
+                    expected.add(where)
+                    entries[item] = torch.from_numpy(np.array(array, dtype=np.float32, copy=True).reshape(shape))
+                else:
+                    entries[item] = _decode_value(value, where)
+            optimizer[name] = entries
+        buffers = {name: t for name, t in self.model.state_dict(keep_vars=True).items() if not t.is_floating_point()}
+        if set(meta["buffers"]) != set(buffers):
+            raise ValueError(f"state's buffers {sorted(meta['buffers'])} are not the model's {sorted(buffers)}")
+        values = {}
+        for name, spec in meta["buffers"].items():
+            value = _decode_value(spec, f"buffer {name!r}")
+            if not isinstance(value, torch.Tensor) or value.dtype != buffers[name].dtype or \
+                    value.shape != buffers[name].shape:
+                raise ValueError(f"state's buffer {name!r} does not match the model's")
+            values[name] = value
+        if set(state) != expected:
+            raise ValueError(f"state names {sorted(set(state) - expected)} unexpected, "
+                             f"{sorted(expected - set(state))} missing")
+        out: dict[str, Any] = {"optimizer": optimizer, "buffers": values, "rng": self._rng_arrays(state, "")}
+        for name, want in ((f"{STATE_PREFIX}step", start), (f"{STATE_PREFIX}pass_start", None)):
+            if name not in state:
+                continue
+            value = np.asarray(state[name])
+            if value.dtype != np.float32 or value.shape != (1,) or not float(value[0]).is_integer():
+                raise ValueError(f"state {name!r} must be a float32 [1] step count")
+            count = int(value[0])
+            if want is not None and count != want:
+                raise ValueError(f"state {name!r} is {count}, resuming at step {want}")
+            if want is None and not 0 <= count < max(start, 1):
+                raise ValueError(f"state {name!r} is {count}: need 0 <= pass_start < start = {start}")
+            out["pass_start"] = count
+        if self.train_loader is not None:
+            out["pass_rng"] = self._rng_arrays(state, "pass_")
+        return out
+
+    def _restore_training_state(self, optimizer: torch.optim.Optimizer, restored: dict[str, Any]) -> None:
+        """Load a parsed training state's optimizer entries and integer buffers into the fresh `optimizer` and
+        the model; ValueError when the optimizer refuses them."""
+        indices: dict[int, int] = {}
+        for p in (p for group in optimizer.param_groups for p in group["params"]):
+            indices.setdefault(id(p), len(indices))
+        params = dict(self.model.named_parameters())
+        packed: dict[int, dict[str, Any]] = {}
+        for name, entries in restored["optimizer"].items():
+            position = indices.get(id(params[name]))
+            if position is None:
+                raise ValueError(f"state holds optimizer state for {name!r}, which the optimizer does not train")
+            packed[position] = entries
+        try:
+            optimizer.load_state_dict({"state": packed, "param_groups": optimizer.state_dict()["param_groups"]})
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise ValueError(f"the optimizer refuses the state's entries: {exc}") from None
+        buffers = self.model.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, value in restored["buffers"].items():
+                buffers[name].copy_(value)
 
     def _loss_batches(self, index: torch.Tensor) -> Iterable[Batch]:
         """`loss`'s ``(inputs, targets)`` batches of the samples `index`: consecutive slices of the given order,

@@ -202,3 +202,110 @@ def test_tampered_audit_evidence_is_refused_by_validators_and_verify(tmp_path, d
 def test_verdicts_needed_is_one_more_than_the_tolerated_faults():
     m = make_revision(validators=[ident(i) for i in range(1, 5)], quorum=3).manifest
     assert verdicts_needed(m) == 2
+
+
+# --- segment audits (spec/protocol.md §6.3) ---------------------------------------------------------------
+
+def test_segment_manifest_settings_need_sampling_and_enough_inner_steps():
+    m = attrs.evolve(make_revision().manifest, audit=True, audit_rate=0.5, inner_steps=8)
+    on = attrs.evolve(m, audit_segments=4, codec="topk")  # error feedback is auditable with segments
+    assert Manifest.from_cbor(on.to_cbor()) == on and on.to_cbor()["audit_segments"] == 4
+    for bad in ({"audit_segments": 9}, {"audit_segments": 4, "audit_rate": 0.0},
+                {"audit_segments": 0, "codec": "topk"}):
+        with pytest.raises(DecodeError):
+            attrs.evolve(m, **bad)
+
+
+def test_segment_bounds_and_choice():
+    from peerloom.core.audit import audit_segment, segment_bounds
+    assert segment_bounds(13, 4) == (0, 3, 6, 9, 13) and segment_bounds(4, 4) == (0, 1, 2, 3, 4)
+    with pytest.raises(ValueError):
+        segment_bounds(3, 4)
+    head = b"\x12\x20" + bytes(32)
+    picks = [audit_segment(head, b"\x12\x20" + i.to_bytes(32, "big"), 4) for i in range(400)]
+    assert set(picks) == {0, 1, 2, 3} and all(60 < picks.count(j) < 140 for j in range(4))
+
+
+def _trained_with_segments(tmp_path, digits, codec="none"):
+    ex, _params, params_ref = _executor(tmp_path, digits, audit=True, audit_rate=1.0, inner_steps=8,
+                                       audit_segments=4, codec=codec)
+    author = ident(7).peer_id
+    seed = train_seed(b"\x12\x20" + bytes(32), 1, (2,), author)
+    out = ex.run("train", {"params": params_ref, "shards": (2,), "seed": seed, "inner_steps": 8, "segments": 4,
+                           "author": author})
+    audit = {"params": params_ref, "shards": (2,), "seed": seed, "inner_steps": 8, "min_cosine": 0.99}
+    return ex, out, audit
+
+
+def _segment_args(ex, out, audit, j):
+    plan = ex.run("audit-plan", {"trajectory": out["trajectory"], "segment": j, "segments": 4})
+    assert plan["ok"]
+    bounds = (0, 2, 4, 6, 8)
+    return {"delta": out["delta"], "audit": audit,
+            "segment": {k: plan[k] for k in ("start", "stop", "final", "residual")} | {"from": bounds[j],
+                                                                                        "to": bounds[j + 1]}}
+
+
+@pytest.mark.parametrize("codec", ["none", "topk", "int8"])
+def test_every_segment_of_an_honest_trajectory_passes(tmp_path, digits, codec):
+    ex, out, audit = _trained_with_segments(tmp_path, digits, codec)
+    assert len(out["committed"]) == 4 + (codec == "topk") + 1  # checkpoints, the residual, the trajectory
+    for j in range(4):
+        assert ex.run("audit", _segment_args(ex, out, audit, j)) == {"ok": True, "reason": ""}
+
+
+def test_a_tampered_checkpoint_or_a_delta_off_the_trajectory_fails(tmp_path, digits):
+    from peerloom.backends.numpy.tensors import safetensors_views
+    ex, out, audit = _trained_with_segments(tmp_path, digits)
+    args = _segment_args(ex, out, audit, 1)
+    stop = {k: np.array(v) for k, v in safetensors_views(ex.store.get(args["segment"]["stop"].digest)).items()}
+    name = next(n for n in stop if not n.startswith("train_state."))
+    stop[name] = stop[name] + np.float32(0.5)  # the committed state after the segment is not its replay
+    fake, _ = ex.save(stop)
+    bad = dict(args, segment=dict(args["segment"], stop=fake))
+    assert ex.run("audit", bad) == {"ok": False, "reason": "segment"}
+    other = ex.run("train", {"params": audit["params"], "shards": (3,), "seed": 1, "inner_steps": 8})
+    assert ex.run("audit", dict(args, delta=other["delta"])) == {"ok": False, "reason": "inconsistent"}
+    junk = ex.store.put(b"\xa0")  # an empty map: not a trajectory
+    assert ex.run("audit-plan", {"trajectory": junk, "segment": 0, "segments": 4}) == \
+        {"ok": False, "reason": "bad-trajectory"}
+    not_a_state = ex.store.put(to_safetensors({"x": np.zeros(3, np.float32)}))
+    assert ex.run("audit", dict(args, segment=dict(args["segment"], start=not_a_state))) == \
+        {"ok": False, "reason": "bad-checkpoint"}
+
+
+@pytest.mark.parametrize("behaviour, codec", [("lazy", "none"), ("lazy", "topk"), ("free-rider-noise", "int8"),
+                                              ("replayer", "none")])
+def test_segment_audits_quarantine_cheaters_and_pass_honest_trainers(tmp_path, digits, behaviour, codec):
+    cluster = build(tmp_path, digits, trainers=3, min_updates=1, window_s=3.0, quarantine_windows=3, audit=True,
+                    audit_rate=1.0, audit_segments=4, inner_steps=8, codec=codec)
+    attacker = cluster.nodes["t2"]
+    attacker.executor.workload = ByzantineWorkload(attacker.executor.workload, behaviour)
+    me = attacker.identity.peer_id
+    assert cluster.run_until(lambda c: me in c.nodes["validator"].engine.head.quarantined, max_time=120.0)
+    v = cluster.nodes["validator"].engine
+    assert v.stats["audits_failed"] >= 1 and v.stats["audits_passed"] >= 1
+    audited = [check_audit_evidence(a, cluster.revision.id, cluster.revision.manifest)[0].signer
+               for _, h, _ in cluster.nodes["validator"].heads for a in h.audits]
+    assert audited and set(audited) == {me}  # only the cheater; every honest segment replayed true
+    # honest trainers keep only what a selected audit still needs: no unselected checkpoint stays served
+    t0 = cluster.nodes["t0"].engine
+    trainer = t0._trainer
+    kept = {ref.digest for _, refs in trainer.kept.values() for ref in refs}
+    assert len(trainer.kept) <= 8 and kept <= set(t0._stored)
+
+
+def test_an_author_that_does_not_serve_its_checkpoints_fails_the_audit(tmp_path, digits):
+    cluster = build(tmp_path, digits, trainers=3, min_updates=1, window_s=3.0, quarantine_windows=3, audit=True,
+                    audit_rate=1.0, audit_segments=4, inner_steps=8)
+    withholder = cluster.nodes["t1"]
+    trainer = withholder.engine._trainer
+    commit = trainer._commit
+
+    def forget_at_once(window, envelope, result):
+        commit(window, envelope, result)
+        withholder.engine.drop_stored(ref.digest for ref in result["committed"][:-1])  # all but the trajectory
+
+    trainer._commit = forget_at_once
+    me = withholder.identity.peer_id
+    assert cluster.run_until(lambda c: me in c.nodes["validator"].engine.head.quarantined, max_time=120.0)

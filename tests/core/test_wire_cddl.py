@@ -225,8 +225,14 @@ def instances() -> list[tuple[str, bytes, int]]:
         newer.append(("message", encode_message(CertifiedHead(head=attrs.evolve(head, audits=(verdicts,)),
                                                                certificate=cert)), 6))
         sampled = attrs.evolve(revision.manifest, audit=True, audit_rate=0.5, loss_check_samples=64,
-                               loss_min_drop=0.01)
+                               loss_min_drop=0.01, inner_steps=8, audit_segments=4)
         newer.append(("envelope", sampled.seal(ident(98)).to_bytes(), 1))
+        committed = attrs.evolve(ann, trajectory=make_artifact_ref(b"t" * 500, 256))
+        newer.append(("message", encode_message(Signed(envelope=seal(trainer, committed))), 1))
+        checkpoints = tuple(make_artifact_ref(bytes([i]) * 700, 256) for i in range(3))
+        for residual in (None, delta):
+            newer.append(("trajectory", encode(core_objects.Trajectory(checkpoints=checkpoints,
+                                                                       residual=residual).to_cbor()), 0))
     if "next-head" in MESSAGE_TYPES:  # a head without its roster, for a peer holding the parent (newer kind)
         newer.append(("message", encode_message(MESSAGE_TYPES["next-head"].of(head, genesis, cert)), 2))
     if "updates-get" in MESSAGE_TYPES:  # announcements a head proposal names by id (newer kind)

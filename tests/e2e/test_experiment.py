@@ -56,6 +56,19 @@ def test_init_errors_are_one_line(tmp_path):
         assert "Traceback" not in out.stderr
 
 
+def test_init_takes_the_verification_settings(tmp_path):
+    """`init` reaches the manifest's loss check and sampled segment audits (spec/protocol.md §6.1-6.3), and a
+    setting the manifest refuses (segments beyond the inner steps) is a one-line error."""
+    out = _peerloom("init", str(tmp_path / "e"), "--workload", WORKLOAD, "--inner-steps", "8", "--audit-rate", "0.5",
+                    "--audit-segments", "4", "--loss-check", "64", "--base-port", "0")
+    assert out.returncode == 0, out.stderr
+    m = Fleet.open(tmp_path / "e").revision().manifest
+    assert (m.audit, m.audit_rate, m.audit_segments, m.loss_check_samples) == (True, 0.5, 4, 64)
+    bad = _peerloom("init", str(tmp_path / "f"), "--workload", WORKLOAD, "--inner-steps", "2", "--audit-rate", "0.5",
+                    "--audit-segments", "4", "--base-port", "0")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "audit_segments" in bad.stderr
+
+
 @pytest.mark.slow
 def test_init_up_status_then_ctrl_c_stops_every_node(tmp_path):
     root = tmp_path / "exp"
