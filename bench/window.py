@@ -2,10 +2,13 @@
 scale, against a gloo ``all_reduce`` + ``broadcast`` of the same parameters; one JSON object on the last line.
 
     python bench/window.py [--params 1000000,10000000] [--windows 5] [--trainers 2] [--validators 1]
-                           [--quick] [--out DIR]
+                           [--verification inline|sampled|both] [--quick] [--out DIR]
 
 For each parameter count P the benchmark writes an experiment (`peerloom.experiment.Experiment`: the demo's
-protocol settings, centered clipping, DiLoCo, audit on, 1 MiB chunks), starts 1 validator (4 with
+protocol settings, centered clipping, DiLoCo with 4 inner steps, 1 MiB chunks; ``--verification`` picks
+the audits: ``inline``, every update replayed by every validator and the reducer before it enters a cohort,
+or ``sampled``, the loss check and half of each head's updates audited after it on one of 4 committed
+segments, spec/protocol.md §6.1-6.3; ``both`` runs one fleet each), starts 1 validator (4 with
 ``--validators 4``), 1 reducer and `--trainers` trainers as ``python -m peerloom node`` processes on
 127.0.0.1, and lets them certify `--windows` windows. The workload (`flat_factory`) is one float32 tensor
 of P parameters whose "training" is a fixed-cost step (one multiply: ``delta = c * params``), so what is
@@ -19,7 +22,8 @@ event logs (``events.jsonl``; every line carries a unix time ``t``):
     train        the trainers' ``train`` task (the fixed-cost step, plus encoding and storing the delta)
     publish      train done -> the last ``announce`` (signing and sending the announcement)
     fetch        last announce -> the validator's last update fetched
-    screen       -> the validator's last ``screen`` task done (screening and the audit's replay)
+    screen       -> the validator's last ``screen`` task done (screening, the loss check, an inline
+                    audit's replay; sampled audits run as ``audit`` tasks after the head, in ``tasks``)
     reduce       -> the first reduction done: the reducer's ``proposal`` or the validator's own ``reduce``
                     task (cohort screening, aggregation, DiLoCo step), whichever came first
     agree        -> the validator's ``head`` (the check of the proposal or of its own head, votes, evaluation)
@@ -70,12 +74,15 @@ KEEP_WINDOWS = 2  # node config keep_windows: what a fleet at this scale runs wi
 
 
 class FlatWorkload:
-    """P float32 parameters ``{"w": [P]}`` with a fixed-cost "training" step (module docstring).
+    """P float32 parameters ``{"w": [P]}`` with a fixed-cost "training" (module docstring).
 
-    `train` returns ``delta = c * params`` with ``c = 1e-3 * (1 + (first index % 7) / 100)``: one multiply,
-    a different update per lease (distinct digests, so no replay rejection), all pointing the same way (honest
+    `train` runs H steps (``inner_steps``, else 1) of ``w <- w - (c / H) w`` with ``c = 1e-3 * (1 + (first
+    index % 7) / 100)`` and returns ``delta = params - w``: one multiply and one subtraction per step, a
+    different update per lease (distinct digests, so no replay rejection), all pointing the same way (honest
     under centred clipping and cosine screening), and a pure function of (params, indices), so an audit
-    reproduces it bit for bit. `evaluate` reports the mean square of the parameters.
+    reproduces it bit for bit. With ``checkpoints`` it reports ``{"w", "train_state.step"}`` after each
+    segment, and `resume` replays a segment from one (segment audits, spec/protocol.md §6.3). `evaluate`
+    reports the mean square of the parameters.
     """
 
     def __init__(self, params: int, num_train: int) -> None:
@@ -87,9 +94,39 @@ class FlatWorkload:
     def initial_params(self, seed: int) -> dict[str, np.ndarray]:
         return {"w": np.random.default_rng(seed).standard_normal(self.params, dtype=np.float32)}
 
-    def train(self, params: dict[str, np.ndarray], indices: Any, seed: int, **_: Any) -> tuple[dict, dict]:
-        scale = np.float32(1e-3 * (1.0 + (int(indices[0]) % 7) / 100.0))
-        return {"w": params["w"] * scale}, {"train_loss": 1.0, "samples": len(indices)}
+    def train(self, params: dict[str, np.ndarray], indices: Any, seed: int, *, inner_steps: int | None = None,
+              checkpoints: int = 0, on_checkpoint: Any = None, **_: Any) -> tuple[dict, dict]:
+        steps = inner_steps or 1
+        bounds = {(j * steps) // checkpoints: j for j in range(1, checkpoints + 1)} if checkpoints else {}
+        w = np.array(params["w"], dtype=np.float32, copy=True)
+        self._steps(w, indices, steps, 0, steps, lambda k: on_checkpoint(bounds[k], self._state(w, k))
+                    if on_checkpoint is not None and k in bounds else None)
+        return {"w": np.subtract(params["w"], w, dtype=np.float32)}, {"train_loss": 1.0, "samples": len(indices)}
+
+    def resume(self, state: dict[str, np.ndarray], indices: Any, seed: int, *, inner_steps: int, start: int,
+               stop: int) -> dict[str, np.ndarray]:
+        """The state after step `stop`, continued from `state` (the state after step `start`, or the params
+        alone at 0). ValueError for bad bounds or a step count that is not `start`."""
+        if not 0 <= start < stop <= inner_steps or (
+                "train_state.step" in state and int(state["train_state.step"][0]) != start):
+            raise ValueError("bad segment bounds or state")
+        w = np.array(state["w"], dtype=np.float32, copy=True)
+        self._steps(w, indices, inner_steps, start, stop, None)
+        return self._state(w, stop)
+
+    @staticmethod
+    def _state(w: np.ndarray, step: int) -> dict[str, np.ndarray]:
+        return {"w": w, "train_state.step": np.array([step], dtype=np.float32)}
+
+    @staticmethod
+    def _steps(w: np.ndarray, indices: Any, steps: int, start: int, stop: int, after: Any) -> None:
+        rate = np.float32(1e-3 * (1.0 + (int(indices[0]) % 7) / 100.0) / steps)
+        step = np.empty_like(w)
+        for k in range(start, stop):
+            np.multiply(w, rate, out=step)
+            w -= step
+            if after is not None:
+                after(k + 1)
 
     def loss(self, params: dict[str, np.ndarray], indices: Any) -> float:
         """The mean square of the parameters (as `evaluate`; `train`'s step shrinks it) whatever the samples:
@@ -182,14 +219,24 @@ def disk_needed(params: int, windows: int, trainers: int, validators: int) -> in
     """Bytes the fleet's stores fill at most: per window each trainer stores its delta and the head, and
     each validator and the reducer the deltas, params and optimizer state; nodes keep the windows of the
     last `KEEP_WINDOWS` heads and the one under way (retention), plus the genesis params."""
-    per_window = 2 * trainers + (validators + 1) * (trainers + 2)
+    per_window = 2 * trainers + (validators + 1) * (trainers + 2) + trainers * 4  # + checkpoints (sampled)
     return 4 * params * (per_window * min(windows + 1, KEEP_WINDOWS + 2) + validators + 1)
 
 
+VERIFICATION = {
+    # Every validator and the reducer replay every update's whole training before it can enter a cohort.
+    "inline": {},
+    # The loss check on every update; after each head, half of its updates audited on one of 4 segments.
+    "sampled": {"loss_check_samples": 64, "audit_rate": 0.5, "audit_segments": 4},
+}
+INNER_STEPS = 4  # the flat workload's steps per window, in both settings
+
+
 def run_fleet(params: int, *, windows: int, trainers: int, validators: int, out: Path,
-              keep: bool = False) -> dict[str, Any]:
+              keep: bool = False, verification: str = "inline") -> dict[str, Any]:
     """Run one fleet for `windows` certified windows; returns its measurements (module docstring).
-    SystemExit when the disk under `out` lacks room for the run (`disk_needed`)."""
+    SystemExit when the disk under `out` lacks room for the run (`disk_needed`). `verification` names the
+    manifest's audit settings (`VERIFICATION`)."""
     from peerloom.experiment import Experiment, Fleet
 
     need = disk_needed(params, windows, trainers, validators)
@@ -198,7 +245,7 @@ def run_fleet(params: int, *, windows: int, trainers: int, validators: int, out:
         raise SystemExit(f"bench/window.py: {params} parameters x {windows} windows need {need / 1e9:.1f} GB "
                          f"under {out}, {free / 1e9:.1f} GB free")
     os.environ[PARAMS_ENV] = str(params)
-    directory = out / f"p{params}"
+    directory = out / f"p{params}-{verification}"
     shutil.rmtree(directory, ignore_errors=True)
     # Collection time: generous, so a slow machine never closes a window early (a window closes as soon as
     # every lease has reported, so this does not add to the measured time).
@@ -206,7 +253,8 @@ def run_fleet(params: int, *, windows: int, trainers: int, validators: int, out:
     experiment = Experiment(
         workload="bench.window:flat_factory", name="bench-window", trainers=trainers, validators=validators,
         reducers=1, shards=trainers, window_s=window_s, min_updates=trainers, aggregation="centered_clip",
-        outer_optimizer="diloco", audit=True, chunk_size=1 << 20, base_port=0)
+        outer_optimizer="diloco", audit=True, chunk_size=1 << 20, base_port=0, inner_steps=INNER_STEPS,
+        manifest_options=VERIFICATION[verification])
     experiment = attrs.evolve(experiment, node_options={
         name: {"keep_windows": KEEP_WINDOWS} | ({"stop_after_window": windows} if role == "validator" else {})
         for name, role in experiment.node_names()})
@@ -330,6 +378,9 @@ def main() -> None:
                         help="run the fleets here and keep their directories (default: a temporary directory, "
                              "each fleet removed once measured)")
     parser.add_argument("--quick", action="store_true", help="1M parameters, 3 windows")
+    parser.add_argument("--verification", default="inline", choices=(*VERIFICATION, "both"),
+                        help="audits: inline (every update replayed by every validator and the reducer), "
+                             "sampled (loss check, sampled segment audits), or both, one fleet each")
     parser.add_argument("--gloo-worker", nargs=5, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.gloo_worker:
@@ -341,14 +392,17 @@ def main() -> None:
     world = args.validators + 1 + args.trainers
     results = []
     try:
+        modes = tuple(VERIFICATION) if args.verification == "both" else (args.verification,)
         for params in sizes:
             baseline = gloo_baseline(world, params, 3 if args.quick else args.baseline_repeats)
-            result = run_fleet(params, windows=windows, trainers=args.trainers, validators=args.validators, out=out,
-                               keep=args.out is not None)
-            result["baseline_s"] = round(baseline, 4)
-            result["ratio"] = round(result["overhead_s"] / baseline, 2) if baseline > 0 else None
-            print(json.dumps(result), file=sys.stderr, flush=True)
-            results.append(result)
+            for mode in modes:
+                result = run_fleet(params, windows=windows, trainers=args.trainers, validators=args.validators,
+                                   out=out, keep=args.out is not None, verification=mode)
+                result["verification"] = mode
+                result["baseline_s"] = round(baseline, 4)
+                result["ratio"] = round(result["overhead_s"] / baseline, 2) if baseline > 0 else None
+                print(json.dumps(result), file=sys.stderr, flush=True)
+                results.append(result)
     finally:
         if args.out is None:
             shutil.rmtree(out, ignore_errors=True)
