@@ -1,4 +1,5 @@
-"""bench/robustness.py --quick: the report's schema, and that the default rule beats the mean under attack."""
+"""bench/robustness.py: the --quick report's schema, that the default rule beats the mean under attack, and the
+--defenses model (loss check, cohort screening, strikes and quarantine, sampled audits and their timing)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,3 +57,69 @@ def test_choose_default_prefers_the_first_rule_that_holds_every_column() -> None
     assert bench.choose_default(cells, 0.95) == "trimmed_mean"
     cells[5]["accuracy"] = 0.5
     assert bench.choose_default(cells, 0.95) is None
+
+
+class _Bowl:
+    """A stub workload: loss = |w|^2 on any samples, an honest update shrinks w by 10%."""
+
+    num_train = 200
+    y_train = np.zeros(200, dtype=np.int64)
+
+    def initial_params(self, seed: int) -> dict[str, np.ndarray]:
+        return {"w": np.ones(8, dtype=np.float32)}
+
+    def train(self, params: dict[str, np.ndarray], indices: list[int], seed: int) -> tuple[dict[str, np.ndarray]]:
+        return ({"w": (params["w"] * np.float32(0.1)).astype(np.float32)},)
+
+    def loss(self, params: dict[str, np.ndarray], indices: list[int]) -> float:
+        assert 0 < len(indices) <= 64 and all(0 <= i < self.num_train for i in indices)
+        return float(np.sum(params["w"].astype(np.float64) ** 2))
+
+    def evaluate(self, params: dict[str, np.ndarray]) -> dict[str, float]:
+        return {"accuracy": float(np.exp(-np.sum(params["w"].astype(np.float64) ** 2)))}
+
+
+def test_defences_strike_quarantine_and_audit_timing() -> None:
+    bench = load_bench()
+    stub = _Bowl()
+    shards = [list(range(20 * i, 20 * i + 20)) for i in range(10)]
+    # sign-flip raises the loss on the author's batch: rejected every time, 3 strikes quarantine at once
+    # (excluded from the next window for 10 windows)
+    _, caught = bench.run_defended_cell(stub, stub, shards, ("sign-flip", {}), "centered_clip", 6, 0)
+    assert caught["attacker_updates"] == caught["attacker_loss"] == 6  # windows 0-2, 2 attackers
+    assert caught["attacker_quarantined_strikes"] == 2 and caught["attacker_quarantined_windows"] == 6
+    assert "attacker_aggregated" not in caught and "honest_loss" not in caught
+    # ALIE lowers the loss and is no outlier: only the audit catches it. At rate 1 the update of window 0
+    # is aggregated, the author still trains in window 1 (its lease comes from head 0), head 1 quarantines
+    _, caught = bench.run_defended_cell(stub, stub, shards, ("alie", {"z": 1.0}), "mean", 5, 0, audit_rate=1.0)
+    assert caught["attacker_aggregated"] == caught["attacker_audit_failed"] == 4
+    assert caught["attacker_quarantined_audit"] == 2 and caught["attacker_quarantined_windows"] == 6
+    # label-flip is an honest computation: audits pass it
+    _, caught = bench.run_defended_cell(stub, stub, shards, ("label-flip", {}), "mean", 3, 0, audit_rate=1.0)
+    assert caught["attacker_audited"] == 6 and "attacker_audit_failed" not in caught
+    # the ablation switches each defence off
+    _, caught = bench.run_defended_cell(stub, stub, shards, ("sign-flip", {}), "mean", 3, 0, defenses=("audit",))
+    assert caught["attacker_aggregated"] == 6 and "attacker_loss" not in caught
+
+
+def test_cohort_outliers_is_the_engines_norm_ratio() -> None:
+    bench = load_bench()
+    deltas = [{"w": np.full(4, 1.0 + 0.01 * i, dtype=np.float32)} for i in range(5)]
+    deltas.append({"w": np.full(4, 10.5, dtype=np.float32)})  # 10.2x the median norm (2.06)
+    deltas.append({"w": np.full(4, 9.5, dtype=np.float32)})
+    assert bench.cohort_outliers(deltas) == {5: "norm-outlier"}
+
+
+def test_quick_run_with_defences() -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "robustness.py"), "--quick", "--defenses",
+                          "--rules", "mean,centered_clip", "--attacks", "none,sign-flip,alie"],
+                         capture_output=True, text=True, check=True, cwd=ROOT, timeout=120).stdout
+    report = json.loads(out.strip().splitlines()[-1])
+    assert {(c["attack"], c["rule"]) for c in report["defended_cells"]} == \
+        {(c["attack"], c["rule"]) for c in report["cells"]}
+    assert report["defenses"]["enabled"] == ["screen", "loss", "audit"]
+    by = {(c["attack"], c["rule"]): c for c in report["defended_cells"]}
+    assert by[("sign-flip", "mean")]["caught"]["attacker_loss"] > 0
+    assert "honest_loss" not in by[("none", "mean")]["caught"]
+    assert by[("alie", "mean")]["caught"].get("attacker_audit_failed", 0) > 0
+    assert all(c["accuracy"] >= 0.9 * report["clean_accuracy"] for c in report["defended_cells"])
