@@ -207,11 +207,12 @@ def torch_support() -> str | None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny configuration (for tests)")
-    parser.add_argument("--hidden", default="128;1024,1024",
-                        help="numpy MLP hidden widths per size, sizes separated by ';' (default '128;1024,1024')")
-    parser.add_argument("--inner-steps", type=int, default=32, help="DiLoCo H (default 32)")
+    parser.add_argument("--hidden", default="1024,1024;2048,2048",
+                        help="numpy MLP hidden widths per size, sizes separated by ';' (default "
+                             "'1024,1024;2048,2048': 1.1M and 4.3M parameters)")
+    parser.add_argument("--inner-steps", type=int, default=64, help="DiLoCo H (default 64)")
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--segments", type=int, default=8, help="audit_segments S (default 8)")
+    parser.add_argument("--segments", type=int, default=16, help="audit_segments S (default 16)")
     parser.add_argument("--audit-rate", type=float, default=0.5, help="audit_rate p (default 0.5)")
     parser.add_argument("--loss-samples", type=int, default=64, help="loss_check_samples k (default 64)")
     parser.add_argument("--shards", type=int, default=8, help="shards of digits' 1347 samples; a lease is one")
