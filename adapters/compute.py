@@ -50,6 +50,7 @@ from peerloom.core.objects import ERROR_FEEDBACK_CODECS, ArtifactRef, Manifest, 
 from .storage import ArtifactStore, atomic_write
 
 COMPUTE_BACKENDS = ("numpy", "torch")
+APPLY_BLOCK = 1 << 20  # elements per block when a streamed delta is applied (`ComputeExecutor._applied`)
 MAX_EVAL_METRICS = 63
 """A head holds at most 64 metrics (spec/wire.md): the workload's, as ``test_<name>``, and ``train_loss``."""
 
@@ -145,6 +146,7 @@ class ComputeExecutor:
         # Error-feedback residual per trainer (its peer id; None when the task names none), across windows.
         self.residuals: dict[PeerId | None, np_codecs.ErrorFeedback] = {}
         self._params: tuple[bytes, dict[str, np.ndarray]] | None = None  # `load_params`
+        self._scratch: dict[str, np.ndarray] | None = None  # `_applied`
 
     def _residual_path(self, author: PeerId | None) -> Path | None:
         if self.state_dir is None or author is None:
@@ -316,9 +318,7 @@ class ComputeExecutor:
         detail = ""
         loss_check = args.get("loss_check")
         if ok and loss_check is not None:
-            # The loss check needs the update applied whole: a streamed delta is read into memory here.
-            whole = delta if all(isinstance(t, np.ndarray) for t in delta.values()) else self.load(args["delta"])
-            ok, reason, detail = self._loss_check(whole, loss_check)
+            ok, reason, detail = self._loss_check(delta, loss_check)
         audit = args.get("audit")
         if ok and audit is not None:
             ok, reason = self._audit(delta, audit)
@@ -339,7 +339,7 @@ class ComputeExecutor:
             pick = np.random.default_rng(int(check["seed"])).choice(len(indices), samples, replace=False)
             indices = indices[np.sort(pick)]
         params = self.load_params(check["params"])
-        after_params = {n: np.subtract(params[n], delta[n], dtype=np.float32) for n in params}
+        after_params = self._applied(params, delta)
         before = float(self.workload.loss(params, indices.tolist()))
         after = float(self.workload.loss(after_params, indices.tolist()))
         detail = f"loss {before:.6g} -> {after:.6g} on {len(indices)} samples"
@@ -432,81 +432,108 @@ class ComputeExecutor:
             cosine = 1.0 if stats["global_norm"] == 0.0 and self.compute.stats(expected)["global_norm"] == 0.0 else 0.0
         return (True, "") if cosine >= float(audit["min_cosine"]) else (False, "audit")
 
+    def _applied(self, params: dict[str, np.ndarray], delta: dict[str, Any]) -> dict[str, np.ndarray]:
+        """``params - delta`` in float32, written into a buffer this executor reuses for every loss check (a
+        fresh model-size allocation per update is what costs here). `delta` may be streamed file tensors
+        (`open`): they are read block by block. The result is valid until the next call."""
+        shapes = {n: p.shape for n, p in params.items()}
+        if self._scratch is None or {n: t.shape for n, t in self._scratch.items()} != shapes:
+            self._scratch = None  # drop the old one before allocating the next
+            self._scratch = {n: np.empty(shape, np.float32) for n, shape in shapes.items()}
+        for name, base in params.items():
+            out, d = self._scratch[name], delta[name]
+            if isinstance(d, np.ndarray):
+                np.subtract(base, d, out=out, dtype=np.float32)
+                continue
+            flat_out, flat_base, flat_d = out.reshape(-1), np.asarray(base).reshape(-1), d.reshape(-1)
+            for start in range(0, flat_out.size, APPLY_BLOCK):
+                stop = min(start + APPLY_BLOCK, flat_out.size)
+                np.subtract(flat_base[start:stop], flat_d[start:stop], out=flat_out[start:stop], dtype=np.float32)
+        return self._scratch
+
     def _audit_task(self, args: dict[str, Any]) -> dict[str, Any]:
         """The ``audit`` task of a sampled audit (spec/protocol.md §6.2): decode the stored delta and recompute
         it, whole (`_audit`) or, with ``args["segment"]``, one committed segment (`_audit_segment`). Result
         ``{"ok": bool, "reason": "audit" | "segment" | "inconsistent" | "bad-checkpoint" | "undecodable" |
-        "schema" | ""}``."""
-        try:
-            encoded = self.load(args["delta"])
-            delta = self._decode(encoded)
-        except DecodeError:
-            return {"ok": False, "reason": "undecodable"}
-        if not schema_matches(delta, self.manifest.schema):
-            return {"ok": False, "reason": "schema"}
-        segment = args.get("segment")
-        if segment is None:
-            ok, reason = self._audit(delta, args["audit"])
-        else:
-            ok, reason = self._audit_segment(encoded, delta, args["audit"], segment)
-        return {"ok": ok, "reason": reason}
+        "schema" | ""}``. Where the backend streams, an uncompressed delta and the committed checkpoints
+        but the segment's start are read block by block (the memory of a validator auditing a large model)."""
+        with ExitStack() as stack:
+            try:
+                encoded = self.open(args["delta"], stack) if self.manifest.codec == "none" else \
+                    self.load(args["delta"])
+                delta = self._decode(encoded)
+            except DecodeError:
+                return {"ok": False, "reason": "undecodable"}
+            if not schema_matches(delta, self.manifest.schema):
+                return {"ok": False, "reason": "schema"}
+            segment = args.get("segment")
+            if segment is None:
+                ok, reason = self._audit(delta, args["audit"])
+            else:
+                ok, reason = self._audit_segment(encoded, delta, args["audit"], segment, stack)
+            return {"ok": ok, "reason": reason}
 
-    def _checkpoint(self, ref: ArtifactRef, like: dict[str, np.ndarray] | None) -> dict[str, np.ndarray] | None:
-        """A committed checkpoint's tensors: the params of the manifest's schema (float32, exact shapes) and
-        its training state, of the same names, dtypes and shapes as `like` when given; None when it is not."""
+    def _checkpoint(self, ref: ArtifactRef, like: dict[str, Any] | None,
+                    stack: ExitStack | None) -> dict[str, Any] | None:
+        """A committed checkpoint's tensors, streamed (`open`) with `stack`, else loaded whole: the params of
+        the manifest's schema (float32, exact shapes) and its training state, of the same names, dtypes and
+        shapes as `like` when given; None when it is not such a state."""
         try:
-            state = safetensors_views(self.store.get(ref.digest))
-        except (DecodeError, ValueError, KeyError):
+            state = self.open(ref, stack) if stack is not None else safetensors_views(self.store.get(ref.digest))
+        except (DecodeError, VerificationError, ValueError, KeyError):
             return None
         params = {n: state.get(n) for n, _, _ in self.manifest.schema}
         if any(t is None for t in params.values()) or not schema_matches(params, self.manifest.schema):
             return None
-        if like is not None and {n: (t.dtype, t.shape) for n, t in state.items()} != \
-                {n: (t.dtype, t.shape) for n, t in like.items()}:
+        if like is not None and {n: (t.dtype, tuple(t.shape)) for n, t in state.items()} != \
+                {n: (t.dtype, tuple(t.shape)) for n, t in like.items()}:
             return None
         return state
 
-    def _audit_segment(self, encoded: dict[str, np.ndarray], delta: dict[str, np.ndarray], audit: dict[str, Any],
-                       segment: dict[str, Any]) -> tuple[bool, str]:
+    def _audit_segment(self, encoded: dict[str, Any], delta: dict[str, Any], audit: dict[str, Any],
+                       segment: dict[str, Any], stack: ExitStack) -> tuple[bool, str]:
         """Replay one committed segment and check that the trajectory ends in the announced delta
         (spec/protocol.md §6.3). ``segment``: start (checkpoint ref, None = the base params), stop, final
         (checkpoint refs), residual (ref or None), from / to (inner-step bounds). (ok, reason):
 
         - ``bad-checkpoint``: a checkpoint is not a state of this workload's layout;
-        - ``segment``: the replay from `start` does not reach `stop`: the cosine between the state's
-          movement over the segment as committed and as replayed (all float tensors of the state, float64
-          sums) is below ``audit["min_cosine"]``, or the step counters differ;
         - ``inconsistent``: the announced delta is not the manifest's codec of ``base - final params`` (plus
-          the committed residual under error feedback), bit for bit.
+          the committed residual under error feedback), bit for bit;
+        - ``segment``: the replay from `start` does not reach `stop` (`_moved_alike`).
         """
         base = self.load_params(audit["params"])
-        stop = self._checkpoint(segment["stop"], None)
-        final = stop if segment["final"] == segment["stop"] else self._checkpoint(segment["final"], stop)
-        start = base if segment["start"] is None else self._checkpoint(segment["start"], stop)
-        if stop is None or final is None or start is None:
+        stop = self._checkpoint(segment["stop"], None, stack)
+        final = stop if segment["final"] == segment["stop"] else self._checkpoint(segment["final"], stop, stack)
+        if stop is None or final is None:
             return False, "bad-checkpoint"
-        expected = {n: np.subtract(base[n], final[n], dtype=np.float32) for n, _, _ in self.manifest.schema}
+        names = [n for n, _, _ in self.manifest.schema]
         codec = self.manifest.codec
-        if codec != "none":
+        if codec == "none":
+            consistent = all(np.array_equal(np.subtract(b, f, dtype=np.float32), d)
+                             for n in names for b, f, d in _blocks(base[n], final[n], delta[n]))
+        else:
+            expected = {n: np.subtract(base[n], _whole(final[n]), dtype=np.float32) for n in names}
             state = None
             if codec in ERROR_FEEDBACK_CODECS:
-                if segment["residual"] is None:
-                    return False, "inconsistent"
-                residual = self._checkpoint(segment["residual"], None)
+                residual = None if segment["residual"] is None else self._checkpoint(segment["residual"], None, None)
                 if residual is None or set(residual) != set(expected):
                     return False, "inconsistent"
                 state = np_codecs.ErrorFeedback({n: np.array(t, dtype=np.float32) for n, t in residual.items()})
             expected, _ = np_codecs.encode(codec, expected, state, fraction=self.manifest.codec_fraction)
-            delta = encoded
-        if set(expected) != set(delta) or not all(np.array_equal(expected[n], delta[n]) for n in expected):
+            consistent = set(expected) == set(encoded) and all(np.array_equal(expected[n], encoded[n])
+                                                               for n in expected)
+            del expected
+        if not consistent:
             return False, "inconsistent"
+        start = base if segment["start"] is None else self._checkpoint(segment["start"], stop, None)
+        if start is None:
+            return False, "bad-checkpoint"
         indices = [i for s in audit["shards"] for i in self.shards[s]]
         replayed = self.workload.resume(dict(start), indices, int(audit["seed"]), inner_steps=int(audit["inner_steps"]),
                                         start=int(segment["from"]), stop=int(segment["to"]))
         if set(replayed) != set(stop):
             return False, "segment"
-        params = [n for n, _, _ in self.manifest.schema]
-        alike = _moved_alike(start, stop, replayed, params, float(audit["min_cosine"]))
+        alike = _moved_alike(start, stop, replayed, names, float(audit["min_cosine"]))
         return (True, "") if alike else (False, "segment")
 
     def _reduce(self, args: dict[str, Any], stack: ExitStack) -> dict[str, Any]:
@@ -588,24 +615,42 @@ class ComputeExecutor:
 STEP_SUFFIX = "step"
 
 
+def _blocks(*tensors: Any) -> Any:
+    """Aligned flat blocks of same-sized tensors, numpy arrays or streamed `FileTensor` objects alike: tuples
+    of numpy views of at most `APPLY_BLOCK` elements (a streamed block is valid until the next one)."""
+    flats = [t.reshape(-1) for t in tensors]
+    size = flats[0].size
+    for start in range(0, size, APPLY_BLOCK):
+        stop = min(start + APPLY_BLOCK, size)
+        yield tuple(flat[start:stop] for flat in flats)
+
+
+def _whole(tensor: Any) -> np.ndarray:
+    """A tensor in memory: a numpy array as it is, a streamed `FileTensor` read whole (its own copy)."""
+    if isinstance(tensor, np.ndarray):
+        return tensor
+    return np.array(tensor.reshape(-1)[0:tensor.size], copy=True).reshape(tensor.shape)
+
+
 def _moved_alike(start: dict[str, Any], committed: dict[str, Any], replayed: dict[str, Any], params: list[str],
                  min_cosine: float) -> bool:
     """Whether a replayed segment moved the params as the committed one did: counters (state names ending
     in ``step``) equal, and the cosine between ``committed - start`` and ``replayed - start`` over the
     `params` at least `min_cosine` (float32 differences, dot products summed in float64); two segments that
     did not move at all agree. The rest of the state (optimizer moments) is not compared: a fabricated one
-    makes the next segment's replay miss its committed end instead."""
+    makes the next segment's replay miss its committed end instead. `committed` may be streamed."""
     for name, end in committed.items():
-        if name.endswith(STEP_SUFFIX) and not np.array_equal(np.asarray(end), np.asarray(replayed[name])):
+        if name.endswith(STEP_SUFFIX) and not np.array_equal(_whole(end), np.asarray(replayed[name])):
             return False
     dot = a2 = b2 = 0.0
     for name in params:
-        origin = np.asarray(start[name], dtype=np.float32).ravel()
-        a = np.subtract(np.asarray(committed[name], dtype=np.float32).ravel(), origin)
-        b = np.subtract(np.asarray(replayed[name], dtype=np.float32).ravel(), origin)
-        dot += float(np.dot(a, b))
-        a2 += float(np.dot(a, a))
-        b2 += float(np.dot(b, b))
+        for origin, end, ours in _blocks(np.asarray(start[name], dtype=np.float32), committed[name],
+                                         np.asarray(replayed[name], dtype=np.float32)):
+            a = np.subtract(end, origin, dtype=np.float32)
+            b = np.subtract(ours, origin, dtype=np.float32)
+            dot += float(np.dot(a, b))
+            a2 += float(np.dot(a, a))
+            b2 += float(np.dot(b, b))
     if a2 == 0.0 or b2 == 0.0:
         return a2 == b2
     return math.isfinite(dot) and dot / math.sqrt(a2 * b2) >= min_cosine
