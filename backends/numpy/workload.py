@@ -330,13 +330,7 @@ class NumpyWorkload:
         (params, indices) give the same float. Raises ValueError for empty or out-of-range indices or params
         of the wrong schema.
         """
-        index = np.asarray(indices, dtype=np.int64)
-        if index.ndim != 1 or len(index) == 0:
-            raise ValueError("indices must be a non-empty sequence of ints")
-        if int(index.min()) < 0 or int(index.max()) >= self.num_train:
-            raise ValueError(f"indices must lie in [0, {self.num_train})")
-        if schema_of(params) != self._schema:
-            raise ValueError(f"params have schema {schema_of(params)}, expected {self._schema}")
+        index = self._lease(indices, params)
         total = 0.0
         for start in range(0, len(index), LOSS_CHUNK):
             rows = index[start : start + LOSS_CHUNK]
