@@ -324,26 +324,25 @@ class ComputeExecutor:
             ok, reason = self._audit(delta, audit)
         return {"ok": ok, "reason": reason, "norm": norm, "detail": detail}
 
-    def _loss_check(self, delta: dict[str, np.ndarray], check: dict[str, Any]) -> tuple[bool, str, str]:
+    def _loss_check(self, delta: dict[str, Any], check: dict[str, Any]) -> tuple[bool, str, str]:
         """The loss check (spec/protocol.md §6.1): the workload's loss on a batch of the author's leased
-        samples before and after applying the decoded `delta` to the base params (forward passes only).
-        (ok, reason ``loss``, detail "before -> after") - ok iff the loss after is finite and at most
-        ``(1 - min_drop)`` times the loss before, and lower than it.
+        samples at the base params with the decoded `delta` applied (``applied = base - delta``) and with
+        it applied the opposite way (``opposite = base + delta``); forward passes only. (ok, reason
+        ``loss``, detail) - ok iff both are finite and ``opposite - applied >= min_drop * (opposite +
+        applied)`` with ``applied < opposite``: the update points downhill on its own data. Comparing the
+        two sides cancels the second-order term an honest update that overshoots pays on both, which a
+        before/after comparison charges it (spec §6.1 gives the measurement).
 
         The batch is ``check["samples"]`` of the lease's sample indices (all when fewer), drawn without
         replacement by ``np.random.default_rng(check["seed"])`` (the update's `loss_batch_seed`), in lease
         order. A workload without ``loss`` raises AttributeError (a task failure, never a strike)."""
-        indices = np.asarray([i for s in check["shards"] for i in self.shards[s]], dtype=np.int64)
-        samples = int(check["samples"])
-        if len(indices) > samples:
-            pick = np.random.default_rng(int(check["seed"])).choice(len(indices), samples, replace=False)
-            indices = indices[np.sort(pick)]
+        batch = loss_check_batch([i for s in check["shards"] for i in self.shards[s]], int(check["samples"]),
+                                 int(check["seed"]))
         params = self.load_params(check["params"])
-        after_params = self._applied(params, delta)
-        before = float(self.workload.loss(params, indices.tolist()))
-        after = float(self.workload.loss(after_params, indices.tolist()))
-        detail = f"loss {before:.6g} -> {after:.6g} on {len(indices)} samples"
-        ok = math.isfinite(after) and after < before and after <= (1.0 - float(check["min_drop"])) * before
+        applied = float(self.workload.loss(self._applied(params, delta, -1.0), batch))
+        opposite = float(self.workload.loss(self._applied(params, delta, 1.0), batch))
+        detail = f"loss {applied:.6g} applied, {opposite:.6g} opposite, on {len(batch)} samples"
+        ok = loss_check_passes(applied, opposite, float(check["min_drop"]))
         return ok, "" if ok else "loss", detail
 
     def _screen(self, delta: dict[str, np.ndarray]) -> tuple[bool, str, float]:
@@ -432,10 +431,12 @@ class ComputeExecutor:
             cosine = 1.0 if stats["global_norm"] == 0.0 and self.compute.stats(expected)["global_norm"] == 0.0 else 0.0
         return (True, "") if cosine >= float(audit["min_cosine"]) else (False, "audit")
 
-    def _applied(self, params: dict[str, np.ndarray], delta: dict[str, Any]) -> dict[str, np.ndarray]:
-        """``params - delta`` in float32, written into a buffer this executor reuses for every loss check (a
-        fresh model-size allocation per update is what costs here). `delta` may be streamed file tensors
-        (`open`): they are read block by block. The result is valid until the next call."""
+    def _applied(self, params: dict[str, np.ndarray], delta: dict[str, Any], sign: float) -> dict[str, np.ndarray]:
+        """``params + sign * delta`` (`sign` -1: the update applied, +1: the opposite way) in float32, written
+        into a buffer this executor reuses for every loss check (a fresh model-size allocation per update is
+        what costs here). `delta` may be streamed file tensors (`open`): they are read block by block. The
+        result is valid until the next call."""
+        combine = np.subtract if sign < 0 else np.add
         shapes = {n: p.shape for n, p in params.items()}
         if self._scratch is None or {n: t.shape for n, t in self._scratch.items()} != shapes:
             self._scratch = None  # drop the old one before allocating the next
@@ -443,12 +444,12 @@ class ComputeExecutor:
         for name, base in params.items():
             out, d = self._scratch[name], delta[name]
             if isinstance(d, np.ndarray):
-                np.subtract(base, d, out=out, dtype=np.float32)
+                combine(base, d, out=out, dtype=np.float32)
                 continue
             flat_out, flat_base, flat_d = out.reshape(-1), np.asarray(base).reshape(-1), d.reshape(-1)
             for start in range(0, flat_out.size, APPLY_BLOCK):
                 stop = min(start + APPLY_BLOCK, flat_out.size)
-                np.subtract(flat_base[start:stop], flat_d[start:stop], out=flat_out[start:stop], dtype=np.float32)
+                combine(flat_base[start:stop], flat_d[start:stop], out=flat_out[start:stop], dtype=np.float32)
         return self._scratch
 
     def _audit_task(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -610,6 +611,24 @@ class ComputeExecutor:
             elif min_cosine > -1.0 and s["cosine"] == s["cosine"] and s["cosine"] < min_cosine:
                 outliers.append([i, "cosine"])
         return outliers
+
+
+def loss_check_batch(lease: Sequence[int], samples: int, seed: int) -> list[int]:
+    """The loss check's batch (spec/protocol.md §6.1): `samples` of the lease's sample indices (all when
+    fewer), drawn without replacement by ``np.random.default_rng(seed)`` (the update's `loss_batch_seed`),
+    kept in lease order."""
+    indices = np.asarray(lease, dtype=np.int64)
+    if len(indices) > samples:
+        indices = indices[np.sort(np.random.default_rng(seed).choice(len(indices), samples, replace=False))]
+    return indices.tolist()
+
+
+def loss_check_passes(applied: float, opposite: float, min_drop: float) -> bool:
+    """The loss check's verdict (spec/protocol.md §6.1) from the batch's loss with the update applied and
+    applied the opposite way: both finite, ``applied < opposite`` and ``opposite - applied >= min_drop *
+    (opposite + applied)``."""
+    return math.isfinite(applied) and math.isfinite(opposite) and applied < opposite and \
+        opposite - applied >= min_drop * (opposite + applied)
 
 
 STEP_SUFFIX = "step"

@@ -173,9 +173,12 @@ class ByzantineWorkload:
         prefix = dict(plain, inner_steps=bounds[real], checkpoints=real,
                       on_checkpoint=lambda j, st: states.__setitem__(j, _copy(st)))
         lazy, _ = self.inner.train(params, indices, seed, **prefix)
-        sent = scale_to_norm(_copy(lazy), global_norm(honest))
+        scaled = scale_to_norm(_copy(lazy), global_norm(honest))
         last = states[real]
-        final = {n: np.subtract(params[n], sent[n], dtype=np.float32) for n in params}
+        final = {n: np.subtract(params[n], scaled[n], dtype=np.float32) for n in params}
+        # What it sends is exactly base - final (float32 rounds params - (params - x) away from x), so its
+        # trajectory is consistent with its delta and only a fabricated segment's replay can expose it.
+        sent = {n: np.subtract(params[n], final[n], dtype=np.float32) for n in params}
         for j in range(real + 1, segments + 1):
             frac = (bounds[j] - bounds[real]) / (bounds[segments] - bounds[real])
             fake = _copy(last)

@@ -22,8 +22,9 @@ draws the table as a heatmap PNG.
 
 ``--defenses`` also runs every cell with the protocol's defences (spec/protocol.md §6, §6.1, §6.2, §9), at
 the engine's parameters: cohort screening (norm ratio 10 against the median norm, as ``adapters/compute.py``
-``_outliers``), the loss check on 64 of the author's own leased samples (``workload.loss`` before and
-after, as ``_loss_check``), both strikes, with the engine's quarantine records (`core.quarantine.next_records`:
+``_outliers``), the loss check on 64 of the author's own leased samples (``workload.loss`` with the update
+applied and applied the opposite way, with the executor's ``loss_check_batch`` and ``loss_check_passes``),
+both strikes, with the engine's quarantine records (`core.quarantine.next_records`:
 3 strikes in 5 windows quarantine a trainer for 10), and sampled audits at ``--audit-rate`` 0.5, under
 which every crafted update (all attacks but label-flip, an honest computation on flipped data) that is
 selected fails and quarantines its author one window later (`run_defended_cell`). The report then adds
@@ -49,6 +50,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from peerloom.adapters.compute import loss_check_batch, loss_check_passes
 from peerloom.backends.attacks import alie_z, craft_update, label_flipped
 from peerloom.backends.datasets import shard_indices
 from peerloom.backends.mnist1d import make_mnist1d_numpy_workload
@@ -157,18 +159,13 @@ def _head_id(seed: int, w: int) -> bytes:
 
 def loss_check(workload: Any, params: dict[str, np.ndarray], delta: dict[str, np.ndarray], shard: list[int],
                update_id: bytes, samples: int = LOSS_SAMPLES, min_drop: float = LOSS_MIN_DROP) -> bool:
-    """spec/protocol.md §6.1, as ``adapters/compute.py`` ``_loss_check`` runs it: `samples` of the author's
-    leased sample indices (lease order, drawn without replacement by ``default_rng(loss_batch_seed(id))``),
-    the workload's loss at the base params and at ``params - delta`` (forward passes only); passes iff the
-    loss after is finite, lower than before and at most ``(1 - min_drop)`` times it."""
-    indices = np.asarray(shard, dtype=np.int64)
-    if len(indices) > samples:
-        pick = np.random.default_rng(loss_batch_seed(update_id)).choice(len(indices), samples, replace=False)
-        indices = indices[np.sort(pick)]
-    after_params = {n: np.subtract(params[n], delta[n], dtype=np.float32) for n in params}
-    before = float(workload.loss(params, indices.tolist()))
-    after = float(workload.loss(after_params, indices.tolist()))
-    return bool(np.isfinite(after) and after < before and after <= (1.0 - min_drop) * before)
+    """spec/protocol.md §6.1 with the executor's own batch and verdict (`loss_check_batch`,
+    `loss_check_passes`): the workload's loss on `samples` of the author's leased samples with the update
+    applied and applied the opposite way (forward passes only); passes iff it points downhill."""
+    batch = loss_check_batch(shard, samples, loss_batch_seed(update_id))
+    applied = {n: np.subtract(params[n], delta[n], dtype=np.float32) for n in params}
+    opposite = {n: np.add(params[n], delta[n], dtype=np.float32) for n in params}
+    return loss_check_passes(float(workload.loss(applied, batch)), float(workload.loss(opposite, batch)), min_drop)
 
 
 def cohort_outliers(deltas: list[dict[str, np.ndarray]], norm_ratio: float = NORM_RATIO,

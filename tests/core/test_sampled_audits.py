@@ -90,23 +90,23 @@ def _executor(tmp_path, digits, **fields):
     return ex, params, ex.store.put(to_safetensors(params))
 
 
-def test_loss_check_passes_an_honest_update_and_rejects_one_that_raises_the_loss(tmp_path, digits):
+def test_loss_check_passes_an_honest_update_and_rejects_one_that_points_uphill(tmp_path, digits):
     ex, _params, params_ref = _executor(tmp_path, digits, loss_check_samples=64)
     seed = train_seed(b"\x12\x20" + bytes(32), 1, (2,), ident(7).peer_id)
     trained = ex.run("train", {"params": params_ref, "shards": (2,), "seed": seed, "inner_steps": 0})
     check = {"params": params_ref, "shards": (2,), "seed": 5, "samples": 64, "min_drop": 0.0}
     honest = ex.run("screen", {"delta": trained["delta"], "delta_digest": trained["delta_digest"],
                                "loss_check": check})
-    assert honest["ok"] is True and "->" in honest["detail"]
+    assert honest["ok"] is True and "applied" in honest["detail"]
     flipped = {k: -v for k, v in ex.load(trained["delta"]).items()}
     ref, digest = ex.save(flipped)
     bad = ex.run("screen", {"delta": ref, "delta_digest": digest, "loss_check": check})
     assert (bad["ok"], bad["reason"]) == (False, "loss")
-    before, after = (float(x) for x in bad["detail"].split()[1:4:2])
-    assert after > before  # the detail says what the validator measured
+    applied, opposite = (float(x) for x in bad["detail"].split()[1:4:2])
+    assert applied > opposite  # the detail says what the validator measured: the flip points uphill
     # A drop threshold the honest update does not reach rejects it too: the threshold is what decides.
     strict = ex.run("screen", {"delta": trained["delta"], "delta_digest": trained["delta_digest"],
-                               "loss_check": dict(check, min_drop=0.999)})
+                               "loss_check": dict(check, min_drop=0.99)})
     assert (strict["ok"], strict["reason"]) == (False, "loss")
 
 
@@ -126,7 +126,9 @@ def test_loss_check_batch_is_the_seeded_subset_of_the_lease(tmp_path, digits):
     ex.workload = Spy(ex.workload)
     zero = {k: np.zeros_like(v) for k, v in params.items()}
     for seed in (1, 1, 2):
-        ex._loss_check(zero, {"params": params_ref, "shards": (1,), "seed": seed, "samples": 16, "min_drop": 0.0})
+        ok, _, _ = ex._loss_check(zero, {"params": params_ref, "shards": (1,), "seed": seed, "samples": 16,
+                                         "min_drop": 0.0})
+        assert not ok  # an update that moves nothing does not point downhill
     lease = set(ex.shards[1])
     assert len(seen[0]) == 16 and set(seen[0]) <= lease and seen[0] == seen[1] == seen[2] == seen[3]
     assert seen[4] != seen[0] and set(seen[4]) <= lease
@@ -309,3 +311,17 @@ def test_an_author_that_does_not_serve_its_checkpoints_fails_the_audit(tmp_path,
     trainer._commit = forget_at_once
     me = withholder.identity.peer_id
     assert cluster.run_until(lambda c: me in c.nodes["validator"].engine.head.quarantined, max_time=120.0)
+
+
+def test_a_committed_lazy_trainer_is_caught_by_a_fabricated_segment_not_by_its_delta(tmp_path, digits):
+    """The lazy trainer's trajectory ends exactly in its delta, and its first quarter is real: audits of its
+    first segment pass and of the fabricated ones fail as ``segment`` (spec/protocol.md §6.3)."""
+    ex, _params, params_ref = _executor(tmp_path, digits, audit=True, audit_rate=1.0, inner_steps=8,
+                                        audit_segments=4)
+    ex.workload = ByzantineWorkload(ex.workload, "lazy")
+    seed = train_seed(b"\x12\x20" + bytes(32), 1, (2,), ident(7).peer_id)
+    out = ex.run("train", {"params": params_ref, "shards": (2,), "seed": seed, "inner_steps": 8, "segments": 4})
+    audit = {"params": params_ref, "shards": (2,), "seed": seed, "inner_steps": 8, "min_cosine": 0.99}
+    verdicts = [ex.run("audit", _segment_args(ex, out, audit, j)) for j in range(4)]
+    assert verdicts[0] == {"ok": True, "reason": ""}
+    assert verdicts[1:] == [{"ok": False, "reason": "segment"}] * 3

@@ -50,3 +50,14 @@ def test_engine_bench_quick() -> None:
                           "events_per_window", "ms_per_window", "head_window"}
     small, large = report["results"]
     assert large["events_per_window"] > small["events_per_window"]  # a bigger cohort is more messages
+
+
+def test_loss_check_bench_quick() -> None:
+    """bench/loss_check.py (spec/protocol.md §6.1): both loss checks measured on honest and noise updates."""
+    report = run_bench("loss_check.py")
+    (digits,) = report["results"].values()
+    assert digits["updates"] == 4 * report["trainers"]  # windows 2..5 of 6, every trainer
+    for test in ("before_after", "symmetric"):
+        assert 0.0 <= digits[test]["honest_rejected"] <= 1.0 and 0.0 <= digits[test]["noise_caught"] <= 1.0
+    assert [t["loss_min_drop"] for t in digits["thresholds"]] == [0.0, 0.01, 0.02, 0.05, 0.1]
+    assert digits["symmetric"]["honest_rejected"] == 0.0  # an honest update points downhill on its own data
