@@ -256,7 +256,7 @@ class ComputeExecutor:
         checkpoints: list[ArtifactRef] = []
         if segments:
             def keep(j: int, state: dict[str, np.ndarray]) -> None:
-                checkpoints.append(self._store_state(state))
+                checkpoints.append(self._store_state(state, durable=False))
             indices = [i for s in args["shards"] for i in self.shards[s]]
             delta, metrics = self.workload.train(params, indices, args["seed"], inner_steps=inner_steps,
                                                  checkpoints=segments, on_checkpoint=keep)
@@ -268,7 +268,7 @@ class ComputeExecutor:
         residual = None
         if segments and self.manifest.codec in ERROR_FEEDBACK_CODECS:
             state = self._residual_of(author, delta)
-            residual = self._store_state(state.residual)
+            residual = self._store_state(state.residual, durable=False)
         ref, digest = self.save(self._encode(delta, author))
         out: dict[str, Any] = {"delta": ref, "delta_digest": digest, "train_loss": float(metrics["train_loss"])}
         if segments:
@@ -277,10 +277,13 @@ class ComputeExecutor:
             out["committed"] = [*checkpoints, *([residual] if residual is not None else []), trajectory]
         return out
 
-    def _store_state(self, tensors: dict[str, np.ndarray]) -> ArtifactRef:
-        """Store a checkpoint (`save` without the tensor digest nobody asks of it)."""
+    def _store_state(self, tensors: dict[str, np.ndarray], *, durable: bool = True) -> ArtifactRef:
+        """Store tensors (`save` without the tensor digest); ``durable=False`` for a trainer's checkpoints
+        and residual copy: a crash before its audit only costs that audit, never what it signed."""
         parts = safetensors_parts(tensors) if hasattr(self.store, "put_parts") else None
-        return self.store.put(to_safetensors(tensors)) if parts is None else self.store.put_parts(parts)
+        if parts is None:
+            return self.store.put(to_safetensors(tensors))
+        return self.store.put_parts(parts) if durable else self.store.put_parts(parts, durable=False)
 
     def _audit_plan(self, args: dict[str, Any]) -> dict[str, Any]:
         """The ``audit-plan`` task of a segment audit (spec/protocol.md §6.3): read the author's stored

@@ -75,6 +75,47 @@ DEFAULT_KEEP_WINDOWS = 0
 ``keep_windows``; 2 is enough for the protocol, spec/protocol.md §8.1)."""
 
 
+BACKGROUND_TASKS = frozenset({"audit", "audit-plan"})
+"""Task kinds that yield the compute slot to every other waiting task (`ComputeSlot`)."""
+
+
+class ComputeSlot:
+    """The one compute slot a node's tasks share, on a worker thread (the executor is not thread-safe: a
+    workload trains, replays and evaluates in its own buffers). Sampled audits run after a head, off the
+    critical path (spec/protocol.md §6.2): a background task takes the slot only while no other task waits
+    for it, one background task at a time; a background task already running is not interrupted."""
+
+    def __init__(self) -> None:
+        self._slot = trio.CapacityLimiter(1)
+        self._background = trio.CapacityLimiter(1)
+        self._waiting = 0  # foreground tasks waiting for or holding the slot
+        self._idle = trio.Event()
+        self._idle.set()
+
+    async def run(self, background: bool, fn: Any, *args: Any) -> tuple[float, Any]:
+        """Run ``fn(*args)`` on a worker thread once the slot is ours; returns (monotonic start time, its
+        result). Exceptions from `fn` propagate."""
+        if background:
+            async with self._background:
+                while self._waiting:
+                    await self._idle.wait()
+                return await self._call(fn, *args)
+        if self._waiting == 0:
+            self._idle = trio.Event()
+        self._waiting += 1
+        try:
+            return await self._call(fn, *args)
+        finally:
+            self._waiting -= 1
+            if self._waiting == 0:
+                self._idle.set()
+
+    async def _call(self, fn: Any, *args: Any) -> tuple[float, Any]:
+        async with self._slot:
+            started = time.monotonic()
+            return started, await trio.to_thread.run_sync(fn, *args)
+
+
 @attrs.frozen(kw_only=True)
 class RuntimeOptions:
     listen_host: str = "127.0.0.1"  # the tcp listener when `listen` is empty
@@ -161,7 +202,7 @@ class NodeRuntime:
         # is hung up on rather than allowed to grow our memory.
         self._outboxes: dict[PeerId, _Outbox] = {}
         self.outbox_hangups = 0  # peers hung up on for a full outbox
-        self._compute_limiter = trio.CapacityLimiter(1)
+        self._compute = ComputeSlot()
         self.bytes_sent = 0
         self.bytes_received = 0
         self._closed_bytes: dict[PeerId, tuple[int, int]] = {}  # wire bytes of closed connections, per peer
@@ -489,9 +530,8 @@ class NodeRuntime:
 
     async def _run_task(self, effect: fx.RunTask) -> None:
         try:
-            async with self._compute_limiter:
-                started = time.monotonic()
-                result = await trio.to_thread.run_sync(self.executor.run, effect.kind, effect.args)
+            started, result = await self._compute.run(effect.kind in BACKGROUND_TASKS, self.executor.run, effect.kind,
+                                                      effect.args)
         except Exception as exc:
             log.exception("task %s failed", effect.task_id)
             await self._send_events.send(ev.TaskFailed(now=0.0, task_id=effect.task_id, reason=repr(exc)))

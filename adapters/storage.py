@@ -60,9 +60,10 @@ def _preallocate(fd: int, size: int) -> None:
             pass
 
 
-def atomic_write(path: Path, data: bytes | memoryview | Sequence[bytes | memoryview]) -> None:
+def atomic_write(path: Path, data: bytes | memoryview | Sequence[bytes | memoryview], *, durable: bool = True) -> None:
     """Write `data` (bytes, or pieces written one after the other) to `path` so that readers see the old file
-    or the whole new one (temp, fsync, rename)."""
+    or the whole new one (temp, fsync, rename). ``durable=False`` skips both fsyncs: after a crash the file
+    may be missing or empty, never torn under its name while the system runs."""
     pieces = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
     # Unique per writer, so two threads storing the same artifact never share a temporary file.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
@@ -71,9 +72,11 @@ def atomic_write(path: Path, data: bytes | memoryview | Sequence[bytes | memoryv
         for piece in pieces:
             fh.write(piece)
         fh.flush()
-        os.fsync(fh.fileno())
+        if durable:
+            os.fsync(fh.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    if durable:
+        _fsync_dir(path.parent)
 
 
 def read_artifact(root: str | Path, digest: bytes) -> bytes:
@@ -324,13 +327,15 @@ class ArtifactStore:
         """Store `data` (idempotent) and return its ArtifactRef."""
         return self.put_parts([data])
 
-    def put_parts(self, parts: Sequence[bytes | memoryview]) -> ArtifactRef:
+    def put_parts(self, parts: Sequence[bytes | memoryview], *, durable: bool = True) -> ArtifactRef:
         """`put` of the concatenation of `parts`, which is never built: the pieces (e.g. an array's own
-        memory) are hashed and written one after the other (issue 20). Returns its ArtifactRef."""
+        memory) are hashed and written one after the other (issue 20). Returns its ArtifactRef. With
+        ``durable=False`` nothing is fsynced: for what is worth less than the fsync's time, such as a
+        trainer's checkpoints (spec/protocol.md §6.3), which a crash only costs an audit."""
         ref = _ref_of_parts(parts, self.chunk_size)
         if ref.digest not in self._refs:
-            atomic_write(self._path(ref.digest), parts)
-            self._finish_computed(ref)
+            atomic_write(self._path(ref.digest), parts, durable=durable)
+            self._finish_computed(ref, durable=durable)
         return ref
 
     def open_writer(self, size: int) -> ArtifactWriter:
@@ -342,13 +347,13 @@ class ArtifactStore:
         partial file goes, and chunk writes still queued for it are skipped (`write_chunk`)."""
         self._writers.discard(digest, self._partial / digest[2:].hex())
 
-    def _finish_computed(self, ref: ArtifactRef) -> None:
-        """An artifact computed here is durable under its name: visible, and a fetch of it is over."""
-        self._finish(ref)
+    def _finish_computed(self, ref: ArtifactRef, *, durable: bool = True) -> None:
+        """An artifact computed here is stored under its name: visible, and a fetch of it is over."""
+        self._finish(ref, durable=durable)
         self._drop_partial(ref.digest)
 
-    def _finish(self, ref: ArtifactRef) -> None:
-        atomic_write(self._path(ref.digest).with_suffix(".ref"), encode(ref.to_cbor()))
+    def _finish(self, ref: ArtifactRef, *, durable: bool = True) -> None:
+        atomic_write(self._path(ref.digest).with_suffix(".ref"), encode(ref.to_cbor()), durable=durable)
         self._refs[ref.digest] = ref
 
     def get(self, digest: bytes) -> bytes:

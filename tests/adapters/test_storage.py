@@ -23,6 +23,19 @@ def test_put_get_and_reopen(tmp_path):
     assert again.refs() == [ref]
 
 
+def test_a_non_durable_put_skips_fsync_and_is_stored_the_same(tmp_path, monkeypatch):
+    """A trainer's checkpoints are stored without fsync (spec/protocol.md §6.3): same artifact, same reads."""
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    store = ArtifactStore(tmp_path, chunk_size=10)
+    ref = store.put_parts([b"ab" * 6, b"c" * 13], durable=False)
+    assert synced == [] and store.get(ref.digest) == b"ab" * 6 + b"c" * 13
+    assert ArtifactStore(tmp_path, chunk_size=10).refs() == [ref]
+    store.put(b"durable")
+    assert synced  # the default still syncs
+
+
 def test_digest_is_trusted_on_read_and_verified_by_check(tmp_path):
     """Hashed once when stored (issue 20): a read checks the size only; `verify`/`check` re-hash."""
     store = ArtifactStore(tmp_path)
