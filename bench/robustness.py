@@ -20,20 +20,20 @@ the order of ``PREFERENCE``, whose accuracy is >= 90% of ``clean_accuracy`` in e
 ``{"clean_accuracy", "default_rule", "cells": [{"attack", "rule", "accuracy"}], ...}``; ``--plot PATH``
 draws the table as a heatmap PNG.
 
-``--defenses`` also runs every cell with the protocol's defences (spec/protocol.md §6, §6.1, §6.2, §9), at
-the engine's parameters: cohort screening (norm ratio 10 against the median norm, as ``adapters/compute.py``
+``--defenses`` also runs every cell with the protocol's defences (spec/protocol.md §6, §6.1, §6.2, §9), at the
+engine's parameters: cohort screening (norm ratio 10 against the median norm, as ``adapters/compute.py``
 ``_outliers``), the loss check on 64 of the author's own leased samples (``workload.loss`` with the update
-applied and applied the opposite way, with the executor's ``loss_check_batch`` and ``loss_check_passes``),
-both strikes, with the engine's quarantine records (`core.quarantine.next_records`:
-3 strikes in 5 windows quarantine a trainer for 10), and sampled audits at ``--audit-rate`` 0.5, under
-which every crafted update (all attacks but label-flip, an honest computation on flipped data) that is
-selected fails and quarantines its author one window later (`run_defended_cell`). The report then adds
-``defended_cells`` (each with ``caught``: what each defence caught), ``defended_default_rule`` (same
-choice, against the same undefended ``clean_accuracy``) and ``defenses``; the plot adds the defended rows.
-``--defenses loss,audit`` (any subset of ``screen,loss,audit``) is an ablation. The undefended table is
-unchanged by the flag. The bench does not model the engine's ``screen-replay`` check, which would reject
-the second of two byte-identical ALIE / IPM updates: an attacker evades it with a one-ulp change.
-"""
+applied and applied the opposite way, with the executor's ``loss_check_batch`` and ``loss_check_passes``; its
+rejections are not strikes), outliers as strikes with the engine's quarantine records
+(`core.quarantine.next_records`: 3 strikes in 5 windows quarantine a trainer for 10), and sampled audits at
+``--audit-rate`` 0.5, under which every crafted update (all attacks but label-flip, an honest computation on
+flipped data) that is selected fails and quarantines its author one window later (`run_defended_cell`). The
+report then adds ``defended_cells`` (each with ``caught``: what each defence caught),
+``defended_default_rule`` (same choice, against the same undefended ``clean_accuracy``) and ``defenses``; the
+plot adds the defended rows. ``--defenses loss,audit`` (any subset of ``screen,loss,audit``) is an ablation.
+The undefended table is unchanged by the flag. The bench does not model the engine's ``screen-replay`` check,
+which would reject the second of two byte-identical ALIE / IPM updates: an attacker evades it with a one-ulp
+change. """
 
 from __future__ import annotations
 
@@ -198,8 +198,8 @@ def run_defended_cell(workload: Any, flipped: Any, shards: list[list[int]],
     """`run_cell` with the protocol's defences: (final test accuracy, what each defence caught).
 
     Each window, in the engine's order: trainers quarantined by the previous head get no lease (no update);
-    every update gets the loss check (§6.1; rejected = ``screen-loss``, a strike); the accepted ones are
-    cohort-screened (norm ratio; outliers are struck too) and the rest reduced with `rule`. The head of
+    every update gets the loss check (§6.1; rejected = ``screen-loss``, left out but not a strike); the
+    accepted ones are cohort-screened (norm ratio; outliers are strikes) and the rest reduced with `rule`. The head of
     window `w` then records the window's strikes (`core.quarantine.next_records`: 3 within 5 windows
     quarantine for 10) and the audit verdicts on window `w - 1`'s cohort. Sampled audits (§6.2): each
     aggregated update is selected with probability `audit_rate` (`core.audit.audit_selected` on stand-in
@@ -237,8 +237,7 @@ def run_defended_cell(workload: Any, flipped: Any, shards: list[list[int]],
             caught[f"{role(i)}_updates"] += 1
             if "loss" not in defenses or loss_check(workload, params, updates[i], shards[i], _update_id(seed, w, i)):
                 accepted.append(i)
-            else:
-                struck.append(i)
+            else:  # left out of the aggregate; not a strike (spec/protocol.md §6.1)
                 caught[f"{role(i)}_loss"] += 1
         outliers = cohort_outliers([updates[i] for i in accepted]) if "screen" in defenses else {}
         for k in outliers:

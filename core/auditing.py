@@ -48,6 +48,10 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 MAX_VERDICTS_PER_SIGNER = 64  # verdicts held per validator at a time (a faulty one cannot grow our state)
+UNSERVED_GRACE_WINDOWS = 2
+"""Heads an author may stay unreachable before a segment audit that needs its checkpoints fails
+(spec/protocol.md §6.3): a fetch that fails is tried again when the author reconnects and at each head."""
+UNSERVED_AT_ONCE = ("ref-mismatch", "corrupt-artifact")  # the author served other bytes: no second chance
 
 
 @attrs.frozen(kw_only=True)
@@ -95,8 +99,10 @@ class _Run:
     announcement: UpdateAnnouncement
     base: Head
     segment: int | None
+    window: int  # of the head that selected it
     plan: dict[str, ArtifactRef | None] = attrs.Factory(dict)
     waiting: set[bytes] = attrs.Factory(set)
+    stalled: list[FetchTrajectory | FetchCheckpoint] = attrs.Factory(list)  # failed fetches to try again
 
 
 def audit_authors(audits: tuple[AuditEvidence, ...]) -> tuple[PeerId, ...]:
@@ -128,6 +134,7 @@ class SampledAudits:
         if not self.enabled:
             return
         self._prune(head)
+        self._retry_stalled(head.window)
         if head.skipped or collector is None or collector.window != head.window:
             return
         for update_id in head.cohort:
@@ -140,7 +147,7 @@ class SampledAudits:
             e.stats["audits_started"] += 1
             segment = audit_segment(head.id, update_id, m.audit_segments) if m.audit_segments else None
             run = self.running[update_id] = _Run(envelope=entry.envelope, announcement=entry.announcement,
-                                                 base=collector.head, segment=segment)
+                                                 base=collector.head, segment=segment, window=head.window)
             self.updates[update_id] = (entry.envelope, entry.announcement)
             if segment is None:
                 self._replay(update_id, head.window, run)
@@ -157,7 +164,11 @@ class SampledAudits:
         if run is None:
             return
         if isinstance(work, (FetchTrajectory, FetchCheckpoint)) and isinstance(outcome, Failed):
-            self._concluded(work, False, f"unserved-{outcome.reason}")  # the author did not serve its commitment
+            if outcome.reason in UNSERVED_AT_ONCE:
+                self._concluded(work, False, f"unserved-{outcome.reason}")  # it served other bytes than it committed
+            else:
+                run.stalled.append(work)  # unreachable for now: tried again on reconnect and at each head
+                e.log("audit-stalled", window=work.window, author=str(run.envelope.signer), reason=outcome.reason)
             return
         if isinstance(work, (AuditTask, PlanAudit)) and isinstance(outcome, Failed):
             del self.running[work.update_id]
@@ -189,6 +200,35 @@ class SampledAudits:
             case AuditTask():
                 assert result is not None
                 self._concluded(work, bool(result["ok"]), str(result["reason"]))
+
+    def on_peer_ready(self, peer: PeerId) -> None:
+        """`peer` (re)connected: fetch again what stalled audits need from it."""
+        for run in list(self.running.values()):
+            if run.stalled and run.envelope.signer == peer:
+                self._refetch(run)
+
+    def _retry_stalled(self, head_window: int) -> None:
+        """At each head: a stalled audit fails once its author stayed unreachable `UNSERVED_GRACE_WINDOWS` heads
+        after the head that selected it; the others fetch again."""
+        for run in list(self.running.values()):
+            if not run.stalled:
+                continue
+            if head_window >= run.window + UNSERVED_GRACE_WINDOWS:
+                self._concluded(run.stalled[0], False, "unserved")
+            else:
+                self._refetch(run)
+
+    def _refetch(self, run: _Run) -> None:
+        e = self.engine
+        works, run.stalled = run.stalled, []
+        for work in works:
+            if isinstance(work, FetchTrajectory):
+                assert run.announcement.trajectory is not None
+                ref: ArtifactRef | None = run.announcement.trajectory
+            else:
+                ref = next((r for r in run.plan.values() if r is not None and r.digest == work.digest), None)
+            if ref is not None:
+                e.fetch(ref, [run.envelope.signer], "validator", work)
 
     def _replay(self, update_id: bytes, window: int, run: _Run) -> None:
         """Start the ``audit`` task: the whole training, or the run's segment from its checkpoints."""

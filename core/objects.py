@@ -211,10 +211,10 @@ class Manifest:
     # of their inner loop (`UpdateAnnouncement.trajectory`) and a sampled audit replays one segment of
     # H / S inner steps instead of the whole training. 0 (absent from the encoding): whole replays.
     audit_segments: int = 0
-    # Loss check (spec/protocol.md §6.1): validators and reducers compute the workload's loss before and
-    # after applying an update on `loss_check_samples` of the author's leased samples (forward passes only)
-    # and reject (`screen-loss`, a strike) an update that does not lower it to at most `1 - loss_min_drop`
-    # times its value before. 0 samples (absent from the encoding) is off.
+    # Loss check (spec/protocol.md §6.1): validators and reducers compute the workload's loss with an update
+    # applied and applied the opposite way on `loss_check_samples` of the author's leased samples (forward
+    # passes only) and reject (`screen-loss`, not a strike) one that does not point downhill by at least
+    # `loss_min_drop` (relative). 0 samples (absent from the encoding) is off.
     loss_check_samples: int = 0
     loss_min_drop: float = 0.0
     # Update codec (spec/protocol.md §6): trainers announce their delta encoded with `codec` (one of

@@ -25,10 +25,12 @@ from .objects import PRECOMMIT, PREVOTE, PROTOCOL_VERSION, VOTE_KIND, Evidence, 
 
 # Screening reasons that any honest validator reproduces from the signed announcement and the delta
 # bytes alone; only these are strikes. Fetch failures, local task errors and replays (which depend on the
-# order announcements arrived in) never are.
+# order announcements arrived in) never are, nor is the loss check's `screen-loss`: an honest update on data
+# the model has already fit can fail it (spec/protocol.md §6.1), so it keeps the update out of the aggregate
+# and no more; audits are what quarantine a trainer that never trains.
 STRIKE_REASONS = frozenset({
     "screen-undecodable", "screen-schema", "screen-non-finite", "screen-digest-mismatch", "screen-norm-bound",
-    "screen-norm-outlier", "screen-cosine", "screen-audit", "screen-loss",
+    "screen-norm-outlier", "screen-cosine", "screen-audit",
 })
 
 

@@ -290,6 +290,7 @@ class ValidatorRole(RoleBase):
     def on_peer_ready(self, peer: PeerId, roles: tuple[str, ...]) -> None:
         if "trainer" in roles:
             self._arm_deadline()
+            self.audits.on_peer_ready(peer)
         if "validator" in roles and self.collector is not None:
             # A validator that (re)connects may have lost what we signed for this window while it was away.
             self.voting.resend(peer)

@@ -30,5 +30,5 @@ def test_a_head_with_an_unknown_field_is_refused_by_name(tmp_path):
     record = cbor2.loads((chain / "000003.cbor").read_bytes())
     record["head"]["future_field"] = 1
     (chain / "000003.cbor").write_bytes(cbor2.dumps(record, canonical=True))
-    with pytest.raises(PeerloomError, match="000003.cbor"):
+    with pytest.raises(PeerloomError, match=r"000003\.cbor"):
         verified_chain(chain)

@@ -325,3 +325,22 @@ def test_a_committed_lazy_trainer_is_caught_by_a_fabricated_segment_not_by_its_d
     verdicts = [ex.run("audit", _segment_args(ex, out, audit, j)) for j in range(4)]
     assert verdicts[0] == {"ok": True, "reason": ""}
     assert verdicts[1:] == [{"ok": False, "reason": "segment"}] * 3
+
+
+def test_an_honest_trainer_down_when_audited_is_audited_once_it_is_back(tmp_path, digits):
+    """A segment audit needs the author's checkpoints; an author that is unreachable then (a crash) gets
+    `UNSERVED_GRACE_WINDOWS` heads to come back before the audit fails (spec/protocol.md §6.3)."""
+    cluster = build(tmp_path, digits, trainers=3, min_updates=1, window_s=3.0, audit=True, audit_rate=1.0,
+                    audit_segments=4, inner_steps=8)
+    v = cluster.nodes["validator"]
+    assert cluster.run_until(lambda c: v.engine.head.window >= 1, max_time=60.0)
+    cluster.crash("t1")  # right as the head that selects its update for audit arrives
+    window = v.engine.head.window
+    assert cluster.run_until(lambda c: v.engine.head.window >= window + 1, max_time=cluster.now + 60.0)
+    cluster.restart("t1")
+    assert cluster.run_until(lambda c: v.engine.head.window >= window + 4, max_time=cluster.now + 120.0)
+    me = cluster.nodes["t1"].identity.peer_id
+    stalled = [f for _, node, event, f in cluster.logs if node == "validator" and event == "audit-stalled"]
+    assert stalled and all(f["author"] == str(me) for f in stalled)
+    assert v.engine.stats["audits_passed"] >= 1 and "audits_failed" not in v.engine.stats
+    assert all(me not in h.quarantined and not h.audits for _, h, _ in v.heads)
