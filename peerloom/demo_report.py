@@ -16,7 +16,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from peerloom.core.objects import Head, QuorumCertificate
+from peerloom.core.objects import (
+    PROTOCOL_VERSION,
+    AuditFailure,
+    Head,
+    Manifest,
+    QuorumCertificate,
+    UpdateAnnouncement,
+)
+
+# How each strike reason (spec/protocol.md §6) names the check that caught the update.
+CAUGHT_BY_REASON = {
+    "screen-loss": "loss-check", "screen-norm-outlier": "screening", "screen-cosine": "screening",
+    "screen-norm-bound": "screening", "screen-audit": "inline-audit", "screen-undecodable": "screening",
+    "screen-schema": "screening", "screen-non-finite": "screening", "screen-digest-mismatch": "screening",
+}
 
 # A final accuracy this many points below the centralized baseline counts as degraded (issue 8's bar).
 DEGRADED_POINTS = 2.0
@@ -56,6 +70,39 @@ def window_bytes(sent_at: dict[int, int]) -> dict[int, int]:
     return out
 
 
+def head_audits(head: Head) -> list[dict[str, Any]]:
+    """The failed sampled audits a head carries (spec/protocol.md §6.2), one per quarantined author: the
+    author (peer id text), the audited update (id hex) and its window, and how many validators' verdicts
+    prove it. The head's certificate already vouches for them (`peerloom verify` checks them again)."""
+    out = []
+    for verdicts in head.audits:
+        update = AuditFailure.from_cbor(verdicts[0].open(AuditFailure.KIND, PROTOCOL_VERSION)).update
+        announcement = UpdateAnnouncement.from_cbor(update.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
+        out.append({"author": str(update.signer), "update": update.id.hex(), "update_window": announcement.window,
+                    "verdicts": len(verdicts)})
+    return out
+
+
+def verification_settings(manifest: Manifest) -> dict[str, Any]:
+    """How a revision verifies updates (spec/protocol.md §6-§6.3), for ``report.json``'s ``verification``:
+    the screening thresholds (``max_update_norm``, 0 for none; cohort ``norm_ratio`` and ``min_cosine``),
+    the loss check's sample count, and ``audit_mode``: ``off``, ``inline`` (every update replayed at
+    screening), ``sampled`` (certified updates replayed whole after the fact, each with probability
+    ``audit_rate``) or ``sampled-segments`` (the same, replaying one of ``audit_segments`` committed
+    segments)."""
+    if not manifest.audit:
+        mode = "off"
+    elif manifest.audit_rate <= 0:
+        mode = "inline"
+    else:
+        mode = "sampled-segments" if manifest.audit_segments else "sampled"
+    return {"max_update_norm": manifest.max_update_norm, "norm_ratio": manifest.norm_ratio,
+            "min_cosine": manifest.min_cosine,
+            "loss_check_samples": manifest.loss_check_samples, "audit": manifest.audit, "audit_mode": mode,
+            "audit_rate": manifest.audit_rate, "audit_segments": manifest.audit_segments,
+            "inner_steps": manifest.inner_steps}
+
+
 def build_report(*, nodes: Sequence[dict[str, Any]], entries: Sequence[tuple[Head, QuorumCertificate]],
                  observer: str) -> dict[str, Any]:
     """The per-node and per-window parts of ``report.json``.
@@ -63,7 +110,15 @@ def build_report(*, nodes: Sequence[dict[str, Any]], entries: Sequence[tuple[Hea
     `nodes` are dicts with ``name``, ``role``, ``peer_id`` (text), ``behaviour`` and ``directory`` (Path);
     `observer` names the validator whose logs stand for "the network's view" of rejections and head times.
     Returns the keys ``per_node``, ``per_window``, ``quarantine_over_time``, ``quarantined``,
-    ``bytes_by_role``, ``double_votes`` (conflicting votes a validator logged), ``head_lag_s`` and ``chain``.
+    ``bytes_by_role``, ``double_votes`` (conflicting votes a validator logged), ``head_lag_s``, ``chain``,
+    ``audits`` (every failed audit a head carries: the head's window, the author's name, the audited
+    update's window, the verdicts and the reasons validators logged for their failed audit) and
+    ``audit_counters`` (audits started, passed, failed, errored... summed over the validators' stats).
+
+    Each node says how it was caught: ``rejected_by_reason`` (the observer's screening rejections, the loss
+    check's ``screen-loss`` among them), ``failed_audits`` (how many heads carry a failed audit of one of
+    its updates) with ``failed_audit_windows`` (those heads' windows), and ``caught_by`` (the checks that
+    did: ``screening``, ``loss-check``, ``inline-audit``, ``audit``).
     """
     events = {n["name"]: read_events(n["directory"] / "events.jsonl") for n in nodes}
     stats = {}
@@ -90,6 +145,25 @@ def build_report(*, nodes: Sequence[dict[str, Any]], entries: Sequence[tuple[Hea
             accepted_windows[author.get(update.hex(), "unknown")].append(head.window)
         for update in head.rejected:
             rejected_in_chain[author.get(update.hex(), "unknown")] += 1
+
+    # Failed sampled audits, from the chain (the heads' `audits`); the reasons from the validators' logs.
+    reasons: dict[tuple[str, int], set[str]] = defaultdict(set)
+    for n in nodes:
+        if n["role"] == "validator":
+            for e in events[n["name"]]:
+                if e["event"] == "audit-failed":
+                    reasons[(e["author"], e["window"])].add(str(e["reason"]))
+    audits = [{"window": head.window, **a, "author": by_peer.get(a["author"], a["author"]), "peer_id": a["author"],
+               "reasons": sorted(reasons.get((a["author"], a["update_window"]), ()))}
+              for head, _ in entries for a in head_audits(head)]
+    failed_audit_windows: dict[str, list[int]] = defaultdict(list)
+    for a in audits:
+        failed_audit_windows[a["author"]].append(a["window"])
+    audit_counters: Counter[str] = Counter()
+    for n in nodes:
+        if n["role"] == "validator":
+            counters = stats.get(n["name"], {}).get("counters", {})
+            audit_counters.update({k: int(v) for k, v in counters.items() if k.startswith("audits_")})
 
     observed = events.get(observer, [])
     opens = sorted((e["t"], e["window"]) for e in observed if e["event"] == "window-open")
@@ -146,6 +220,9 @@ def build_report(*, nodes: Sequence[dict[str, Any]], entries: Sequence[tuple[Hea
                             for h, _ in entries]
     per_node = []
     for n in nodes:
+        caught = {CAUGHT_BY_REASON[r] for r in rejected[n["name"]] if r in CAUGHT_BY_REASON}
+        if failed_audit_windows.get(n["name"]):
+            caught.add("audit")
         per_node.append({
             "name": n["name"], "role": n["role"], "peer_id": n["peer_id"], "behaviour": n["behaviour"],
             "accepted": accepted.get(n["name"], 0),
@@ -153,10 +230,14 @@ def build_report(*, nodes: Sequence[dict[str, Any]], entries: Sequence[tuple[Hea
             "rejected": max(rejected_in_chain.get(n["name"], 0), sum(rejected[n["name"]].values())),
             "rejected_in_chain": rejected_in_chain.get(n["name"], 0),
             "rejected_by_reason": dict(sorted(rejected[n["name"]].items())),
+            "failed_audits": len(failed_audit_windows.get(n["name"], [])),
+            "failed_audit_windows": sorted(failed_audit_windows.get(n["name"], [])),
+            "caught_by": sorted(caught),
             "bytes_sent": int(stats.get(n["name"], {}).get("bytes_sent", 0)),
         })
     per_window = [{"window": h.window, "skipped": h.skipped, "accepted": len(h.cohort),
                    "rejected": max(len(h.rejected), rejected_per_window.get(h.window, 0)),
+                   "failed_audits": len(h.audits),
                    "bytes": bytes_per_window.get(h.window, 0),
                    "roster": len(h.roster), **dict(h.metrics)}
                   for h, _ in entries]
@@ -170,6 +251,8 @@ def build_report(*, nodes: Sequence[dict[str, Any]], entries: Sequence[tuple[Hea
         "head_lag_s": head_lag,
         "chain": [{"window": h.window, "head": h.id.hex(), "skipped": h.skipped,
                    "signers": [str(p) for p, _ in c.votes]} for h, c in entries],
+        "audits": audits,
+        "audit_counters": dict(sorted(audit_counters.items())),
     }
 
 
@@ -235,7 +318,11 @@ def plot_report(out: Path, report: dict[str, Any]) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6.5, 4))
     ax.bar(xs, [w["accepted"] for w in windows], color="tab:green", label="accepted (in the cohort)")
     ax.bar(xs, [w["rejected"] for w in windows], bottom=[w["accepted"] for w in windows], color="tab:red",
-           label="rejected by screening")
+           label="rejected (screening, loss check)")
+    if any(w.get("failed_audits") for w in windows):
+        ax.bar(xs, [w.get("failed_audits", 0) for w in windows],
+               bottom=[w["accepted"] + w["rejected"] for w in windows], color="tab:orange",
+               label="failed audits the head carries")
     ax.set_xlabel("window")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("updates")

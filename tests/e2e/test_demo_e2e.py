@@ -12,7 +12,7 @@ import pytest
 
 REPORT_KEYS = {"peerloom_version", "profile", "seed", "workload", "transport", "nodes", "windows", "final_head",
                "baseline", "updates", "bytes_on_wire", "wall_s", "quarantined", "verified", "quarantine_over_time",
-               "head_lag_s", "bytes_by_role", "chain", "per_window", "defence", "double_votes"}
+               "head_lag_s", "bytes_by_role", "chain", "per_window", "defence", "double_votes", "verification"}
 
 
 CHROMIUM = next((p for p in (shutil.which("chromium"), shutil.which("chromium-browser"), "/usr/bin/chromium")
@@ -74,12 +74,33 @@ def smoke_run(tmp_path_factory):
     return out, subprocess.CompletedProcess(proc.args, proc.returncode, stdout, ""), seen
 
 
-def _genesis_roster(out):
+def _revision(out):
     from peerloom.core.envelope import SignedEnvelope
     from peerloom.core.objects import Revision
 
-    revision = Revision.verify(SignedEnvelope.from_bytes((out / "chain" / "manifest.cbor").read_bytes()))
-    return [(p.to_text(), cap) for p, cap in revision.manifest.roster]
+    return Revision.verify(SignedEnvelope.from_bytes((out / "chain" / "manifest.cbor").read_bytes()))
+
+
+def _genesis_roster(out):
+    return [(p.to_text(), cap) for p, cap in _revision(out).manifest.roster]
+
+
+def _audited_authors(out):
+    """{window: authors} of every head in the demo's chain that carries failed audits, each checked from the
+    head alone (spec/protocol.md §6.2)."""
+    from peerloom.core.audit import check_audit_evidence
+    from peerloom.core.auditing import audit_authors
+    from peerloom.core.chain import decode_chain_entry
+
+    revision = _revision(out)
+    audited = {}
+    for path in sorted((out / "chain").glob("0*.cbor")):
+        head, _ = decode_chain_entry(path.read_bytes())
+        if head.audits:
+            checked = [check_audit_evidence(v, revision.id, revision.manifest)[0].signer for v in head.audits]
+            assert checked == list(audit_authors(head.audits))
+            audited[head.window] = {p.to_text() for p in checked}
+    return audited
 
 
 @pytest.mark.slow
@@ -96,15 +117,33 @@ def test_smoke_demo_mixed_fleet(smoke_run):
     assert roles.count("trainer") == 7 and "validator" in roles and "reducer" in roles
     assert len({n["pid"] for n in report["nodes"]}) == len(report["nodes"])  # separate OS processes
     assert [n["behaviour"] for n in report["nodes"]].count("killed") == 1
-    # Both Byzantine trainers are screened out every time and quarantined by the chain; nobody else is.
-    # Sign-flip-scale fails the statistics; ALIE looks typical and fails the recomputation audit.
+    # Both Byzantine trainers end up quarantined by the chain; nobody else does. Sign-flip-scale never gets an
+    # update in: screening (the per-update norm bound, cohort outliers) or the loss check rejects each, and
+    # three strikes quarantine it. ALIE looks typical and passes them all, so some of its updates are
+    # certified; audited after the fact (this profile audits every certified update), its replay fails and a
+    # later head carries the validators' verdicts, which quarantine it at once.
     flipper, alie = nodes["sign-flip-scale"], nodes["alie"]
     assert flipper["accepted"] == 0 and flipper["rejected"] >= 3
-    assert alie["accepted"] == 0 and alie["rejected"] >= 3
+    assert flipper["rejected_by_reason"] and set(flipper["rejected_by_reason"]) <= {
+        "screen-norm-bound", "screen-loss", "screen-norm-outlier", "screen-cosine"}
+    assert flipper["caught_by"] and set(flipper["caught_by"]) <= {"loss-check", "screening"}
+    assert alie["failed_audits"] >= 1 and "audit" in alie["caught_by"]
     assert sorted(report["quarantined"]) == sorted([flipper["peer_id"], alie["peer_id"]])
-    assert set(flipper["rejected_by_reason"]) <= {"screen-norm-outlier", "screen-cosine", "screen-audit"}
-    assert set(alie["rejected_by_reason"]) == {"screen-audit"}
-    # Killed at window 2, restarted from its disk at 3: it contributes again afterwards.
+    audited = _audited_authors(out)  # from the signed heads themselves
+    assert audited and set().union(*audited.values()) == {alie["peer_id"]}
+    assert sorted(audited) == alie["failed_audit_windows"]
+    assert all(n["failed_audits"] == 0 for n in report["nodes"] if n["behaviour"] != "alie")
+    # Audits are sampled after the fact, never inline at screening.
+    assert not any("screen-audit" in n["rejected_by_reason"] for n in report["nodes"])
+    verification = report["verification"]
+    assert verification["loss_check_samples"] == 64 and verification["audit_rate"] == 1.0
+    assert verification["max_update_norm"] > 0
+    assert verification["audit_mode"] == "sampled" and verification["audit_segments"] == 0
+    assert verification["audits_in_heads"] == len(verification["audits"]) == sum(len(a) for a in audited.values())
+    assert {a["peer_id"] for a in verification["audits"]} == {alie["peer_id"]}
+    assert verification["audit_counters"].get("audits_failed", 0) >= 1
+    assert "carries a failed audit of" in proc.stdout
+    # Killed as window 2 opens and restarted from its disk at once: it contributes again afterwards.
     assert any(w >= 3 for w in nodes["killed-restarted"]["accepted_windows"])
     # The late joiner was not in the genesis roster, asked to join and then held leases.
     assert nodes["late-joiner"]["accepted"] >= 1 and min(nodes["late-joiner"]["accepted_windows"]) >= 2
@@ -178,6 +217,11 @@ def test_undefended_mean_visibly_degrades_and_the_report_says_so(tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert report["rule"] == "mean" and report["verified"] is True
     assert report["quarantined"] == []
+    # No loss check and no audits either: only the schema, finiteness and signature checks stay on.
+    verification = report["verification"]
+    assert verification["audit_mode"] == "off" and verification["loss_check_samples"] == 0
+    assert verification["max_update_norm"] == 0
+    assert verification["audits_in_heads"] == 0
     assert report["defence"]["defended"] is False and report["defence"]["degraded"] is True
     assert report["defence"]["gap"] > 10  # points behind the centralized baseline
     assert "DEGRADED" in proc.stdout

@@ -32,3 +32,75 @@ def test_read_events_skips_a_line_torn_by_sigkill(tmp_path):
 def test_window_bytes_counts_a_restarted_nodes_new_life_in_full():
     # cumulative counter 100, 250, then killed and restarted: 30, 90
     assert window_bytes({1: 100, 2: 250, 4: 30, 5: 90}) == {1: 100, 2: 150, 4: 30, 5: 60}
+
+
+def _audited_head():
+    """A revision with sampled segment audits, and a head of window 4 carrying one validator's verdict on
+    trainer ident(10)'s update of window 3."""
+    import attrs
+
+    from peerloom.core.objects import AuditFailure, UpdateAnnouncement, make_artifact_ref, seal
+    from tests.helpers import ident, make_revision
+
+    revision = make_revision(trainers=(ident(10),))
+    manifest = attrs.evolve(revision.manifest, audit=True, audit_rate=0.5, inner_steps=8, audit_segments=4,
+                            loss_check_samples=64)
+    ref = make_artifact_ref(b"delta", 64 * 1024)
+    update = seal(ident(10), UpdateAnnouncement(revision=revision.id, window=3, base=revision.genesis().id,
+                                                shards=(0,), delta=ref, delta_digest=ref.digest, train_loss=0.5))
+    verdict = seal(ident(1), AuditFailure(revision=revision.id, update=update))
+    head = attrs.evolve(revision.genesis(), window=4, audits=((verdict,),))
+    return manifest, head, update
+
+
+def test_verification_settings_name_the_audit_mode():
+    import attrs
+
+    from peerloom.demo_report import verification_settings
+
+    manifest, _, _ = _audited_head()
+    assert verification_settings(manifest) == {"max_update_norm": 0.0, "norm_ratio": manifest.norm_ratio,
+                                               "min_cosine": manifest.min_cosine, "loss_check_samples": 64,
+                                               "audit": True,
+                                               "audit_mode": "sampled-segments", "audit_rate": 0.5,
+                                               "audit_segments": 4, "inner_steps": 8}
+    whole = attrs.evolve(manifest, audit_segments=0)
+    assert verification_settings(whole)["audit_mode"] == "sampled"
+    inline = attrs.evolve(whole, audit_rate=0.0)
+    assert verification_settings(inline)["audit_mode"] == "inline"
+    off = attrs.evolve(inline, audit=False, loss_check_samples=0)
+    assert verification_settings(off)["audit_mode"] == "off" and verification_settings(off)["loss_check_samples"] == 0
+
+
+def test_report_names_the_trainer_a_head_carries_a_failed_audit_of(tmp_path):
+    from types import SimpleNamespace
+
+    from peerloom.demo_report import build_report, head_audits
+    from tests.helpers import ident
+
+    _, head, update = _audited_head()
+    author = ident(10).peer_id.to_text()
+    assert head_audits(head) == [{"author": author, "update": update.id.hex(), "update_window": 3, "verdicts": 1}]
+    nodes = []
+    for name, role, peer in (("validator-1", "validator", ident(1)), ("trainer-1", "trainer", ident(10)),
+                             ("trainer-2", "trainer", ident(11))):
+        directory = tmp_path / name
+        directory.mkdir()
+        nodes.append({"name": name, "role": role, "peer_id": peer.peer_id.to_text(), "behaviour": "honest",
+                      "directory": directory})
+    (tmp_path / "validator-1" / "events.jsonl").write_text("\n".join(json.dumps(e) for e in (
+        {"t": 1.0, "event": "window-open", "window": 4},
+        {"t": 1.5, "event": "reject", "peer": ident(11).peer_id.to_text(), "reason": "screen-loss"},
+        {"t": 2.0, "event": "audit-failed", "window": 3, "author": author, "reason": "inconsistent", "segment": 1},
+    )) + "\n")
+    (tmp_path / "validator-1" / "stats.json").write_text(json.dumps(
+        {"bytes_sent": 10, "counters": {"audits_started": 2, "audits_failed": 1, "audits_passed": 1, "other": 5}}))
+    report = build_report(nodes=nodes, entries=[(head, SimpleNamespace(votes=()))], observer="validator-1")
+    by_name = {n["name"]: n for n in report["per_node"]}
+    assert by_name["trainer-1"]["failed_audits"] == 1 and by_name["trainer-1"]["failed_audit_windows"] == [4]
+    assert by_name["trainer-1"]["caught_by"] == ["audit"]
+    assert by_name["trainer-2"]["failed_audits"] == 0 and by_name["trainer-2"]["caught_by"] == ["loss-check"]
+    assert report["audits"] == [{"window": 4, "author": "trainer-1", "update": update.id.hex(), "update_window": 3,
+                                 "verdicts": 1, "peer_id": author, "reasons": ["inconsistent"]}]
+    assert report["audit_counters"] == {"audits_failed": 1, "audits_passed": 1, "audits_started": 2}
+    assert report["per_window"][0]["failed_audits"] == 1
