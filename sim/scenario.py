@@ -35,7 +35,7 @@ MANIFEST_PASSTHROUGH = {"quarantine_strikes": int, "strike_windows": int, "quara
                         "norm_ratio": float, "min_cosine": float, "max_update_norm": float, "lease_s": float,
                         "outer_optimizer": str, "outer_momentum": float, "inner_steps": int,
                         "audit": bool, "audit_min_cosine": float, "idle_windows": int,
-                        "unproven_share": float, "max_joins": int, "audit_rate": float,
+                        "unproven_share": float, "max_joins": int, "audit_rate": float, "audit_segments": int,
                         "loss_check_samples": int, "loss_min_drop": float}
 TOP_KEYS = {"name", "description", "duration_s", "stop_window", "workload", "roles", "manifest", "compute",
             "network", "faults", "churn", "adversaries", "liveness", "engine", "disk", "trace"}
