@@ -52,6 +52,24 @@ Prints progress to stderr and one JSON object on the last stdout line::
 trainer that cheats every window (``lazy``, ``free-rider-noise``, and ``replayer`` after its 2 honest
 windows); ``honest_false``: seeds (all adversaries and the control) in which an honest trainer was struck
 (target 0), quarantined or named by a failed audit.
+
+Measured (engine 064d590, digits-numpy, 200 seeds per row, 2 workers on the shared 2-core machine at load
+5-12: 20-23 min for 1000 runs, ~1.5 s of CPU per run): share of seeds whose cheater a head of window <= 10
+quarantines, median first window, all by audits (screen-loss is no strike; no other strike fired):
+
+| adversary | loss check + audits p=0.5 | + audit_segments=8 | audits only (no loss check) |
+|---|---|---|---|
+| lazy | 99.5% (w 3) | 96.5% (w 3; 101 of 368 segment audits passed) | 100% (w 3) |
+| replayer | 96.0% (w 4) | 95.5% (w 4) | 99.0% (w 4) |
+| free-rider-noise | 98.0% (w 3) | 99.0% (w 3) | 100% (w 3) |
+| lazy-1-in-5 | 70.0% (w 2) | 54.0% (w 2) | 73.5% (w 2, earlier engine) |
+| honest trainers struck / quarantined / audited | 0 / 0 / 0 of 1000 runs | 0 / 0 / 0 | 0 / 0 / 0 |
+
+Every miss is a cheater none of whose certified updates `audit_selected` picked: no whole-replay audit of
+a cheating update ever passed. The loss check costs detection because an update it rejects is neither a
+strike nor in a cohort, so it is never audited (each miss above had 1-4 such updates). It also rejected an
+honest update (no strike) in about half of the runs, ~1% of honest updates. The replayer's first two
+windows are honest, so it has 7 chances in 10 windows (1 - 0.5^7 = 99.2% at best).
 """
 
 from __future__ import annotations
