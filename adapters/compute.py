@@ -483,7 +483,7 @@ class ComputeExecutor:
         the manifest's schema (float32, exact shapes) and its training state, of the same names, dtypes and
         shapes as `like` when given; None when it is not such a state."""
         try:
-            state = self.open(ref, stack) if stack is not None else safetensors_views(self.store.get(ref.digest))
+            state = self.open(ref, stack) if stack is not None else self.load(ref)
         except (DecodeError, VerificationError, ValueError, KeyError):
             return None
         params = {n: state.get(n) for n, _, _ in self.manifest.schema}

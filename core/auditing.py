@@ -148,7 +148,6 @@ class SampledAudits:
             segment = audit_segment(head.id, update_id, m.audit_segments) if m.audit_segments else None
             run = self.running[update_id] = _Run(envelope=entry.envelope, announcement=entry.announcement,
                                                  base=collector.head, segment=segment, window=head.window)
-            self.updates[update_id] = (entry.envelope, entry.announcement)
             if segment is None:
                 self._replay(update_id, head.window, run)
             else:
