@@ -1,13 +1,14 @@
 """A validator's sampled audits, run after the fact (spec/protocol.md §6.2).
 
-With ``audit = true`` and ``audit_rate > 0`` in the manifest, updates are screened without a replay. Once
-a head certifies a window, each validator audits the cohort updates that `audit_selected` picks with the
-head's id - randomness no trainer knew when it announced - by re-running the author's training (an
-``audit`` compute task) off the critical path, while the next window trains. An audit that fails is
-signed as an `AuditFailure` verdict and sent to every validator. A proposer puts each update that holds
-`verdicts_needed` verdicts of distinct validators into the next head's ``audits``; that head quarantines
-its author (`core/quarantine.py`). Anyone checks the verdicts from the head alone
-(`check_audit_evidence`); `peerloom verify` also checks the selection against the chain.
+With ``audit = true`` and ``audit_rate > 0`` in the manifest, updates are screened without a replay. Once a
+head certifies a window, each validator audits the updates of that window (its cohort, and those the loss
+check rejected: `audit_candidates`) that `audit_selected` picks with the head's id - randomness no trainer
+knew when it announced - by re-running the author's training (an ``audit`` compute task) off the critical
+path, while the next window trains. An audit that fails is signed as an `AuditFailure` verdict and sent to
+every validator. A proposer puts each update that holds `verdicts_needed` verdicts of distinct validators
+into the next head's ``audits``; that head quarantines its author (`core/quarantine.py`). Anyone checks the
+verdicts from the head alone (`check_audit_evidence`); `peerloom verify` also checks the selection against
+the chain.
 
 The work in flight is plain data (`AuditTask`), resumed by `SampledAudits.on_task`. Verdicts are held in
 memory only: a restarted validator forgets those it held (its peers still hold theirs).
@@ -105,6 +106,16 @@ class _Run:
     stalled: list[FetchTrajectory | FetchCheckpoint] = attrs.Factory(list)  # failed fetches to try again
 
 
+def audit_candidates(head: Head, collector: Collector) -> list[bytes]:
+    """The updates of `head`'s window that a sampled audit may select, sorted by id (spec/protocol.md §6.2):
+    its cohort, and the updates `collector` rejected with ``screen-loss``. The loss check keeps an update
+    out of the cohort without a strike (§6.1), so without this a cheater whose update points uphill would
+    never be audited for it."""
+    loss_rejected = (x.envelope.id for x in collector.entries.values()
+                     if x.state == "rejected" and x.reason == "screen-loss")
+    return sorted({*head.cohort, *loss_rejected})
+
+
 def audit_authors(audits: tuple[AuditEvidence, ...]) -> tuple[PeerId, ...]:
     """The authors of the updates whose failed `audits` a head carries (already checked)."""
     return tuple(AuditFailure.from_cbor(v[0].open(AuditFailure.KIND, PROTOCOL_VERSION)).update.signer
@@ -137,7 +148,7 @@ class SampledAudits:
         self._retry_stalled(head.window)
         if head.skipped or collector is None or collector.window != head.window:
             return
-        for update_id in head.cohort:
+        for update_id in audit_candidates(head, collector):
             if not audit_selected(head.id, update_id, m.audit_rate):
                 continue
             entry = collector.by_id.get(update_id)

@@ -101,10 +101,11 @@ def check_audits(revision: Revision, head: Head, previous: Head, by_window: dict
     """Check the failed sampled audits `head` carries (spec/protocol.md §6.2); returns how many.
 
     Each entry's verdicts prove a failed audit (`check_audit_evidence`: enough distinct validators, one
-    update); the update's window is within `AUDIT_WINDOWS` before `head`'s; the certified head of that
-    window has the update in its cohort and `audit_selected` picked it with that head's id and the
-    manifest's `audit_rate`; its author was not quarantined by `previous` and is quarantined by `head`
-    for `quarantine_windows` windows; entries are sorted by update id, one per author. Raises
+    update); the update's window is within `AUDIT_WINDOWS` before `head`'s; it was trained on the base of
+    that window (the parent of its certified head) and `audit_selected` picked it with that head's id and
+    the manifest's `audit_rate` (it may be outside the cohort: an update the loss check rejected is
+    audited too, and the chain does not record those); its author was not quarantined by `previous` and
+    is quarantined by `head` for `quarantine_windows` windows; entries are sorted by update id, one per author. Raises
     VerificationError (``bad-audit``)."""
     m, where = revision.manifest, f"window {head.window}"
     if head.audits and not (m.audit and m.audit_rate > 0):
@@ -118,9 +119,9 @@ def check_audits(revision: Revision, head: Head, previous: Head, by_window: dict
             raise VerificationError("bad-audit", f"{where}: {exc.reason} {exc.detail}".rstrip()) from exc
         certified = by_window.get(ann.window)
         if not head.window - AUDIT_WINDOWS <= ann.window < head.window or certified is None or \
-                update.id not in certified.cohort or not audit_selected(certified.id, update.id, m.audit_rate):
-            raise VerificationError("bad-audit", f"{where}: update of window {ann.window} was not certified and "
-                                                 "selected for audit")
+                ann.base != certified.parent or not audit_selected(certified.id, update.id, m.audit_rate):
+            raise VerificationError("bad-audit", f"{where}: update of window {ann.window} was not trained on "
+                                                 "its window's base and selected for audit")
         if update.signer in previous.quarantined or update.signer in authors or \
                 release.get(update.signer, 0) < head.window + 1 + m.quarantine_windows:
             raise VerificationError("bad-audit", f"{where}: {update.signer} must be quarantined once, by this head")

@@ -162,6 +162,27 @@ def test_a_failed_sampled_audit_quarantines_its_author_with_verdicts_in_the_head
     assert not any(k.startswith("audits_") for k in cluster.nodes["reducer"].engine.stats)
 
 
+def test_an_update_the_loss_check_rejects_is_still_audited_and_its_author_quarantined(tmp_path, digits):
+    """A sign-flipped update points uphill: the loss check keeps it out of every cohort with no strike, and
+    only the sampled audit of that rejected update quarantines its author (spec/protocol.md §6.2)."""
+    cluster = build(tmp_path, digits, trainers=3, min_updates=1, window_s=3.0, quarantine_windows=3,
+                    audit=True, audit_rate=1.0, loss_check_samples=64)
+    attacker = cluster.nodes["t2"]
+    attacker.executor.workload = ByzantineWorkload(attacker.executor.workload, "sign-flip")
+    me = attacker.identity.peer_id
+    assert cluster.run_until(lambda c: me in c.nodes["validator"].engine.head.quarantined, max_time=200.0)
+    v = cluster.nodes["validator"]
+    chain = [(h, c) for _, h, c in v.heads]
+    by_window = {h.window: h for h, _ in chain}
+    k = next(i for i, (h, _) in enumerate(chain) if h.audits)
+    update, _ = check_audit_evidence(chain[k][0].audits[0], cluster.revision.id, cluster.revision.manifest)
+    assert update.signer == me
+    assert v.engine.rejected_by_reason["screen-loss"] >= 1
+    assert not any(update.id in h.cohort for h, _ in chain)  # never certified: the loss check kept it out
+    assert not any(me == peer for h, _ in chain for peer, *_ in h.strikes)  # and struck it never
+    assert check_audits(cluster.revision, chain[k][0], chain[k - 1][0], by_window) == 1
+
+
 def test_tampered_audit_evidence_is_refused_by_validators_and_verify(tmp_path, digits):
     cluster, me = _audited_cluster(tmp_path, digits)
     assert cluster.run_until(lambda c: me in c.nodes["validator"].engine.head.quarantined, max_time=200.0)
@@ -185,12 +206,15 @@ def test_tampered_audit_evidence_is_refused_by_validators_and_verify(tmp_path, d
         with pytest.raises(VerificationError):
             check_audits(revision, bad, previous, by_window)
         assert audits_role.fault(bad, previous) == "bad-audit", name
-    # an update the chain never certified (its window's head does not hold it)
-    uncertified = dict(by_window)
+    # an update not trained on its window's base (the parent of that window's certified head)
     ann_window = check_audit_evidence(head.audits[0], revision.id, manifest)[1].window
-    uncertified[ann_window] = attrs.evolve(by_window[ann_window], cohort=())
+    rebased = {**by_window, ann_window: attrs.evolve(by_window[ann_window], parent=bytes(32))}
+    with pytest.raises(VerificationError, match="base"):
+        check_audits(revision, head, previous, rebased)
+    # an update the certified head's draw did not select
+    rare = attrs.evolve(revision, manifest=attrs.evolve(manifest, audit_rate=1e-12))
     with pytest.raises(VerificationError, match="selected"):
-        check_audits(revision, head, previous, uncertified)
+        check_audits(rare, head, previous, by_window)
     # an author not quarantined by the head that carries its failure
     with pytest.raises(VerificationError, match="quarantined"):
         check_audits(revision, attrs.evolve(head, quarantine=()), previous, by_window)
