@@ -155,7 +155,9 @@ class TrainerRole(RoleBase):
                 continue
             del self.committed[update_id]
             keep: set[int] = set()
-            if update_id in head.cohort and audit_selected(head.id, update_id, e.manifest.audit_rate):
+            # Not only cohort updates: one the loss check rejected is audited too (spec/protocol.md §6.2), and
+            # the head does not say which were rejected.
+            if not head.skipped and audit_selected(head.id, update_id, e.manifest.audit_rate):
                 j = audit_segment(head.id, update_id, segments)
                 keep = {i for i in (j - 1, j, segments - 1) if i >= 0} | set(range(segments, len(refs)))
                 self.kept[update_id] = (window, tuple(refs[i] for i in sorted(keep)))

@@ -246,8 +246,8 @@ def _audit_exposure(victim: NodeProc, validators: list[NodeProc], revision: Revi
     for w in range(max(1, window - 2), window):
         head = _head_of(validators[0], w)
         update = announced.get(w)
-        if head is None or update is None or update not in head.cohort or \
-                not audit_selected(head.id, update, m.audit_rate):
+        # an update the loss check rejected is audited too (§6.2): being out of the cohort is no escape
+        if head is None or update is None or not audit_selected(head.id, update, m.audit_rate):
             continue
         if not all((victim.peer.to_text(), w) in done for done in concluded):
             return f"validators are auditing its update of window {w}, and it must serve its checkpoints"

@@ -17,9 +17,16 @@ from peerloom.adapters.storage import ArtifactStore
 from peerloom.backends.behaviours import ByzantineWorkload
 from peerloom.backends.numpy.tensors import to_safetensors
 from peerloom.backends.registry import build_workload
-from peerloom.core.audit import audit_selected, check_audit_evidence, loss_batch_seed, train_seed, verdicts_needed
+from peerloom.core.audit import (
+    audit_segment,
+    audit_selected,
+    check_audit_evidence,
+    loss_batch_seed,
+    train_seed,
+    verdicts_needed,
+)
 from peerloom.core.errors import DecodeError, VerificationError
-from peerloom.core.objects import AuditFailure, Manifest, seal
+from peerloom.core.objects import AuditFailure, Manifest, make_artifact_ref, seal
 from peerloom.verify import check_audits, check_rules
 from tests.core.test_engine_pair import N_SHARDS, SEED, build
 from tests.helpers import ident, make_revision
@@ -368,3 +375,22 @@ def test_an_honest_trainer_down_when_audited_is_audited_once_it_is_back(tmp_path
     assert stalled and all(f["author"] == str(me) for f in stalled)
     assert v.engine.stats["audits_passed"] >= 1 and "audits_failed" not in v.engine.stats
     assert all(me not in h.quarantined and not h.audits for _, h, _ in v.heads)
+
+
+def test_a_trainer_keeps_the_checkpoints_of_a_selected_update_that_is_not_in_the_cohort(tmp_path, digits):
+    """Validators audit the updates their loss check rejected too (spec/protocol.md §6.2), and a head does
+    not say which those were: a trainer keeps what the audit of each of its selected updates needs, in the
+    cohort or not, or an honest trainer whose update the loss check rejected would fail its audit."""
+    cluster = build(tmp_path, digits, trainers=2, min_updates=1, window_s=3.0, audit=True, audit_rate=1.0,
+                    audit_segments=4, inner_steps=8)
+    assert cluster.run_until(lambda c: c.nodes["t0"].engine.head.window >= 1, max_time=60.0)
+    engine = cluster.nodes["t0"].engine
+    trainer, head = engine._trainer, engine.head
+    refs = tuple(make_artifact_ref(bytes([i]) * 64, 16 * 1024) for i in range(5))  # 4 checkpoints, trajectory
+    outside = bytes(32)
+    assert outside not in head.cohort and not head.skipped
+    trainer.committed[outside] = (head.window, refs)
+    trainer._retire_commitments(head)
+    j = audit_segment(head.id, outside, 4)
+    assert trainer.kept[outside] == (head.window, tuple(refs[i] for i in sorted({*(k for k in (j - 1, j) if k >= 0),
+                                                                                  3, 4})))
