@@ -69,6 +69,7 @@ if TYPE_CHECKING:
 HEAD_RECORD = "head"
 SERVE_MIN_COST_BYTES = 64 << 10  # what a served request costs the per-peer bucket at least (spec/wire.md §6)
 SERVER_ROLES = frozenset({"validator", "reducer"})
+CHAIN_BACKOFF_MAX_DOUBLINGS = 6  # a peer that never answers is asked again at most every 2^6 chain-get timeouts
 
 
 def chain_key(window: int) -> str:
@@ -119,6 +120,8 @@ class EngineConfig:
     peer_exchange_interval_s: float = 10.0  # a peer may send one PeerExchange per this many seconds
     peer_exchange_every_s: float = 60.0  # re-tell greeted peers where the others listen (0: on greeting only)
     chain_request_timeout_s: float = 5.0  # a chain-get unanswered this long is asked of another peer
+    # chain-gets live at once, to distinct peers (spec/protocol.md §8): a silent peer never stalls sync alone
+    chain_parallel: int = attrs.field(default=2, validator=attrs.validators.ge(1))
     # A decode memo shared by the engines of one simulator process (a broadcast is decoded once); None in
     # a real node.
     decode_memo: DecodeMemo | None = attrs.field(default=None, eq=False, repr=False)
@@ -149,6 +152,9 @@ class PeerState:
     head_window: int = -1  # the highest window it told us it holds (its Hello, heads it sent)
     chain_lacks: int | None = None  # a window it could not serve us (asked again once its head moves)
     chain_asked_at: float = float("-inf")  # when we last sent it a chain-get
+    chain_served: int = 0  # chain entries it sent us that verified (such peers are asked first)
+    chain_timeouts: int = 0  # chain-gets in a row it left unanswered past their deadline
+    chain_backoff_until: float = float("-inf")  # not asked for chain entries again before this time
 
 
 @attrs.frozen(kw_only=True)
@@ -220,14 +226,14 @@ class Engine:
         self.seen_deltas: dict[bytes, int] = {}  # accepted delta digest -> window (replay screening)
         records = dict(records or {})
         self.records = records
-        # chain sync (spec/protocol.md §8): chain-gets out, peer -> (first, last); at most one is live (not
-        # timed out) at a time, and a late reply to one that timed out is still taken.
+        # chain sync (spec/protocol.md §8): chain-gets out, peer -> (first, last); at most `chain_parallel`
+        # are live (not timed out) at a time, and a late reply to one that timed out is still taken.
         self._chain_requests: dict[PeerId, tuple[int, int]] = {}
         # A verified certified head more than one window ahead, its sender: adopted once the windows between
         # are archived. `_sync_claim`: the highest window an unlinkable next-head announced.
         self._sync_target: tuple[Head, QuorumCertificate, PeerId] | None = None
         self._sync_claim = 0
-        self._chain_live: tuple[PeerId, float] | None = None  # the live chain-get: its peer and deadline
+        self._chain_live: dict[PeerId, float] = {}  # the live chain-gets: peer -> deadline
         self._chain_source: PeerId | None = None  # who sent the last segment that verified
         self._contiguous = 0  # windows 1.._contiguous are all held (archive, or the current head)
         self._adopting = 0  # the highest window handed to `adopt` (promoted once its record is durable)
@@ -340,8 +346,7 @@ class Engine:
         self.peers.pop(peer, None)
         self._listening.pop(peer, None)
         self._chain_requests.pop(peer, None)
-        if self._chain_live is not None and self._chain_live[0] == peer:
-            self._chain_live = None
+        if self._chain_live.pop(peer, None) is not None:
             self._sync()  # ask someone else
         for fetch in list(self._fetches.values()):
             if peer in fetch.providers:
@@ -783,13 +788,14 @@ class Engine:
         if wanted is None:
             self.reject(peer, "unsolicited-chain")
             return
-        if self._chain_live is not None and self._chain_live[0] == peer:
-            self._chain_live = None
+        self._chain_live.pop(peer, None)
         verified = self._take_segment(peer, *wanted, message.entries)
         if verified == 0:
             state.chain_lacks = wanted[0]
         elif verified:
             self._chain_source = peer
+            state.chain_served += verified
+            state.chain_timeouts, state.chain_backoff_until = 0, float("-inf")
         self._sync()
 
     def _take_segment(self, peer: PeerId, first: int, last: int,
@@ -856,12 +862,15 @@ class Engine:
 
     def _sync(self) -> None:
         """Chain sync (spec/protocol.md §8), run whenever what we know changes: adopt what the archive now
-        reaches, then ask one peer for the lowest run of windows still missing (at most 64), if none is
-        asked already. Missing: holes below our head, the windows before a verified head we learnt of (the
-        sync target), and those up to a next-head we could not link. Peers asked, in order: not lacking
-        that window, asked longest ago, validators first, highest head, peer id."""
+        reaches, then ask peers for the lowest run of windows still missing (at most 64), up to
+        `chain_parallel` chain-gets live at once. Missing: holes below our head, the windows before a
+        verified head we learnt of (the sync target), and those up to a next-head we could not link. Peers
+        asked: greeted, claiming that window, not lacking it, not asked already, not backing off after
+        unanswered chain-gets; in order: those whose entries verified before, the manifest's validators,
+        asked longest ago, peer id. What a peer claims (its roles, how high its head is) never puts it
+        first: a claim costs nothing, so liars would take every turn."""
         self._advance()
-        if self._chain_live is not None:
+        if len(self._chain_live) >= self.config.chain_parallel:
             return
         base = max(self.head.window, self._adopting)
         if self.config.keeps_chain:
@@ -877,23 +886,34 @@ class Engine:
         while hi < goal and hi - lo + 1 < MAX_CHAIN_ENTRIES and not self.chain_entry_held(hi + 1):
             hi += 1
         ahead = [(p, s) for p, s in self.peers.items() if s.greeted and s.head_window >= lo]
-        candidates = sorted((s.chain_asked_at, "validator" not in s.roles, -s.head_window, p)
-                            for p, s in ahead if s.chain_lacks != lo)
-        if candidates:
-            peer = candidates[0][-1]
+        willing = [(p, s) for p, s in ahead if s.chain_lacks != lo]
+        validators = self.revision.manifest.validators
+        candidates = sorted((s.chain_served == 0, p not in validators, s.chain_asked_at, p)
+                            for p, s in willing if p not in self._chain_live and s.chain_backoff_until <= self.now)
+        while candidates and len(self._chain_live) < self.config.chain_parallel:
+            peer = candidates.pop(0)[-1]
             self.peers[peer].chain_asked_at = self.now
             self._chain_requests[peer] = (lo, hi)
-            self._chain_live = (peer, self.now + self.config.chain_request_timeout_s)
-            self.set_timer(("chain-get",), self._chain_live[1])
+            self._chain_live[peer] = self.now + self.config.chain_request_timeout_s
             self.send(peer, ChainRequest(from_window=lo, to_window=hi))
-            return
+        self._arm_chain_timer()
         target = self._sync_target
-        if ahead and target is not None and lo < target[0].window:
+        if ahead and not willing and not self._chain_live and target is not None and lo < target[0].window:
             # Every peer ahead of us was asked and lacks these windows: liveness first. Adopt the verified
             # head; the missing windows stay wanted (holes below the head) and are asked of later peers.
             self.log("chain-gap", first=lo, head_window=target[0].window)
             self._sync_target = None
             self._adopt_from(target[0], target[1], target[2])
+
+    def _arm_chain_timer(self) -> None:
+        """One timer for chain sync: the earliest live chain-get's deadline, or the earliest end of a peer's
+        back-off while no chain-get is live (then it may be asked again)."""
+        deadlines = list(self._chain_live.values()) or \
+            [s.chain_backoff_until for s in self.peers.values() if s.chain_backoff_until > self.now]
+        if deadlines:
+            self.set_timer(("chain-get",), min(deadlines))
+        else:
+            self.cancel_timer(("chain-get",))
 
     def _advance(self) -> None:
         """Adopt the sync target once the archive reaches the window before it; without a target, the
@@ -928,12 +948,19 @@ class Engine:
                 role.on_head_source(source, head)
 
     def _on_chain_timeout(self) -> None:
-        """The live chain-get went unanswered for `chain_request_timeout_s`: ask someone else (its late
-        reply is still taken)."""
-        live = self._chain_live
-        if live is None or live[1] > self.now:
-            return
-        self._chain_live = None
+        """Chain-gets went unanswered for `chain_request_timeout_s`: their peers back off (the timeout times
+        2^(unanswered in a row), at most `CHAIN_BACKOFF_MAX_DOUBLINGS` doublings) and others are asked; a
+        late reply is still taken. Also runs when a back-off ends."""
+        for peer, deadline in list(self._chain_live.items()):
+            if deadline > self.now:
+                continue
+            del self._chain_live[peer]
+            state = self.peers.get(peer)
+            if state is not None:
+                state.chain_timeouts += 1
+                doublings = min(state.chain_timeouts, CHAIN_BACKOFF_MAX_DOUBLINGS)
+                state.chain_backoff_until = self.now + self.config.chain_request_timeout_s * 2**doublings
+                self.stats["chain_timeouts"] += 1
         self._sync()
 
     def _take_chunk_token(self, state: PeerState, cost: int = SERVE_MIN_COST_BYTES) -> bool:

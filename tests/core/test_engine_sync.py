@@ -157,7 +157,7 @@ def test_restarted_node_fills_what_it_missed_before_it_adopts_by_default():
     """Every node keeps the chain unless told not to: a trainer back from a crash at window 2 hears of
     window 6, asks a validator for 3..5, verifies them, and only then moves to window 6."""
     chain = real_chain(6)
-    node = Node(records=previous_life(chain, (1, 2), head=2))
+    node = Node(records=previous_life(chain, (1, 2), head=2), chain_parallel=1)
     assert node.engine.config.keeps_chain and node.engine.head == chain[1][0]
     node.connect(VALS[0], head_window=6, roles=("validator",))
     node.connect(SEED, head_window=6)
@@ -179,7 +179,7 @@ def _asked(node, *peers):
 
 def test_a_peer_that_lacks_the_windows_is_not_asked_again_another_is():
     chain = real_chain(6)
-    node = Node()
+    node = Node(chain_parallel=1)
     node.connect(SEED, head_window=6)
     node.connect(STRANGER, head_window=6)
     node.deliver(SEED, CertifiedHead(head=chain[5][0], certificate=chain[5][1]))
@@ -194,7 +194,7 @@ def test_a_peer_that_lacks_the_windows_is_not_asked_again_another_is():
 
 def test_a_silent_or_departed_peer_is_replaced_and_a_late_reply_still_counts():
     chain = real_chain(6)
-    node = Node()
+    node = Node(chain_parallel=1)
     third = ident(52)
     for peer in (SEED, STRANGER, third):
         node.connect(peer, head_window=6)
@@ -261,3 +261,57 @@ def test_a_node_that_keeps_no_chain_adopts_at_once_and_asks_for_nothing():
     node.deliver(SEED, CertifiedHead(head=chain[-1][0], certificate=chain[-1][1]))
     assert node.engine.head == chain[-1][0] and not node.requests(SEED)
     assert not [k for k in node.engine.records if k.startswith("chain/")]
+
+
+def _serve_honestly(node, peer, chain):
+    """`peer` answers every chain-get it has been sent and not answered yet, from `chain`."""
+    answered = getattr(node, "answered", {})
+    node.answered = answered
+    requests = node.requests(peer)
+    for request in requests[answered.get(peer, 0):]:
+        entries = tuple(e for e in chain if request.from_window <= e[0].window <= request.to_window)
+        node.deliver(peer, ChainEntries(entries=entries))
+    answered[peer] = len(requests)
+
+
+def test_liars_claiming_a_high_head_and_never_answering_do_not_stall_sync():
+    """10 peers claim to be validators with a head of window 10^12 and never answer a chain-get; one honest
+    stranger holds the chain. The node reaches the tip within ceil(10 / chain_parallel) chain-get timeouts,
+    and the liars, backing off, are not what it asks first afterwards (spec/protocol.md §8)."""
+    chain = real_chain(6)
+    node = Node()
+    liars = [ident(200 + i) for i in range(10)]
+    for liar in liars:
+        node.connect(liar, head_window=10**12, roles=("validator",))
+    node.connect(SEED, head_window=6)
+    node.deliver(SEED, CertifiedHead(head=chain[5][0], certificate=chain[5][1]))
+    timeout, parallel = node.engine.config.chain_request_timeout_s, node.engine.config.chain_parallel
+    bound = -(-len(liars) // parallel) * timeout + 0.5
+    now = 0.0
+    while node.engine.head != chain[5][0] and now <= bound:
+        _serve_honestly(node, SEED, chain)
+        now += 0.5
+        node.tick(now)
+    assert node.engine.head == chain[5][0], f"not at the tip after {now} s"
+    assert all(chain_key(w) in node.engine.records for w in range(1, 6)) and "chain-gap" not in node.logs
+    assert all(len(node.requests(liar)) <= 1 for liar in liars)  # each silent one was asked once at most
+    # A next head the node cannot link: the peer whose entries verified is asked first, liars never.
+    later = real_chain(9)
+    for entry in later[6:8]:
+        chain.append(entry)
+    asked_before = {p.peer_id: len(node.requests(p)) for p in (*liars, SEED)}
+    node.deliver(SEED, CertifiedHead(head=later[8][0], certificate=later[8][1]))
+    assert len(node.requests(SEED)) == asked_before[SEED.peer_id] + 1
+    assert all(len(node.requests(liar)) == asked_before[liar.peer_id] for liar in liars
+               if node.engine.peers[liar.peer_id].chain_backoff_until > node.now)
+
+
+def test_the_manifests_validators_are_asked_before_peers_that_only_claim_the_role():
+    chain = real_chain(6)
+    node = Node(chain_parallel=1)
+    for liar in (ident(200), ident(201), ident(202)):
+        node.connect(liar, head_window=10**12, roles=("validator",))
+    node.connect(VALS[3], head_window=6, roles=("validator",))
+    node.deliver(VALS[3], CertifiedHead(head=chain[5][0], certificate=chain[5][1]))
+    asked, request = _asked(node, ident(200), ident(201), ident(202), VALS[3])
+    assert asked is VALS[3] and request == ChainRequest(from_window=1, to_window=5)
