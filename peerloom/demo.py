@@ -96,7 +96,7 @@ class Profile:
     # update's leased samples, then sampled audits after the fact at `audit_rate`, each replaying one of
     # `audit_segments` committed segments (whole replays when the profile has fewer inner steps than that).
     loss_check_samples: int = 64
-    audit_rate: float = 0.5
+    audit_rate: float = 0.75
     audit_segments: int = 4
     # How far behind the centralized baseline (accuracy points) still counts as keeping up.
     max_gap_points: float = 2.0
@@ -119,7 +119,7 @@ PROFILES = {
     # quarantined, a trainer killed and restarted from its disk, and a late joiner.
     # The end-to-end tests run this fleet, so the ALIE trainer must be caught in every run: every certified
     # update is audited (`audit_rate` 1.0) because it gets only about 6 updates into these 7 windows, and at
-    # the deployment's 0.5 none of them would be selected with probability 0.5^6 = 1.6% (a flaky test). It
+    # the deployment's 0.75 none of them would be selected with probability 0.25^6 = 0.02% (still a flake). It
     # trains FedAvg local epochs (no inner steps), so audits replay the whole training: a whole replay needs
     # nothing from the author, while a segment audit fails when the author cannot serve its checkpoints
     # (spec/protocol.md §6.3), which the honest trainer this fleet kills and restarts could not while down.
@@ -130,8 +130,9 @@ PROFILES = {
                      # loaded machine, and the last windows of this fleet close in under a second each, so a
                      # restart a window later can come too late to take part again.
                      late_joiners=1, join_at=1, kill_at=2, restart_at=2, max_gap_points=5.0),
-    # Audits at the deployment's rate 0.5: a trainer that cheats in each of the ~18 windows it holds a lease
-    # in goes unselected with probability 0.5^18 (about 4e-6).
+    # Audits at the deployment's rate 0.75 (what bench/detection.py needs to quarantine a trainer faking 3/4
+    # of its segments within 10 windows in >= 99% of runs): one that cheats in each of the ~18 windows it
+    # holds a lease in goes unselected with probability 0.25^18.
     "default": Profile(validators=4, trainers=(HONEST,) * 4 + (KILLED_RESTARTED, *BYZANTINE), windows=20,
                        shards=16, window_s=10.0, min_updates=3, time_limit_s=340.0, rule="centered_clip",
                        outer_optimizer="diloco", outer_lr=0.7, inner_steps=8,
