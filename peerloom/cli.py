@@ -1,5 +1,8 @@
-"""The `peerloom` command: `demo`, `node`, `verify`, `export`, `keygen`, `admit`, `auth`, `login`,
-`inspect`, `sim`, `light`.
+"""The `peerloom` command.
+
+Your own experiment: `init` (a directory: manifest, keys, node configs), `up` (its fleet as local
+processes), `status`, then `export` (the certified weights) and `verify`. Also: `demo`, `node` (one node of
+a deployment), `keygen`, `admit`, `auth`, `login`, `light`, `inspect`, `sim`.
 
 Errors a user can cause (a missing file, invalid TOML, a wrong key or type, a port in use, a missing
 extra) end in one line on stderr and exit status 2; `--debug` shows the traceback instead.
@@ -28,6 +31,7 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
+    experiment_cmd.add_parsers(sub)  # init, up, status: the way in, listed first
 
     demo = sub.add_parser("demo", help="train a real model across local OS processes over TCP+Noise")
     demo.add_argument("--profile", choices=("smoke", "default"), default="default")
@@ -45,6 +49,8 @@ def main(argv: list[str] | None = None) -> None:
 
     node = sub.add_parser("node", help="run one node from a TOML config until SIGTERM")
     node.add_argument("--config", type=Path, required=True)
+    node.add_argument("--stop-after-window", type=int, default=None, metavar="WINDOW",
+                      help="open no window after this one (replaces the config's stop_after_window)")
 
     verify = sub.add_parser("verify", help="verify a chain from genesis: a chain directory (manifest.cbor + "
                                            "NNNNNN.cbor) or a node store (node.db, or a node directory with store/)")
@@ -59,7 +65,6 @@ def main(argv: list[str] | None = None) -> None:
     admit_cmd.add_parser(sub)
     auth_cmd.add_parser(sub)
     login_cmd.add_parser(sub)
-    experiment_cmd.add_parsers(sub)
     simulate.add_parser(sub)
     inspect_cmd.add_parser(sub)
     light_cmd.add_parser(sub)
@@ -120,7 +125,7 @@ def _dispatch(args: argparse.Namespace) -> None:
     elif args.command == "node":
         from peerloom.node import run_node
 
-        run_node(args.config)
+        run_node(args.config, stop_after_window=args.stop_after_window)
     elif args.command == "verify":
         from peerloom.verify import run_verify
 
