@@ -52,8 +52,9 @@ def main(argv: list[str] | None = None) -> None:
     node.add_argument("--stop-after-window", type=int, default=None, metavar="WINDOW",
                       help="open no window after this one (replaces the config's stop_after_window)")
 
-    verify = sub.add_parser("verify", help="verify a chain from genesis: a chain directory (manifest.cbor + "
-                                           "NNNNNN.cbor) or a node store (node.db, or a node directory with store/)")
+    verify = sub.add_parser("verify", help="verify a chain from genesis: an experiment directory (its first "
+                                           "validator's store), a chain directory (manifest.cbor + NNNNNN.cbor) "
+                                           "or a node store (node.db, or a node directory with store/)")
     verify.add_argument("chain", type=Path, metavar="PATH")
     verify.add_argument("--authority", default=None, help="peer id that must have signed the manifest")
     verify.add_argument("--manifest", type=Path, default=None, metavar="FILE",

@@ -219,6 +219,23 @@ class Experiment:
         return root
 
 
+def chain_node_dir(path: Path) -> Path | None:
+    """Where `peerloom verify`, `peerloom export` and `load_head` read an experiment directory's chain and
+    weights: the node directory of its first validator (every validator holds the whole chain and each
+    head's params). None when `path` is not an experiment directory (no experiment.toml). FileNotFoundError
+    naming the store when that validator has certified nothing yet."""
+    if not (path / LAYOUT_FILE).is_file():
+        return None
+    layout = tomllib.loads((path / LAYOUT_FILE).read_text())
+    first = next((n["name"] for n in layout.get("nodes", []) if n.get("role") == "validator"), None)
+    if first is None:
+        raise FileNotFoundError(2, f"no validator in {LAYOUT_FILE}; give a node directory", str(path))
+    node = path / "nodes" / first
+    if not (node / "store" / "manifest.cbor").is_file():  # written by the node when it first starts
+        raise FileNotFoundError(2, f"holds no chain yet (run `peerloom up {path}` first)", str(node / "store"))
+    return node
+
+
 def _import_root(workload: str) -> Path | None:
     """The sys.path entry the workload factory's module was imported from (None for a registry name)."""
     if ":" not in workload:

@@ -169,7 +169,7 @@ def _set_node_workload(root: Path, name: str, workload: str) -> None:
 def test_up_counts_windows_resumes_and_names_failed_trainers(tmp_path):
     """Issue 29: `init --windows` is a stop criterion; `up --windows N` certifies exactly N new windows and
     prints only those, after a restart too; a trainer whose training fails is named with the reason in the
-    windows it failed and in the summary."""
+    windows it failed and in the summary; verify and export take the experiment directory."""
     from peerloom.adapters.database import DB_NAME, Database
 
     root = tmp_path / "exp"
@@ -203,6 +203,10 @@ def test_up_counts_windows_resumes_and_names_failed_trainers(tmp_path):
     assert _window_lines(more.stdout) == [3, 4, 5] and head_window() == 5, more.stdout
     assert "problems" not in more.stdout, more.stdout
 
+    verify = _peerloom("verify", str(root))
+    assert verify.returncode == 0 and "OK: 5 certified heads" in verify.stdout, verify.stdout + verify.stderr
+    export = _peerloom("export", str(root), "--out", str(tmp_path / "model.safetensors"))
+    assert export.returncode == 0 and "wrote window 5" in export.stdout, export.stdout + export.stderr
 
 
 def _one_line_exit_2(out: subprocess.CompletedProcess[str], *needles: str) -> str:
@@ -251,3 +255,8 @@ def test_up_refuses_an_experiment_toml_edited_after_init(tmp_path):
     with pytest.raises(ValueError, match="did you mean 'trainer-1'"):
         Experiment(workload=WORKLOAD, node_options={"trainr-1": {"threads": 1}})
 
+
+def test_verify_and_export_point_from_an_experiment_never_run(tmp_path):
+    root = Experiment(workload=WORKLOAD, trainers=1, base_port=0).write(tmp_path / "exp")
+    for args in (["verify", str(root)], ["export", str(root), "--out", str(tmp_path / "m.safetensors")]):
+        _one_line_exit_2(_peerloom(*args), "validator-1/store: holds no chain yet", f"peerloom up {root}")
