@@ -27,6 +27,22 @@ from peerloom import simulate
 
 
 def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        _dispatch(args)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as exc:
+        message = None if args.debug else user_error(exc, args.command)
+        if message is None:
+            raise
+        print(f"peerloom {args.command}: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `peerloom` command line: every command and its options (`peerloom --help`)."""
     parser = argparse.ArgumentParser(prog="peerloom", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
@@ -69,18 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     simulate.add_parser(sub)
     inspect_cmd.add_parser(sub)
     light_cmd.add_parser(sub)
-
-    args = parser.parse_args(argv)
-    try:
-        _dispatch(args)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except Exception as exc:
-        message = None if args.debug else user_error(exc, args.command)
-        if message is None:
-            raise
-        print(f"peerloom {args.command}: {message}", file=sys.stderr)
-        sys.exit(2)
+    return parser
 
 
 # Which extra brings each optional module (pyproject.toml's [project.optional-dependencies]).
