@@ -68,3 +68,10 @@ def test_help_names_every_command():
     description = parser.format_help().split("positional arguments")[0]
     missing = [c for c in commands if f"`{c}`" not in description]
     assert not missing, f"`peerloom --help`'s description leaves out {missing}"
+
+
+def test_the_example_is_as_long_as_the_readme_says():
+    claimed = int(re.search(r"train_your_model\.py` is the whole path in (\d+) lines of code", README).group(1))
+    source = (Path(__file__).resolve().parents[1] / "examples" / "train_your_model.py").read_text()
+    after_docstring = source.splitlines()[ast.parse(source).body[0].end_lineno:]
+    assert claimed == len([line for line in after_docstring if line.strip() and not line.strip().startswith("#")])
