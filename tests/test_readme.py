@@ -1,4 +1,4 @@
-"""The README stays true (issue 29): its Python snippets compile, import every name they use and those
+"""The README stays true: its Python snippets compile, import every name they use and those
 imports resolve; every `peerloom ...` line of its shell snippets parses with the real command line; and
 `peerloom --help` names every command. Running the snippets needs a fleet: tests/e2e/test_experiment.py
 runs that path (init, up, export, load_head)."""

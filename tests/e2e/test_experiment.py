@@ -167,7 +167,7 @@ def _set_node_workload(root: Path, name: str, workload: str) -> None:
 
 @pytest.mark.slow
 def test_up_counts_windows_resumes_and_names_failed_trainers(tmp_path):
-    """Issue 29: `init --windows` is a stop criterion; `up --windows N` certifies exactly N new windows and
+    """`init --windows` is a stop criterion; `up --windows N` certifies exactly N new windows and
     prints only those, after a restart too; a trainer whose training fails is named with the reason in the
     windows it failed and in the summary; verify and export take the experiment directory."""
     from peerloom.adapters.database import DB_NAME, Database
@@ -219,7 +219,7 @@ def _one_line_exit_2(out: subprocess.CompletedProcess[str], *needles: str) -> st
 
 @pytest.mark.slow
 def test_up_ends_in_a_nodes_one_line_start_up_error(tmp_path):
-    """Issue 29: a node that cannot start (an unknown config key; a workload whose schema is not the
+    """A node that cannot start (an unknown config key; a workload whose schema is not the
     manifest's) ends `up` with that node's one line and exit 2, every other node stopped."""
     root = Experiment(workload=WORKLOAD, trainers=2, base_port=0).write(tmp_path / "exp")
     config = root / "nodes" / "trainer-1" / "node.toml"
@@ -236,7 +236,7 @@ def test_up_ends_in_a_nodes_one_line_start_up_error(tmp_path):
 
 
 def test_up_refuses_an_experiment_toml_edited_after_init(tmp_path):
-    """Issue 29: settings are signed at `init`; an edit that no longer matches the manifest, an unknown key
+    """Settings are signed at `init`; an edit that no longer matches the manifest, an unknown key
     and `node_options` for no such node are one-line errors naming the key, and nothing starts."""
     root = Experiment(workload=WORKLOAD, trainers=2, base_port=0, window_s=2.0).write(tmp_path / "exp")
     layout = root / "experiment.toml"
