@@ -1,5 +1,8 @@
-"""The `peerloom` command: `demo`, `node`, `verify`, `export`, `keygen`, `admit`, `auth`, `login`,
-`inspect`, `sim`, `light`.
+"""The `peerloom` command.
+
+Your own experiment: `init` (a directory: manifest, keys, node configs), `up` (its fleet as local
+processes), `status`, then `export` (the certified weights) and `verify`. Also: `demo`, `node` (one node of
+a deployment), `keygen`, `admit`, `auth`, `login`, `light`, `inspect`, `sim`.
 
 Errors a user can cause (a missing file, invalid TOML, a wrong key or type, a port in use, a missing
 extra) end in one line on stderr and exit status 2; `--debug` shows the traceback instead.
@@ -24,10 +27,27 @@ from peerloom import simulate
 
 
 def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        _dispatch(args)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as exc:
+        message = None if args.debug else user_error(exc, args.command)
+        if message is None:
+            raise
+        print(f"peerloom {args.command}: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `peerloom` command line: every command and its options (`peerloom --help`)."""
     parser = argparse.ArgumentParser(prog="peerloom", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
+    experiment_cmd.add_parsers(sub)  # init, up, status: the way in, listed first
 
     demo = sub.add_parser("demo", help="train a real model across local OS processes over TCP+Noise")
     demo.add_argument("--profile", choices=("smoke", "default"), default="default")
@@ -45,9 +65,12 @@ def main(argv: list[str] | None = None) -> None:
 
     node = sub.add_parser("node", help="run one node from a TOML config until SIGTERM")
     node.add_argument("--config", type=Path, required=True)
+    node.add_argument("--stop-after-window", type=int, default=None, metavar="WINDOW",
+                      help="open no window after this one (replaces the config's stop_after_window)")
 
-    verify = sub.add_parser("verify", help="verify a chain from genesis: a chain directory (manifest.cbor + "
-                                           "NNNNNN.cbor) or a node store (node.db, or a node directory with store/)")
+    verify = sub.add_parser("verify", help="verify a chain from genesis: an experiment directory (its first "
+                                           "validator's store), a chain directory (manifest.cbor + NNNNNN.cbor) "
+                                           "or a node store (node.db, or a node directory with store/)")
     verify.add_argument("chain", type=Path, metavar="PATH")
     verify.add_argument("--authority", default=None, help="peer id that must have signed the manifest")
     verify.add_argument("--manifest", type=Path, default=None, metavar="FILE",
@@ -59,22 +82,10 @@ def main(argv: list[str] | None = None) -> None:
     admit_cmd.add_parser(sub)
     auth_cmd.add_parser(sub)
     login_cmd.add_parser(sub)
-    experiment_cmd.add_parsers(sub)
     simulate.add_parser(sub)
     inspect_cmd.add_parser(sub)
     light_cmd.add_parser(sub)
-
-    args = parser.parse_args(argv)
-    try:
-        _dispatch(args)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except Exception as exc:
-        message = None if args.debug else user_error(exc, args.command)
-        if message is None:
-            raise
-        print(f"peerloom {args.command}: {message}", file=sys.stderr)
-        sys.exit(2)
+    return parser
 
 
 # Which extra brings each optional module (pyproject.toml's [project.optional-dependencies]).
@@ -120,7 +131,7 @@ def _dispatch(args: argparse.Namespace) -> None:
     elif args.command == "node":
         from peerloom.node import run_node
 
-        run_node(args.config)
+        run_node(args.config, stop_after_window=args.stop_after_window)
     elif args.command == "verify":
         from peerloom.verify import run_verify
 

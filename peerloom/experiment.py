@@ -25,6 +25,7 @@ importable by the nodes: `up` starts them in the current directory).
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import signal
@@ -38,6 +39,7 @@ from typing import Any
 
 import attrs
 
+from peerloom.core.errors import PeerloomError
 from peerloom.core.objects import AGGREGATION_RULES, CODECS, OUTER_OPTIMIZERS, Manifest, Revision
 
 LAYOUT_FILE = "experiment.toml"
@@ -47,6 +49,16 @@ MANIFEST_FROM_EXPERIMENT = frozenset({
     "min_updates", "max_capacity", "aggregation", "outer_optimizer", "outer_lr", "inner_steps", "codec",
     "audit", "chunk_size", "genesis_params", "genesis_params_digest", "roster"})
 ROLES = ("validator", "reducer", "trainer")
+
+
+class ExperimentError(PeerloomError, ValueError):
+    """An experiment directory that cannot run as it is (settings edited after `init`, a node that failed to
+    start); the message is one line naming the key or the node."""
+
+
+class NodeStartError(ExperimentError, RuntimeError):
+    """A node of the fleet exited or timed out while starting (`Fleet.wait_started`); the message is one line:
+    the node's name and its own error line."""
 
 
 def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -62,12 +74,17 @@ class Experiment:
     when started (spec/protocol.md §5). `manifest_options` sets any other `Manifest` field (screening
     thresholds, `lease_s`, `idle_windows`, ...; ValueError for an unknown or derived one);
     `node_options` adds keys to a node's config by node name (see `peerloom.node`: `behaviour`,
-    `threads`, `stop_after_window`, `device`, ...), checked when the node starts. `base_port` 0 picks free
-    ports when the directory is written.
+    `threads`, `device`, ...), checked when the node starts; a name that is not a node is a ValueError.
+    `base_port` 0 picks free ports when the directory is written.
 
     `trainers`, `validators` and `reducers` are process counts; the validators' quorum is the Byzantine
     quorum ``floor(2n/3) + 1`` (spec/agreement.md §2). `shards` is how many data shards the workload is cut
-    into (default twice the trainers). `window_s` is each window's collection time in seconds. The rule,
+    into (default twice the trainers). `window_s` is each window's collection deadline in seconds, not its
+    pace: a window closes as soon as every lease has its update, or at the deadline (`window_s` after it
+    opened, extended while a leaseholder is reachable up to ``3 * window_s``; spec/protocol.md §6), so a
+    small model can certify several windows a second. `windows` is the
+    stop criterion `peerloom up` uses when given no ``--windows``: the fleet opens no window after this one
+    (None: run until Ctrl-C); unlike the other settings it is not signed and may be edited later. The rule,
     optimizer and codec are validated against the protocol's lists (`AGGREGATION_RULES`, `OUTER_OPTIMIZERS`,
     `CODECS`); an unknown one raises ValueError. `base_port` is the first TCP port of the local fleet (node
     i listens on base_port + i); the first validator also serves the HTTP edge on ``base_port - 1``.
@@ -91,8 +108,17 @@ class Experiment:
     chunk_size: int = 1 << 20
     base_port: int = attrs.field(default=7100, validator=attrs.validators.in_((0, *range(1025, 65000))))
     late_joiners: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    windows: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
     manifest_options: dict[str, Any] = attrs.field(factory=dict, converter=dict)
     node_options: dict[str, dict[str, Any]] = attrs.field(factory=dict, converter=dict)
+
+    @node_options.validator
+    def _check_node_options(self, attribute: attrs.Attribute, value: dict[str, Any]) -> None:
+        names = [name for name, _ in self.node_names()]
+        for name in sorted(set(value) - set(names)):
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"node_options.{name}: no such node{hint}; nodes: {', '.join(names)}")
 
     @manifest_options.validator
     def _check_manifest_options(self, attribute: attrs.Attribute, value: dict[str, Any]) -> None:
@@ -193,6 +219,23 @@ class Experiment:
         return root
 
 
+def chain_node_dir(path: Path) -> Path | None:
+    """Where `peerloom verify`, `peerloom export` and `load_head` read an experiment directory's chain and
+    weights: the node directory of its first validator (every validator holds the whole chain and each
+    head's params). None when `path` is not an experiment directory (no experiment.toml). FileNotFoundError
+    naming the store when that validator has certified nothing yet."""
+    if not (path / LAYOUT_FILE).is_file():
+        return None
+    layout = tomllib.loads((path / LAYOUT_FILE).read_text())
+    first = next((n["name"] for n in layout.get("nodes", []) if n.get("role") == "validator"), None)
+    if first is None:
+        raise FileNotFoundError(2, f"no validator in {LAYOUT_FILE}; give a node directory", str(path))
+    node = path / "nodes" / first
+    if not (node / "store" / "manifest.cbor").is_file():  # written by the node when it first starts
+        raise FileNotFoundError(2, f"holds no chain yet (run `peerloom up {path}` first)", str(node / "store"))
+    return node
+
+
 def _import_root(workload: str) -> Path | None:
     """The sys.path entry the workload factory's module was imported from (None for a registry name)."""
     if ":" not in workload:
@@ -215,11 +258,12 @@ def _peer(node: dict[str, str]) -> Any:
 
 
 class EventTail:
-    """Reads the new JSON lines of a node's event log as they are written (from where the last read ended)."""
+    """Reads the new JSON lines of a node's event log as they are written (from where the last read ended;
+    `from_end`: from the end of what the file holds now, so a restarted fleet's old lines are not read)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, from_end: bool = False) -> None:
         self.path = path
-        self.offset = 0
+        self.offset = path.stat().st_size if from_end and path.exists() else 0
 
     def read(self) -> list[dict[str, Any]]:
         if not self.path.exists():
@@ -259,13 +303,79 @@ class Fleet:
     def node_dir(self, name: str) -> Path:
         return self.root / "nodes" / name
 
-    def start(self, names: list[str] | None = None) -> None:
+    def check(self) -> Experiment:
+        """The `Experiment` that experiment.toml describes, checked against what `init` made of it: the
+        signed manifest, the nodes and their configs. ExperimentError names the first key that no longer
+        matches (the settings are fixed at `init`; only `windows`, the stop criterion, may change), an
+        unknown key (with the closest valid one) or a `node_options` entry its node's config lacks."""
+        from peerloom.core.tables import check_keys
+
+        where = self.root / LAYOUT_FILE
+        table = dict(self.layout.get("experiment", {}))
+        try:
+            check_keys(table, [f.name for f in attrs.fields(Experiment)], "experiment")
+            experiment = Experiment(**table)
+        except (TypeError, ValueError) as exc:
+            raise ExperimentError(f"{where}: {exc}") from None
+        manifest = self.revision().manifest
+        signed = {"name": manifest.experiment, "workload": manifest.workload, "seed": manifest.workload_seed,
+                  "trainers": len(manifest.roster), "validators": len(manifest.validators),
+                  "shards": len(manifest.shards), "window_s": manifest.window_s,
+                  "min_updates": manifest.min_updates, "aggregation": manifest.aggregation,
+                  "outer_optimizer": manifest.outer_optimizer, "outer_lr": manifest.outer_lr,
+                  "inner_steps": manifest.inner_steps, "codec": manifest.codec, "audit": manifest.audit,
+                  "chunk_size": manifest.chunk_size}
+        signed.update({f"manifest_options.{k}": _plain(getattr(manifest, k)) for k in experiment.manifest_options})
+        ours = {**{k: getattr(experiment, k) for k in signed if "." not in k}, "shards": experiment.num_shards,
+                **{f"manifest_options.{k}": _plain(v) for k, v in experiment.manifest_options.items()}}
+        for key, value in signed.items():
+            if ours[key] != value:
+                raise ExperimentError(f"{where}: {key} = {ours[key]!r}, but the signed manifest has {value!r}; "
+                                      "settings are fixed when `peerloom init` signs the manifest (init a new "
+                                      "directory to change them)")
+        nodes = self.layout.get("nodes", [])
+        made = {"reducers": sum(n["role"] == "reducer" for n in nodes),
+                "late_joiners": sum(bool(n.get("late_joiner")) for n in nodes)}
+        for key, value in made.items():
+            if getattr(experiment, key) != value:
+                raise ExperimentError(f"{where}: {key} = {getattr(experiment, key)!r}, but `peerloom init` made "
+                                      f"{value} (init a new directory to change them)")
+        for name, options in sorted(experiment.node_options.items()):
+            config_path = self.node_dir(name) / "node.toml"
+            config = tomllib.loads(config_path.read_text()) if config_path.is_file() else {}
+            for key, value in sorted(options.items()):
+                if config.get(key) != value:
+                    raise ExperimentError(f"{where}: node_options.{name}.{key} = {value!r}, but {config_path} "
+                                          f"has {config.get(key)!r}; nodes run their node.toml, so edit it there")
+        return experiment
+
+    def head_window(self) -> int:
+        """The newest certified window in any validator's store (0 before the first): where a restarted
+        fleet resumes."""
+        from peerloom.adapters.database import DB_NAME, Database
+
+        newest = 0
+        for node in self.layout["nodes"]:
+            db_path = self.node_dir(node["name"]) / "store" / DB_NAME
+            if node["role"] != "validator" or not db_path.exists():
+                continue
+            db = Database(db_path)
+            try:
+                heads = db.heads(limit=1)
+            finally:
+                db.close()
+            newest = max(newest, heads[0][0] if heads else 0)
+        return newest
+
+    def start(self, names: list[str] | None = None, *, stop_after_window: int | None = None) -> None:
         """Start `names` (default: every node but the late joiners) as `python -m peerloom node`, trainers
         first (a validator opens window 1 as soon as it starts), in the current directory so a workload
-        module there can be imported. A node's output is appended to its node.log."""
+        module there can be imported. A node's output is appended to its node.log. `stop_after_window`: the
+        nodes open no window after this one (`peerloom node --stop-after-window`)."""
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         paths = (self.layout.get("pythonpath", ""), os.getcwd(), env.get("PYTHONPATH", ""))
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+        stop = [] if stop_after_window is None else ["--stop-after-window", str(stop_after_window)]
         chosen = [n for n in self.layout["nodes"] if (n["name"] in names if names is not None
                                                        else not n.get("late_joiner"))]
         for node in sorted(chosen, key=lambda n: n["role"] != "trainer"):
@@ -273,22 +383,35 @@ class Fleet:
             (directory / "port").unlink(missing_ok=True)
             with open(directory / "node.log", "ab") as log:
                 self.processes[node["name"]] = subprocess.Popen(
-                    [sys.executable, "-m", "peerloom", "node", "--config", str(directory / "node.toml")],
+                    [sys.executable, "-m", "peerloom", "node", "--config", str(directory / "node.toml"), *stop],
                     stdout=log, stderr=subprocess.STDOUT, env=env)
             (directory / "pid").write_text(f"{self.processes[node['name']].pid}\n")
 
     def wait_started(self, timeout_s: float = 60.0, names: list[str] | None = None) -> None:
-        """Wait until every started node (or `names`) wrote its port. RuntimeError naming a node that exited
-        (with its log's last line) or did not start in time."""
+        """Wait until every started node (or `names`) wrote its port. NodeStartError with the one line of a
+        node that exited (a config error's own line: `peerloom node` prints one) or did not start in time."""
         deadline = time.monotonic() + timeout_s
-        for name, process in self.processes.items():
-            if names is not None and name not in names:
-                continue
-            port = self.node_dir(name) / "port"
-            while not (port.exists() and port.read_text().strip()):
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"{name} did not start: {self.last_log_line(name)}")
-                time.sleep(0.05)
+        waiting = [n for n in self.processes if names is None or n in names]
+        while waiting:
+            for name in list(waiting):
+                port = self.node_dir(name) / "port"
+                if port.exists() and port.read_text().strip():
+                    waiting.remove(name)
+                elif self.processes[name].poll() is not None:
+                    raise NodeStartError(self.exit_line(name))
+            if waiting and time.monotonic() > deadline:
+                raise NodeStartError(f"{waiting[0]} did not start within {timeout_s:g} s; its log: "
+                                      f"{self.node_dir(waiting[0]) / 'node.log'}")
+            time.sleep(0.05)
+
+    def exit_line(self, name: str) -> str:
+        """One line on why node `name` exited: its own error line (exit status 2: a config or workload
+        error, a port in use), else its status, its log's last line and where the log is."""
+        code = self.processes[name].returncode
+        line = self.last_log_line(name).removeprefix("peerloom node: ")
+        if code == 2:
+            return f"{name}: {line}"
+        return f"{name} exited with status {code}: {line} (its log: {self.node_dir(name) / 'node.log'})"
 
     def last_log_line(self, name: str) -> str:
         log = self.node_dir(name) / "node.log"
@@ -299,9 +422,10 @@ class Fleet:
         """Every head line of the first validator's event log so far (certified or skipped)."""
         return [e for e in self.events().read() if e.get("event") == "head"]
 
-    def events(self) -> EventTail:
-        """A reader of the first validator's event log, from its start."""
-        return EventTail(self.node_dir(self.layout["nodes"][0]["name"]) / "events.jsonl")
+    def events(self, name: str | None = None, *, from_end: bool = False) -> EventTail:
+        """A reader of a node's event log (default: the first validator's), from its start or its end."""
+        return EventTail(self.node_dir(name or self.layout["nodes"][0]["name"]) / "events.jsonl",
+                         from_end=from_end)
 
     def stop(self, timeout_s: float = 15.0) -> dict[str, int | None]:
         """SIGTERM every node, SIGKILL what has not exited after `timeout_s`; returns exit statuses."""
@@ -327,30 +451,114 @@ class Fleet:
         return Revision.verify(envelope, PeerId.from_text(self.layout["authority"]))
 
 
+def _plain(value: Any) -> Any:
+    """A manifest value as TOML holds it (tuples as lists, peer ids as text)."""
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    return value.to_text() if hasattr(value, "to_text") else value
+
+
+class Problems:
+    """What went wrong in a running fleet, by window, from the nodes' event logs: each update the first
+    validator rejected from a trainer (`reject` events naming the trainer, with the reason and detail), and
+    each task that failed on any node (`task-failed`, with the exception). `poll()` returns the lines to
+    print: a head's window line, then one line per (node, problem) seen since the head before it."""
+
+    def __init__(self, fleet: Fleet, *, after: int) -> None:
+        nodes = fleet.layout["nodes"]
+        self.after = after
+        self.observer = fleet.events(from_end=True)
+        self.tails = {n["name"]: fleet.events(n["name"], from_end=True) for n in nodes[1:]}
+        self.trainers = {n["peer"]: n["name"] for n in nodes if n["role"] == "trainer"}
+        self.pending: dict[tuple[str, str], int] = {}
+        self.totals: dict[str, dict[str, int]] = {}
+        self.last_window = after
+
+    def poll(self) -> list[str]:
+        for name, tail in self.tails.items():
+            for event in tail.read():
+                if event.get("event") == "task-failed":
+                    self._note(name, f"{str(event.get('task', 'task')).rsplit('-', 1)[0]} task failed: "
+                                     f"{_short(event.get('reason', ''))}")
+        lines = []
+        for event in self.observer.read():
+            if event.get("event") == "task-failed":
+                self._note(self.observer.path.parent.name, f"{str(event.get('task', 'task')).rsplit('-', 1)[0]} "
+                                                           f"task failed: {_short(event.get('reason', ''))}")
+            elif event.get("event") == "reject" and event.get("peer") in self.trainers:
+                detail = f" ({_short(event['detail'])})" if event.get("detail") else ""
+                self._note(self.trainers[event["peer"]], f"update rejected: {event.get('reason')}{detail}")
+            elif event.get("event") == "head" and event.get("window", 0) > self.last_window:
+                self.last_window = event["window"]
+                lines.append(_window_line(event))
+                for (name, what), count in self.pending.items():
+                    lines.append(f"    {name:<12} {what}{f'  (x{count})' if count > 1 else ''}")
+                    self.totals.setdefault(name, {}).setdefault(what, 0)
+                    self.totals[name][what] += count
+                self.pending.clear()
+        return lines
+
+    def _note(self, name: str, what: str) -> None:
+        self.pending[(name, what)] = self.pending.get((name, what), 0) + 1
+
+    def summary(self) -> list[str]:
+        """One line per node that had problems in the windows shown: how many of each."""
+        lines = []
+        for name, problems in sorted(self.totals.items()):
+            shown = "; ".join(f"{what} x{count}" if count > 1 else what for what, count in problems.items())
+            lines.append(f"  {name:<12} {shown}")
+        return [f"problems in windows {self.after + 1}-{self.last_window}:", *lines] if lines else []
+
+
+def _short(text: str, limit: int = 160) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _window_line(head: dict[str, Any]) -> str:
+    metrics = head.get("metrics", {})
+    shown = "  ".join(f"{k.removeprefix('test_')} {v:.4f}" for k, v in sorted(metrics.items())
+                      if k.startswith("test_"))
+    result = "skipped" if head.get("skipped") else f"{shown}  cohort {head.get('cohort')}"
+    return f"window {head['window']:>4}  {result}"
+
+
 def run_up(directory: Path, *, windows: int | None = None, echo: Callable[[str], None] = print) -> int:
-    """`peerloom up DIR`: start the fleet, print each window as it is certified, stop cleanly on Ctrl-C (or
-    after `windows` certified windows). Returns the exit status: 0, or 1 when a node exited on its own."""
+    """`peerloom up DIR`: start the fleet, print each window as it is certified with the trainers whose
+    update was rejected or whose task failed in it (and a summary at exit), and stop cleanly on Ctrl-C or
+    after `windows` more certified windows (None: experiment.toml's `windows`, the window to stop after, if
+    it has one). A restarted fleet resumes from the validators' stores and prints from there.
+
+    Returns 0, or 1 when a node exited on its own while running. ExperimentError (one line, exit 2) when
+    experiment.toml no longer matches what `init` made (`Fleet.check`), or when a node fails to start:
+    that node's own error line.
+    """
     fleet = Fleet.open(directory)
+    experiment = fleet.check()
     revision = fleet.revision()
+    resumed = fleet.head_window()
+    stop = resumed + windows if windows is not None else experiment.windows
+    if stop is not None and resumed >= stop:
+        echo(f"peerloom up: {revision.manifest.experiment} is at window {resumed} already, its stop criterion "
+             f"(windows = {stop} in {LAYOUT_FILE}); `peerloom up --windows N` certifies N more")
+        return 0
+    until = f"they stop after window {stop}, or on Ctrl-C" if stop is not None else "Ctrl-C stops them"
     echo(f"peerloom up: {revision.manifest.experiment}: {len(fleet.layout['nodes'])} nodes, workload "
-         f"{revision.manifest.workload}, rule {revision.manifest.aggregation}; Ctrl-C stops them")
-    fleet.start()
+         f"{revision.manifest.workload}, rule {revision.manifest.aggregation}; {until}")
+    if resumed:
+        echo(f"resuming after window {resumed} (the validators' stores)")
+    problems = Problems(fleet, after=resumed)
+    fleet.start(stop_after_window=stop)
     status = 0
     try:
         fleet.wait_started()
         echo(f"dashboard: {fleet.layout['dashboard']}")
-        seen, events = 0, fleet.events()
-        while windows is None or seen < windows:
-            for head in (e for e in events.read() if e.get("event") == "head"):  # only lines new since last time
-                metrics = head.get("metrics", {})
-                shown = "  ".join(f"{k.removeprefix('test_')} {v:.4f}" for k, v in sorted(metrics.items())
-                                  if k.startswith("test_"))
-                result = "skipped" if head.get("skipped") else f"{shown}  cohort {head.get('cohort')}"
-                echo(f"window {head['window']:>4}  {result}")
-                seen += 1
+        while stop is None or problems.last_window < stop:
+            for line in problems.poll():
+                echo(line)
             exited = [n for n, p in fleet.processes.items() if p.poll() is not None]
             if exited:
-                echo(f"{exited[0]} exited: {fleet.last_log_line(exited[0])}")
+                echo(fleet.exit_line(exited[0]))
                 status = 1
                 break
             time.sleep(0.2)
@@ -358,6 +566,8 @@ def run_up(directory: Path, *, windows: int | None = None, echo: Callable[[str],
         echo("stopping ...")
     finally:
         codes = fleet.stop()
+        for line in problems.summary():
+            echo(line)
     echo(f"stopped {len(codes)} nodes")
     return status
 
@@ -416,7 +626,11 @@ def add_parsers(subparsers: Any) -> None:
         init.add_argument(f"--{role}", type=int, default=default, help=f"how many {role} (default {default})")
     init.add_argument("--shards", type=int, default=None, help="data shards (default: 2 per trainer)")
     init.add_argument("--seed", type=int, default=0)
-    init.add_argument("--window-s", type=float, default=10.0, help="window collection time, seconds")
+    init.add_argument("--window-s", type=float, default=10.0,
+                      help="each window's collection deadline in seconds, not its pace: a window closes as soon "
+                           "as every lease has its update (default 10)")
+    init.add_argument("--windows", type=_positive_int, default=None,
+                      help="stop criterion: `up` stops after this window unless given --windows (default: none)")
     init.add_argument("--min-updates", type=int, default=1)
     init.add_argument("--rule", default="centered_clip", choices=AGGREGATION_RULES, help="aggregation rule")
     init.add_argument("--optimizer", default="diloco", choices=OUTER_OPTIMIZERS, help="outer optimizer")
@@ -434,7 +648,9 @@ def add_parsers(subparsers: Any) -> None:
     init.add_argument("--base-port", type=int, default=7100, help="first TCP port of the local fleet")
     up = subparsers.add_parser("up", help="start an experiment's fleet as local processes (Ctrl-C stops it)")
     up.add_argument("directory", type=Path)
-    up.add_argument("--windows", type=int, default=None, help="stop after this many windows (default: never)")
+    up.add_argument("--windows", type=_positive_int, default=None,
+                    help="certify this many more windows, then stop (default: experiment.toml's windows, the "
+                         "window to stop after, if it has one; else until Ctrl-C)")
     status = subparsers.add_parser("status", help="an experiment's nodes and its latest head")
     status.add_argument("directory", type=Path)
 
@@ -458,13 +674,25 @@ def run(args: Any) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
 def _experiment_from(args: Any) -> Experiment:
     return Experiment(
         workload=args.workload, name=args.name, trainers=args.trainers, validators=args.validators,
         reducers=args.reducers, shards=args.shards, seed=args.seed, window_s=args.window_s,
         min_updates=args.min_updates, aggregation=args.rule, outer_optimizer=args.optimizer,
         outer_lr=args.outer_lr, inner_steps=args.inner_steps, codec=args.codec,
-        audit=args.audit or args.audit_rate > 0, base_port=args.base_port,
+        audit=args.audit or args.audit_rate > 0, base_port=args.base_port, windows=args.windows,
         manifest_options={k: v for k, v in (("audit_rate", args.audit_rate), ("audit_segments", args.audit_segments),
                                             ("loss_check_samples", args.loss_check)) if v})
 

@@ -1,7 +1,8 @@
 """`peerloom export PATH --out model.safetensors` and `peerloom.load_head`: a certified head's weights.
 
 PATH is what `peerloom verify` reads (peerloom/verify.py): a node store (``node.db`` and ``artifacts/``), a
-node directory with ``store/`` inside, or a node's ``store/chain/``. Export first verifies the whole chain
+node directory with ``store/`` inside, a node's ``store/chain/``, or an experiment directory (`peerloom
+init`'s: its first validator's node directory is read). Export first verifies the whole chain
 from genesis with every check `peerloom verify` makes (spec/protocol.md §3), then reads the chosen head's
 ``params`` artifact from the store (`adapters/storage.py`), checks its bytes against the artifact's content
 id and its tensors against the head's certified ``params_digest`` (the tensor digest, spec/protocol.md §2),
@@ -167,12 +168,14 @@ def _certified(path: Path, *, head: int | str | None, manifest: Path | None, aut
                ) -> tuple[Revision, Head, dict[str, np.ndarray], int]:
     """(revision, chosen head, its verified params, certified heads verified) for a store or chain path."""
     from peerloom.adapters.database import DB_NAME
+    from peerloom.experiment import chain_node_dir
     from peerloom.verify import verified_chain
 
     if not path.exists():
         raise FileNotFoundError(errno.ENOENT, "no such file or directory", str(path))
     if path.name == DB_NAME and path.is_file():
         path = path.parent
+    path = chain_node_dir(path) or path  # an experiment directory: its first validator's store
     store = _store_of(path)
     if store is None and (path / "manifest.cbor").is_file():
         raise _no_weights(path)
@@ -232,7 +235,8 @@ def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "export", help="verify a chain, then write a certified head's weights as a safetensors file")
     parser.add_argument("path", type=Path, metavar="STORE_OR_CHAIN",
-                        help="a node directory or store (node.db + artifacts/), or a node's store/chain/")
+                        help="an experiment directory (its first validator's store is read), a node directory "
+                             "or store (node.db + artifacts/), or a node's store/chain/")
     parser.add_argument("--head", default=None, metavar="ID",
                         help="a window number or a head id in hex (default: the latest certified head)")
     parser.add_argument("--manifest", type=Path, default=None, metavar="FILE",
@@ -325,8 +329,9 @@ def load_head(path_or_store: str | os.PathLike[str], module: Any = None, *, head
               manifest: str | os.PathLike[str] | None = None, authority: str | None = None) -> Any:
     """A certified head's params, verified: as ``{name: numpy array}``, or loaded into a torch `module`.
 
-    `path_or_store` is a file `peerloom export` wrote, or what `peerloom verify` reads (a node directory or
-    store, or a node's store/chain/). For a file, its ``peerloom.*`` metadata must be present and its
+    `path_or_store` is a file `peerloom export` wrote, or what `peerloom verify` reads (an experiment
+    directory, whose first validator's store is read; a node directory or store; a node's store/chain/).
+    For a file, its ``peerloom.*`` metadata must be present and its
     ``peerloom.tensor_digest`` must match the tensors; `head` (if given) must be the file's window or head
     id, and `manifest` (if given, signed by `authority` if given) must be the revision the file names. For a
     store, the whole chain is verified from genesis against its manifest (or `manifest`) first, then the

@@ -420,6 +420,24 @@ def build_node_workload(config: dict[str, Any], manifest_workload: str, seed: in
     return workload, shards
 
 
+def check_workload_schema(workload: Any, schema: Any, spec: str) -> None:
+    """ConfigError naming the first tensor whose name, dtype or shape in `workload.schema()` differs from
+    the manifest's `schema`: such a node could take leases but train nothing the validators accept."""
+    ours = {name: (dtype, tuple(shape)) for name, dtype, shape in workload.schema()}
+    signed = {name: (dtype, tuple(shape)) for name, dtype, shape in schema}
+    for name in sorted(set(ours) | set(signed)):
+        if ours.get(name) == signed.get(name):
+            continue
+        if name not in signed:
+            problem = "is not in the manifest's schema"
+        elif name not in ours:
+            problem = f"is missing (the manifest has {signed[name][0]} {signed[name][1]})"
+        else:
+            problem = f"is {ours[name][0]} {ours[name][1]}, the manifest's is {signed[name][0]} {signed[name][1]}"
+        raise ConfigError(f"workload {spec!r}: tensor {name!r} {problem}; every peer must build the model the "
+                          "manifest was made with")
+
+
 def place_workload(workload: Any, device: str) -> Any:
     """Move `workload`'s training and evaluation to `device` (config key ``device``; `resolve_device`):
     a workload with ``to_device`` (`TorchWorkload`) moves there; any other (numpy) runs on the CPU, so it
@@ -569,6 +587,7 @@ def build_runtime(config: dict[str, Any], config_path: Path | None = None, *,
     except OSError as exc:
         raise ConfigError(f"store: {exc}") from None
     workload, shards = build_node_workload(config, manifest.workload, manifest.workload_seed, len(manifest.shards))
+    check_workload_schema(workload, manifest.schema, config.get("workload", manifest.workload))
     if "device" in config:  # else the workload stays where its factory put it (the CPU by default)
         place_workload(workload, config["device"])
     if config.get("behaviour", "honest") != "honest":
@@ -660,13 +679,16 @@ async def leave_roster(runtime: NodeRuntime, grace_s: float, signals: Any) -> st
     return outcome
 
 
-def run_node(config_path: Path) -> None:
+def run_node(config_path: Path, *, stop_after_window: int | None = None) -> None:
     """Run a node until SIGTERM or SIGINT, then shut down cleanly (connections closed, stats written); with
-    ``leave_on_exit`` a trainer first leaves the roster (`leave_roster`).
+    ``leave_on_exit`` a trainer first leaves the roster (`leave_roster`). `stop_after_window` (`peerloom
+    node --stop-after-window`, which `peerloom up --windows` uses) replaces the config key of that name.
 
     Raises ConfigError before starting anything if the config, key, manifest or workload is unusable.
     """
     config = load_config(config_path)
+    if stop_after_window is not None:
+        config["stop_after_window"] = stop_after_window
     level = config.get("log_level", os.environ.get("PEERLOOM_LOG_LEVEL", "info"))
     env = RankEnv.from_environ()
     if env is not None and env.rank > 0:  # a trainer pool's rank: no identity, no network (spec/pools.md)

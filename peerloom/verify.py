@@ -8,7 +8,9 @@ PATH is either
 - a node store: the directory holding ``node.db``, or a node directory with ``store/`` inside. The chain
   is every certified head in the store's database (`Database.heads`: promoted and archived), the
   manifest the store's ``manifest.cbor`` (`peerloom node` keeps it there). When the store has a
-  ``chain/`` directory, it must hold exactly the same heads.
+  ``chain/`` directory, it must hold exactly the same heads; or
+- an experiment directory (`peerloom init`'s, with ``experiment.toml``): its first validator's node
+  directory, ``nodes/validator-1``.
 
 ``manifest`` names the manifest file instead (for a store or directory without one). Checks, in order:
 the manifest's signature (and its authority, when given); for every head, its certificate's signatures
@@ -151,8 +153,13 @@ def _locate(path: Path, manifest: Path | None) -> tuple[Path, list[tuple[int, by
     """(manifest file, (window, entry) in window order, lines saying what was read) for PATH (see the module
     docstring). FileNotFoundError when PATH is neither form, or no manifest is found."""
     from peerloom.adapters.database import DB_NAME
+    from peerloom.experiment import chain_node_dir
     from peerloom.inspect import find_store
 
+    node = chain_node_dir(path)
+    if node is not None:  # an experiment directory: its first validator holds the chain
+        manifest_path, entries, lines = _locate(node, manifest)
+        return manifest_path, entries, [f"experiment {path}: the chain of its first validator, {node}", *lines]
     if (path / DB_NAME).exists() or (path / "store" / DB_NAME).exists():
         store = find_store(path)
         manifest = manifest or store / "manifest.cbor"

@@ -153,3 +153,110 @@ def test_own_model_through_init_up_export_and_plain_torch(tmp_path):
             if '"event": "head"' in line or '"event":"head"' in line]
     certified = next(h for h in head if h["window"] == 2)
     assert accuracy == pytest.approx(certified["metrics"]["test_accuracy"], abs=1e-9)
+
+
+def _window_lines(stdout: str) -> list[int]:
+    return [int(line.split()[1]) for line in stdout.splitlines() if line.startswith("window ")]
+
+
+def _set_node_workload(root: Path, name: str, workload: str) -> None:
+    config = root / "nodes" / name / "node.toml"
+    config.write_text("\n".join(f'workload = "{workload}"' if line.startswith("workload =") else line
+                                for line in config.read_text().splitlines()) + "\n")
+
+
+@pytest.mark.slow
+def test_up_counts_windows_resumes_and_names_failed_trainers(tmp_path):
+    """`init --windows` is a stop criterion; `up --windows N` certifies exactly N new windows and
+    prints only those, after a restart too; a trainer whose training fails is named with the reason in the
+    windows it failed and in the summary; verify and export take the experiment directory."""
+    from peerloom.adapters.database import DB_NAME, Database
+
+    root = tmp_path / "exp"
+    out = _peerloom("init", str(root), "--workload", WORKLOAD, "--trainers", "3", "--window-s", "1", "--windows", "2",
+                    "--base-port", "0")
+    assert out.returncode == 0, out.stderr
+    _set_node_workload(root, "trainer-3", "tests.faulty_workloads:failing_digits")
+
+    def head_window() -> int:
+        db = Database(root / "nodes" / "validator-1" / "store" / DB_NAME)
+        try:
+            return db.heads(limit=1)[0][0]
+        finally:
+            db.close()
+
+    up = _peerloom("up", str(root))  # experiment.toml's windows = 2
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert _window_lines(up.stdout) == [1, 2] and head_window() == 2, up.stdout
+    failed = [line for line in up.stdout.splitlines() if line.split()[:1] == ["trainer-3"]]
+    assert failed and all("train task failed" in line and "sample 17: cannot read image file" in line
+                          for line in failed), up.stdout
+    summary = up.stdout.split("problems in windows 1-2:")[1]
+    assert "trainer-3" in summary and "sample 17" in summary, up.stdout
+    again = _peerloom("up", str(root))
+    assert again.returncode == 0 and "at window 2 already" in again.stdout and not _window_lines(again.stdout)
+
+    _set_node_workload(root, "trainer-3", WORKLOAD)
+    more = _peerloom("up", str(root), "--windows", "3")
+    assert more.returncode == 0, more.stdout + more.stderr
+    assert "resuming after window 2" in more.stdout
+    assert _window_lines(more.stdout) == [3, 4, 5] and head_window() == 5, more.stdout
+    assert "problems" not in more.stdout, more.stdout
+
+    verify = _peerloom("verify", str(root))
+    assert verify.returncode == 0 and "OK: 5 certified heads" in verify.stdout, verify.stdout + verify.stderr
+    export = _peerloom("export", str(root), "--out", str(tmp_path / "model.safetensors"))
+    assert export.returncode == 0 and "wrote window 5" in export.stdout, export.stdout + export.stderr
+
+
+def _one_line_exit_2(out: subprocess.CompletedProcess[str], *needles: str) -> str:
+    assert out.returncode == 2 and "Traceback" not in out.stderr, (out.returncode, out.stdout, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert all(needle in lines[0] for needle in needles), (needles, lines[0])
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_up_ends_in_a_nodes_one_line_start_up_error(tmp_path):
+    """A node that cannot start (an unknown config key; a workload whose schema is not the
+    manifest's) ends `up` with that node's one line and exit 2, every other node stopped."""
+    root = Experiment(workload=WORKLOAD, trainers=2, base_port=0).write(tmp_path / "exp")
+    config = root / "nodes" / "trainer-1" / "node.toml"
+    good = config.read_text()
+    config.write_text(good + 'devcie = "cpu"\n')
+    _one_line_exit_2(_peerloom("up", str(root), "--windows", "1"), "peerloom up: trainer-1:", "devcie: unknown key",
+                     "did you mean 'device'?")
+    config.write_text(good)
+    _set_node_workload(root, "trainer-2", "tests.faulty_workloads:wide_digits")
+    _one_line_exit_2(_peerloom("up", str(root), "--windows", "1"), "peerloom up: trainer-2:",
+                     "tensor '0.bias' is float32 (64,)", "the manifest's is float32 (128,)")
+    for name in ("validator-1", "reducer-1", "trainer-1", "trainer-2"):
+        assert not (root / "nodes" / name / "pid").exists()  # `up` stopped what it started
+
+
+def test_up_refuses_an_experiment_toml_edited_after_init(tmp_path):
+    """Settings are signed at `init`; an edit that no longer matches the manifest, an unknown key
+    and `node_options` for no such node are one-line errors naming the key, and nothing starts."""
+    root = Experiment(workload=WORKLOAD, trainers=2, base_port=0, window_s=2.0).write(tmp_path / "exp")
+    layout = root / "experiment.toml"
+    text = layout.read_text()
+    for edited, needles in (
+            (text.replace("window_s = 2.0", "window_s = 5.0"), ("window_s = 5.0", "signed manifest has 2.0")),
+            (text.replace("window_s = 2.0", "windw_s = 2.0"), ("windw_s: unknown key", "did you mean 'window_s'?")),
+            (text.replace("trainers = 2", "trainers = 3"), ("trainers = 3", "signed manifest has 2")),
+            (text + '\n[experiment.node_options.trainr-1]\ndevice = "cpu"\n',
+             ("node_options.trainr-1: no such node", "did you mean 'trainer-1'?")),
+            (text + '\n[experiment.node_options.trainer-1]\ndevice = "cpu"\n',
+             ("node_options.trainer-1.device", "node.toml has None"))):
+        layout.write_text(edited)
+        _one_line_exit_2(_peerloom("up", str(root)), *needles)
+        assert not (root / "nodes" / "validator-1" / "node.log").exists()  # nothing started
+    with pytest.raises(ValueError, match="did you mean 'trainer-1'"):
+        Experiment(workload=WORKLOAD, node_options={"trainr-1": {"threads": 1}})
+
+
+def test_verify_and_export_point_from_an_experiment_never_run(tmp_path):
+    root = Experiment(workload=WORKLOAD, trainers=1, base_port=0).write(tmp_path / "exp")
+    for args in (["verify", str(root)], ["export", str(root), "--out", str(tmp_path / "m.safetensors")]):
+        _one_line_exit_2(_peerloom(*args), "validator-1/store: holds no chain yet", f"peerloom up {root}")
