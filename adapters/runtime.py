@@ -327,6 +327,8 @@ class NodeRuntime:
 
         book = self.book
         options = tcp.SecureOptions(
+            max_connections=self.limits.max_peers,  # relayed inbound connections (spec/transport.md §12)
+            max_connections_per_ip=self.limits.max_peers_per_ip,
             limiter=self.limiter, protected=self._is_known,
             admit=lambda ip: book.admit_inbound(ip, now=trio.current_time()),
             on_handshake_failed=lambda ip, exc: book.inbound_handshake_failed(ip, now=trio.current_time()))
