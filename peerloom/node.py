@@ -702,8 +702,7 @@ def run_node(config_path: Path) -> None:
         setup_logging(config.get("log_format", "auto"), level, name=f"{config['name']}/rank{env.rank}")
         sys.exit(run_pool_worker(config))
     setup_logging(config.get("log_format", "auto"), level, name=config["name"])
-    soft, hard = raise_nofile(limits_settings(config).open_files)  # the descriptor budget's base (§13)
-    log.info("open files limit", extra={"fields": {"soft": soft, "hard": hard}})
+    nofile = raise_nofile(limits_settings(config).open_files)  # the descriptor budget's base (§13)
     runtime = build_runtime(config, config_path)
 
     async def main() -> None:
@@ -712,7 +711,8 @@ def run_node(config_path: Path) -> None:
             if "port_file" in config and port is not None:  # None: a dial_only node listens nowhere
                 atomic_write(Path(config["port_file"]), f"{port}\n".encode())
             log.info("node started", extra={"fields": {"peer": runtime.identity.peer_id.to_text(), "port": port,
-                                                       "roles": sorted(config["roles"])}})
+                                                       "roles": sorted(config["roles"]), "nofile": nofile[0],
+                                                       "fd_budget": runtime.limiter.fd_budget}})
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for signum in signals:
                     log.info("shutting down", extra={"fields": {"signal": signal.Signals(signum).name}})
