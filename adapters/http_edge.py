@@ -83,7 +83,6 @@ import os
 import tempfile
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -109,6 +108,7 @@ from peerloom.core.objects import (
 
 from .edge_dashboard import DASHBOARD_HTML
 from .edge_view import CertifiedEntry, EdgeView, PeerInfo, WindowStats
+from .limits import TokenBuckets
 
 log = logging.getLogger("peerloom.http_edge")
 
@@ -180,28 +180,6 @@ class ApiError(Exception):
 def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
     body = {"error": {"status": status, "code": code, "message": message}}
     return web.json_response(body, status=status, headers=headers)
-
-
-class TokenBuckets:
-    """Per-client token buckets (`burst` tokens, refilled at `rate` per second), least recently seen evicted."""
-
-    def __init__(self, rate: float, burst: int, max_clients: int) -> None:
-        self.rate, self.burst, self.max_clients = rate, burst, max_clients
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
-
-    def take(self, client: str, now: float) -> float:
-        """Take one token; returns 0.0 if allowed, else the seconds until a token is available."""
-        tokens, last = self._buckets.pop(client, (float(self.burst), now))
-        tokens = min(float(self.burst), tokens + (now - last) * self.rate)
-        wait = 0.0
-        if tokens >= 1.0:
-            tokens -= 1.0
-        else:
-            wait = (1.0 - tokens) / self.rate
-        self._buckets[client] = (tokens, now)
-        while len(self._buckets) > self.max_clients:
-            self._buckets.popitem(last=False)
-        return wait
 
 
 # --- JSON views of protocol objects ---------------------------------------------------------------------
@@ -864,12 +842,28 @@ class _HeaderDeadline(asyncio.Protocol):
     `EdgeServer` sets to the same value."""
 
     def __init__(self, inner: asyncio.Protocol, timeout: float,
-                 awaiting: dict[asyncio.BaseTransport, _HeaderDeadline]) -> None:
+                 awaiting: dict[asyncio.BaseTransport, _HeaderDeadline], limiter: Any = None) -> None:
         self._inner, self._timeout, self._awaiting = inner, timeout, awaiting
         self._transport: asyncio.BaseTransport | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._limiter = limiter  # an adapters.limits.ConnectionLimiter: the socket counts (scope "edge")
+        self._slot: Any = None
+        self._refused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self._limiter is not None:  # spec/transport.md §13: refused at once, with the reason, over a limit
+            peer = transport.get_extra_info("peername")
+            slot = self._limiter.open(str(peer[0]) if peer else "unknown", now=time.monotonic(), scope="edge")
+            if isinstance(slot, str):
+                self._refused = True
+                body = json.dumps({"error": "limit", "reason": slot}).encode()
+                if isinstance(transport, asyncio.WriteTransport):
+                    transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                    b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+                                    % (len(body), body))
+                transport.close()
+                return
+            self._slot = slot
         self._transport = transport
         self._awaiting[transport] = self
         self._timer = asyncio.get_running_loop().call_later(self._timeout, self._expire)
@@ -887,18 +881,25 @@ class _HeaderDeadline(asyncio.Protocol):
             self._transport.close()
 
     def data_received(self, data: bytes) -> None:
-        self._inner.data_received(data)
+        if not self._refused:
+            self._inner.data_received(data)
 
     def eof_received(self) -> bool | None:
-        return self._inner.eof_received()
+        return None if self._refused else self._inner.eof_received()
 
     def pause_writing(self) -> None:
-        self._inner.pause_writing()
+        if not self._refused:
+            self._inner.pause_writing()
 
     def resume_writing(self) -> None:
-        self._inner.resume_writing()
+        if not self._refused:
+            self._inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._refused:
+            return
+        if self._slot is not None:
+            self._limiter.close(self._slot)
         self.headers_complete()
         if self._transport is not None:
             self._awaiting.pop(self._transport, None)
@@ -915,8 +916,10 @@ class EdgeServer:
     """
 
     def __init__(self, view: EdgeView, *, host: str = "127.0.0.1", port: int = 0,
-                 limits: EdgeLimits | None = None, shutdown_s: float = 5.0, spool_dir: Path | None = None) -> None:
+                 limits: EdgeLimits | None = None, shutdown_s: float = 5.0, spool_dir: Path | None = None,
+                 limiter: Any = None) -> None:
         self.edge = HttpEdge(view, limits, spool_dir=spool_dir)
+        self.limiter = limiter  # adapters.limits.ConnectionLimiter: the edge's sockets count toward its limits
         self.host, self.port, self.shutdown_s = host, port, shutdown_s
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -969,8 +972,8 @@ class EdgeServer:
             assert server is not None
             awaiting = self.edge._awaiting_headers
             listener = await asyncio.get_running_loop().create_server(
-                lambda: _HeaderDeadline(server(), limits.header_timeout_s, awaiting), self.host, self.port,
-                reuse_address=True)
+                lambda: _HeaderDeadline(server(), limits.header_timeout_s, awaiting, self.limiter), self.host,
+                self.port, reuse_address=True)
             self.port = listener.sockets[0].getsockname()[1]
             self._ready.set()
             await self._stopped.wait()

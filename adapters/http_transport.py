@@ -22,6 +22,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -228,13 +229,13 @@ class HttpTransport:
         acceptor = Acceptor(identity, handle, max_message_bytes=max_message_bytes, options=self.options)
         token = trio.lowlevel.current_trio_token()
         async with trio.open_nursery() as nursery:
-            def deliver(stream: WebSocketStream, remote: tuple[str, int]) -> None:  # on the trio thread
+            def deliver(stream: WebSocketStream, remote: tuple[str, int], slot: Any) -> None:  # on the trio thread
                 try:
-                    nursery.start_soon(acceptor.accept, stream, remote)
+                    nursery.start_soon(acceptor.accept, stream, remote, slot)
                 except RuntimeError:  # the listener is closing
                     _submit(stream._close())
 
-            server = _Server(token, deliver)
+            server = _Server(token, deliver, acceptor.limiter)
             try:
                 bound = await _wait_future(_submit(server.start(host, port)))
             except OSError as exc:
@@ -247,38 +248,129 @@ class HttpTransport:
                     await _wait_future(_submit(server.stop()))
 
 
+def _refusal(reason: str) -> bytes:
+    """The whole HTTP response that refuses a connection over a limit (spec/transport.md §13)."""
+    body = f'{{"error": "limit", "reason": "{reason}"}}\n'.encode()
+    return (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            f"Retry-After: 1\r\nConnection: close\r\n\r\n").encode() + body
+
+
+class _Guard(asyncio.Protocol):
+    """aiohttp's protocol for one connection of the HTTP transport, wrapped (spec/transport.md §10, §13): the
+    socket is counted by the limiter from accept to close, refused at once with a 503 naming the reason when
+    over a limit; the request line and headers must be complete within `header_timeout` seconds of the
+    accept (a client trickling a request line is closed, ``header-timeout``); `upgraded()` stops that clock.
+    While the socket waits it is *idle* for the limiter, which may evict it to make room for a newcomer."""
+
+    def __init__(self, inner: asyncio.Protocol, limiter: Any, guards: dict[asyncio.BaseTransport, _Guard]) -> None:
+        self._inner, self._limiter, self._guards = inner, limiter, guards
+        self._transport: asyncio.BaseTransport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self.slot: Any = None
+        self._upgrading = False  # the upgrade request arrived
+        self._talking = False  # bytes arrived after it (the Noise handshake's first message): not idle
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
+        loop = asyncio.get_running_loop()
+        peer = transport.get_extra_info("peername")
+        ip = str(peer[0]) if peer else "unknown"
+        slot = self._limiter.open(ip, now=time.monotonic(), evict=lambda: loop.call_soon_threadsafe(transport.close),
+                                  probe=lambda: self._talking)
+        if isinstance(slot, str):
+            log.debug("refused an HTTP connection from %s: %s", ip, slot)
+            if isinstance(transport, asyncio.WriteTransport):
+                transport.write(_refusal(slot))
+            transport.close()
+            return
+        self.slot = slot
+        self._guards[transport] = self
+        self._timer = loop.call_later(self._limiter.limits.http_header_timeout_s, self._expire)
+        self._inner.connection_made(transport)
+
+    def upgraded(self) -> None:
+        self._upgrading = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expire(self) -> None:
+        self._timer = None
+        self._limiter.refuse("header-timeout")
+        if self._transport is not None:
+            self._transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self.slot is not None:
+            self._talking = self._talking or self._upgrading
+            self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received() if self.slot is not None else None
+
+    def pause_writing(self) -> None:
+        if self.slot is not None:
+            self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.slot is not None:
+            self._inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.slot is None:
+            return
+        self.upgraded()
+        if self._transport is not None:
+            self._guards.pop(self._transport, None)
+        self._limiter.close(self.slot)
+        self._inner.connection_lost(exc)
+
+
 class _Server:
     """The aiohttp side of one HTTP listener (runs on the HTTP loop thread)."""
 
     def __init__(self, token: trio.lowlevel.TrioToken,
-                 deliver: Callable[[WebSocketStream, tuple[str, int]], None]) -> None:
+                 deliver: Callable[[WebSocketStream, tuple[str, int], Any], None], limiter: Any) -> None:
         self._token = token
         self._deliver = deliver
+        self._limiter = limiter
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.Server | None = None
         self._open: set[asyncio.Future[None]] = set()
+        self._guards: dict[asyncio.BaseTransport, _Guard] = {}
 
     async def start(self, host: str, port: int) -> int:
         app = web.Application()
         app.router.add_get(HTTP_PATH, self._handle)
-        self._runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=1.0)
+        # keepalive_timeout: a kept-alive connection (after a 404) must send its next request as soon.
+        self._runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=1.0,
+                                     keepalive_timeout=self._limiter.limits.http_header_timeout_s)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        server = site._server
-        assert server is not None and server.sockets
-        return int(server.sockets[0].getsockname()[1])
+        server = self._runner.server
+        assert server is not None
+        # The default listen backlog (100) matters: asyncio accepts up to that many sockets per loop turn before
+        # any of them reaches `_Guard`, so a larger one lets a flood take that many descriptors at once.
+        self._listener = await asyncio.get_running_loop().create_server(
+            lambda: _Guard(server(), self._limiter, self._guards), host, port, reuse_address=True)
+        return int(self._listener.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
         for done in list(self._open):
             if not done.done():
                 done.set_result(None)
+        if self._listener is not None:
+            self._listener.close()
         if self._runner is not None:
             await self._runner.cleanup()
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        guard = self._guards.get(request.transport) if request.transport is not None else None
+        if guard is None:  # the socket is already gone (or was never counted)
+            raise web.HTTPServiceUnavailable(text="connection closed\n")
         ws = web.WebSocketResponse(max_msg_size=MAX_WS_MESSAGE, autoclose=True, autoping=True)
         if not ws.can_prepare(request).ok:
             raise web.HTTPBadRequest(text="this endpoint takes a WebSocket upgrade\n")
+        guard.upgraded()  # the Noise handshake's own start deadline applies from here (tcp.secure_stream)
         await ws.prepare(request)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._open.add(done)
@@ -291,7 +383,7 @@ class _Server:
         remote = (str(peer[0]), int(peer[1])) if peer else (request.remote or "unknown", 0)
         stream = WebSocketStream(ws, on_close=on_close)
         try:
-            self._token.run_sync_soon(self._deliver, stream, remote)
+            self._token.run_sync_soon(self._deliver, stream, remote, guard.slot)
         except trio.RunFinishedError:
             await ws.close()
             return ws

@@ -74,6 +74,7 @@ REFUSALS = frozenset({"bad-request", "reservation-refused", "no-reservation", "l
                       "accept-timeout"})
 MIN_RENEW_S = 1.0  # a reservation is renewed at half its lifetime, but never more often than this (seconds)
 MAX_BACKOFF_S = 10.0  # between attempts to (re)make a reservation after a failure (seconds)
+LOST_GRACE_S = 3 * MAX_BACKOFF_S  # a lost reservation's slot waits this long for its peer (seconds)
 
 
 @attrs.frozen(kw_only=True)
@@ -81,7 +82,8 @@ class RelayLimits:
     """What a relay grants (seconds and bytes); over a limit it answers a typed refusal.
 
     A reservation lasts `reservation_s` unless renewed; a circuit at most `circuit_s` seconds and
-    `circuit_bytes` bytes (both directions); the relay holds at most `max_reservations` reservations and
+    `circuit_bytes` bytes (both directions); the relay holds at most `max_reservations` reservations (at
+    most `max_reservations_per_ip` made from one remote address) and
     `max_circuits` circuits, at most `max_circuits_per_reservation` of them to one reserved peer; a reserved
     peer has `accept_timeout_s` to accept an announced circuit, and a new connection `request_timeout_s` to
     send its request."""
@@ -92,6 +94,7 @@ class RelayLimits:
     max_reservations: int = 128
     max_circuits: int = 256
     max_circuits_per_reservation: int = 16
+    max_reservations_per_ip: int = 8
     accept_timeout_s: float = 10.0
     request_timeout_s: float = 10.0
 
@@ -99,7 +102,8 @@ class RelayLimits:
         for name in ("reservation_s", "circuit_s", "accept_timeout_s", "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"relay {name} must be > 0")
-        for name in ("circuit_bytes", "max_reservations", "max_circuits", "max_circuits_per_reservation"):
+        for name in ("circuit_bytes", "max_reservations", "max_circuits", "max_circuits_per_reservation",
+                     "max_reservations_per_ip"):
             if getattr(self, name) < 1:
                 raise ValueError(f"relay {name} must be >= 1")
 
@@ -203,6 +207,8 @@ class _Reservation:
     conn: Connection
     expires: float
     circuits: int = 0
+    ip: str = ""
+    expired: bool = False
 
 
 @attrs.define(eq=False)
@@ -225,6 +231,7 @@ class RelayServer:
         self.limits = limits or RelayLimits()
         self._reservations: dict[PeerId, _Reservation] = {}
         self._pending: dict[bytes, _Pending] = {}
+        self._lost: dict[PeerId, float] = {}  # peers whose reservation connection was lost -> end of its grace
         self.circuits = 0
         self.circuits_total = 0
         self.refusals: Counter[str] = Counter()
@@ -262,11 +269,23 @@ class RelayServer:
     async def _reserve(self, conn: Connection) -> None:
         peer, limits = conn.remote_peer, self.limits
         old = self._reservations.get(peer)
-        if old is None and len(self._reservations) >= limits.max_reservations:
-            raise RelayRefused("reservation-refused", f"{limits.max_reservations} reservations held")
+        ip = conn.remote_address[0] if conn.remote_address is not None else ""
+        if old is None:
+            now = trio.current_time()
+            for held, until in list(self._lost.items()):
+                if until <= now:
+                    del self._lost[held]
+            # A peer whose reservation connection was lost keeps its slot for `LOST_GRACE_S` (spec/transport.md
+            # §12): a flood of fresh identities cannot take it while the peer reconnects.
+            others = len(self._reservations) + sum(1 for p in self._lost if p != peer)
+            if peer not in self._lost and others >= limits.max_reservations:
+                raise RelayRefused("reservation-refused", f"{limits.max_reservations} reservations held")
+            if sum(1 for r in self._reservations.values() if r.ip == ip) >= limits.max_reservations_per_ip:
+                raise RelayRefused("reservation-refused", f"{limits.max_reservations_per_ip} reservations from {ip}")
+            self._lost.pop(peer, None)
         if old is not None:  # a peer's new reservation replaces its old one (e.g. after a lost connection)
             await old.conn.aclose()
-        reservation = _Reservation(peer=peer, conn=conn, expires=trio.current_time() + limits.reservation_s)
+        reservation = _Reservation(peer=peer, conn=conn, expires=trio.current_time() + limits.reservation_s, ip=ip)
         self._reservations[peer] = reservation
         try:
             while True:
@@ -276,6 +295,7 @@ class RelayServer:
                 kind, body = await _receive_control(conn, reservation.expires - trio.current_time())
                 if not kind:
                     log.info("reservation of %s expired", peer.short())
+                    reservation.expired = True
                     return
                 if kind != "reserve":
                     raise RelayRefused("bad-request", "only reserve renews a reservation")
@@ -288,6 +308,8 @@ class RelayServer:
         finally:
             if self._reservations.get(peer) is reservation:
                 del self._reservations[peer]
+                if not reservation.expired and len(self._lost) < limits.max_reservations:
+                    self._lost[peer] = trio.current_time() + LOST_GRACE_S
 
     async def _connect(self, conn: Connection, target: PeerId) -> None:
         limits = self.limits

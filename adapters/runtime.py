@@ -49,6 +49,7 @@ from .addressbook import HANDSHAKE_FAILURES, AddressBook
 from .compute import ComputeExecutor
 from .edge_view import SUBMIT_TIMEOUT_S, NodeEdgeView, PeerInfo, SubmitResult
 from .host import chunk_message, drain, stored_event
+from .limits import ConnectionLimiter, Limits, LimitsCollector
 from .metrics import NodeMetrics
 from .relay import RelayServer, RelayTransport
 from .storage import ArtifactStore
@@ -145,6 +146,9 @@ class RuntimeOptions:
     # Retention (`EngineConfig.keep_windows`, spec/protocol.md §8.1): stored artifacts are deleted this many
     # heads after the window they served, the current head's kept; 0 (the default) keeps every artifact.
     keep_windows: int = DEFAULT_KEEP_WINDOWS
+    # Connection limits (an adapters.limits.Limits; spec/transport.md §13), shared by every listener and the
+    # HTTP edge. None: the defaults, with max_connections / max_connections_per_ip as the peer caps.
+    limits: Any = None
 
 
 @attrs.define
@@ -224,10 +228,17 @@ class NodeRuntime:
                                       addresses=lambda: tuple(self.listen_addresses))
         self.edge: Any = None  # adapters.http_edge.EdgeServer while the edge runs
         self.discovery: Any = None  # adapters.discovery.MdnsDiscovery while it runs
+        self.limits: Limits = options.limits or Limits(
+            max_peers=options.max_connections,
+            max_peers_per_ip=min(options.max_connections_per_ip, options.max_connections),
+            max_strangers=min(Limits().max_strangers, options.max_connections))
+        self.limiter = ConnectionLimiter(self.limits)  # every inbound socket of this node (§13)
+        self.metrics.registry.register(LimitsCollector(self.limiter))
+        self._protected = frozenset(PeerId.from_text(p) for p in self.limits.protected_peers)
         self.book = AddressBook(random.Random(), base_backoff_s=options.redial_s,
                                 max_backoff_s=max(options.redial_s, options.max_redial_s),
-                                max_connections=options.max_connections,
-                                max_connections_per_ip=options.max_connections_per_ip)
+                                max_connections=self.limits.max_peers,
+                                max_connections_per_ip=self.limits.max_peers_per_ip)
         self._book_changed = trio.Event()
         self._head_changed = trio.Event()  # set on every promoted head (`wait_unrostered`)
         self.http_port: int | None = None
@@ -316,8 +327,9 @@ class NodeRuntime:
 
         book = self.book
         options = tcp.SecureOptions(
-            max_connections=self.options.max_connections,
-            max_connections_per_ip=self.options.max_connections_per_ip,
+            max_connections=self.limits.max_peers,  # relayed inbound connections (spec/transport.md §12)
+            max_connections_per_ip=self.limits.max_peers_per_ip,
+            limiter=self.limiter, protected=self._is_known,
             admit=lambda ip: book.admit_inbound(ip, now=trio.current_time()),
             on_handshake_failed=lambda ip, exc: book.inbound_handshake_failed(ip, now=trio.current_time()))
         transports: list[Transport] = [tcp.TcpTransport(options), HttpTransport(options)]
@@ -325,6 +337,14 @@ class NodeRuntime:
             transports.append(MemoryNetworkTransport(self.options.memory_network, options))
         transports.append(RelayTransport(list(transports), options))  # dials circuits through the others
         return transports
+
+    def _is_known(self, peer: PeerId) -> bool:
+        """Known peers have connection slots strangers cannot take (spec/transport.md §13): the current head's
+        roster, the manifest's validators, peers admitted by certificate, and `Limits.protected_peers`."""
+        engine = self.engine
+        if peer in engine.head.roster_peers or peer in engine.revision.manifest.validators or peer in self._protected:
+            return True
+        return any(peer in getattr(getattr(role, "admission", None), "admitted", ()) for role in engine.roles)
 
     async def _start_relay(self, nursery: trio.Nursery, address: str) -> None:
         """Serve the relay role (adapters.relay.RelayServer, spec/transport.md §12) on the direct `address`,
@@ -384,7 +404,8 @@ class NodeRuntime:
         from .http_edge import EdgeServer  # aiohttp only when the edge is on
 
         # Upload bodies spool next to the artifacts (same disk; leftovers are cleaned when the store opens).
-        self.edge = EdgeServer(self.edge_view, host=host, port=port, spool_dir=self.store.root / "artifacts").start()
+        self.edge = EdgeServer(self.edge_view, host=host, port=port, spool_dir=self.store.root / "artifacts",
+                               limiter=self.limiter).start()
         self.http_port = self.edge.port
         log.info("http edge listening", extra={"fields": {"url": self.edge.url}})
 

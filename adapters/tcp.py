@@ -36,8 +36,9 @@ import functools
 import logging
 import math
 import os
+import select
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -867,17 +868,30 @@ async def secure_stream(stream: trio.abc.Stream, identity: Identity, *, initiato
                         keepalive_interval: float = DEFAULT_KEEPALIVE_INTERVAL,
                         idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
                         transport_ciphers: tuple[str, ...] | None = None,
-                        remote_address: tuple[str, int] | None = None) -> SecureConnection:
+                        remote_address: tuple[str, int] | None = None,
+                        start_timeout: float | None = None,
+                        on_started: Callable[[], str | None] | None = None) -> SecureConnection:
     """Run the libp2p noise handshake on any trio byte `stream` (a TCP socket, an in-memory stream, a
     WebSocket) and return the `SecureConnection` over it; close the stream and raise TransportError on
     failure (``handshake-timeout`` after `handshake_timeout` seconds, ``peer-mismatch``, ...).
-    `remote_address` is what `SecureConnection.remote_address` reports for a stream that is not a socket."""
+    `remote_address` is what `SecureConnection.remote_address` reports for a stream that is not a socket.
+
+    Responder only (spec/transport.md §13): the peer's first handshake message must arrive within
+    `start_timeout` seconds (else ``start-timeout``), and `on_started()` is asked after it, before any
+    public-key work: a reason it returns (``handshake-rate``) ends the handshake with that reason."""
     counter = _Counter()
     decoder = FrameDecoder()
     offer = default_transport_ciphers() if transport_ciphers is None else transport_ciphers
     handshake = Libp2pNoiseHandshake(identity, initiator, expected_peer=expected_peer, transport_ciphers=offer)
     try:
         with trio.fail_after(handshake_timeout):
+            if not initiator and start_timeout is not None:
+                with trio.move_on_after(start_timeout):
+                    handshake.read_message(await _read_handshake_frame(stream, decoder, counter))
+                if not handshake.wants_write:  # nothing arrived in time
+                    raise TransportError("start-timeout", f"no handshake message within {start_timeout} s")
+            if not initiator and on_started is not None and (refused := on_started()) is not None:
+                raise TransportError(refused, "refused before the handshake")
             while not handshake.is_finished:
                 if handshake.wants_write:
                     data = frame(handshake.write_message())
@@ -936,7 +950,12 @@ class SecureOptions:
     """Settings shared by the transports that run `secure_stream` (tcp, http, memory); seconds for times.
 
     `admit(ip)` may refuse an inbound connection before its handshake (e.g. `AddressBook.admit_inbound`);
-    `on_handshake_failed(ip, error)` hears about failed inbound handshakes. See `serve` for the caps."""
+    `on_handshake_failed(ip, error)` hears about failed inbound handshakes. See `serve` for the caps.
+
+    `limiter` (an `adapters.limits.ConnectionLimiter`) applies one set of limits to every listener that
+    shares it (spec/transport.md §13); without one, each listener gets its own, built from the caps here.
+    `protected(peer)` says whether an authenticated inbound peer is *known*; the limiter keeps slots for
+    known peers that strangers cannot take (None: every peer counts as known)."""
 
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT
     keepalive_interval: float = DEFAULT_KEEPALIVE_INTERVAL
@@ -948,15 +967,53 @@ class SecureOptions:
     max_connections_per_ip: int = DEFAULT_MAX_CONNECTIONS_PER_IP
     admit: Callable[[str], bool] | None = None
     on_handshake_failed: Callable[[str, TransportError], object] | None = None
+    limiter: Any = None
+    protected: Callable[[PeerId], bool] | None = None
+
+    def make_limiter(self) -> Any:
+        """`limiter`, or a fresh `ConnectionLimiter` with this object's caps (and the default handshake rate
+        and start deadline of `adapters.limits.Limits`)."""
+        if self.limiter is not None:
+            return self.limiter
+        from .limits import ConnectionLimiter, Limits
+
+        pending, default = min(self.max_handshakes, self.max_connections), Limits()
+        return ConnectionLimiter(Limits(
+            max_pending=pending, max_pending_per_ip=min(self.max_handshakes_per_ip, pending),
+            max_inbound=self.max_connections, max_inbound_per_ip=min(self.max_connections_per_ip, self.max_connections),
+            max_strangers=default.max_peers, handshake_start_s=min(self.handshake_timeout, default.handshake_start_s)))
+
+
+def _readable_probe(stream: trio.abc.Stream) -> Callable[[], bool] | None:
+    """For a socket stream: a check, without reading, whether bytes (or EOF) wait to be read."""
+    if not isinstance(stream, trio.SocketStream):
+        return None
+    fd = stream.socket.fileno()
+
+    def probe() -> bool:
+        poller = select.poll()
+        try:
+            poller.register(fd, select.POLLIN)
+            return bool(poller.poll(0))
+        except (OSError, ValueError):
+            return False
+
+    return probe
+
+
+# TransportError reasons of an inbound handshake that are this node's own refusals (spec/transport.md §13),
+# not something the peer did wrong: never reported to `on_handshake_failed`.
+LIMIT_REASONS = frozenset({"handshake-rate", "start-timeout"})
 
 
 class Acceptor:
     """Inbound side of every stream transport: caps and admission before any byte is read, the responder
-    handshake, then ``await handler(conn)`` with containment (spec/transport.md §5, §6).
+    handshake, then ``await handler(conn)`` with containment (spec/transport.md §5, §6, §13).
 
     `accept(stream, remote)` serves one accepted byte stream from `remote` ((ip, port); the ip is what the
     per-IP caps and `admit` see) and returns when the handler has returned and the connection is closed.
-    Never raises for anything the peer or the handler does (cancellation aside)."""
+    Never raises for anything the peer or the handler does (cancellation aside). The limits are those of
+    `options.limiter` (shared across listeners) or the listener's own (`SecureOptions.make_limiter`)."""
 
     def __init__(self, identity: Identity, handler: Callable[[Any], Awaitable[object]], *,
                  max_message_bytes: int, options: SecureOptions) -> None:
@@ -964,51 +1021,70 @@ class Acceptor:
         self.handler = handler
         self.max_message_bytes = max_message_bytes
         self.options = options
-        self._in_handshake: Counter[str] = Counter()
-        self._open: Counter[str] = Counter()
+        self.limiter = options.make_limiter()
 
-    async def accept(self, stream: trio.abc.Stream, remote: tuple[str, int]) -> None:
-        options, ip = self.options, remote[0]
-        in_handshake, open_now = self._in_handshake, self._open
-        if in_handshake.total() >= options.max_handshakes or in_handshake[ip] >= options.max_handshakes_per_ip:
-            log.info("refused a connection from %s: handshake cap reached", ip)
-            await stream.aclose()
-            return
-        if open_now.total() >= options.max_connections or open_now[ip] >= options.max_connections_per_ip:
-            log.info("refused a connection from %s: connection cap reached", ip)
-            await stream.aclose()
-            return
-        if options.admit is not None and not options.admit(ip):
-            log.info("refused a connection from %s: not admitted", ip)
-            await stream.aclose()
-            return
-        open_now[ip] += 1
+    async def accept(self, stream: trio.abc.Stream, remote: tuple[str, int], slot: Any = None) -> None:
+        """Serve `stream`. `slot`: the limiter's slot when the caller already counted the socket (and closes
+        it with the socket, as the HTTP transport does); else it is counted here."""
+        options, ip, limiter = self.options, remote[0], self.limiter
+        own = slot is None
+        scope = trio.CancelScope()
+        if own:
+            token = trio.lowlevel.current_trio_token()
+            slot = limiter.open(ip, now=time.monotonic(), evict=lambda: token.run_sync_soon(scope.cancel),
+                                probe=_readable_probe(stream))
+            if isinstance(slot, str):
+                log.debug("refused a connection from %s: %s", ip, slot)
+                await stream.aclose()
+                return
         try:
-            await self._serve_admitted(stream, remote)
+            if options.admit is not None and not options.admit(ip):
+                log.info("refused a connection from %s: not admitted", ip)
+                await stream.aclose()
+                return
+            with scope:
+                conn = await self._handshake(stream, remote, slot)
+            if scope.cancelled_caught:  # evicted while idle to make room for a newcomer
+                with trio.CancelScope(shield=True):
+                    await stream.aclose()
+                return
+            if conn is None:
+                return
+            known = options.protected is None or options.protected(conn.remote_peer)
+            refused = limiter.established(slot, known=known)
+            if refused is not None:
+                log.debug("refused %s from %s: %s", conn.remote_peer.short(), ip, refused)  # counted (§13)
+                with trio.CancelScope(shield=True):
+                    await conn.aclose()
+                return
+            await self._serve(conn)
         finally:
-            open_now[ip] -= 1
-            if not open_now[ip]:
-                del open_now[ip]
+            if own:
+                limiter.close(slot)
 
-    async def _serve_admitted(self, stream: trio.abc.Stream, remote: tuple[str, int]) -> None:
-        options, ip, in_handshake = self.options, remote[0], self._in_handshake
-        in_handshake[ip] += 1
+    async def _handshake(self, stream: trio.abc.Stream, remote: tuple[str, int], slot: Any) -> SecureConnection | None:
+        options, ip = self.options, remote[0]
         try:
-            conn = await secure_stream(stream, self.identity, initiator=False, expected_peer=None,
+            return await secure_stream(stream, self.identity, initiator=False, expected_peer=None,
                                        max_message_bytes=self.max_message_bytes,
                                        handshake_timeout=options.handshake_timeout,
                                        keepalive_interval=options.keepalive_interval,
                                        idle_timeout=options.idle_timeout,
-                                       transport_ciphers=options.transport_ciphers, remote_address=remote)
+                                       transport_ciphers=options.transport_ciphers, remote_address=remote,
+                                       start_timeout=self.limiter.limits.handshake_start_s,
+                                       on_started=lambda: self.limiter.started(slot, now=time.monotonic()))
         except TransportError as exc:
+            if exc.reason in LIMIT_REASONS:
+                if exc.reason == "start-timeout":
+                    self.limiter.refuse(exc.reason)
+                log.debug("inbound handshake from %s refused: %s", ip, exc)
+                return None
             log.info("inbound handshake from %s failed: %s", ip, exc)
             if options.on_handshake_failed is not None:
                 options.on_handshake_failed(ip, exc)
-            return
-        finally:
-            in_handshake[ip] -= 1
-            if not in_handshake[ip]:
-                del in_handshake[ip]
+            return None
+
+    async def _serve(self, conn: SecureConnection) -> None:
         try:
             await self.handler(conn)
         except TransportError as exc:
@@ -1036,27 +1112,33 @@ async def serve(host: str, port: int, identity: Identity, handler: Handler, *,
                 keepalive_interval: float = DEFAULT_KEEPALIVE_INTERVAL,
                 idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
                 transport_ciphers: tuple[str, ...] | None = None,
+                limiter: Any = None, protected: Callable[[PeerId], bool] | None = None,
                 task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
     """Accept connections on `host:port` forever (use with ``await nursery.start(serve, ...)``).
 
     Reports the bound port through `task_status.started(port)` (so `port=0` works). Each connection gets
     its own task: the handshake as responder (at most `handshake_timeout` seconds), then
     ``await handler(conn)``, then the connection is closed. At most `max_handshakes` handshakes run at once,
-    and at most `max_handshakes_per_ip` from one remote address; a connection over either cap is closed at
-    once, before any byte is read (slowloris defence: a flood costs the attacker a socket each and us
-    nothing beyond the cap). Likewise at most `max_connections` inbound connections are open at once
+    and at most `max_handshakes_per_ip` from one remote address; when a cap is full, the oldest socket that
+    has sent nothing yet is closed to make room, and a newcomer is closed at once, before any byte is read,
+    only when every pending socket has started its handshake (slowloris defence: a flood costs the attacker
+    a socket each and us nothing beyond the cap, and cannot keep an honest dialer out). The first handshake
+    message is due within `Limits.handshake_start_s` (5 s) and each address gets a token bucket of handshakes
+    (spec/transport.md §13). Likewise at most `max_connections` inbound connections are open at once
     (handshaking or in the handler), at most `max_connections_per_ip` from one address, and `admit(ip)`
     (e.g. an `AddressBook`'s ban list) may refuse an address. A failed handshake is reported to
     `on_handshake_failed(ip, error)` (e.g. `AddressBook.inbound_handshake_failed`) and logged. Any exception
     escaping the handler (a TransportError, an exception group from its nurseries, or a bug, logged with its
     traceback) ends that connection only, never `serve` (spec/transport.md §6). `transport_ciphers` as for
-    `connect`.
+    `connect`. `limiter` and `protected` as in `SecureOptions` (a shared `ConnectionLimiter` replaces the
+    caps above; spec/transport.md §13).
     """
     options = SecureOptions(handshake_timeout=handshake_timeout, keepalive_interval=keepalive_interval,
                             idle_timeout=idle_timeout, transport_ciphers=transport_ciphers,
                             max_handshakes=max_handshakes, max_handshakes_per_ip=max_handshakes_per_ip,
                             max_connections=max_connections, max_connections_per_ip=max_connections_per_ip,
-                            admit=admit, on_handshake_failed=on_handshake_failed)
+                            admit=admit, on_handshake_failed=on_handshake_failed, limiter=limiter,
+                            protected=protected)
     acceptor = Acceptor(identity, handler, max_message_bytes=max_message_bytes, options=options)
     try:
         listeners = await trio.open_tcp_listeners(port, host=host)
@@ -1117,7 +1199,7 @@ class TcpTransport:
                         max_connections_per_ip=o.max_connections_per_ip, admit=o.admit,
                         on_handshake_failed=o.on_handshake_failed, keepalive_interval=o.keepalive_interval,
                         idle_timeout=o.idle_timeout, transport_ciphers=o.transport_ciphers,
-                        task_status=task_status)
+                        limiter=o.limiter, protected=o.protected, task_status=task_status)
 
         async with trio.open_nursery() as nursery:
             bound = await nursery.start(started)

@@ -74,12 +74,20 @@ Config keys (TOML)::
     max_reservations = 128             # (adapters.relay.RelayLimits)
     max_circuits = 256
     max_circuits_per_reservation = 16
+    max_reservations_per_ip = 8        # reservations made from one remote address
     via = ["/ip4/127.0.0.1/tcp/7100"]  # or, on a node that cannot be dialed: hold a reservation at each of
                                        # these relays and listen at "<relay>/p2p-circuit/<peer id>" there
                                        # (the first is the address the node advertises); without listen or
                                        # [transport] tables the node then listens nowhere directly
     only = false                       # true: dial nothing but circuit addresses (a network that lets
                                        # nothing through but the relays)
+
+    [limits]                           # optional: connection limits (spec/transport.md §13 gives each
+    max_pending = 64                   # default and why; adapters.limits.Limits lists every key): open_files,
+    max_pending_per_ip = 8             # fd_reserve, max_inbound(_per_ip), max_pending(_per_ip),
+    max_strangers = 32                 # max_peers(_per_ip), max_strangers, handshake_rate, handshake_burst,
+    handshake_rate = 20.0              # handshake_start_s, http_header_timeout_s, max_edge_connections(_per_ip),
+    protected_peers = ["12D3KooW..."]  # tracked_addresses, protected_peers (peer ids always known: reducers)
 
     [pool]                             # optional, trainers only: train on N processes as one peer
     ranks = 2                          # (torch.distributed; spec/pools.md): rank 0 is this node, it spawns
@@ -115,6 +123,8 @@ import trio
 from peerloom.adapters.compute import ComputeExecutor
 from peerloom.adapters.database import Database
 from peerloom.adapters.keys import load_identity, load_or_create_identity
+from peerloom.adapters.limits import KEYS as LIMITS_KEYS
+from peerloom.adapters.limits import Limits, raise_nofile
 from peerloom.adapters.logs import setup_logging
 from peerloom.adapters.pool import (
     DEFAULT_TIMEOUT_S,
@@ -154,12 +164,12 @@ KEYS: dict[str, tuple[type, ...]] = {
     "stats": (str,), "threads": (int,), "stop_after_window": (int,), "workload": (str,), "log_format": (str,),
     "log_level": (str,), "http": (dict,), "discovery": (dict,), "behaviour": (str,), "admission": (str,),
     "leave_on_exit": (bool,), "leave_grace_s": (float, int), "device": (str,), "compute": (str,),
-    "pool": (dict,), "transport": (dict, list), "relay": (dict,), "keep_windows": (int,),
+    "pool": (dict,), "transport": (dict, list), "relay": (dict,), "keep_windows": (int,), "limits": (dict,),
 }
 RELAY_KEYS: dict[str, tuple[type, ...]] = {
     "enabled": (bool,), "listen": (str,), "via": (list,), "only": (bool,), "reservation_s": (float, int),
     "circuit_s": (float, int), "circuit_bytes": (int,), "max_reservations": (int,), "max_circuits": (int,),
-    "max_circuits_per_reservation": (int,)}
+    "max_circuits_per_reservation": (int,), "max_reservations_per_ip": (int,)}
 TRANSPORT_KEYS: dict[str, tuple[type, ...]] = {"kind": (str,), "listen": (str,), "dial_only": (bool,)}
 DEFAULT_LISTEN = {"tcp": "127.0.0.1:0", "http": "http://127.0.0.1:0"}
 COMPUTE = ("numpy", "torch")
@@ -225,6 +235,7 @@ def _check(config: dict[str, Any]) -> None:
     _address(config.get("listen", "127.0.0.1:0"))
     transport_listens(config)
     relay_settings(config)
+    limits_settings(config)
     for address in config.get("bootstrap", []):
         if not isinstance(address, str):
             raise ConfigError(f"bootstrap entries must be address strings, got {address!r}")
@@ -347,6 +358,23 @@ def transport_listens(config: dict[str, Any]) -> tuple[str, ...]:
             _address(listen)
         out.append(listen)
     return tuple(out)
+
+
+def limits_settings(config: dict[str, Any]) -> Limits:
+    """The node's connection limits from its ``[limits]`` table (spec/transport.md §13; every key optional,
+    defaults in `adapters.limits.Limits`). ConfigError names an unknown key (with the closest valid one), a
+    bad type or a value out of range."""
+    table = config.get("limits", {})
+    try:
+        check_keys(table, LIMITS_KEYS, "limits")
+        values = {key: typed(table, key, types, where="limits") for key, types in LIMITS_KEYS.items() if key in table}
+        if "protected_peers" in values:
+            if not all(isinstance(p, str) for p in values["protected_peers"]):
+                raise ConfigError("limits.protected_peers must be a list of peer id strings")
+            values["protected_peers"] = tuple(values["protected_peers"])
+        return Limits(**values)
+    except (TableError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def relay_settings(config: dict[str, Any]) -> tuple[str | None, RelayLimits | None, tuple[str, ...]]:
@@ -615,7 +643,8 @@ def build_runtime(config: dict[str, Any], config_path: Path | None = None, *,
                              http_listen=http_listen, mdns=bool(config.get("discovery", {}).get("mdns", False)),
                              relay_listen=relay_listen, relay_limits=relay_limits,
                              relay_only=bool(config.get("relay", {}).get("only", False)),
-                             keep_windows=int(config.get("keep_windows", DEFAULT_KEEP_WINDOWS)))
+                             keep_windows=int(config.get("keep_windows", DEFAULT_KEEP_WINDOWS)),
+                             limits=limits_settings(config))
     # The store's chain directory: one file per certified head the node holds, kept as they become durable.
     chain_dir = Path(config["store"]) / "chain"
     atomic_write(Path(config["store"]) / "manifest.cbor", envelope.to_bytes())
@@ -695,6 +724,7 @@ def run_node(config_path: Path, *, stop_after_window: int | None = None) -> None
         setup_logging(config.get("log_format", "auto"), level, name=f"{config['name']}/rank{env.rank}")
         sys.exit(run_pool_worker(config))
     setup_logging(config.get("log_format", "auto"), level, name=config["name"])
+    nofile = raise_nofile(limits_settings(config).open_files)  # the descriptor budget's base (§13)
     runtime = build_runtime(config, config_path)
 
     async def main() -> None:
@@ -703,7 +733,8 @@ def run_node(config_path: Path, *, stop_after_window: int | None = None) -> None
             if "port_file" in config and port is not None:  # None: a dial_only node listens nowhere
                 atomic_write(Path(config["port_file"]), f"{port}\n".encode())
             log.info("node started", extra={"fields": {"peer": runtime.identity.peer_id.to_text(), "port": port,
-                                                       "roles": sorted(config["roles"])}})
+                                                       "roles": sorted(config["roles"]), "nofile": nofile[0],
+                                                       "fd_budget": runtime.limiter.fd_budget}})
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for signum in signals:
                     log.info("shutting down", extra={"fields": {"signal": signal.Signals(signum).name}})

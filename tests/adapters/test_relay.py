@@ -386,6 +386,44 @@ def test_reservation_and_circuit_caps_give_typed_refusals() -> None:
     run(body)
 
 
+def test_reservations_per_address_are_bounded() -> None:
+    """A flood of fresh identities from one address takes at most `max_reservations_per_ip` reservations
+    (spec/transport.md §12, §13); in-memory peers all count under the address ``memory``."""
+    async def body(net: Net) -> None:
+        relay = await net.relay("relay", RelayServer(RelayLimits(max_reservations_per_ip=1)))
+        await net.reserve("relay", SERVER, echo)
+        await net.nursery.start(functools.partial(net.client().listen, "memory://relay/p2p-circuit", OTHER, echo))
+        with trio.fail_after(10):
+            while not relay.refusals["reservation-refused"]:
+                await trio.sleep(0.01)
+        assert relay.reservations == 1
+
+    run(body)
+
+
+def test_a_lost_reservation_keeps_its_slot_while_its_peer_reconnects() -> None:
+    """The relay is full; SERVER's reservation connection drops. A stranger cannot take the slot during
+    the grace, and SERVER gets its reservation back when it reconnects."""
+    async def body(net: Net) -> None:
+        relay = await net.relay("relay", RelayServer(RelayLimits(max_reservations=1)))
+        address = await net.reserve("relay", SERVER, echo)
+        await relay._reservations[SERVER.peer_id].conn.aclose()  # the reservation connection is lost
+        with trio.fail_after(10):
+            while SERVER.peer_id in relay._reservations:
+                await trio.sleep(0.01)
+        await net.nursery.start(functools.partial(net.client().listen, "memory://relay/p2p-circuit", OTHER, echo))
+        with trio.fail_after(10):
+            while not relay.refusals["reservation-refused"] or SERVER.peer_id not in relay._reservations:
+                await trio.sleep(0.01)
+        assert OTHER.peer_id not in relay._reservations
+        conn = await net.client().dial(address, CLIENT)
+        await conn.send_message(b"back")
+        assert await conn.receive_message() == b"back"
+        await conn.aclose()
+
+    run(body)
+
+
 def test_total_circuits_cap_and_circuit_byte_and_time_limits() -> None:
     async def body(net: Net) -> None:
         relay = await net.relay("relay", RelayServer(RelayLimits(max_circuits=1, circuit_bytes=200_000)))

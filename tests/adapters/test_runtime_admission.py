@@ -192,3 +192,24 @@ async def test_a_peer_faster_than_the_engine_is_held_back_by_flow_control(tmp_pa
         await wait_for(lambda: runtime._inbox[peer] == 0)  # everything read was handed to the engine
         assert resumed >= len(blob) or runtime.engine.rejected_by_reason, resumed
         await conn.aclose()
+
+
+@trio_test
+async def test_strangers_cannot_take_the_slots_of_known_peers(tmp_path):
+    """spec/transport.md §13: with every stranger slot held by authenticated strangers, the manifest's
+    validator (a known peer) still connects; a further stranger is refused and counted."""
+    from peerloom.adapters.limits import Limits
+
+    validator = ident(1)  # make_revision's validator
+    async with running_node(tmp_path, limits=Limits(max_strangers=2)) as runtime:
+        strangers = [await connect(runtime, n) for n in (30, 31)]
+        for conn in strangers:
+            assert isinstance(await first_message(conn), Hello)
+        refused = await connect(runtime, 32)
+        with pytest.raises(tcp.TransportError):
+            await first_message(refused)
+        assert runtime.limiter.refusals["stranger-cap"] == 1
+        known = await tcp.connect("127.0.0.1", runtime.port, validator, expected_peer=TRAINER.peer_id)
+        assert isinstance(await first_message(known), Hello)
+        for conn in (*strangers, refused, known):
+            await conn.aclose()

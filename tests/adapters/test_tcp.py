@@ -752,29 +752,91 @@ async def _is_closed_soon(stream: trio.SocketStream, within: float) -> bool:
 
 
 @pytest.mark.parametrize("cap", ["per-ip", "global"])
-def test_handshake_flood_is_capped_and_recovers(cap: str) -> None:
-    """Slowloris: silent half-open handshakes beyond the cap are closed at once, not after the timeout."""
+def test_silent_sockets_make_room_for_a_newcomer(cap: str) -> None:
+    """Slowloris (spec/transport.md §13): when the pending cap is full of silent sockets, each newcomer closes
+    the oldest silent one, so the count never passes the cap and an honest dial succeeds during the flood."""
     kwargs = {"max_handshakes_per_ip": 3} if cap == "per-ip" else {"max_handshakes": 3}
 
     async def body(port: int) -> None:
         silent = [await trio.open_tcp_stream(HOST, port) for _ in range(3)]
         await trio.sleep(0.1)
-        extra = [await trio.open_tcp_stream(HOST, port) for _ in range(5)]
-        for stream in extra:
+        extra = []
+        for _ in range(5):
+            extra.append(await trio.open_tcp_stream(HOST, port))
+            await trio.sleep(0.02)
+        for stream in silent + extra[:2]:  # the five oldest made room for the five newest
             assert await _is_closed_soon(stream, 1.0)
-        for stream in silent:
+        for stream in extra[2:]:
             assert not await _is_closed_soon(stream, 0.05)
-        with pytest.raises(TransportError):  # the cap is full: even an honest dial is refused
-            await connect(HOST, port, CLIENT)
-        for stream in silent + extra:
-            await stream.aclose()
-        await trio.sleep(0.1)
-        conn = await connect(HOST, port, CLIENT)
+        conn = await connect(HOST, port, CLIENT)  # the flood is still there: a silent socket makes room again
         await conn.send_message(b"ok")
         assert await conn.receive_message() == b"ok"
         await conn.aclose()
+        for stream in silent + extra:
+            await stream.aclose()
 
     run_with_server(body, handshake_timeout=20, **kwargs)
+
+
+def test_started_handshakes_are_not_evicted_and_the_newcomer_is_refused() -> None:
+    """A socket that sent its first handshake message holds its pending slot until the handshake ends or times
+    out; with every slot held so, a newcomer is closed at once (the cap holds)."""
+
+    async def body(port: int) -> None:
+        started = []
+        for _ in range(3):
+            stream = await trio.open_tcp_stream(HOST, port)
+            await stream.send_all(frame(Libp2pNoiseHandshake(CLIENT, True).write_message()))
+            started.append(stream)
+        await trio.sleep(0.2)
+        newcomer = await trio.open_tcp_stream(HOST, port)
+        assert await _is_closed_soon(newcomer, 1.0)
+        for stream in started:
+            assert not await _is_closed_soon(stream, 0.05)
+        with pytest.raises(TransportError):
+            await connect(HOST, port, CLIENT)
+        for stream in [*started, newcomer]:
+            await stream.aclose()
+        await trio.sleep(0.1)
+        conn = await connect(HOST, port, CLIENT)
+        await conn.aclose()
+
+    run_with_server(body, handshake_timeout=20, max_handshakes_per_ip=3)
+
+
+def test_a_silent_socket_is_closed_after_the_start_deadline() -> None:
+    """The first handshake message is due `Limits.handshake_start_s` after the accept (spec/transport.md §13)."""
+    from peerloom.adapters.limits import ConnectionLimiter, Limits
+
+    limiter = ConnectionLimiter(Limits(handshake_start_s=0.2))
+
+    async def body(port: int) -> None:
+        silent = await trio.open_tcp_stream(HOST, port)
+        assert await _is_closed_soon(silent, 3.0)
+        await silent.aclose()
+        assert limiter.refusals["start-timeout"] == 1 and limiter.sockets == 0
+
+    run_with_server(body, limiter=limiter)
+
+
+def test_the_handshake_rate_per_address_is_refused_before_public_key_work() -> None:
+    """Per-address token bucket (spec/transport.md §13): past the burst, a handshake is refused right after
+    message 1, before the responder computes anything; the refusal is counted and not a handshake failure."""
+    from peerloom.adapters.limits import ConnectionLimiter, Limits
+
+    limiter = ConnectionLimiter(Limits(handshake_rate=0.01, handshake_burst=2))
+    failures: list[str] = []
+
+    async def body(port: int) -> None:
+        for _ in range(2):
+            conn = await connect(HOST, port, CLIENT)
+            await conn.aclose()
+        with pytest.raises(TransportError):
+            await connect(HOST, port, CLIENT)
+        assert limiter.refusals["handshake-rate"] == 1
+
+    run_with_server(body, limiter=limiter, on_handshake_failed=lambda ip, exc: failures.append(exc.reason))
+    assert failures == []
 
 
 @pytest.mark.parametrize("cap", ["per-ip", "global", "admit"])

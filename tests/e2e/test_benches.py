@@ -61,3 +61,11 @@ def test_loss_check_bench_quick() -> None:
         assert 0.0 <= digits[test]["honest_rejected"] <= 1.0 and 0.0 <= digits[test]["noise_caught"] <= 1.0
     assert [t["loss_min_drop"] for t in digits["thresholds"]] == [0.0, 0.01, 0.02, 0.05, 0.1]
     assert digits["symmetric"]["honest_rejected"] == 0.0  # an honest update points downhill on its own data
+
+
+def test_handshake_bench_quick() -> None:
+    """bench/handshake.py (spec/transport.md §13): a handshake costs the responder far more than a refusal."""
+    report = run_bench("handshake.py")
+    assert report["handshakes"] == 20
+    assert report["responder_cpu_ms_median"] > 0 and report["server_cpu_ms_per_tcp_connection"] > 0
+    assert report["refusal_cpu_us"] > 0 and report["ratio_handshake_to_refusal"] >= 1
