@@ -26,8 +26,9 @@ engine's parameters: cohort screening (norm ratio 10 against the median norm, as
 applied and applied the opposite way, with the executor's ``loss_check_batch`` and ``loss_check_passes``; its
 rejections are not strikes), outliers as strikes with the engine's quarantine records
 (`core.quarantine.next_records`: 3 strikes in 5 windows quarantine a trainer for 10), and sampled audits at
-``--audit-rate`` 0.5, under which every crafted update (all attacks but label-flip, an honest computation on
-flipped data) that is selected fails and quarantines its author one window later (`run_defended_cell`). The
+``--audit-rate`` 0.75 (over the aggregated updates and those the loss check rejected, as validators select
+them), under which every crafted update (all attacks but label-flip, an honest computation on flipped data)
+that is selected fails and quarantines its author one window later (`run_defended_cell`). The
 report then adds ``defended_cells`` (each with ``caught``: what each defence caught),
 ``defended_default_rule`` (same choice, against the same undefended ``clean_accuracy``) and ``defenses``; the
 plot adds the defended rows. ``--defenses loss,audit`` (any subset of ``screen,loss,audit``) is an ablation.
@@ -92,7 +93,7 @@ NORM_RATIO = float(_DEFAULTS["norm_ratio"])  # cohort screening: norm > 10 x the
 MIN_COSINE = float(_DEFAULTS["min_cosine"])  # -1: the cosine test is off by default, as in the engine
 LOSS_SAMPLES = 64  # loss check batch (`loss_check_samples`; the manifest default 0 turns the check off)
 LOSS_MIN_DROP = float(_DEFAULTS["loss_min_drop"])
-AUDIT_RATE = 0.5  # sampled audits after the fact (`audit_rate`)
+AUDIT_RATE = 0.75  # sampled audits after the fact (`audit_rate`; detection needs 0.75, bench/README.md)
 QUARANTINE = SimpleNamespace(quarantine_strikes=_DEFAULTS["quarantine_strikes"],  # 3 strikes ...
                              strike_windows=_DEFAULTS["strike_windows"],  # ... within 5 windows ...
                              quarantine_windows=_DEFAULTS["quarantine_windows"])  # ... quarantine for 10
@@ -233,12 +234,14 @@ def run_defended_cell(workload: Any, flipped: Any, shards: list[list[int]],
         updates = window_updates(workload, flipped, shards, attack, byzantine, present, params, w, seed, rng)
         struck: list[int] = []
         accepted: list[int] = []
+        loss_rejected: list[int] = []
         for i in present:
             caught[f"{role(i)}_updates"] += 1
             if "loss" not in defenses or loss_check(workload, params, updates[i], shards[i], _update_id(seed, w, i)):
                 accepted.append(i)
-            else:  # left out of the aggregate; not a strike (spec/protocol.md §6.1)
+            else:  # left out of the aggregate; not a strike (spec/protocol.md §6.1), but still audited (§6.2)
                 caught[f"{role(i)}_loss"] += 1
+                loss_rejected.append(i)
         outliers = cohort_outliers([updates[i] for i in accepted]) if "screen" in defenses else {}
         for k in outliers:
             struck.append(accepted[k])
@@ -258,10 +261,12 @@ def run_defended_cell(workload: Any, flipped: Any, shards: list[list[int]],
             if before.get(p) != until:
                 caught[f"{role(p)}_quarantined_{'audit' if p in audits else 'strikes'}"] += 1
         head = SimpleNamespace(quarantine=quarantine, strikes=strikes)
-        # sampled audits of head w's cohort, run while window w+1 trains; verdicts go into head w+1
+        # sampled audits of head w's cohort and of the updates the loss check rejected, run while window w+1
+        # trains; verdicts go into head w+1
         failed_audits = []
         for i in kept:
             caught[f"{role(i)}_aggregated"] += 1
+        for i in sorted(kept + loss_rejected):
             if "audit" in defenses and audit_selected(_head_id(seed, w), _update_id(seed, w, i), audit_rate):
                 caught[f"{role(i)}_audited"] += 1
                 if i in byzantine and crafted:
