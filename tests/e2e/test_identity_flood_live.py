@@ -14,7 +14,8 @@ One fleet (a validator with the HTTP edge, a trainer; quorum 1) serves both case
   certifies again. A restart while the disk is full starts in that state (one line, no traceback). The
   chain on disk verifies (`peerloom verify`).
 
-The long form is `python tests/e2e/test_identity_flood_live.py N` (N identities; prints the measurements).
+The long form, in `make fuzz-live`, is `python -m tests.e2e.test_identity_flood_live N` (N identities; prints
+the measurements).
 """
 
 from __future__ import annotations
@@ -243,7 +244,7 @@ def test_identity_flood_then_full_disk_against_a_live_validator(tmp_path):
     assert verified.returncode == 0, verified.stdout + verified.stderr
 
 
-if __name__ == "__main__":  # the long form: python tests/e2e/test_identity_flood_live.py 12000
+if __name__ == "__main__":  # the long form: python -m tests.e2e.test_identity_flood_live 12000
     import tempfile
 
     with tempfile.TemporaryDirectory() as root:
