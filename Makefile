@@ -38,6 +38,7 @@ fuzz: $(VENV)/.dev-installed
 # tests/e2e/test_hostile_peers.py). Prints one JSON line per attack.
 fuzz-live: $(VENV)/.dev-installed
 	$(BIN)/python -m tests.live_attacks --seconds 60 --dir peerloom-fuzz-live
+	$(BIN)/python -m tests.e2e.test_identity_flood_live 12000
 
 # Refresh every lock from pyproject.toml: dev first, then each smaller set constrained to dev's versions.
 lock: $(VENV)/.dev-installed

@@ -86,13 +86,17 @@ class AddressBook:
     def __init__(self, rng: random.Random, *, base_backoff_s: float = 0.5, max_backoff_s: float = 60.0,
                  jitter: float = 0.5, max_connections: int = 64, max_connections_per_ip: int = 8,
                  ban_after_failures: int = 5, ban_s: float = 600.0, ban_inbound_ips: bool = False,
-                 forget_after_failures: int = 8, max_learned: int = 1024) -> None:
+                 forget_after_failures: int = 8, max_learned: int = 1024, max_peer_entries: int = 4096) -> None:
         if not (0 < base_backoff_s <= max_backoff_s and 0 <= jitter <= 1 and max_connections >= 1
                 and max_connections_per_ip >= 1 and ban_after_failures >= 1 and ban_s >= 0
                 and forget_after_failures >= 1 and max_learned >= 0):
             raise ValueError("bad AddressBook settings")
         self.forget_after_failures = forget_after_failures
         self.max_learned = max_learned
+        # Violation counts and bans per peer id are kept for at most this many peers each, the least recently
+        # charged (or the soonest to expire) forgotten first: fresh identities cost nothing that outlives
+        # them (spec/transport.md §14).
+        self.max_peer_entries = max(1, max_peer_entries)
         self.rng = rng
         self.base_backoff_s = base_backoff_s
         self.max_backoff_s = max_backoff_s
@@ -259,8 +263,11 @@ class AddressBook:
         """`peer` ended a connection by a protocol violation (a bad frame, an undecryptable message...).
         `ban_after_failures` of them without a clean connection in between ban the peer for `ban_s`;
         returns True when this one did."""
-        self._peer_failures[peer] += 1
-        if self._peer_failures[peer] < self.ban_after_failures:
+        count = self._peer_failures.pop(peer, 0) + 1
+        self._peer_failures[peer] = count  # most recently charged last
+        while len(self._peer_failures) > self.max_peer_entries:
+            del self._peer_failures[next(iter(self._peer_failures))]
+        if count < self.ban_after_failures:
             return False
         del self._peer_failures[peer]
         self.ban_peer(peer, now=now)
@@ -275,6 +282,10 @@ class AddressBook:
     def ban_peer(self, peer: PeerId, *, now: float, seconds: float | None = None) -> None:
         """Refuse `peer` for `seconds` (default `ban_s`) wherever it connects from."""
         self._banned_peers[peer] = now + (self.ban_s if seconds is None else seconds)
+        if len(self._banned_peers) > self.max_peer_entries:
+            self._banned_peers = {p: t for p, t in self._banned_peers.items() if t > now}
+            while len(self._banned_peers) > self.max_peer_entries:  # all live: the soonest to end goes
+                del self._banned_peers[min(self._banned_peers, key=self._banned_peers.__getitem__)]
 
     def is_banned(self, peer: PeerId, *, now: float) -> bool:
         return self._banned_peers.get(peer, float("-inf")) > now

@@ -16,6 +16,11 @@ is fsynced at commit), so a `Persist` that returned survives SIGKILL or power lo
 transaction is rolled back on the next open. The no-double-vote rule is enforced here too: inserting a
 different vote for a (window, round, step) that already has one raises `DoubleVoteError` and commits nothing.
 
+A write that fails because the disk is full raises `adapters.disk.DiskFullError` and commits nothing: SQLite
+may already have rolled the transaction back itself (it does on ``SQLITE_FULL``), so the rollback here runs
+only while a transaction is still open. Opening a store whose schema is current writes nothing, so a node
+can start (and serve reads) on a full disk.
+
 Schema changes are ordered migration functions; ``schema_version`` records how many have run.
 Thread-safe: one connection guarded by a lock (the HTTP edge reads from its own thread).
 """
@@ -31,6 +36,8 @@ from typing import Any
 
 from peerloom.core.chain import decode_chain_entry
 from peerloom.core.errors import DecodeError
+
+from . import disk
 
 DB_NAME = "node.db"
 
@@ -127,6 +134,8 @@ class Database:
     def _migrate(self) -> None:
         with self._lock:
             conn = self._conn
+            if self._current(conn):
+                return  # nothing to write (a node may start on a full disk)
             conn.execute("BEGIN IMMEDIATE")
             try:
                 conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
@@ -141,18 +150,50 @@ class Database:
                     migrate(conn, self.path.parent)
                 conn.execute("UPDATE schema_version SET version=?", (len(MIGRATIONS),))
                 conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
+            except BaseException as exc:
+                self._rollback()
+                if disk.is_disk_full(exc):
+                    raise disk.DiskFullError(self.path, f"database or disk is full ({exc})") from exc
                 raise
 
+    @staticmethod
+    def _current(conn: sqlite3.Connection) -> bool:
+        """True if the schema is already at the latest version (read only)."""
+        try:
+            row = conn.execute("SELECT version FROM schema_version").fetchone()
+        except sqlite3.OperationalError:
+            return False  # no such table: a new database
+        return row is not None and row[0] == len(MIGRATIONS)
+
+    def _rollback(self) -> None:
+        """Roll back the open transaction, if SQLite has not already (it rolls back by itself after some
+        errors, SQLITE_FULL among them: a ROLLBACK then raises "cannot rollback - no transaction is
+        active", which used to hide the real error)."""
+        if self._conn.in_transaction:
+            self._conn.execute("ROLLBACK")
+
+    def _inject_fault(self) -> None:
+        """Test-only seam (`adapters.disk.inject`): fail the way SQLite fails on a full disk, with the
+        transaction already rolled back and ``sqlite3.OperationalError`` raised."""
+        try:
+            disk.inject(self.path)
+        except disk.DiskFullError:
+            self._conn.execute("ROLLBACK")
+            raise sqlite3.OperationalError("database or disk is full") from None
+
     def _write(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        """Run `fn` in one transaction and commit it durably. DiskFullError when the disk is full
+        (nothing is committed then); other errors propagate after the rollback."""
         with self._lock:
             self._conn.execute("BEGIN IMMEDIATE")
             try:
                 result = fn(self._conn)
+                self._inject_fault()
                 self._conn.execute("COMMIT")
-            except BaseException:
-                self._conn.execute("ROLLBACK")
+            except BaseException as exc:
+                self._rollback()
+                if disk.is_disk_full(exc):
+                    raise disk.DiskFullError(self.path, f"database or disk is full ({exc})") from exc
                 raise
             return result
 
@@ -199,11 +240,17 @@ class Database:
     # --- peers and reputation ------------------------------------------------------------------
 
     def note_peer(self, peer: str, *, address: str | None = None, roles: str | None = None) -> None:
+        self.note_peers([(peer, address, roles, time.time())])
+
+    def note_peers(self, rows: list[tuple[str, str | None, str | None, float]]) -> None:
+        """Record (peer, address, roles, last seen unix time) rows in one transaction (one fsync, however
+        many rows: the runtime batches its peers per window, spec/transport.md §14)."""
         def write(conn: sqlite3.Connection) -> None:
-            conn.execute("INSERT INTO peers VALUES (?, ?, ?, ?) ON CONFLICT(peer) DO UPDATE SET "
-                         "address=COALESCE(excluded.address, address), roles=COALESCE(excluded.roles, roles), "
-                         "last_seen=excluded.last_seen", (peer, address, roles, time.time()))
-        self._write(write)
+            conn.executemany("INSERT INTO peers VALUES (?, ?, ?, ?) ON CONFLICT(peer) DO UPDATE SET "
+                             "address=COALESCE(excluded.address, address), roles=COALESCE(excluded.roles, roles), "
+                             "last_seen=MAX(last_seen, excluded.last_seen)", rows)
+        if rows:
+            self._write(write)
 
     def peers(self) -> list[tuple[str, str | None, str | None, float]]:
         """(peer id text, address, roles, last seen unix time), most recent first."""
@@ -211,9 +258,14 @@ class Database:
 
     def charge(self, peer: str, reason: str, count: int = 1) -> None:
         """Add `count` rejections with `reason` to `peer`'s reputation."""
-        self._write(lambda conn: conn.execute(
-            "INSERT INTO reputation VALUES (?, ?, ?) ON CONFLICT(peer, reason) DO UPDATE SET count=count+?",
-            (peer, reason, count, count)))
+        self.charge_many([(peer, reason, count)])
+
+    def charge_many(self, rows: list[tuple[str, str, int]]) -> None:
+        """Add (peer, reason, count) rejections in one transaction (one fsync for a whole window's)."""
+        if rows:
+            self._write(lambda conn: conn.executemany(
+                "INSERT INTO reputation VALUES (?, ?, ?) ON CONFLICT(peer, reason) DO UPDATE SET count=count+?",
+                [(peer, reason, count, count) for peer, reason, count in rows]))
 
     def reputation(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}

@@ -182,6 +182,11 @@ class EdgeView(Protocol):
         """Per-window statistics of every certified window this node has seen, ascending."""
         ...
 
+    def health(self) -> str:
+        """``ok``, or ``disk-full`` while the node's store cannot be written: it serves reads, refuses
+        uploads and casts no votes until space is free again (spec/transport.md §15)."""
+        ...
+
 
 def check_submission(revision: Revision, head: Head, envelope: bytes, artifact: bytes | None, *,
                      leases: Mapping[PeerId, tuple[int, ...]] | None = None,
@@ -231,6 +236,7 @@ class ChainIndex:
         self._history: list[WindowStats] = []
         self._subscribers: list[HeadCallback] = []
         self._leases: tuple[bytes, dict[PeerId, tuple[int, ...]]] | None = None
+        self._health = "ok"
         for head, cert in sorted(entries, key=lambda e: e[0].window):
             self._add(head, cert, {})
 
@@ -284,6 +290,13 @@ class ChainIndex:
                     self._subscribers.remove(callback)
 
         return unsubscribe
+
+    def health(self) -> str:
+        return self._health
+
+    def set_health(self, state: str) -> None:
+        """``ok`` or ``disk-full`` (`EdgeView.health`); any thread."""
+        self._health = state
 
     def history(self) -> Sequence[WindowStats]:
         with self._lock:

@@ -9,7 +9,9 @@ Endpoints (binary ids are lowercase hex of the 34-byte content id; peer ids are 
 ==========================  ====================================================================================
 ``GET /``                   read-only dashboard (head chain, loss/accuracy curve, peers, bytes); 200 text/html
 ``GET /healthz``            200 ``{"status": "ok", "peer", "roles", "window", "addresses"}`` (``addresses``:
-                            the node's transport listen addresses, which `peerloom light` dials)
+                            the node's transport listen addresses, which `peerloom light` dials); ``status``
+                            is ``disk-full`` while the store cannot be written (reads are still served,
+                            ``POST /v1/updates`` answers 503 ``disk-full``)
 ``GET /metrics``            200 Prometheus text exposition (the node's registry plus the edge's own counters)
 ``GET /openapi.json``       200 this API as OpenAPI 3.0
 ``GET /v1/manifest``        200 the signed revision manifest (hex of the canonical SignedEnvelope)
@@ -461,7 +463,7 @@ class HttpEdge:
 
     async def healthz(self, request: web.Request) -> web.Response:
         latest = self.view.latest().head
-        return web.json_response({"status": "ok", "peer": self.view.peer_id.to_text(),
+        return web.json_response({"status": self.view.health(), "peer": self.view.peer_id.to_text(),
                                   "roles": sorted(self.view.roles), "window": latest.window,
                                   "addresses": list(self.view.addresses())})
 
@@ -637,6 +639,9 @@ class HttpEdge:
 
     async def post_update(self, request: web.Request) -> web.Response:
         size = request.content_length or 0  # the middleware refused a POST without one (411) or over the limit
+        if self.view.health() == "disk-full":
+            raise ApiError(503, "disk-full", "the node's disk is full: no uploads until space is freed",
+                           {"Retry-After": "30"})
         if (refusal := self._no_room(size)) is not None:
             raise refusal
         upload = _Upload(self, size)

@@ -18,6 +18,8 @@ import sys
 import time
 from typing import Any, TextIO
 
+import attrs
+
 _HANDLER_NAME = "peerloom-structured"
 
 
@@ -85,3 +87,61 @@ def setup_logging(fmt: str = "auto", level: str = "info", *, name: str | None = 
     logger.setLevel(level.upper())
     logger.propagate = False
     return handler
+
+
+@attrs.define
+class _Budget:
+    start: float
+    logged: int = 0
+    suppressed: int = 0
+
+
+class LineLimiter:
+    """At most `burst` log lines of one kind per `interval_s` seconds; the rest are counted, and each count
+    comes back once from `summaries` as one line's worth (spec/transport.md §14: a flood of
+    rejections from fresh identities must not become a flood of log lines and disk).
+
+    A kind is a short string (``"reject/decode-non-canonical"``); at most `max_kinds` are tracked, and any
+    further one counts under ``"other"``. Times are the caller's (any clock that does not go back).
+    """
+
+    def __init__(self, *, burst: int = 20, interval_s: float = 10.0, max_kinds: int = 256) -> None:
+        if burst < 0 or interval_s <= 0 or max_kinds < 1:
+            raise ValueError("bad LineLimiter settings")
+        self.burst, self.interval_s, self.max_kinds = burst, interval_s, max_kinds
+        self._kinds: dict[str, _Budget] = {}
+        self._pending: dict[str, int] = {}  # suppressed counts of intervals that ended, not yet summarised
+
+    def allow(self, kind: str, now: float) -> bool:
+        """True if a line of `kind` may be written now; False if it is over budget (it is counted)."""
+        budget = self._kinds.get(kind)
+        if budget is None:
+            if len(self._kinds) >= self.max_kinds:
+                kind = "other"
+                budget = self._kinds.get(kind)
+            if budget is None:
+                budget = self._kinds[kind] = _Budget(start=now)
+        if now - budget.start >= self.interval_s:
+            self._close(kind, budget, now)
+        if budget.logged < self.burst:
+            budget.logged += 1
+            return True
+        budget.suppressed += 1
+        return False
+
+    def _close(self, kind: str, budget: _Budget, now: float) -> None:
+        if budget.suppressed:
+            self._pending[kind] = self._pending.get(kind, 0) + budget.suppressed
+        budget.start, budget.logged, budget.suppressed = now, 0, 0
+
+    def summaries(self, now: float) -> list[tuple[str, int]]:
+        """(kind, lines suppressed) for each kind whose interval has ended with lines suppressed, each count
+        returned once; kinds quiet for a whole interval are forgotten."""
+        for kind, budget in list(self._kinds.items()):
+            if now - budget.start >= self.interval_s:
+                self._close(kind, budget, now)
+                if not self._pending.get(kind):
+                    del self._kinds[kind]
+        out = sorted(self._pending.items())
+        self._pending.clear()
+        return out

@@ -18,8 +18,11 @@ metric                                               meaning
 ``peerloom_head_lag_windows``                        highest head window a peer announced (its Hello) minus
                                                      ours
 ``peerloom_head_age_seconds``                        seconds since this node promoted its latest head
-``peerloom_peer_bytes_total{peer,direction}``        wire bytes per peer (``sent``/``received``)
+``peerloom_peer_bytes_total{peer,direction}``        wire bytes per admitted peer (``sent``/``received``);
+                                                     peers not admitted share ``peer="other"``
+                                                     (spec/transport.md §14)
 ``peerloom_peers``                                   connected peers
+``peerloom_disk_full``                               1 while the store cannot be written (``disk-full``)
 ==================================================== =======================================================
 """
 
@@ -45,8 +48,10 @@ VOTE_STEPS = (PREVOTE, PRECOMMIT)
 
 
 class _WireCollector(Collector):
-    def __init__(self, peer_bytes: PeerBytes, engine_stats: EngineStats, metrics: NodeMetrics) -> None:
+    def __init__(self, peer_bytes: PeerBytes, engine_stats: EngineStats, metrics: NodeMetrics,
+                 connected: Callable[[], int] | None) -> None:
         self._peer_bytes = peer_bytes
+        self._connected = connected
         self._engine_stats = engine_stats
         self._metrics = metrics
 
@@ -58,6 +63,8 @@ class _WireCollector(Collector):
             wire.add_metric([peer, "sent"], sent)
             wire.add_metric([peer, "received"], received)
         yield wire
+        if self._connected is not None:
+            peers = self._connected()
         yield GaugeMetricFamily("peerloom_peers", "Connected peers", value=peers)
         promoted = self._metrics.promoted_at
         age = time.time() - promoted if promoted is not None else float("nan")
@@ -75,7 +82,10 @@ class _WireCollector(Collector):
 class NodeMetrics:
     """The metrics of one node. `on_effect` is called from the engine loop; scrapes from any thread."""
 
-    def __init__(self, peer_bytes: PeerBytes = lambda: (), engine_stats: EngineStats = dict) -> None:
+    def __init__(self, peer_bytes: PeerBytes = lambda: (), engine_stats: EngineStats = dict,
+                 connected: Callable[[], int] | None = None) -> None:
+        """`peer_bytes`: (peer label, sent, received) rows; `connected`: the number of connected peers (default:
+        the number of `peer_bytes` rows)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.windows = Counter("peerloom_windows", "Windows closed by outcome", ["outcome"], registry=r)
@@ -87,9 +97,10 @@ class NodeMetrics:
                                          "(spec/transport.md §6)", ["reason"], registry=r)
         self.head_window = Gauge("peerloom_head_window", "Window of the latest certified head", registry=r)
         self.head_lag = Gauge("peerloom_head_lag_windows", "Best peer head window minus ours", registry=r)
+        self.disk_full = Gauge("peerloom_disk_full", "1 while the store cannot be written", registry=r)
         self.promoted_at: float | None = None
         self._best_peer_window = 0
-        r.register(_WireCollector(peer_bytes, engine_stats, self))
+        r.register(_WireCollector(peer_bytes, engine_stats, self, connected))
 
     def on_effect(self, effect: fx.Effect) -> None:
         """Count what a HeadPromoted or Rejected effect says; other effects are ignored."""

@@ -44,13 +44,15 @@ from peerloom.core.identity import Identity, PeerId
 from peerloom.core.messages import Hello, decode_message
 from peerloom.core.objects import Head, QuorumCertificate, Revision
 
-from . import tcp
+from . import disk, tcp
 from .addressbook import HANDSHAKE_FAILURES, AddressBook
 from .compute import ComputeExecutor
 from .edge_view import SUBMIT_TIMEOUT_S, NodeEdgeView, PeerInfo, SubmitResult
 from .host import chunk_message, drain, stored_event
 from .limits import ConnectionLimiter, Limits, LimitsCollector
+from .logs import LineLimiter
 from .metrics import NodeMetrics
+from .peerstate import MAX_PEER_SERIES, MAX_SEEN_PEERS, BoundedLru, release_freed_memory, tune_allocator
 from .relay import RelayServer, RelayTransport
 from .storage import ArtifactStore
 from .transport import Connection, Transport, canonical_address
@@ -69,6 +71,18 @@ MAX_BULK_OUTBOX_BYTES = 64 << 20
 """The same for the bulk lane (artifact chunks). Flow control makes a sender wait per lane, so without a
 cap a peer that stops reading would make its outbox, and this node's memory, grow without limit. Above the
 largest message (`RuntimeOptions.max_message_bytes`, 16 MiB by default), so one whole message always fits."""
+
+
+LOG_BURST = 20
+LOG_INTERVAL_S = 10.0
+"""Lines about peers not admitted (connections, their errors, rejections): at most `LOG_BURST` of one kind
+(event and reason) per `LOG_INTERVAL_S`, then one ``suppressed`` summary line with the count
+(`adapters.logs.LineLimiter`, spec/transport.md §14). Admitted peers are always logged."""
+OTHER_PEERS = "other"
+"""The label, metrics series and reputation row that every peer not admitted shares."""
+
+DISK_PROBE_S = 2.0
+"""Seconds between probes of a full disk (`adapters.disk.space_available`) until the node resumes writing."""
 
 
 DEFAULT_KEEP_WINDOWS = 0
@@ -160,6 +174,7 @@ class _Outbox:
     scope: trio.CancelScope
     queued: list[int] = attrs.Factory(lambda: [0, 0])
     full: bool = False
+    admitted: bool = False  # a validator or rostered peer when it connected (spec/transport.md §14)
 
 
 @attrs.define
@@ -172,6 +187,10 @@ class _Submit:
     artifact: bytes | None
     done: trio.Event = attrs.Factory(trio.Event)
     result: SubmitResult | None = None
+
+
+class _DiskResumed:
+    """Queued by the disk probe for the main loop: space is free again, write what waited (`_resume_writes`)."""
 
 
 class NodeRuntime:
@@ -194,8 +213,16 @@ class NodeRuntime:
                               max_message_bytes=options.max_message_bytes, stop_after_window=stop_after_window,
                               admission=admission, keep_windows=options.keep_windows)
         self.engine = Engine(config, identity, random.Random(), stored=store.refs(), records=store.records())
+        self._events_path = events_path
         self._events_file = open(events_path, "a", buffering=1) if events_path else None
-        self._send_events, self._receive_events = trio.open_memory_channel[ev.Event | _Submit](math.inf)
+        # A full disk (spec/transport.md §15): what could not be written waits here, in order, and is
+        # written when the probe finds space again; meanwhile the engine holds what depends on it (votes).
+        self.disk_full = False
+        self._unwritten: list[fx.Persist] = []
+        self._unwritten_chain: list[tuple[Head, QuorumCertificate]] = []
+        self._lost_fetches: set[bytes] = set()  # fetches with a chunk that never reached the disk
+        self._send_events, self._receive_events = trio.open_memory_channel[ev.Event | _Submit | _DiskResumed](
+            math.inf)
         # Bytes of each peer's messages queued for the engine, bounded per peer (`_inbox_room`).
         self._inbox: Counter[PeerId] = Counter()
         self._inbox_room_events: dict[PeerId, trio.Event] = {}
@@ -209,16 +236,28 @@ class NodeRuntime:
         self._compute = ComputeSlot()
         self.bytes_sent = 0
         self.bytes_received = 0
-        self._closed_bytes: dict[PeerId, tuple[int, int]] = {}  # wire bytes of closed connections, per peer
-        self.metrics = NodeMetrics(peer_bytes=self._peer_bytes, engine_stats=lambda: self.engine.stats)
+        # Per-peer state (spec/transport.md §14): admitted peers (manifest validators, the head's
+        # roster) have their own wire-bytes series, reputation rows and `peers` rows, the most recent
+        # MAX_PEER_SERIES of them once closed; every other peer is counted under OTHER_PEERS only.
+        self._admitted: frozenset[PeerId] = frozenset()
+        self._admitted_texts: frozenset[str] = frozenset()
+        self._other_bytes = [0, 0]  # wire bytes of closed connections of peers not admitted (or evicted)
+        self._closed_bytes: BoundedLru[PeerId, tuple[int, int]] = BoundedLru(
+            MAX_PEER_SERIES, on_evict=lambda _, sent_received: self._add_other_bytes(*sent_received))
+        self._seen: BoundedLru[PeerId, tuple[str | None, float]] = BoundedLru(MAX_SEEN_PEERS)  # peers rows
+        self._log_limits = LineLimiter(burst=LOG_BURST, interval_s=LOG_INTERVAL_S)
+        self._strangers_closed = 0  # since the last `release_freed_memory`
+        self.metrics = NodeMetrics(peer_bytes=self._peer_bytes, engine_stats=lambda: self.engine.stats,
+                                   connected=lambda: len(self._conns))
         self.port: int | None = None  # the first listener's port (0 for memory://; None: listens nowhere)
         self.listen_addresses: list[str] = []  # bound addresses, one per listener (transport-qualified)
         self.transports: list[Transport] = []  # made when `run` starts (`_make_transports`)
         self._nursery: trio.Nursery | None = None
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self._rejected_in_window = 0
-        # Rejections per (peer, reason), written to the database once per window: an attacker's flood of
-        # bad messages must not become a flood of fsyncs.
+        # Rejections per (peer, reason), written to the database once per window in one transaction: an
+        # attacker's flood of bad messages must not become a flood of fsyncs. Peers not admitted share the
+        # OTHER_PEERS row, so the table's size does not grow with fresh identities.
         self._reputation: dict[tuple[str, str], int] = {}
         self._submits: dict[int, _Submit] = {}  # fed to the engine, awaiting its SubmitReply
         self._submit_ids = 0
@@ -244,17 +283,131 @@ class NodeRuntime:
         self.http_port: int | None = None
         self.relay: Any = None  # adapters.relay.RelayServer when `options.relay_listen` is set
         self.relay_address: str | None = None  # its bound address
+        self._note_admitted()
 
     def _emit_line(self, event: str, fields: dict[str, Any]) -> None:
         if self._events_file is not None:
             line = {"t": round(time.time(), 3), "node": self.name, "event": event, **fields}
-            self._events_file.write(json.dumps(line, default=str) + "\n")
+            try:
+                disk.inject(self._events_path or "events")  # test-only seam (adapters/disk.py)
+                self._events_file.write(json.dumps(line, default=str) + "\n")
+            except OSError as exc:
+                if not disk.is_disk_full(exc):
+                    raise
+                self._disk_is_full("event log", exc)
+
+    # --- a full disk (spec/transport.md §15) --------------------------------------------------
+
+    def _disk_is_full(self, where: str, exc: BaseException) -> None:
+        """A write to `where` failed for want of space: enter the ``disk-full`` state (once), in one log line.
+        The node then writes nothing (what must be written waits in order), so it casts no votes (the engine
+        holds each until its record is durable) and refuses uploads, and it keeps serving reads. A probe
+        every `DISK_PROBE_S` seconds resumes it once space is free (`_resume_writes`)."""
+        if self._events_file is not None:
+            try:
+                self._events_file.close()
+            except OSError:
+                pass  # its buffered line could not be written either
+            self._events_file = None
+        if self.disk_full:
+            return
+        self.disk_full = True
+        self.edge_view.set_health("disk-full")
+        self.metrics.disk_full.set(1)
+        log.error("disk full: not voting or accepting uploads, still serving reads; resuming once space is free",
+                  extra={"fields": {"write": where, "error": str(exc), "store": str(self.store.root),
+                                    "resume_free_bytes": disk.RESUME_FREE_BYTES}})
+        if self._nursery is not None:
+            try:
+                self._nursery.start_soon(self._probe_disk)
+            except RuntimeError:
+                pass  # the node is shutting down (`close`)
+
+    async def _probe_disk(self) -> None:
+        while True:
+            await trio.sleep(DISK_PROBE_S)
+            try:
+                free = await trio.to_thread.run_sync(disk.space_available, self.store.root)
+            except OSError as exc:  # not a full disk (a removed directory...): say so and keep probing
+                log.warning("disk probe failed: %s", exc)
+                free = False
+            if free:
+                await self._send_events.send(_DiskResumed())
+                return
+
+    def _resume_writes(self) -> None:
+        """On the main loop: write what waited, in order (each record, then `Persisted` to the engine), the
+        chain files, the head's pin and the reputation; reopen the event log. A write that fails for space
+        again goes back to the ``disk-full`` state with the rest still waiting."""
+        self.disk_full = False
+        written = len(self._unwritten)
+        try:
+            while self._unwritten:
+                effect = self._unwritten[0]
+                self.store.put_record(effect.key, effect.record)
+                del self._unwritten[0]
+                self._persisted(effect)
+            while self._unwritten_chain:
+                entry = self._unwritten_chain[0]
+                assert self.on_chain_entry is not None
+                self.on_chain_entry(*entry)
+                del self._unwritten_chain[0]
+            self.store.pin("head", self.engine.head.params.digest)
+            self._flush_reputation()
+            if self._events_path is not None and self._events_file is None:
+                self._events_file = open(self._events_path, "a", buffering=1)
+        except OSError as exc:
+            if not disk.is_disk_full(exc):
+                raise
+            self._disk_is_full("resume", exc)
+            return
+        if self.disk_full:  # a flush above found the disk full again (and said so)
+            return
+        self.edge_view.set_health("ok")
+        self.metrics.disk_full.set(0)
+        log.info("disk space available again: writing resumed", extra={"fields": {"records": written}})
+        self._emit_line("disk-resumed", {"records": written})
+
+    # --- peers not admitted (spec/transport.md §14) ---------------------------------------
+
+    def _note_admitted(self) -> None:
+        """Admitted peers: the manifest's validators and the current head's roster (refreshed per head)."""
+        self._admitted = frozenset(self.engine.manifest.validators) | self.engine.head.roster_peers
+        self._admitted_texts = frozenset(p.to_text() for p in self._admitted)
+
+    def _add_other_bytes(self, sent: int, received: int) -> None:
+        self._other_bytes[0] += sent
+        self._other_bytes[1] += received
+
+    def _may_log(self, kind: str, peer: PeerId | str | None) -> bool:
+        """Whether a line of `kind` about `peer` is written: always for an admitted peer, else within the
+        stranger budget (`LOG_BURST` per `LOG_INTERVAL_S`, the rest summarised by `_summarize_logs`)."""
+        if peer is not None and (peer in self._admitted if isinstance(peer, PeerId) else peer in self._admitted_texts):
+            return True
+        return self._log_limits.allow(kind, trio.current_time())
+
+    async def _summarize_logs(self) -> None:
+        """Every `LOG_INTERVAL_S`: one ``suppressed`` line per kind of line that went over its budget, and,
+        after many strangers came and went, their freed memory back to the OS."""
+        while True:
+            await trio.sleep(LOG_INTERVAL_S)
+            for kind, count in self._log_limits.summaries(trio.current_time()):
+                fields = {"kind": kind, "count": count, "interval_s": LOG_INTERVAL_S}
+                log.info("suppressed", extra={"fields": fields})
+                self._emit_line("suppressed", fields)
+            if self._strangers_closed:  # a flood, or its end: hand what its connections freed back
+                self._strangers_closed = 0
+                release_freed_memory()
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         self._trio_token = trio.lowlevel.current_trio_token()
+        tune_allocator()  # connections' buffers go back to the OS when they close (spec/transport.md)
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                if not await trio.to_thread.run_sync(lambda: disk.space_available(self.store.root, need=0)):
+                    self._disk_is_full("start", disk.DiskFullError(self.store.root))  # one line, then reads only
+                nursery.start_soon(self._summarize_logs)
                 self.transports = self._make_transports()
                 for address in self._listen_addresses():
                     bound = await nursery.start(self._serve, address)
@@ -416,6 +569,8 @@ class NodeRuntime:
                 item = await self._receive_events.receive()
                 if isinstance(item, _Submit):
                     self._submit(item)
+                elif isinstance(item, _DiskResumed):
+                    self._resume_writes()
                 else:
                     self.engine.handle(_with_now(item, trio.current_time()))
                     if isinstance(item, ev.MessageReceived):
@@ -446,16 +601,52 @@ class NodeRuntime:
     def persist(self, effect: fx.Persist) -> None:
         """Committed to the node database (SQLite WAL, synchronous=FULL) before `Persisted` is fed back, so the
         messages the engine then releases follow a durable record. A conflicting vote raises DoubleVoteError:
-        the node stops rather than equivocate."""
-        self.store.put_record(effect.key, effect.record)
+        the node stops rather than equivocate.
+        On a full disk the record waits (in order, with every later one) and `Persisted` comes when it is
+        written (`_resume_writes`)."""
+        if self.disk_full:
+            self._unwritten.append(effect)
+            return
+        try:
+            self.store.put_record(effect.key, effect.record)
+        except OSError as exc:
+            if not disk.is_disk_full(exc):
+                raise
+            self._unwritten.append(effect)
+            self._disk_is_full("records", exc)
+            return
+        self._persisted(effect)
+
+    def _persisted(self, effect: fx.Persist) -> None:
         self._note_chain_record(effect)
         self.engine.handle(ev.Persisted(now=trio.current_time(), token=effect.token))
 
     def store_chunk(self, effect: fx.StoreChunk) -> None:
-        self.store.write_chunk(effect.ref, effect.index, effect.data)
+        """A chunk that cannot be written (full disk) loses its whole fetch: the store drops the partial file
+        and the fetch is never committed (`commit_artifact`), so no artifact with a hole is ever trusted and
+        no provider or author is charged for our disk."""
+        if effect.ref.digest in self._lost_fetches:
+            return
+        try:
+            self.store.write_chunk(effect.ref, effect.index, effect.data)
+        except OSError as exc:
+            if not disk.is_disk_full(exc):
+                raise
+            self._lost_fetches.add(effect.ref.digest)
+            self._disk_is_full("artifact store", exc)
 
     def commit_artifact(self, effect: fx.CommitArtifact) -> None:
-        self.engine.handle(stored_event(self.store, effect, trio.current_time()))
+        if effect.ref.digest in self._lost_fetches:
+            return  # held for good: see `store_chunk`
+        try:
+            event = stored_event(self.store, effect, trio.current_time())
+        except OSError as exc:
+            if not disk.is_disk_full(exc):
+                raise
+            self._lost_fetches.add(effect.ref.digest)
+            self._disk_is_full("artifact store", exc)
+            return
+        self.engine.handle(event)
 
     def drop_artifacts(self, effect: fx.DropArtifacts) -> None:
         self.store.remove(effect.digests)
@@ -477,7 +668,7 @@ class NodeRuntime:
         self.metrics.on_effect(effect)
         self._rejected_in_window += 1
         if effect.peer is not None:
-            key = (effect.peer.to_text(), effect.reason)
+            key = (effect.peer.to_text() if effect.peer in self._admitted else OTHER_PEERS, effect.reason)
             self._reputation[key] = self._reputation.get(key, 0) + 1
 
     def ban(self, effect: fx.Ban) -> None:
@@ -503,6 +694,7 @@ class NodeRuntime:
             if entry is not None:
                 self.edge_view.promote(*entry)
         self.metrics.on_effect(effect)
+        self._note_admitted()
         self._head_changed.set()
         self._head_changed = trio.Event()
         if self.on_head is not None:
@@ -513,11 +705,20 @@ class NodeRuntime:
                                bytes_received=received, time=time.time())
         self._rejected_in_window = 0
         self._flush_reputation()
-        self.store.pin("head", effect.head.params.digest)  # what `ArtifactStore.gc` must keep
+        try:
+            self.store.pin("head", effect.head.params.digest)  # what `ArtifactStore.gc` must keep
+        except OSError as exc:  # pinned again when writing resumes
+            if not disk.is_disk_full(exc):
+                raise
+            self._disk_is_full("records", exc)
         self._emit_line("wire", {"window": effect.head.window, "sent": sent, "received": received})
 
     def log(self, effect: fx.Log) -> None:
         self.metrics.on_effect(effect)
+        # A line about a peer (a rejection, mostly) is within the stranger budget unless the peer is admitted.
+        if "peer" in effect.fields and not self._may_log(f"{effect.event}/{effect.fields.get('reason', '')}",
+                                                          effect.fields["peer"]):
+            return
         self._emit_line(effect.event, effect.fields)
         engine_log.info(effect.event, extra={"fields": effect.fields})
 
@@ -527,7 +728,17 @@ class NodeRuntime:
         if self.on_chain_entry is None:
             return
         if effect.key.startswith("chain/") or (effect.key == HEAD_RECORD and not self.engine.config.keeps_chain):
-            self.on_chain_entry(*decode_chain_entry(effect.record))
+            entry = decode_chain_entry(effect.record)
+            if self._unwritten_chain:
+                self._unwritten_chain.append(entry)
+                return
+            try:
+                self.on_chain_entry(*entry)
+            except OSError as exc:  # the record is durable; its chain file is written when space is back
+                if not disk.is_disk_full(exc):
+                    raise
+                self._unwritten_chain.append(entry)
+                self._disk_is_full("chain directory", exc)
 
     def _enqueue(self, peer: PeerId, data: bytes) -> None:
         outbox = self._outboxes.get(peer)
@@ -554,7 +765,10 @@ class NodeRuntime:
             started, result = await self._compute.run(effect.kind in BACKGROUND_TASKS, self.executor.run, effect.kind,
                                                       effect.args)
         except Exception as exc:
-            log.exception("task %s failed", effect.task_id)
+            if disk.is_disk_full(exc):
+                self._disk_is_full(f"task {effect.kind}", exc)
+            else:
+                log.exception("task %s failed", effect.task_id)
             await self._send_events.send(ev.TaskFailed(now=0.0, task_id=effect.task_id, reason=repr(exc)))
             return
         self._emit_line("task-done", {"kind": effect.kind, "seconds": round(time.monotonic() - started, 4)})
@@ -615,10 +829,12 @@ class NodeRuntime:
         ip = address[0]
         self.book.inbound_handshake_ok(ip)
         if self.book.is_banned(conn.remote_peer, now=trio.current_time()):
-            log.info("refused %s from %s: banned", conn.remote_peer.short(), ip)
+            if self._may_log("refused/banned", conn.remote_peer):
+                log.info("refused %s from %s: banned", conn.remote_peer.short(), ip)
             return
         if not self.book.inbound_opened(ip):
-            log.info("refused %s from %s: connection limit", conn.remote_peer.short(), ip)
+            if self._may_log("refused/connection-limit", conn.remote_peer):
+                log.info("refused %s from %s: connection limit", conn.remote_peer.short(), ip)
             return
         try:
             await self._adopt_connection(conn)
@@ -635,12 +851,13 @@ class NodeRuntime:
         control_out, control_in = trio.open_memory_channel[bytes](math.inf)
         bulk_out, bulk_in = trio.open_memory_channel[bytes](math.inf)
         scope = trio.CancelScope()
-        outbox = _Outbox(channels=(control_out, bulk_out), scope=scope)
+        outbox = _Outbox(channels=(control_out, bulk_out), scope=scope, admitted=peer in self._admitted)
         self._conns[peer], self._outboxes[peer] = conn, outbox
-        self.store.db.note_peer(peer.to_text(), address=address)
-        self._emit_line("connected", {"peer": peer.to_text(), "address": address,
-                                      "transport": getattr(conn, "transport_kind", None),
-                                      "cipher": getattr(conn, "transport_cipher", None)})
+        self._seen[peer] = (address, time.time())  # written per window, admitted peers only (`_flush_reputation`)
+        if self._may_log("connected", peer):
+            self._emit_line("connected", {"peer": peer.to_text(), "address": address,
+                                          "transport": getattr(conn, "transport_kind", None),
+                                          "cipher": getattr(conn, "transport_cipher", None)})
         await self._send_events.send(ev.PeerConnected(now=0.0, peer=peer))
         try:
             with scope:
@@ -651,8 +868,12 @@ class NodeRuntime:
         finally:
             self.bytes_sent += conn.bytes_sent
             self.bytes_received += conn.bytes_received
-            old_sent, old_received = self._closed_bytes.get(peer, (0, 0))
-            self._closed_bytes[peer] = (old_sent + conn.bytes_sent, old_received + conn.bytes_received)
+            if outbox.admitted:
+                old_sent, old_received = self._closed_bytes.get(peer) or (0, 0)
+                self._closed_bytes[peer] = (old_sent + conn.bytes_sent, old_received + conn.bytes_received)
+            else:
+                self._add_other_bytes(conn.bytes_sent, conn.bytes_received)
+                self._strangers_closed += 1
             del self._conns[peer], self._outboxes[peer]
             with trio.CancelScope(shield=True):
                 await conn.aclose()
@@ -709,12 +930,15 @@ class NodeRuntime:
         transport = exc if isinstance(exc, tcp.TransportError) else \
             tcp.first_transport_error(exc) if isinstance(exc, BaseExceptionGroup) else None
         reason = tcp.fault_reason(transport) if transport is not None else "internal"
+        loud = self._may_log(f"connection-error/{reason}", peer)
         if transport is None:
-            log.error("connection to %s ended by an internal error", peer.short(), exc_info=exc)
-        else:
+            if loud:
+                log.error("connection to %s ended by an internal error", peer.short(), exc_info=exc)
+        elif loud:
             log.info("connection to %s ended: %s", peer.short(), transport)
         self.metrics.connection_errors.labels(reason).inc()
-        self._emit_line("connection-error", {"peer": peer.to_text(), "reason": reason})
+        if loud:
+            self._emit_line("connection-error", {"peer": peer.to_text(), "reason": reason})
         if transport is not None and reason in tcp.PEER_FAULTS:
             if self.book.connection_failed(peer, now=trio.current_time()):
                 self._emit_line("peer-banned", {"peer": peer.to_text(), "reason": reason})
@@ -780,7 +1004,17 @@ class NodeRuntime:
     def _submit(self, item: _Submit) -> None:
         """On the trio thread: store the artifact, then feed the envelope as `events.Submit`; the engine
         judges it like a `Signed` message from its signer and answers with `SubmitReply` (`submit_reply`)."""
-        stored = self.store.put(item.artifact) if item.artifact is not None else None
+        try:
+            if self.disk_full and item.artifact is not None:
+                raise disk.DiskFullError(self.store.root)
+            stored = self.store.put(item.artifact) if item.artifact is not None else None
+        except OSError as exc:
+            if not disk.is_disk_full(exc):
+                raise
+            self._disk_is_full("artifact store", exc)
+            item.result = SubmitResult(accepted=False, reason="disk-full")
+            item.done.set()
+            return
         self._submits[item.request_id] = item
         self.engine.handle(ev.Submit(now=trio.current_time(), request_id=item.request_id, envelope=item.envelope,
                                      stored=stored))
@@ -796,23 +1030,47 @@ class NodeRuntime:
             self.metrics.note_peer_head(message.head_window, self.engine.head.window)
 
     def _flush_reputation(self) -> None:
-        for (peer, reason), count in self._reputation.items():
-            self.store.db.charge(peer, reason, count)
-        self._reputation.clear()
+        """Once per window, one transaction each: the rejections counted since the last flush, and the last
+        contact of the admitted peers seen (strangers get no row: spec/transport.md §14). On a
+        full disk they wait for the next flush."""
+        if self.disk_full:
+            return
+        rows = [(peer.to_text(), address, None, seen) for peer, (address, seen) in self._seen.items()
+                if peer in self._admitted]
+        try:
+            self.store.db.charge_many([(peer, reason, count) for (peer, reason), count in self._reputation.items()])
+            self._reputation.clear()
+            self.store.db.note_peers(rows)
+            self._seen.clear()
+        except OSError as exc:
+            if not disk.is_disk_full(exc):
+                raise
+            self._disk_is_full("records", exc)
 
     def _peer_bytes(self) -> list[tuple[str, int, int]]:
-        """(peer id text, sent, received) wire bytes per peer ever connected; safe from any thread."""
-        totals = dict(self._closed_bytes)
+        """(peer id text, sent, received) wire bytes per admitted peer (open connections, and closed ones
+        while in the LRU), and the OTHER_PEERS row for everyone else; safe from any thread."""
+        totals = dict(self._closed_bytes.items())
+        other_sent, other_received = self._other_bytes
         for peer, conn in list(self._conns.items()):
-            sent, received = totals.get(peer, (0, 0))
-            totals[peer] = (sent + conn.bytes_sent, received + conn.bytes_received)
-        return [(peer.to_text(), sent, received) for peer, (sent, received) in totals.items()]
+            outbox = self._outboxes.get(peer)
+            if outbox is not None and outbox.admitted:
+                sent, received = totals.get(peer, (0, 0))
+                totals[peer] = (sent + conn.bytes_sent, received + conn.bytes_received)
+            else:
+                other_sent += conn.bytes_sent
+                other_received += conn.bytes_received
+        return [(peer.to_text(), sent, received) for peer, (sent, received) in totals.items()] + \
+            [(OTHER_PEERS, other_sent, other_received)]
 
     def close(self) -> None:
         """Release files after `run` returned (the store's database, the event log)."""
         self._flush_reputation()
         if self._events_file is not None:
-            self._events_file.close()
+            try:
+                self._events_file.close()
+            except OSError as exc:  # its last lines did not fit on the disk
+                log.warning("event log not closed cleanly: %s", exc)
             self._events_file = None
         self.store.close()
 

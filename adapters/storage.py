@@ -38,6 +38,7 @@ from peerloom.core.encoding import decode, encode
 from peerloom.core.errors import DecodeError, VerificationError
 from peerloom.core.objects import ArtifactRef, artifact_id, make_artifact_ref
 
+from . import disk
 from .database import DB_NAME, Database
 
 
@@ -64,16 +65,21 @@ def atomic_write(path: Path, data: bytes | memoryview | Sequence[bytes | memoryv
     """Write `data` (bytes, or pieces written one after the other) to `path` so that readers see the old file
     or the whole new one (temp, fsync, rename). ``durable=False`` skips both fsyncs: after a crash the file
     may be missing or empty, never torn under its name while the system runs."""
+    disk.inject(path)  # test-only seam (adapters/disk.py)
     pieces = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
     # Unique per writer, so two threads storing the same artifact never share a temporary file.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "wb") as fh:
-        _preallocate(fh.fileno(), sum(memoryview(p).nbytes for p in pieces))
-        for piece in pieces:
-            fh.write(piece)
-        fh.flush()
-        if durable:
-            os.fsync(fh.fileno())
+    try:
+        with open(tmp, "wb") as fh:
+            _preallocate(fh.fileno(), sum(memoryview(p).nbytes for p in pieces))
+            for piece in pieces:
+                fh.write(piece)
+            fh.flush()
+            if durable:
+                os.fsync(fh.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # e.g. ENOSPC: leave no half-written temporary file behind
+        raise
     os.replace(tmp, path)
     if durable:
         _fsync_dir(path.parent)
@@ -135,6 +141,7 @@ class _Handles:
         unless `skip()`, asked under the lock that `discard` takes too."""
         with self._lock:
             if not skip():
+                disk.inject(path)  # test-only seam (adapters/disk.py)
                 os.pwrite(self._fd(digest, path, size), data, offset)
 
     def discard(self, digest: bytes, path: Path) -> None:
@@ -240,6 +247,7 @@ class ArtifactWriter:
         offset = self._hasher.size
         if offset + len(view) > self.size:
             raise ValueError(f"artifact writer: {offset + len(view)} bytes > {self.size}")
+        disk.inject(self._tmp)  # test-only seam (adapters/disk.py)
         self._hasher.update(view)
         while len(view):
             written = os.pwrite(self._fd, view, offset)
@@ -388,8 +396,15 @@ class ArtifactStore:
         """Write one (already verified) chunk of an artifact being fetched at its offset (nothing when the
         store already holds the artifact)."""
         path = self._partial / ref.digest[2:].hex()
-        self._writers.pwrite(ref.digest, path, data, index * ref.chunk_size, ref.size,
-                             skip=lambda: ref.digest in self._refs)
+        try:
+            self._writers.pwrite(ref.digest, path, data, index * ref.chunk_size, ref.size,
+                                 skip=lambda: ref.digest in self._refs)
+        except OSError:
+            # A chunk that did not reach the disk (ENOSPC): the partial file, preallocated to the artifact's
+            # size, would pass `commit`'s size check with a hole in it. Drop it; the caller must not commit
+            # this fetch (the node runtime holds it, adapters/runtime.py `store_chunk`).
+            self._writers.discard(ref.digest, path)
+            raise
 
     def commit(self, ref: ArtifactRef) -> None:
         """Make a fully fetched artifact visible, durably (fsync, rename, directory fsync). Its chunks were

@@ -122,6 +122,7 @@ import trio
 
 from peerloom.adapters.compute import ComputeExecutor
 from peerloom.adapters.database import Database
+from peerloom.adapters.disk import is_disk_full
 from peerloom.adapters.keys import load_identity, load_or_create_identity
 from peerloom.adapters.limits import KEYS as LIMITS_KEYS
 from peerloom.adapters.limits import Limits, raise_nofile
@@ -502,6 +503,28 @@ def fill_chain_dir(db: Database, chain_dir: Path) -> list[int]:
     return written
 
 
+def _write_if_changed(path: Path, data: bytes) -> None:
+    """`atomic_write`, skipped when `path` already holds `data` (a restart then writes nothing)."""
+    try:
+        if path.read_bytes() == data:
+            return
+    except OSError:
+        pass
+    atomic_write(path, data)
+
+
+def _write_or_warn(path: Path, data: bytes, runtime: NodeRuntime) -> None:
+    """`atomic_write`; on a full disk no exit: a warning, unless the runtime already said the disk is full
+    (the port and stats files)."""
+    try:
+        atomic_write(path, data)
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        if not runtime.disk_full:
+            log.warning("disk full: not written", extra={"fields": {"path": str(path)}})
+
+
 def _load_revision(config: dict[str, Any]) -> tuple[SignedEnvelope, Revision]:
     try:
         envelope = SignedEnvelope.from_bytes(Path(config["manifest"]).read_bytes())
@@ -647,8 +670,14 @@ def build_runtime(config: dict[str, Any], config_path: Path | None = None, *,
                              limits=limits_settings(config))
     # The store's chain directory: one file per certified head the node holds, kept as they become durable.
     chain_dir = Path(config["store"]) / "chain"
-    atomic_write(Path(config["store"]) / "manifest.cbor", envelope.to_bytes())
-    repaired = fill_chain_dir(store.db, chain_dir)
+    try:  # on a full disk the node still starts, in the disk-full state (spec/transport.md §15)
+        _write_if_changed(Path(config["store"]) / "manifest.cbor", envelope.to_bytes())
+        repaired = fill_chain_dir(store.db, chain_dir)
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        repaired = []
+        log.warning("disk full: store manifest and chain directory not checked", extra={"fields": {"error": str(exc)}})
     if repaired:
         log.info("chain directory repaired from the store", extra={"fields": {"windows": repaired}})
     return NodeRuntime(name=config["name"], identity=identity, revision=revision, roles=set(config["roles"]),
@@ -731,7 +760,7 @@ def run_node(config_path: Path, *, stop_after_window: int | None = None) -> None
         async with trio.open_nursery() as nursery:
             port = await nursery.start(runtime.run)
             if "port_file" in config and port is not None:  # None: a dial_only node listens nowhere
-                atomic_write(Path(config["port_file"]), f"{port}\n".encode())
+                _write_or_warn(Path(config["port_file"]), f"{port}\n".encode(), runtime)
             log.info("node started", extra={"fields": {"peer": runtime.identity.peer_id.to_text(), "port": port,
                                                        "roles": sorted(config["roles"]), "nofile": nofile[0],
                                                        "fd_budget": runtime.limiter.fd_budget}})
@@ -753,4 +782,4 @@ def run_node(config_path: Path, *, stop_after_window: int | None = None) -> None
                      "bytes_received": received, "head_window": runtime.engine.head.window,
                      "counters": dict(runtime.engine.stats),
                      "rejected_by_reason": dict(runtime.engine.rejected_by_reason)}
-            atomic_write(Path(config["stats"]), json.dumps(stats, indent=2).encode())
+            _write_or_warn(Path(config["stats"]), json.dumps(stats, indent=2).encode(), runtime)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import trio
 
 from peerloom.adapters import tcp
-from peerloom.adapters.runtime import NodeRuntime, RuntimeOptions, _Submit
+from peerloom.adapters.runtime import OTHER_PEERS, NodeRuntime, RuntimeOptions, _Submit
 from peerloom.adapters.storage import ArtifactStore
 from peerloom.core import effects as fx
 from peerloom.core import events as ev
@@ -92,7 +92,9 @@ def test_submit_gets_the_engines_typed_verdict(tmp_path):
         assert accepted.done.is_set() and accepted.result.accepted and accepted.result.reason == ""
         assert refused.done.is_set() and not refused.result.accepted and refused.result.reason
         assert runtime.engine.rejected_by_reason[refused.result.reason] == 1
-        assert runtime._reputation == {(ident(31).peer_id.to_text(), refused.result.reason): 1}
+        # ident(31) is no validator and not in the roster: its rejections count under the row every peer not
+        # admitted shares (spec/transport.md §14)
+        assert runtime._reputation == {(OTHER_PEERS, refused.result.reason): 1}
         assert runtime._submits == {}  # nothing left waiting
     finally:
         runtime.close()

@@ -1,0 +1,81 @@
+"""The node runtime on a full disk (spec/transport.md §15): one log line, the ``disk-full`` health
+state, records held in order with the engine's `Persisted` only after they are written, uploads refused,
+and everything written once space is back. The disk is "filled" with the test-only seam of adapters/disk.py."""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from peerloom.adapters import disk
+from peerloom.adapters.runtime import _Submit
+from peerloom.core import effects as fx
+from peerloom.core import events as ev
+from peerloom.core.objects import JoinRequest, seal
+from tests.adapters.test_host_runtime import validator_runtime
+from tests.helpers import ident
+
+
+def test_records_wait_on_a_full_disk_and_are_written_in_order_when_space_is_back(tmp_path, monkeypatch, caplog):
+    flag = tmp_path / "full.flag"
+    monkeypatch.setenv(disk.TEST_FAULT_ENV, str(flag))
+    runtime = validator_runtime(tmp_path)
+    fed: list[int] = []
+    monkeypatch.setattr(runtime.engine, "handle",
+                        lambda event: fed.append(event.token) if isinstance(event, ev.Persisted) else None)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            runtime._nursery = nursery
+            flag.touch()
+            with caplog.at_level(logging.ERROR, logger="peerloom.runtime"):
+                for token, key in enumerate(("rec/a", "rec/b", "rec/c")):
+                    runtime.persist(fx.Persist(key=key, record=key.encode(), token=token))
+            assert runtime.disk_full and runtime.edge_view.health() == "disk-full" and fed == []
+            assert runtime.metrics.registry.get_sample_value("peerloom_disk_full") == 1
+            upload = _Submit(request_id=1, envelope=seal(ident(40), JoinRequest(revision=b"\x12\x20" + bytes(32),
+                                                                                window=1, capacity=1)),
+                             artifact=b"an update")
+            runtime._submit(upload)
+            assert upload.done.is_set() and upload.result.reason == "disk-full"  # uploads refused at once
+            assert len([r for r in caplog.records if r.getMessage().startswith("disk full")]) == 1  # one line
+            runtime._resume_writes()  # the flag is still there: back to the state, nothing lost
+            assert runtime.disk_full and fed == []
+            flag.unlink()
+            runtime._resume_writes()
+            assert not runtime.disk_full and runtime.edge_view.health() == "ok"
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+        assert fed == [0, 1, 2]  # every record, in order, and only once written
+        assert {k: v for k, v in runtime.store.records().items() if k.startswith("rec/")} == \
+            {"rec/a": b"rec/a", "rec/b": b"rec/b", "rec/c": b"rec/c"}
+    finally:
+        runtime.close()
+
+
+def test_a_chunk_lost_to_a_full_disk_loses_its_fetch_and_charges_nobody(tmp_path, monkeypatch):
+    from peerloom.core.objects import make_artifact_ref
+
+    flag = tmp_path / "full.flag"
+    monkeypatch.setenv(disk.TEST_FAULT_ENV, str(flag))
+    runtime = validator_runtime(tmp_path)
+    fed: list[ev.Event] = []
+    monkeypatch.setattr(runtime.engine, "handle", fed.append)
+    ref = make_artifact_ref(b"0123456789abcdef", 8)
+
+    async def main():
+        runtime.store_chunk(fx.StoreChunk(ref=ref, index=0, data=b"01234567"))
+        flag.touch()
+        runtime.store_chunk(fx.StoreChunk(ref=ref, index=1, data=b"89abcdef"))
+        flag.unlink()
+        runtime.commit_artifact(fx.CommitArtifact(ref=ref))
+
+    try:
+        trio.run(main)
+        assert runtime.disk_full and fed == []  # neither ArtifactStored (a hole) nor ArtifactCorrupt (a charge)
+        assert not runtime.store.has(ref.digest)
+    finally:
+        runtime.close()
