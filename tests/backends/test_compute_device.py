@@ -117,7 +117,8 @@ def test_device_places_torch_workloads_and_refuses_gpus_for_numpy(monkeypatch, d
 
 
 def test_node_runtime_takes_the_compute_and_device_keys(tmp_path):
-    revision = make_revision()
+    params = build_workload("digits-mlp", 0, 2)[0].initial_params(0)  # a node refuses a model the manifest lacks
+    revision = make_revision(schema=tuple((name, "float32", tensor.shape) for name, tensor in params.items()))
     (tmp_path / "m").write_bytes(revision.envelope.to_bytes())
     runtime = build_runtime(load_config(_config(tmp_path, 'compute = "torch"\ndevice = "auto"\n')))
     try:
