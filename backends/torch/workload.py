@@ -1063,8 +1063,8 @@ def torch_workload(
     ``eval_data``: map-style ``torch.utils.data.Dataset`` s of ``(input, target)`` items (or ``(x, y)``
     tuples); a lease's shard ``s`` trains on the items ``shards[s]`` where the factory returns ``shards =
     shards_for(len(train_data), num_shards, seed)``. The rest: `TorchWorkload`'s arguments (``scheduler`` is
-    its ``scheduler_factory``: ``optimizer -> LR scheduler``). Raises ValueError/TypeError for bad arguments
-    and DeviceError for an absent device.
+    its ``scheduler_factory``: ``optimizer -> LR scheduler``, at the run's global step in every window).
+    Raises ValueError/TypeError for bad arguments and DeviceError for an absent device.
     """
     return TorchWorkload(
         model, optimizer, loss, train_data, eval_data, batch_size=batch_size, local_epochs=local_epochs,
