@@ -376,7 +376,7 @@ class ComputeExecutor:
 
     def _global_step(self, window: int | None, inner_steps: int) -> dict[str, int]:
         """``{"step": (window - 1) * inner_steps}``, the run's global step when window `window` starts training
-        (spec/protocol.md §5), for a workload whose class sets ``TAKES_STEP`` (`TorchWorkload`: its LR schedule
+        (spec/protocol.md §5.1), for a workload whose class sets ``TAKES_STEP`` (`TorchWorkload`: its LR schedule
         spans windows); ``{}`` for other workloads, FedAvg's local epochs (`inner_steps` 0) or no window."""
         if not getattr(type(self.workload), "TAKES_STEP", False) or not window or inner_steps <= 0:
             return {}

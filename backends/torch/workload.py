@@ -539,7 +539,7 @@ class TorchWorkload:
         previous call (the host passes one key per trainer when one workload serves several).
 
         `step` is the run's global step, the optimizer steps the whole run took before this call (a node
-        passes ``(window - 1) * inner_steps``, spec/protocol.md §5): a fresh scheduler is stepped that many times
+        passes ``(window - 1) * inner_steps``, spec/protocol.md §5.1): a fresh scheduler is stepped that many times
         before training (`_scheduler`), so a schedule spans windows as in a central run. A kept scheduler
         state (``keep_optimizer_state``) continues where it stopped instead.
 
