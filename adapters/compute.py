@@ -259,11 +259,12 @@ class ComputeExecutor:
                 checkpoints.append(self._store_state(state, durable=False))
             indices = [i for s in args["shards"] for i in self.shards[s]]
             delta, metrics = self.workload.train(params, indices, args["seed"], inner_steps=inner_steps,
-                                                 checkpoints=segments, on_checkpoint=keep)
+                                                 checkpoints=segments, on_checkpoint=keep,
+                                                 **self._global_step(args.get("window"), inner_steps))
             if len(checkpoints) != segments:
                 raise ValueError(f"the workload took {len(checkpoints)} checkpoints, not {segments}")
         else:
-            delta, metrics = self._train(params, args["shards"], args["seed"], inner_steps)
+            delta, metrics = self._train(params, args["shards"], args["seed"], inner_steps, args.get("window"))
         author = args.get("author")
         residual = None
         if segments and self.manifest.codec in ERROR_FEEDBACK_CODECS:
@@ -373,8 +374,16 @@ class ComputeExecutor:
             out[name] = float(value)
         return out
 
+    def _global_step(self, window: int | None, inner_steps: int) -> dict[str, int]:
+        """``{"step": (window - 1) * inner_steps}``, the run's global step when window `window` starts training
+        (spec/protocol.md §5.1), for a workload whose class sets ``TAKES_STEP`` (`TorchWorkload`: its LR schedule
+        spans windows); ``{}`` for other workloads, FedAvg's local epochs (`inner_steps` 0) or no window."""
+        if not getattr(type(self.workload), "TAKES_STEP", False) or not window or inner_steps <= 0:
+            return {}
+        return {"step": (window - 1) * inner_steps}
+
     def _train(self, params: dict[str, np.ndarray], shards: Sequence[int], seed: int,
-               inner_steps: int) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+               inner_steps: int, window: int | None = None) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         """The workload's training on the leased `shards`, exactly as a trainer must run it.
 
         `inner_steps` > 0 is the manifest's H: exactly that many optimizer steps (DiLoCo); 0 leaves the
@@ -384,7 +393,8 @@ class ComputeExecutor:
         indices = [i for s in shards for i in self.shards[s]]
         if inner_steps <= 0:
             return self.workload.train(params, indices, seed)
-        return self.workload.train(params, indices, seed, inner_steps=inner_steps)
+        return self.workload.train(params, indices, seed, inner_steps=inner_steps,
+                                   **self._global_step(window, inner_steps))
 
     def _residual_of(self, author: PeerId | None, delta: dict[str, np.ndarray]) -> np_codecs.ErrorFeedback:
         """The error-feedback residual `author`'s next encoding starts from (in memory, on disk, or zeros)."""
@@ -423,7 +433,7 @@ class ComputeExecutor:
         another platform stays within floating-point drift of 1.
         """
         expected, _ = self._train(self.load_params(audit["params"]), audit["shards"], int(audit["seed"]),
-                                  int(audit["inner_steps"]))
+                                  int(audit["inner_steps"]), audit.get("window"))
         if self.manifest.codec != "none":
             encoded, _ = np_codecs.encode(self.manifest.codec, expected, fraction=self.manifest.codec_fraction)
             expected = self._decode(encoded)
@@ -534,7 +544,8 @@ class ComputeExecutor:
             return False, "bad-checkpoint"
         indices = [i for s in audit["shards"] for i in self.shards[s]]
         replayed = self.workload.resume(dict(start), indices, int(audit["seed"]), inner_steps=int(audit["inner_steps"]),
-                                        start=int(segment["from"]), stop=int(segment["to"]))
+                                        start=int(segment["from"]), stop=int(segment["to"]),
+                                        **self._global_step(audit.get("window"), int(audit["inner_steps"])))
         if set(replayed) != set(stop):
             return False, "segment"
         alike = _moved_alike(start, stop, replayed, names, float(audit["min_cosine"]))

@@ -114,9 +114,10 @@ def screen_needs_base(manifest: Manifest) -> bool:
 
 def audit_args(manifest: Manifest, base: Head, author: PeerId, ann: UpdateAnnouncement) -> dict[str, Any]:
     """The ``audit`` arguments of a recomputation of `author`'s update `ann` trained on `base` (core/audit.py):
-    the training exactly as the author had to run it, and the cosine it must reach."""
+    the training exactly as the author had to run it (its window fixes the global step, spec/protocol.md §5.1), and
+    the cosine it must reach."""
     return {"params": base.params, "shards": ann.shards, "seed": train_seed(ann.base, ann.window, ann.shards, author),
-            "inner_steps": manifest.inner_steps, "min_cosine": manifest.audit_min_cosine}
+            "window": ann.window, "inner_steps": manifest.inner_steps, "min_cosine": manifest.audit_min_cosine}
 
 
 def resume_collector(engine: Engine, collector: Collector | None, work: CollectorWork, outcome: Outcome) -> None:

@@ -222,7 +222,10 @@ class TorchWorkload:
             summation order).
         num_threads: if given, calls `set_num_threads` (process-wide) at construction.
         scheduler_factory: ``optimizer -> LR scheduler`` (``torch.optim.lr_scheduler``), stepped after every
-            optimizer step; fresh per `train` call unless ``keep_optimizer_state``.
+            optimizer step. A schedule spans windows: each `train` call builds a fresh one and steps it to the
+            run's global step first (`train`'s ``step``: ``(window - 1) * inner_steps`` from a node), so its
+            learning rate at window k's first step is a central run's at step ``(k - 1) * H``; with
+            ``keep_optimizer_state`` the kept scheduler state continues instead.
         clip_grad_norm: if given, ``nn.utils.clip_grad_norm_(params, clip_grad_norm)`` (global L2 norm) before
             every optimizer step.
         bf16: run the training forward pass and loss under ``torch.autocast(dtype=torch.bfloat16)`` on the
@@ -250,6 +253,10 @@ class TorchWorkload:
     which must all be float32); integer buffers (e.g. BatchNorm's ``num_batches_tracked``) stay local.
     Not thread-safe: one workload per thread of compute.
     """
+
+    TAKES_STEP = True
+    """`train` and `resume` take the run's global step (``step``), which a node passes
+    (`peerloom.adapters.compute.ComputeExecutor`)."""
 
     def __init__(
         self,
@@ -305,6 +312,7 @@ class TorchWorkload:
         self.eval_loader = eval_loader
         self._saved_optimizers: dict[Any, dict[str, Any]] = {}
         self._saved_schedulers: dict[Any, dict[str, Any]] = {}
+        self._schedule_at: tuple[int, dict[str, Any], list[dict[str, Any]]] | None = None  # `_scheduler`
         self.eval_batch_size = eval_batch_size
         # (x, y) tensors when the data are two tensors (indexed directly), else the dataset itself.
         train, evals = _pair(train_data), _pair(eval_data)
@@ -516,6 +524,7 @@ class TorchWorkload:
         state_key: Any = None,
         checkpoints: int = 0,
         on_checkpoint: Callable[[int, TensorDict], None] | None = None,
+        step: int = 0,
     ) -> tuple[TensorDict, dict[str, float | int]]:
         """Local training on the leased samples; returns ``(delta, metrics)``.
 
@@ -528,6 +537,11 @@ class TorchWorkload:
         clipping (if set), optimizer step, scheduler step (if set). The inner optimizer is fresh, or, with
         ``keep_optimizer_state``, restored from the state this workload saved for `state_key` at the end of its
         previous call (the host passes one key per trainer when one workload serves several).
+
+        `step` is the run's global step, the optimizer steps the whole run took before this call (a node
+        passes ``(window - 1) * inner_steps``, spec/protocol.md §5.1): a fresh scheduler is stepped that many times
+        before training (`_scheduler`), so a schedule spans windows as in a central run. A kept scheduler
+        state (``keep_optimizer_state``) continues where it stopped instead.
 
         With ``checkpoints = S > 0`` (inner steps only, ``1 <= S <= H``, fresh optimizer state: a segment audit
         must rebuild step 0 from the base params) it calls ``on_checkpoint(j, state)`` after step ``(j * H) //
@@ -564,7 +578,8 @@ class TorchWorkload:
         model = self.model
         model.train()
         optimizer = self.optimizer_factory(model.parameters())
-        scheduler = self.scheduler_factory(optimizer) if self.scheduler_factory is not None else None
+        kept = self.keep_optimizer_state and state_key in self._saved_schedulers
+        scheduler = self._scheduler(optimizer, 0 if kept else step)
         if self.keep_optimizer_state:
             # The scheduler first: building one writes the learning rate that the saved state then restores.
             if (saved := self._saved_optimizers.get(state_key)) is not None:
@@ -599,6 +614,38 @@ class TorchWorkload:
         delta = {name: np.subtract(params[name], self._host(name), dtype=np.float32) for name in self._state}
         return delta, {"train_loss": loss_sum / seen, "samples": len(index)}
 
+    def _scheduler(self, optimizer: torch.optim.Optimizer, steps: int) -> Any:
+        """A fresh ``scheduler_factory`` scheduler on the fresh `optimizer`, stepped `steps` times (None without
+        a factory): where a schedule stands after `steps` optimizer steps of a run. ValueError for ``steps < 0``.
+
+        The position is a function of `steps` alone, so it is remembered: the scheduler's ``state_dict`` and
+        the optimizer's hyper-parameters (everything of its param groups but the params) after the last
+        fast-forward, from which a later call with at least as many steps goes on, stepping only the
+        difference (a node's trainer steps ``inner_steps`` per window, not the whole run's count).
+        Restoring them and stepping on computes what stepping from 0 computes, bit for bit."""
+        if steps < 0:
+            raise ValueError(f"step must be >= 0, got {steps}")
+        if self.scheduler_factory is None:
+            return None
+        scheduler = self.scheduler_factory(optimizer)
+        if steps == 0:
+            return scheduler
+        done = 0
+        if self._schedule_at is not None and self._schedule_at[0] <= steps \
+                and len(self._schedule_at[2]) == len(optimizer.param_groups):
+            done, saved, groups = self._schedule_at
+            scheduler.load_state_dict(copy.deepcopy(saved))
+            for group, values in zip(optimizer.param_groups, groups, strict=True):
+                group.update(copy.deepcopy(values))
+        with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": on purpose
+            warnings.simplefilter("ignore")
+            for _ in range(steps - done):
+                scheduler.step()
+        self._schedule_at = (steps, copy.deepcopy(scheduler.state_dict()),
+                             [copy.deepcopy({k: v for k, v in g.items() if k != "params"})
+                              for g in optimizer.param_groups])
+        return scheduler
+
     def _train_step(self, optimizer: torch.optim.Optimizer, scheduler: Any, inputs: Any,
                     targets: Any) -> tuple[torch.Tensor, int]:
         """One optimizer step of `train` (and `resume`) on a batch; returns (its loss, its sample count)."""
@@ -615,7 +662,7 @@ class TorchWorkload:
         return loss, _batch_len(targets)
 
     def resume(self, state: TensorDict, indices: Sequence[int], seed: int, *, inner_steps: int, start: int,
-               stop: int) -> TensorDict:
+               stop: int, step: int = 0) -> TensorDict:
         """The training state after step `stop` of a checkpointed `train` call with these indices, seed and
         inner steps, continued from `state`, its state after step `start` (a segment audit's replay); at
         ``start = 0`` `state` may be the params alone (a fresh optimizer and the seeded RNG, as `train` starts).
@@ -638,13 +685,13 @@ class TorchWorkload:
           when that pass's loader iterator was started (a loader without a generator draws its order there).
 
         Not in the state, rebuilt instead: the optimizer's hyper-parameters (``optimizer_factory``), the learning
-        rate schedule (a fresh ``scheduler_factory`` scheduler stepped `start` times: a function of the step
-        count) and the data order (a ``torch.Generator`` seeded with `seed`: the permutations of the earlier
-        passes are drawn and dropped; a ``train_loader`` is iterated from the first pass and its batches before
-        `start` fetched and dropped, its current pass started under ``rng.pass_*``). Raises ValueError for
-        bounds outside ``0 <= start < stop <= inner_steps``, a state of another layout (missing or extra names,
-        wrong step count or schema, malformed meta, a pass start the loader's passes do not have), or bad
-        indices.
+        rate schedule (a fresh ``scheduler_factory`` scheduler stepped ``step + start`` times: a function of the
+        step count, `step` being the `train` call's global step) and the data order (a ``torch.Generator``
+        seeded with `seed`: the permutations of the earlier passes are drawn and dropped; a ``train_loader`` is
+        iterated from the first pass and its batches before `start` fetched and dropped, its current pass started
+        under ``rng.pass_*``). Raises ValueError for bounds outside ``0 <= start < stop <= inner_steps``, a state
+        of another layout (missing or extra names, wrong step count or schema, malformed meta, a pass start the
+        loader's passes do not have), a negative `step`, or bad indices.
         """
         if not 0 <= start < stop <= inner_steps:
             raise ValueError(f"need 0 <= start < stop <= inner_steps, got {start}, {stop}, {inner_steps}")
@@ -661,12 +708,7 @@ class TorchWorkload:
             self._restore_training_state(optimizer, restored)
         else:
             self._reset_buffers()
-        scheduler = self.scheduler_factory(optimizer) if self.scheduler_factory is not None else None
-        if scheduler is not None and start:
-            with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": on purpose
-                warnings.simplefilter("ignore")
-                for _ in range(start):
-                    scheduler.step()
+        scheduler = self._scheduler(optimizer, step + start)
         generator = torch.Generator().manual_seed(seed)
         current: list[Any] = [0, None]
 
@@ -1021,8 +1063,8 @@ def torch_workload(
     ``eval_data``: map-style ``torch.utils.data.Dataset`` s of ``(input, target)`` items (or ``(x, y)``
     tuples); a lease's shard ``s`` trains on the items ``shards[s]`` where the factory returns ``shards =
     shards_for(len(train_data), num_shards, seed)``. The rest: `TorchWorkload`'s arguments (``scheduler`` is
-    its ``scheduler_factory``: ``optimizer -> LR scheduler``). Raises ValueError/TypeError for bad arguments
-    and DeviceError for an absent device.
+    its ``scheduler_factory``: ``optimizer -> LR scheduler``, at the run's global step in every window).
+    Raises ValueError/TypeError for bad arguments and DeviceError for an absent device.
     """
     return TorchWorkload(
         model, optimizer, loss, train_data, eval_data, batch_size=batch_size, local_epochs=local_epochs,

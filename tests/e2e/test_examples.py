@@ -13,7 +13,8 @@ EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.py") if not p.name.star
 
 def test_there_are_examples():
     assert {p.name for p in EXAMPLES} >= {"property_test.py", "embed_engine_asyncio.py", "embed_engine_trio.py",
-                                              "embed_engine_loop.py", "train_your_model.py", "hf_causal_lm.py"}
+                                              "embed_engine_loop.py", "train_your_model.py", "hf_causal_lm.py",
+                                              "own_loop.py"}
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
