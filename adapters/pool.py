@@ -277,8 +277,10 @@ class TrainerPool:
         return [rank for rank, p in enumerate(self._procs, start=1) if p.poll() is not None]
 
     def train(self, params: Any, indices: Sequence[int], seed: int, *, epochs: int | None = None,
-              inner_steps: int | None = None, state_key: Any = None) -> tuple[Any, dict[str, float | int]]:
-        """The workload's ``train`` run by the whole pool; returns rank 0's ``(delta, metrics)``.
+              inner_steps: int | None = None, state_key: Any = None,
+              step: int = 0) -> tuple[Any, dict[str, float | int]]:
+        """The workload's ``train`` run by the whole pool; returns rank 0's ``(delta, metrics)``. `step` is the
+        run's global step (spec/protocol.md §5.1), passed on to a workload that takes it (``TAKES_STEP``).
 
         Raises ValueError (checked on rank 0 before the ranks hear of the task: empty lease, out-of-range
         index, params of the wrong schema) and PoolError when the pool fails the task; after a PoolError the
@@ -290,12 +292,14 @@ class TrainerPool:
         with self._lock:
             if self.shrunk:
                 options = {k: v for k, v in (("epochs", epochs), ("inner_steps", inner_steps)) if v is not None}
+                if step and getattr(type(self.workload), "TAKES_STEP", False):
+                    options["step"] = step
                 return self.workload.train(params, indices, seed, **options)
             if not self.formed:
                 self._form()
             self._check_task(params, indices)
             task = {"op": "train", "indices": [int(i) for i in indices], "seed": int(seed),
-                    "inner_steps": inner_steps, "epochs": epochs}
+                    "inner_steps": inner_steps, "epochs": epochs, "step": int(step)}
             started = time.monotonic()
             try:
                 dead = self._dead_ranks()
@@ -303,7 +307,7 @@ class TrainerPool:
                     raise PoolError(f"rank(s) {dead} exited")
                 self._announce(task)
                 delta, metrics = _step(self.workload)(self.workload, params, indices, seed,
-                                                      inner_steps=inner_steps, epochs=epochs)
+                                                      inner_steps=inner_steps, epochs=epochs, step=step)
             except Exception as exc:
                 self._fail(exc, time.monotonic() - started)
                 raise PoolError(f"trainer pool failed this task, no update: {exc!r}") from exc
@@ -362,6 +366,10 @@ class PoolWorkload:
     ``initial_params``, ...) is the wrapped workload's, on rank 0 alone (``loss`` is forward passes only: it
     needs no collective, and the other ranks never hear of it)."""
 
+    TAKES_STEP = True
+    """``train`` takes the run's global step (``step``) and hands it to every rank (`TrainerPool.train`), so a
+    pooled trainer's LR schedule spans windows as the validators' replay does (spec/protocol.md §5.1)."""
+
     def __init__(self, workload: Any, pool: TrainerPool) -> None:
         self.workload = workload
         self.pool = pool
@@ -406,7 +414,7 @@ def run_worker(workload: Any, env: RankEnv, *, timeout_s: float = DEFAULT_TIMEOU
                 log.info("pool rank stopping", extra={"fields": {"rank": env.rank}})
                 return 0
             step(workload, None, task["indices"], int(task["seed"]), inner_steps=task.get("inner_steps"),
-                 epochs=task.get("epochs"))
+                 epochs=task.get("epochs"), step=int(task.get("step", 0)))
     except (dist.DistError, RuntimeError) as exc:
         log.error("pool rank failed: exiting", extra={"fields": {"rank": env.rank, "error": repr(exc)}})
         return 1

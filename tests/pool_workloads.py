@@ -89,8 +89,16 @@ class AllReduceRegression:
         return delta, {"train_loss": float(loss.detach()), "samples": len(index)}
 
 
+def make_scheduled() -> Any:
+    """`make` with a step-decay LR schedule (x0.5 every 5 optimizer steps): a pooled trainer must start it at
+    the run's global step, as the validators' replay does (spec/protocol.md §5.1)."""
+    return make(scheduler=lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5))
+
+
 def build(kind: str) -> Any:
-    return AllReduceRegression() if kind == "regression" else make()
+    if kind == "regression":
+        return AllReduceRegression()
+    return make_scheduled() if kind == "ddp-scheduled" else make()
 
 
 def worker_argv(kind: str = "ddp") -> list[str]:

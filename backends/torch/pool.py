@@ -104,12 +104,13 @@ def _checksum(tensors: Any) -> float:
 
 
 def pool_train(workload: Any, params: TensorDict | None, indices: Sequence[int], seed: int, *,
-               inner_steps: int | None = None, epochs: int | None = None,
+               inner_steps: int | None = None, epochs: int | None = None, step: int = 0,
                group: Any = None) -> tuple[TensorDict | None, dict[str, float | int]]:
     """Train a `TorchWorkload` on one lease across the ranks of `group` (default: the default group).
 
     Every rank calls it with the same `indices` (the lease's sample indices, in the order the single
-    process would use), `seed`, `inner_steps` and `epochs`; rank 0 passes the head's `params` (numpy float32,
+    process would use), `seed`, `inner_steps`, `epochs` and the run's global `step` (the LR schedule starts
+    there, as in `TorchWorkload.train`, spec/protocol.md §5.1); rank 0 passes the head's `params` (numpy float32,
     the workload's schema), the others None. Returns on rank 0 ``(delta, {"train_loss", "samples"})`` as
     `TorchWorkload.train` does (train loss: the sample-weighted mean over all ranks of the last pass, padding
     included), on other ranks ``(None, metrics)``. Raises ValueError for an empty lease, out-of-range
@@ -138,7 +139,8 @@ def pool_train(workload: Any, params: TensorDict | None, indices: Sequence[int],
     ddp = DistributedDataParallel(model, device_ids=[device.index or 0] if device.type == "cuda" else None,
                                   process_group=group, init_sync=False)
     optimizer = workload.optimizer_factory(model.parameters())
-    scheduler = workload.scheduler_factory(optimizer) if workload.scheduler_factory is not None else None
+    kept = workload.keep_optimizer_state and None in workload._saved_schedulers
+    scheduler = workload._scheduler(optimizer, 0 if kept else step)  # the schedule at the run's global step
     if workload.keep_optimizer_state:  # every replica saved the same state: its gradients were the same
         if (saved := workload._saved_optimizers.get(None)) is not None:
             optimizer.load_state_dict(saved)
@@ -186,7 +188,7 @@ def pool_train(workload: Any, params: TensorDict | None, indices: Sequence[int],
 
 
 def pool_train_generic(workload: Any, params: TensorDict | None, indices: Sequence[int], seed: int, *,
-                       inner_steps: int | None = None, epochs: int | None = None,
+                       inner_steps: int | None = None, epochs: int | None = None, step: int = 0,
                        group: Any = None) -> tuple[TensorDict | None, dict[str, float | int]]:
     """Train any workload (``train(params, indices, seed, ...)``, ``schema()``) on one lease across the ranks:
     rank 0's `params` are broadcast (CPU tensors: gloo), rank r trains on `rank_share` of the lease with the
@@ -209,6 +211,8 @@ def pool_train_generic(workload: Any, params: TensorDict | None, indices: Sequen
         kwargs["inner_steps"] = inner_steps
     if epochs is not None:
         kwargs["epochs"] = epochs
+    if step and getattr(type(workload), "TAKES_STEP", False):
+        kwargs["step"] = step
     delta, metrics = workload.train(received, rank_share(indices, rank, world), seed, **kwargs)
     seen = int(metrics.get("samples", 1))
     loss_sum = float(metrics["train_loss"]) * seen
