@@ -6,7 +6,7 @@ Setup (`sim/scenarios/cheaters.toml`): 4 validators (quorum 3, so 2 audit verdic
 Nesterov 0.9) with H = 8 inner steps, centered clipping, `min_updates` 4, the simulator's real engines on
 its virtual clock; the run stops once the honest validators hold the head of window `--windows` (10).
 Defenses (flags): the loss check on `--loss-check-samples` (64) of the update's leased samples with
-`--loss-min-drop` (0), sampled audits with `--audit-rate` (0.5), the manifest's quarantine thresholds
+`--loss-min-drop` (0), sampled audits with `--audit-rate` (0.75), the manifest's quarantine thresholds
 (3 strikes within 5 windows); `--manifest KEY=VALUE` (repeatable, TOML values) sets any other manifest key
 as is, e.g. ``--manifest audit_segments=8`` (segment audits, §6.3).
 
@@ -53,23 +53,11 @@ trainer that cheats every window (``lazy``, ``free-rider-noise``, and ``replayer
 windows); ``honest_false``: seeds (all adversaries and the control) in which an honest trainer was struck
 (target 0), quarantined or named by a failed audit.
 
-Measured (engine 064d590, digits-numpy, 200 seeds per row, 2 workers on the shared 2-core machine at load
-5-12: 20-23 min for 1000 runs, ~1.5 s of CPU per run): share of seeds whose cheater a head of window <= 10
-quarantines, median first window, all by audits (screen-loss is no strike; no other strike fired):
-
-| adversary | loss check + audits p=0.5 | + audit_segments=8 | audits only (no loss check) |
-|---|---|---|---|
-| lazy | 99.5% (w 3) | 96.5% (w 3; 101 of 368 segment audits passed) | 100% (w 3) |
-| replayer | 96.0% (w 4) | 95.5% (w 4) | 99.0% (w 4) |
-| free-rider-noise | 98.0% (w 3) | 99.0% (w 3) | 100% (w 3) |
-| lazy-1-in-5 | 70.0% (w 2) | 54.0% (w 2) | 73.5% (w 2, earlier engine) |
-| honest trainers struck / quarantined / audited | 0 / 0 / 0 of 1000 runs | 0 / 0 / 0 | 0 / 0 / 0 |
-
-Every miss is a cheater none of whose certified updates `audit_selected` picked: no whole-replay audit of
-a cheating update ever passed. The loss check costs detection because an update it rejects is neither a
-strike nor in a cohort, so it is never audited (each miss above had 1-4 such updates). It also rejected an
-honest update (no strike) in about half of the runs, ~1% of honest updates. The replayer's first two
-windows are honest, so it has 7 chances in 10 windows (1 - 0.5^7 = 99.2% at best).
+Measured (bench/README.md has the tables): with `--audit-rate 0.75 --manifest audit_segments=8` (segment
+audits, which also select the updates the loss check rejected) lazy 100%, replayer 99.5%, free-rider-noise
+99.5% of 200 seeds each within 10 windows, no honest trainer struck, quarantined or named by an audit in
+600 runs. At rate 0.5 with segments a lazy trainer, whose first quarter is real work, is caught per window
+with probability 0.375 only (96.5% measured), hence the default 0.75.
 """
 
 from __future__ import annotations
@@ -354,7 +342,7 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, default=8)
     parser.add_argument("--loss-check-samples", type=int, default=64, help="0 turns the loss check off")
     parser.add_argument("--loss-min-drop", type=float, default=0.0)
-    parser.add_argument("--audit-rate", type=float, default=0.5, help="0 turns audits off")
+    parser.add_argument("--audit-rate", type=float, default=0.75, help="0 turns audits off")
     parser.add_argument("--manifest", type=_manifest_item, action="append", default=[], metavar="KEY=VALUE",
                         help="any other manifest key (TOML value), e.g. audit_segments=8; repeatable")
     parser.add_argument("--scenario", type=Path, default=SCENARIO)
