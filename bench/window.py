@@ -21,9 +21,11 @@ event logs (``events.jsonl``; every line carries a unix time ``t``):
     fetch_head   lease -> the trainers' fetch of the previous head's params done (0 when held already)
     train        the trainers' ``train`` task (the fixed-cost step, plus encoding and storing the delta)
     publish      train done -> the last ``announce`` (signing and sending the announcement)
-    fetch        last announce -> the validator's last update fetched
+    fetch        last announce -> the validator's last update fetched (an announced delta; the checkpoints
+                    a sampled audit fetches beside them do not count)
     screen       -> the validator's last ``screen`` task done (screening, the loss check, an inline
-                    audit's replay; sampled audits run as ``audit`` tasks after the head, in ``tasks``)
+                    audit's replay; sampled audits run as ``audit`` tasks after the head, on the validator's
+                    audit worker, in ``tasks``)
     reduce       -> the first reduction done: the reducer's ``proposal`` or the validator's own ``reduce``
                     task (cohort screening, aggregation, DiLoCo step), whichever came first
     agree        -> the validator's ``head`` (the check of the proposal or of its own head, votes, evaluation)
