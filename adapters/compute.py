@@ -32,7 +32,7 @@ import numpy as np
 from peerloom.backends.numpy import codecs as np_codecs
 from peerloom.backends.numpy import reduce as np_reduce
 from peerloom.backends.numpy.aggregate import aggregate, outer_step, screening_stats
-from peerloom.backends.numpy.screening import schema_matches
+from peerloom.backends.numpy.screening import schema_matches, screen_stored
 from peerloom.backends.numpy.stored import StoredTensors, TensorFileWriter, open_stored, stored_digest
 from peerloom.backends.numpy.tensors import (
     from_safetensors,
@@ -306,29 +306,43 @@ class ComputeExecutor:
                 "residual": trajectory.residual}
 
     def _screen_task(self, args: dict[str, Any], stack: ExitStack) -> dict[str, Any]:
-        """The ``screen`` task: decode, screen, check the tensor digest and the norm bound, audit. A delta in
-        the ``none`` codec is read block by block where the backend streams (`open`)."""
+        """The ``screen`` task: decode, screen, check the tensor digest and the norm bound, the loss check,
+        audit. A delta in the ``none`` codec is read block by block where the backend streams (`open`), once
+        for the statistics, the digest and the update applied of the loss check (`screen_stored`), then
+        once more for the opposite side."""
         try:
             encoded = self.open(args["delta"], stack) if self.manifest.codec == "none" else self.load(args["delta"])
             delta = self._decode(encoded)
         except DecodeError:
             return {"ok": False, "reason": "undecodable", "norm": float("nan")}
-        ok, reason, norm = self._screen(delta)
-        if ok and self.digest(encoded) != args["delta_digest"]:
-            ok, reason = False, "digest-mismatch"
+        loss_check = args.get("loss_check")
+        applied = None
+        if not schema_matches(delta, self.manifest.schema):
+            ok, reason, norm = False, "schema", float("nan")
+        elif isinstance(encoded, StoredTensors):  # the none codec, streamed: one read for all of it
+            base = None if loss_check is None else self.load_params(loss_check["params"])
+            applied = None if base is None else self._scratch_for(base)
+            stats, digest = screen_stored(encoded, base=base, applied=applied)
+            ok, reason, norm = self._verdict(stats)
+            if ok and digest != args["delta_digest"]:
+                ok, reason = False, "digest-mismatch"
+        else:
+            ok, reason, norm = self._verdict(self.compute.stats(delta))
+            if ok and self.digest(encoded) != args["delta_digest"]:
+                ok, reason = False, "digest-mismatch"
         max_norm = float(args.get("max_norm", 0.0))
         if ok and max_norm > 0.0 and not norm <= max_norm:
             ok, reason = False, "norm-bound"
         detail = ""
-        loss_check = args.get("loss_check")
         if ok and loss_check is not None:
-            ok, reason, detail = self._loss_check(delta, loss_check)
+            ok, reason, detail = self._loss_check(delta, loss_check, applied)
         audit = args.get("audit")
         if ok and audit is not None:
             ok, reason = self._audit(delta, audit)
         return {"ok": ok, "reason": reason, "norm": norm, "detail": detail}
 
-    def _loss_check(self, delta: dict[str, Any], check: dict[str, Any]) -> tuple[bool, str, str]:
+    def _loss_check(self, delta: dict[str, Any], check: dict[str, Any],
+                    applied_params: dict[str, np.ndarray] | None = None) -> tuple[bool, str, str]:
         """The loss check (spec/protocol.md §6.1): the workload's loss on a batch of the author's leased
         samples at the base params with the decoded `delta` applied (``applied = base - delta``) and with
         it applied the opposite way (``opposite = base + delta``); forward passes only. (ok, reason
@@ -339,23 +353,24 @@ class ComputeExecutor:
 
         The batch is ``check["samples"]`` of the lease's sample indices (all when fewer), drawn without
         replacement by ``np.random.default_rng(check["seed"])`` (the update's `loss_batch_seed`), in lease
-        order. A workload without ``loss`` raises AttributeError (a task failure, never a strike)."""
+        order. A workload without ``loss`` raises AttributeError (a task failure, never a strike).
+        `applied_params`: ``base - delta`` already computed into this executor's buffer (`screen_stored`)."""
         batch = loss_check_batch([i for s in check["shards"] for i in self.shards[s]], int(check["samples"]),
                                  int(check["seed"]))
         params = self.load_params(check["params"])
-        applied = float(self.workload.loss(self._applied(params, delta, -1.0), batch))
+        if applied_params is None:
+            applied_params = self._applied(params, delta, -1.0)
+        applied = float(self.workload.loss(applied_params, batch))
         opposite = float(self.workload.loss(self._applied(params, delta, 1.0), batch))
         detail = f"loss {applied:.6g} applied, {opposite:.6g} opposite, on {len(batch)} samples"
         ok = loss_check_passes(applied, opposite, float(check["min_drop"]))
         return ok, "" if ok else "loss", detail
 
-    def _screen(self, delta: dict[str, np.ndarray]) -> tuple[bool, str, float]:
-        """(ok, reason, norm) of a decoded delta: ``schema`` (names, dtypes, shapes as the manifest's),
-        ``non-finite``, else ok with the global L2 norm (the backends' lane-summed float64 norm, equal on
-        numpy and torch); norm NaN when not ok."""
-        if not schema_matches(delta, self.manifest.schema):
-            return False, "schema", float("nan")
-        stats = self.compute.stats(delta)
+    @staticmethod
+    def _verdict(stats: dict[str, Any]) -> tuple[bool, str, float]:
+        """(ok, reason, norm) of a delta of the manifest's schema from its screening statistics: ``non-finite``,
+        else ok with the global L2 norm (the backends' lane-summed float64 norm, equal on numpy and torch);
+        norm NaN when not ok."""
         if not stats["finite"]:
             return False, "non-finite", float("nan")
         return True, "", float(stats["global_norm"])
@@ -450,12 +465,9 @@ class ComputeExecutor:
         what costs here). `delta` may be streamed file tensors (`open`): they are read block by block. The
         result is valid until the next call."""
         combine = np.subtract if sign < 0 else np.add
-        shapes = {n: p.shape for n, p in params.items()}
-        if self._scratch is None or {n: t.shape for n, t in self._scratch.items()} != shapes:
-            self._scratch = None  # drop the old one before allocating the next
-            self._scratch = {n: np.empty(shape, np.float32) for n, shape in shapes.items()}
+        scratch = self._scratch_for(params)
         for name, base in params.items():
-            out, d = self._scratch[name], delta[name]
+            out, d = scratch[name], delta[name]
             if isinstance(d, np.ndarray):
                 combine(base, d, out=out, dtype=np.float32)
                 continue
@@ -463,6 +475,15 @@ class ComputeExecutor:
             for start in range(0, flat_out.size, APPLY_BLOCK):
                 stop = min(start + APPLY_BLOCK, flat_out.size)
                 combine(flat_base[start:stop], flat_d[start:stop], out=flat_out[start:stop], dtype=np.float32)
+        return scratch
+
+    def _scratch_for(self, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """This executor's float32 buffer of `params`' names and shapes, allocated once and reused by every
+        loss check (`_applied`, `screen_stored`); valid until the next call."""
+        shapes = {n: p.shape for n, p in params.items()}
+        if self._scratch is None or {n: t.shape for n, t in self._scratch.items()} != shapes:
+            self._scratch = None  # drop the old one before allocating the next
+            self._scratch = {n: np.empty(shape, np.float32) for n, shape in shapes.items()}
         return self._scratch
 
     def _audit_task(self, args: dict[str, Any]) -> dict[str, Any]:

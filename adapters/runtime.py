@@ -8,7 +8,8 @@ this runtime is the `Host`). Each connection has a reader task (messages become
 events) and a writer task per lane with its own queue, so a slow peer never blocks the engine; a peer whose
 queue grows past `MAX_CONTROL_OUTBOX_BYTES` / `MAX_BULK_OUTBOX_BYTES` is hung up on. Inbound connections
 go through the `AddressBook` like dialed ones (limits, bans); a peer the engine bans (a `Ban` effect) is
-refused, inbound and dialed, until the ban ends. Compute tasks run on a worker thread, one at a time per node. Persist
+refused, inbound and dialed, until the ban ends. Compute tasks run on a worker thread, one at a time per node
+(sampled audits beside them on an audit executor of their own where the node has one: `ComputeSlot`). Persist
 effects are fsynced before `Persisted` is fed back; a persisted certified head (promoted, or archived by
 chain sync) is handed to `on_chain_entry` before that, so a chain directory kept from it never lags the
 store by more than what a crash interrupts (`peerloom.node.fill_chain_dir` repairs that at start).
@@ -95,12 +96,18 @@ BACKGROUND_TASKS = frozenset({"audit", "audit-plan"})
 
 
 class ComputeSlot:
-    """The one compute slot a node's tasks share, on a worker thread (the executor is not thread-safe: a
-    workload trains, replays and evaluates in its own buffers). Sampled audits run after a head, off the
-    critical path (spec/protocol.md §6.2): a background task takes the slot only while no other task waits
-    for it, one background task at a time; a background task already running is not interrupted."""
+    """Where a node's compute tasks run: one at a time on a worker thread, with sampled audits in the
+    background (spec/protocol.md §6.3 "Scheduling"). A background task starts only while no other task
+    waits for or holds the slot, one background task at a time.
 
-    def __init__(self) -> None:
+    With ``audit_worker`` the background task then runs on a worker of its own (the node gave it an executor
+    of its own, with its own workload instance: an executor is not thread-safe, since a workload trains,
+    replays and evaluates in its own buffers), so a screen, reduce, evaluate or train task that arrives
+    while an audit runs starts at once beside it. Without it, the background task holds the one slot until
+    it ends: one already running is not interrupted."""
+
+    def __init__(self, *, audit_worker: bool = False) -> None:
+        self.audit_worker = audit_worker
         self._slot = trio.CapacityLimiter(1)
         self._background = trio.CapacityLimiter(1)
         self._waiting = 0  # foreground tasks waiting for or holding the slot
@@ -108,27 +115,31 @@ class ComputeSlot:
         self._idle.set()
 
     async def run(self, background: bool, fn: Any, *args: Any) -> tuple[float, Any]:
-        """Run ``fn(*args)`` on a worker thread once the slot is ours; returns (monotonic start time, its
-        result). Exceptions from `fn` propagate."""
+        """Run ``fn(*args)`` on a worker thread once the slot is ours (the audit worker's for a background task
+        with `audit_worker`); returns (monotonic start time, its result). Exceptions from `fn` propagate."""
         if background:
             async with self._background:
                 while self._waiting:
                     await self._idle.wait()
-                return await self._call(fn, *args)
+                if self.audit_worker:
+                    return await self._thread(fn, *args)
+                async with self._slot:
+                    return await self._thread(fn, *args)
         if self._waiting == 0:
             self._idle = trio.Event()
         self._waiting += 1
         try:
-            return await self._call(fn, *args)
+            async with self._slot:
+                return await self._thread(fn, *args)
         finally:
             self._waiting -= 1
             if self._waiting == 0:
                 self._idle.set()
 
-    async def _call(self, fn: Any, *args: Any) -> tuple[float, Any]:
-        async with self._slot:
-            started = time.monotonic()
-            return started, await trio.to_thread.run_sync(fn, *args)
+    @staticmethod
+    async def _thread(fn: Any, *args: Any) -> tuple[float, Any]:
+        started = time.monotonic()
+        return started, await trio.to_thread.run_sync(fn, *args)
 
 
 @attrs.frozen(kw_only=True)
@@ -194,11 +205,14 @@ class _DiskResumed:
 
 
 class NodeRuntime:
-    """Runs one node until cancelled. `events_path` receives one JSON line per engine Log effect."""
+    """Runs one node until cancelled. `events_path` receives one JSON line per engine Log effect.
+    `audit_executor` (over the same store, with a workload instance of its own) runs the ``audit`` and
+    ``audit-plan`` tasks beside `executor`'s (`ComputeSlot`); None runs them on `executor` between the others."""
 
     def __init__(self, *, name: str, identity: Identity, revision: Revision, roles: set[str],
                  store: ArtifactStore, executor: ComputeExecutor, options: RuntimeOptions,
-                 events_path: Path | None = None, capacity: int = 1, stop_after_window: int | None = None,
+                 audit_executor: ComputeExecutor | None = None, events_path: Path | None = None,
+                 capacity: int = 1, stop_after_window: int | None = None,
                  on_head: Callable[[Head, QuorumCertificate], None] | None = None,
                  admission: SignedEnvelope | None = None,
                  on_chain_entry: Callable[[Head, QuorumCertificate], None] | None = None) -> None:
@@ -206,6 +220,8 @@ class NodeRuntime:
         self.identity = identity
         self.store = store
         self.executor = executor
+        # Sampled audits run on this one, beside the other tasks (`ComputeSlot`); None: on `executor`.
+        self.audit_executor = audit_executor
         self.options = options
         self.on_head = on_head  # each head the engine promotes
         self.on_chain_entry = on_chain_entry  # each certified head once durable in the store (see module doc)
@@ -233,7 +249,7 @@ class NodeRuntime:
         # is hung up on rather than allowed to grow our memory.
         self._outboxes: dict[PeerId, _Outbox] = {}
         self.outbox_hangups = 0  # peers hung up on for a full outbox
-        self._compute = ComputeSlot()
+        self._compute = ComputeSlot(audit_worker=audit_executor is not None)
         self.bytes_sent = 0
         self.bytes_received = 0
         # Per-peer state (spec/transport.md §14): admitted peers (manifest validators, the head's
@@ -762,8 +778,9 @@ class NodeRuntime:
 
     async def _run_task(self, effect: fx.RunTask) -> None:
         try:
-            started, result = await self._compute.run(effect.kind in BACKGROUND_TASKS, self.executor.run, effect.kind,
-                                                      effect.args)
+            background = effect.kind in BACKGROUND_TASKS
+            executor = self.audit_executor if background and self.audit_executor is not None else self.executor
+            started, result = await self._compute.run(background, executor.run, effect.kind, effect.args)
         except Exception as exc:
             if disk.is_disk_full(exc):
                 self._disk_is_full(f"task {effect.kind}", exc)

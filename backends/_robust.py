@@ -179,24 +179,49 @@ def dots(
     return fold_lanes(ops, lanes) if rows else []
 
 
+class SquaredNorms:
+    """Each tensor's squared L2 norm and the global one, fed block by block: `start` a tensor, `add` its flat
+    blocks in order (each starting at a multiple of `BLOCK` of the tensor), `end` it; tensors in sorted-name
+    order; then `total`. The same products added into the same lanes in the same order as `dots` on each
+    tensor alone and on all of them, however large the blocks fed (they are cut at `BLOCK`)."""
+
+    def __init__(self, ops: Ops, ws: Workspace) -> None:
+        self.ops = ops
+        self.tensor_lanes = ws.get("norm_lanes", 1, BLOCK)
+        self.total_lanes = ws.get("total_lanes", 1, BLOCK)
+        self.s = ws.get("s", 0, BLOCK)
+        ops.fill(self.total_lanes, 0.0)
+        self.per: dict[str, float] = {}
+
+    def start(self) -> None:
+        self.ops.fill(self.tensor_lanes, 0.0)
+
+    def add(self, x: Any) -> None:
+        ops, s = self.ops, self.s
+        size = x.shape[0]
+        for i in range(0, size, BLOCK):
+            n = min(BLOCK, size - i)
+            part = x[i:i + n]
+            ops.mul_into(s[:n], part, part)
+            ops.add(self.tensor_lanes[0, :n], s[:n])
+            ops.add(self.total_lanes[0, :n], s[:n])
+
+    def end(self, name: str) -> None:
+        self.per[name] = fold_lanes(self.ops, self.tensor_lanes)[0]
+
+    def total(self) -> float:
+        return fold_lanes(self.ops, self.total_lanes)[0] if self.per else 0.0
+
+
 def squared_norms(ops: Ops, ws: Workspace, schema: Schema, flat: dict[str, Any]) -> tuple[dict[str, float], float]:
-    """Each tensor's squared L2 norm and the global one, read in one pass: the same floats as `dots` on each
-    tensor alone and on all of them (the same products added into the same lanes in the same order)."""
-    tensor_lanes = ws.get("norm_lanes", 1, BLOCK)
-    total_lanes = ws.get("total_lanes", 1, BLOCK)
-    ops.fill(total_lanes, 0.0)
-    s = ws.get("s", 0, BLOCK)
-    per: dict[str, float] = {}
+    """Each tensor's squared L2 norm and the global one, read in one pass (`SquaredNorms`)."""
+    norms = SquaredNorms(ops, ws)
     for name, dtype, shape in schema:
-        ops.fill(tensor_lanes, 0.0)
+        norms.start()
         for _, start, end, _ in segments(((name, dtype, shape),)):
-            n = end - start
-            x = flat[name][start:end]
-            ops.mul_into(s[:n], x, x)
-            ops.add(tensor_lanes[0, :n], s[:n])
-            ops.add(total_lanes[0, :n], s[:n])
-        per[name] = fold_lanes(ops, tensor_lanes)[0]
-    return per, (fold_lanes(ops, total_lanes)[0] if schema else 0.0)
+            norms.add(flat[name][start:end])
+        norms.end(name)
+    return norms.per, norms.total()
 
 
 # ---------------------------------------------------------------- weighted sums

@@ -21,9 +21,11 @@ event logs (``events.jsonl``; every line carries a unix time ``t``):
     fetch_head   lease -> the trainers' fetch of the previous head's params done (0 when held already)
     train        the trainers' ``train`` task (the fixed-cost step, plus encoding and storing the delta)
     publish      train done -> the last ``announce`` (signing and sending the announcement)
-    fetch        last announce -> the validator's last update fetched
+    fetch        last announce -> the validator's last update fetched (an announced delta; the checkpoints
+                    a sampled audit fetches beside them do not count)
     screen       -> the validator's last ``screen`` task done (screening, the loss check, an inline
-                    audit's replay; sampled audits run as ``audit`` tasks after the head, in ``tasks``)
+                    audit's replay; sampled audits run as ``audit`` tasks after the head, on the validator's
+                    audit worker, in ``tasks``)
     reduce       -> the first reduction done: the reducer's ``proposal`` or the validator's own ``reduce``
                     task (cohort screening, aggregation, DiLoCo step), whichever came first
     agree        -> the validator's ``head`` (the check of the proposal or of its own head, votes, evaluation)
@@ -300,11 +302,13 @@ def run_fleet(params: int, *, windows: int, trainers: int, validators: int, out:
 
 def _by_window(lines: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
     """Each line under the window it belongs to: lines carrying `window` by it, others (task-done,
-    artifact-fetched, wire) by the latest window a line named before them."""
+    artifact-fetched, wire) by the latest window a line named before them. A sampled audit's lines
+    (``audit-passed``, ``audit-failed``, ...) name the window of the head that selected it, not the one
+    under way: they do not move the window the next lines belong to."""
     out: dict[int, list[dict[str, Any]]] = {}
     current = 0
     for line in lines:
-        if isinstance(line.get("window"), int) and line["event"] != "wire":
+        if isinstance(line.get("window"), int) and line["event"] != "wire" and not line["event"].startswith("audit"):
             current = line["window"]
         out.setdefault(line.get("window", current) if line["event"] == "wire" else current, []).append(line)
     return out
@@ -335,10 +339,13 @@ def analyse(logs: dict[str, list[dict[str, Any]]], roles: dict[str, str], params
                        if e["event"] == "task-done" and e["kind"] == "train"), default=fetched_head)
         vlines = _by_window(logs[validator]).get(w, [])
         announced = max(announces)
-        fetched = max((e["t"] for e in vlines if e["event"] == "artifact-fetched" and e["t"] <= end
-                       and e["t"] >= start), default=announced)
-        screened = max((e["t"] for e in vlines if e["event"] == "task-done" and e["kind"] == "screen"),
-                       default=fetched)
+        # the window's updates (the announced deltas), not the checkpoints a sampled audit fetches beside them
+        deltas = {e.get("delta") for n in trainers for e in logs[n]
+                  if e["event"] == "announce" and e.get("window") == w}
+        fetched = max((e["t"] for e in vlines if e["event"] == "artifact-fetched" and start <= e["t"] <= end
+                       and (None in deltas or e["digest"] in deltas)), default=announced)
+        screened = max((e["t"] for e in vlines if e["event"] == "task-done" and e["kind"] == "screen"
+                        and e["t"] <= end), default=fetched)
         # the first reduction done: the reducer's proposal or the validator's own (whichever came first)
         reduced = [e["t"] for e in logs[reducer] if e["event"] == "proposal" and e.get("window") == w]
         reduced += [e["t"] for e in vlines if e["event"] == "task-done" and e["kind"] == "reduce" and e["t"] <= end]

@@ -110,12 +110,14 @@ class Train:
 @attrs.frozen(kw_only=True)
 class Announce:
     """The signed announcement `envelope` of `window` (on our own lease, or claiming `holder`'s) is being
-    persisted: it is sent once durable. `train_loss` is the one it announces."""
+    persisted: it is sent once durable. `train_loss` is the one it announces, `delta` its delta artifact's
+    digest (for the log line)."""
 
     window: int
     envelope: SignedEnvelope
     train_loss: float
     holder: PeerId | None = None
+    delta: bytes = b""
 
 
 class TrainerRole(RoleBase):
@@ -343,7 +345,7 @@ class TrainerRole(RoleBase):
         envelope = seal(e.identity, ann)
         self._commit(window, envelope, result)
         e.persist_then(claim_key(window), envelope.to_bytes(), "trainer",
-                       Announce(window=window, envelope=envelope, train_loss=ann.train_loss))
+                       Announce(window=window, envelope=envelope, train_loss=ann.train_loss, delta=delta.digest))
 
     def _announce(self, work: Announce) -> None:
         """The announcement `work.envelope` is durable: send it (if its window is still ours)."""
@@ -354,7 +356,8 @@ class TrainerRole(RoleBase):
             self._step("persisted")
             self.announcement = envelope
             e.stats["updates_announced"] += 1
-            e.log("announce", window=window, update=envelope.id.hex(), train_loss=work.train_loss)
+            e.log("announce", window=window, update=envelope.id.hex(), train_loss=work.train_loss,
+                  delta=work.delta.hex()[:16])
         else:
             self._claim_step(work.holder, "persisted")
             self.claim_announcements[work.holder] = envelope

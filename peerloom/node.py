@@ -34,6 +34,10 @@ Config keys (TOML)::
                                        # windows' worth however long the run (at 100M parameters a small
                                        # fleet stores ~5 GB per window). Default 0: keep every artifact (any
                                        # head's weights can be exported)
+    audit_worker = true                # optional, validators under sampled audits: run the audits on a second
+                                       # worker thread with a workload instance of its own, beside the screens
+                                       # and reductions (spec/protocol.md §6.3 "Scheduling"; one more model
+                                       # in memory). Default true; false runs them between the other tasks
     workload = "mypkg.train:factory"   # optional: a user's workload factory (module:function) or a registry
                                        # name; default: the manifest's workload from the registry
     behaviour = "alie"                 # optional, trainers only: a Byzantine attack from backends.attacks.ATTACKS
@@ -150,6 +154,7 @@ from peerloom.core.objects import (
     PROTOCOL_VERSION,
     AdmissionCertificate,
     Head,
+    Manifest,
     QuorumCertificate,
     Revision,
     check_admission,
@@ -166,6 +171,7 @@ KEYS: dict[str, tuple[type, ...]] = {
     "log_level": (str,), "http": (dict,), "discovery": (dict,), "behaviour": (str,), "admission": (str,),
     "leave_on_exit": (bool,), "leave_grace_s": (float, int), "device": (str,), "compute": (str,),
     "pool": (dict,), "transport": (dict, list), "relay": (dict,), "keep_windows": (int,), "limits": (dict,),
+    "audit_worker": (bool,),
 }
 RELAY_KEYS: dict[str, tuple[type, ...]] = {
     "enabled": (bool,), "listen": (str,), "via": (list,), "only": (bool,), "reservation_s": (float, int),
@@ -467,6 +473,18 @@ def check_workload_schema(workload: Any, schema: Any, spec: str) -> None:
                           "manifest was made with")
 
 
+def _node_workload(config: dict[str, Any], manifest: Manifest) -> tuple[Any, Any]:
+    """(workload, shards) as this node runs them (`build_node_workload`, placed on the config's ``device``,
+    wrapped in its ``behaviour``), without a trainer pool."""
+    workload, shards = build_node_workload(config, manifest.workload, manifest.workload_seed, len(manifest.shards))
+    check_workload_schema(workload, manifest.schema, config.get("workload", manifest.workload))
+    if "device" in config:  # else the workload stays where its factory put it (the CPU by default)
+        place_workload(workload, config["device"])
+    if config.get("behaviour", "honest") != "honest":
+        workload = wrap_workload(workload, config["behaviour"], seed=manifest.workload_seed)
+    return workload, shards
+
+
 def place_workload(workload: Any, device: str) -> Any:
     """Move `workload`'s training and evaluation to `device` (config key ``device``; `resolve_device`):
     a workload with ``to_device`` (`TorchWorkload`) moves there; any other (numpy) runs on the CPU, so it
@@ -637,18 +655,21 @@ def build_runtime(config: dict[str, Any], config_path: Path | None = None, *,
         store = ArtifactStore(config["store"], chunk_size=manifest.chunk_size)
     except OSError as exc:
         raise ConfigError(f"store: {exc}") from None
-    workload, shards = build_node_workload(config, manifest.workload, manifest.workload_seed, len(manifest.shards))
-    check_workload_schema(workload, manifest.schema, config.get("workload", manifest.workload))
-    if "device" in config:  # else the workload stays where its factory put it (the CPU by default)
-        place_workload(workload, config["device"])
+    workload, shards = _node_workload(config, manifest)
     if config.get("behaviour", "honest") != "honest":
-        workload = wrap_workload(workload, config["behaviour"], seed=manifest.workload_seed)
         log.warning("byzantine trainer", extra={"fields": {"behaviour": config["behaviour"]}})
     if "torch" in sys.modules:  # only workloads that use torch pay for importing it
         sys.modules["torch"].set_num_threads(int(config.get("threads", 1)))
     workload = start_pool(config, workload, config_path)
     executor = ComputeExecutor(store, manifest, workload, shards, state_dir=Path(config["store"]),
                                compute=config.get("compute", "numpy"))
+    audit_executor = None
+    if "validator" in config["roles"] and manifest.audit and manifest.audit_rate > 0.0 and \
+            config.get("audit_worker", True):
+        # Sampled audits beside the other tasks (`ComputeSlot`): an executor is not thread-safe, so a second
+        # one over the same store, with a workload instance of its own.
+        audit_executor = ComputeExecutor(store, manifest, _node_workload(config, manifest)[0], shards,
+                                         compute=config.get("compute", "numpy"))
     host, port = _address(config.get("listen", "127.0.0.1:0"))
     http = config.get("http", {})
     http_listen = _address(http.get("listen", "127.0.0.1:0")) if http.get("enabled", False) else None
@@ -681,7 +702,8 @@ def build_runtime(config: dict[str, Any], config_path: Path | None = None, *,
     if repaired:
         log.info("chain directory repaired from the store", extra={"fields": {"windows": repaired}})
     return NodeRuntime(name=config["name"], identity=identity, revision=revision, roles=set(config["roles"]),
-                       store=store, executor=executor, options=options, events_path=config.get("events"),
+                       store=store, executor=executor, audit_executor=audit_executor, options=options,
+                       events_path=config.get("events"),
                        capacity=int(config.get("capacity", 1)), stop_after_window=config.get("stop_after_window"),
                        on_chain_entry=lambda h, c: write_chain_entry(chain_dir, h, c), admission=admission)
 

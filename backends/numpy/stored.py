@@ -168,12 +168,17 @@ def feed_digest(hasher: Any, tensor: FileTensor) -> None:
         hasher.update(memoryview(block).cast("B"))
 
 
+def digest_hasher(tensors: StoredTensors) -> Any:
+    """A SHA-256 hasher fed the schema part of `tensor_digest` (the schema's canonical CBOR): feed it each
+    tensor's little-endian bytes in sorted-name order, and the digest is `SHA256_MULTIHASH_PREFIX` + its own."""
+    return hashlib.sha256(encode([[n, tensors[n].dtype.name, list(tensors[n].shape)] for n in sorted(tensors)]))
+
+
 def stored_digest(tensors: StoredTensors) -> bytes:
     """`peerloom.backends.numpy.tensors.tensor_digest` of stored tensors, read in blocks (same definition:
     the schema's canonical CBOR, then each tensor's little-endian bytes in sorted-name order)."""
-    names = sorted(tensors)
-    hasher = hashlib.sha256(encode([[n, tensors[n].dtype.name, list(tensors[n].shape)] for n in names]))
-    for name in names:
+    hasher = digest_hasher(tensors)
+    for name in sorted(tensors):
         feed_digest(hasher, tensors[name])
     return SHA256_MULTIHASH_PREFIX + hasher.digest()
 

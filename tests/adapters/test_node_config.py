@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from peerloom.node import ConfigError, build_node_workload, build_runtime, load_config
-from tests.helpers import ident
+from tests.helpers import ident, make_revision
 
 AUTHORITY = ident(200).peer_id.to_text()
 BASE = f'name="n"\nroles=["trainer"]\nkey="k"\nmanifest="m"\nauthority="{AUTHORITY}"\nstore="s"\n'
@@ -140,3 +140,41 @@ def test_byzantine_workload_sends_the_attack_update():
     alie, _ = ByzantineWorkload(honest, "alie").train(params, shards[0], 5)
     assert any(not np.allclose(alie[n], good[n]) for n in good)
     assert ByzantineWorkload(honest, "alie").evaluate(params) == honest.evaluate(params)  # the rest is honest
+
+
+class _Counted:
+    """A workload instance per factory call."""
+
+
+def make_counted_workload(seed, num_shards):
+    return _Counted(), [[i] for i in range(num_shards)]
+
+
+@pytest.mark.parametrize(("roles", "extra", "worker"), [
+    ('["validator"]', "", True),
+    ('["validator"]', "audit_worker = false\n", False),
+    ('["trainer"]', "", False),
+])
+def test_validators_under_sampled_audits_get_an_audit_worker(tmp_path, roles, extra, worker):
+    """A validator under sampled audits runs them on an executor of its own, with its own workload instance
+    over the same store (`ComputeSlot`, spec/protocol.md §6.3 "Scheduling"); ``audit_worker = false`` and
+    other roles run them (if at all) on the one executor."""
+    import attrs
+
+    from peerloom.core.objects import Revision
+
+    authority = ident(200)
+    manifest = attrs.evolve(make_revision().manifest, audit=True, audit_rate=0.5)
+    revision = Revision.verify(manifest.seal(authority), authority.peer_id)
+    (tmp_path / "m").write_bytes(revision.envelope.to_bytes())
+    text = _config(tmp_path, 'workload = "tests.adapters.test_node_config:make_counted_workload"\n' + extra)
+    text.write_text(text.read_text().replace('roles=["trainer"]', f"roles={roles}"))
+    runtime = build_runtime(load_config(text))
+    try:
+        audits = runtime.audit_executor
+        assert (audits is not None) == worker
+        if audits is not None:
+            assert audits.store is runtime.executor.store
+            assert isinstance(audits.workload, _Counted) and audits.workload is not runtime.executor.workload
+    finally:
+        runtime.close()

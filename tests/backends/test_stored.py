@@ -15,6 +15,7 @@ from peerloom.adapters.compute import ComputeExecutor
 from peerloom.adapters.storage import ArtifactStore
 from peerloom.backends._robust import BLOCK, RULES
 from peerloom.backends.numpy.aggregate import aggregate, outer_step, screening_stats
+from peerloom.backends.numpy.screening import READ_BLOCK, screen_stored
 from peerloom.backends.numpy.stored import (
     FileTensor,
     TensorFileWriter,
@@ -70,6 +71,29 @@ def test_non_finite_stored_values_are_found(tmp_path):
     with open_stored(_file(tmp_path, {"w": w})) as stored:
         assert not all_finite(stored["w"])
         assert screening_stats(stored)["finite"] is False
+
+
+@pytest.mark.parametrize("sizes", [[0, 7], [BLOCK + 3], [READ_BLOCK + BLOCK + 5, 3]])
+def test_one_read_screen_gives_the_statistics_digest_and_update_applied(tmp_path, sizes):
+    """`screen_stored`: what `screening_stats`, `stored_digest` and ``base - delta`` give, from one read."""
+    rng = np.random.default_rng(len(sizes))
+    delta, base = _cohort(rng, 2, sizes)
+    with open_stored(_file(tmp_path, delta)) as stored:
+        applied = {n: np.full_like(b, np.nan) for n, b in base.items()}
+        stats, digest = screen_stored(stored, base=base, applied=applied)
+        assert digest == stored_digest(stored) == tensor_digest(delta)
+        expected = screening_stats(stored)
+        assert stats == {"finite": True, "global_norm": expected["global_norm"]}
+        assert stats["global_norm"] == screening_stats(delta)["global_norm"]
+        for name in delta:
+            assert np.array_equal(applied[name], np.subtract(base[name], delta[name], dtype=np.float32))
+        assert screen_stored(stored) == (stats, digest)
+    first = next(n for n in sorted(delta) if delta[n].size)
+    delta[first].reshape(-1)[-1:] = np.nan  # the last element of a tensor (read last in its block)
+    with open_stored(_file(tmp_path, delta, "nan.safetensors")) as stored:
+        stats, digest = screen_stored(stored)
+        assert stats["finite"] is False and stats["global_norm"] != stats["global_norm"]
+        assert digest == tensor_digest(delta)
 
 
 def test_every_rule_and_outer_step_give_the_same_bytes_on_files(tmp_path):

@@ -117,6 +117,35 @@ def test_loss_check_passes_an_honest_update_and_rejects_one_that_points_uphill(t
     assert (strict["ok"], strict["reason"]) == (False, "loss")
 
 
+def test_a_streamed_screen_reads_once_and_decides_as_an_in_memory_one(tmp_path, digits):
+    """Where the backend streams, the screen reads the stored update once for its statistics, digest and the
+    update applied (`screen_stored`): every verdict, norm and loss detail equals the in-memory screen's."""
+    ex, _params, params_ref = _executor(tmp_path / "streamed", digits, loss_check_samples=64)
+    whole, _, whole_params = _executor(tmp_path / "whole", digits, loss_check_samples=64)
+    whole.compute.streams = False  # loaded whole: `compute.stats`, `tensor_digest`, `_applied` twice
+    assert ex._streams() and not whole._streams() and whole_params == params_ref
+    seed = train_seed(b"\x12\x20" + bytes(32), 1, (2,), ident(7).peer_id)
+    delta = ex.load(ex.run("train", {"params": params_ref, "shards": (2,), "seed": seed, "inner_steps": 0})["delta"])
+    broken = {k: v.copy() for k, v in delta.items()}
+    next(iter(broken.values())).reshape(-1)[3] = np.inf
+    check = {"params": params_ref, "shards": (2,), "seed": 5, "samples": 64, "min_drop": 0.0}
+    cases = []
+    for tensors, lie, extra in [(delta, False, {}), ({k: -v for k, v in delta.items()}, False, {}),
+                                (delta, True, {}), (broken, False, {}), (delta, False, {"max_norm": 1e-9}),
+                                (delta, False, {"loss_check": None})]:
+        results = []
+        for executor in (ex, whole):
+            ref, digest = executor.save(tensors)
+            args = {"delta": ref, "delta_digest": b"\x12\x20" + bytes(32) if lie else digest, "loss_check": check}
+            args.update(extra)
+            if args["loss_check"] is None:
+                del args["loss_check"]
+            results.append(executor.run("screen", args))
+        assert results[0] == results[1] or (results[0]["reason"] == results[1]["reason"] == "non-finite")
+        cases.append(results[0]["reason"])
+    assert cases == ["", "loss", "digest-mismatch", "non-finite", "norm-bound", ""]
+
+
 def test_loss_check_batch_is_the_seeded_subset_of_the_lease(tmp_path, digits):
     """Validators must agree: the same seed picks the same samples, another seed others."""
     ex, params, params_ref = _executor(tmp_path, digits, loss_check_samples=16)
