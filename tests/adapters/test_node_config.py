@@ -143,7 +143,11 @@ def test_byzantine_workload_sends_the_attack_update():
 
 
 class _Counted:
-    """A workload instance per factory call."""
+    """A workload instance per factory call, with `make_revision`'s schema (a node checks it at start)."""
+
+    @staticmethod
+    def schema():
+        return (("w", "float32", (2,)),)
 
 
 def make_counted_workload(seed, num_shards):
