@@ -7,8 +7,8 @@ scale, against a gloo ``all_reduce`` + ``broadcast`` of the same parameters; one
 For each parameter count P the benchmark writes an experiment (`peerloom.experiment.Experiment`: the demo's
 protocol settings, centered clipping, DiLoCo with 4 inner steps, 1 MiB chunks; ``--verification`` picks
 the audits: ``inline``, every update replayed by every validator and the reducer before it enters a cohort,
-or ``sampled``, the loss check and half of each head's updates audited after it on one of 4 committed
-segments, spec/protocol.md §6.1-6.3; ``both`` runs one fleet each), starts 1 validator (4 with
+or ``sampled``, the loss check and three in four of each head's updates audited after it on one of 4
+committed segments, spec/protocol.md §6.1-6.3; ``both`` runs one fleet each), starts 1 validator (4 with
 ``--validators 4``), 1 reducer and `--trainers` trainers as ``python -m peerloom node`` processes on
 127.0.0.1, and lets them certify `--windows` windows. The workload (`flat_factory`) is one float32 tensor
 of P parameters whose "training" is a fixed-cost step (one multiply: ``delta = c * params``), so what is
@@ -228,8 +228,9 @@ def disk_needed(params: int, windows: int, trainers: int, validators: int) -> in
 VERIFICATION = {
     # Every validator and the reducer replay every update's whole training before it can enter a cohort.
     "inline": {},
-    # The loss check on every update; after each head, half of its updates audited on one of 4 segments.
-    "sampled": {"loss_check_samples": 64, "audit_rate": 0.5, "audit_segments": 4},
+    # The loss check on every update; after each head, three in four of its updates (and of those the loss
+    # check rejected) audited on one of 4 segments.
+    "sampled": {"loss_check_samples": 64, "audit_rate": 0.75, "audit_segments": 4},
 }
 INNER_STEPS = 4  # the flat workload's steps per window, in both settings
 
