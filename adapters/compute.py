@@ -581,7 +581,8 @@ class ComputeExecutor:
         (``cosine``). The rest are aggregated with the manifest's rule and the outer optimizer applied:
         FedAvg (SGD, lr `outer_lr`) or DiLoCo (Nesterov momentum `outer_momentum`, state = the parent head's
         `outer_state` artifact or zeros). Result: params, params_digest, outer_state (ArtifactRef or None),
-        outer_state_digest, outliers ([[candidate index, reason]]) and kept (candidate indices reduced).
+        outer_state_digest, outliers ([[candidate index, reason, detail]]: the detail gives the numbers) and kept
+        (candidate indices reduced).
 
         Memory (issue 20): where the backend streams (`open`, `writer`), the params, the optimizer state and
         the deltas (``none`` codec) are read block by block from their files and the new params and state
@@ -593,7 +594,7 @@ class ComputeExecutor:
         deltas = [self._decode(read(ref)) for ref in args["deltas"]]
         weights = list(args["weights"])
         outliers = self._outliers(deltas, float(args.get("norm_ratio", 0.0)), float(args.get("min_cosine", -1.0)))
-        bad = {i for i, _ in outliers}
+        bad = {i for i, *_ in outliers}
         kept = [i for i in range(len(deltas)) if i not in bad]
         out: dict[str, Any] = {"outliers": outliers, "kept": kept, "outer_state": None, "outer_state_digest": None}
         if not kept:
@@ -641,10 +642,14 @@ class ComputeExecutor:
         median_norm = norms[mid] if len(norms) % 2 else (norms[mid - 1] + norms[mid]) * 0.5
         outliers: list[list[Any]] = []
         for i, s in enumerate(stats):
-            if norm_ratio > 0.0 and s["global_norm"] > norm_ratio * median_norm:
-                outliers.append([i, "norm-outlier"])
+            norm, threshold = s["global_norm"], norm_ratio * median_norm
+            if norm_ratio > 0.0 and norm > threshold:
+                ratio = norm / median_norm if median_norm > 0.0 else math.inf
+                outliers.append([i, "norm-outlier", f"norm {norm:.6g} is {ratio:.4g} x the cohort's median norm "
+                                                    f"{median_norm:.6g}; threshold {norm_ratio:g} x = {threshold:.6g}"])
             elif min_cosine > -1.0 and s["cosine"] == s["cosine"] and s["cosine"] < min_cosine:
-                outliers.append([i, "cosine"])
+                outliers.append([i, "cosine", f"cosine {s['cosine']:.4g} to the cohort's coordinate-wise median, "
+                                              f"below min_cosine {min_cosine:g}"])
         return outliers
 
 

@@ -65,6 +65,12 @@ class Entry:
 Slot = PeerId | tuple[PeerId, PeerId]  # a lease: its holder, or (claimant, leaseholder) for a claim
 
 
+def outlier_detail(rest: list[Any]) -> str:
+    """The detail of a cohort-screening outlier ``[index, reason, detail]`` from the reduce task: its numbers
+    (the norm, the cohort's median, the ratio, the threshold), "" when the task gave none."""
+    return str(rest[0]) if rest else ""
+
+
 def slot_of(author: PeerId, ann: UpdateAnnouncement) -> Slot:
     """The lease an update fills: one update per slot."""
     return author if ann.claim is None else (author, ann.claim)
@@ -348,11 +354,12 @@ class Collector:
         if self.entries[slot].state == "screening":
             self._move(self.entries[slot], "screen-failed", "screen-error")
 
-    def reject_outlier(self, update_id: bytes, reason: str) -> None:
-        """Cohort screening found this accepted update an outlier (`reason` a ``screen-*`` code)."""
+    def reject_outlier(self, update_id: bytes, reason: str, detail: str = "") -> None:
+        """Cohort screening found this accepted update an outlier (`reason` a ``screen-*`` code; `detail` its
+        numbers: the norm, the cohort's median, the ratio and the threshold)."""
         entry = self.by_id.get(update_id)
         if entry is not None and entry.state == "accepted":
-            self._move(entry, "outlier", reason)
+            self._move(entry, "outlier", reason, detail)
 
     def struck(self) -> list[Entry]:
         """Updates rejected for a reason every honest validator reproduces (strikes), by update id."""

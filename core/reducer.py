@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from .collector import Collector, FetchAuditParams, FetchBase, FetchDelta, Screen, resume_collector
+from .collector import (
+    Collector,
+    FetchAuditParams,
+    FetchBase,
+    FetchDelta,
+    Screen,
+    outlier_detail,
+    resume_collector,
+)
 from .envelope import SignedEnvelope
 from .fsm import Table, step
 from .identity import PeerId
@@ -111,8 +119,8 @@ class ReducerRole(RoleBase):
             e.note_stored(result["outer_state"])
         if c is None or c.window != work.window or self.state != "reducing":
             return
-        for i, reason in result["outliers"]:
-            c.reject_outlier(work.cohort[i], f"screen-{reason}")
+        for i, reason, *rest in result["outliers"]:
+            c.reject_outlier(work.cohort[i], f"screen-{reason}", outlier_detail(rest))
         ids = tuple(work.cohort[i] for i in result["kept"])
         if len(ids) < e.manifest.min_updates:
             self._step("reduce-failed")

@@ -23,7 +23,7 @@ import attrs
 
 from .admission import WINDOWS_AHEAD
 from .auditing import audit_authors
-from .collector import slot_of
+from .collector import outlier_detail, slot_of
 from .envelope import SignedEnvelope
 from .errors import DecodeError, VerificationError
 from .identity import PeerId
@@ -112,7 +112,7 @@ class Evaluate:
     ``screen-<reason>``) as the reduction found them."""
 
     recompute: Recompute
-    outliers: tuple[tuple[bytes, str], ...]
+    outliers: tuple[tuple[bytes, str, str], ...]  # (update id, reason, detail)
     kept: tuple[bytes, ...]
     params: ArtifactRef
     params_digest: bytes
@@ -186,8 +186,8 @@ class Screening:
         e, c = self.engine, self.role.collector
         if result is None or c is None or result["window"] != c.window:
             return
-        for update_id, reason in result["outliers"]:
-            c.reject_outlier(update_id, reason)
+        for update_id, reason, detail in result["outliers"]:
+            c.reject_outlier(update_id, reason, detail)
         if len(result["kept"]) < e.manifest.min_updates:
             self._own_skip(len(result["kept"]))
         else:
@@ -276,7 +276,8 @@ class Screening:
                 if result.get("outer_state") is not None:
                     e.note_stored(result["outer_state"])
                 candidates = work.candidates
-                outliers = tuple((candidates[i].id, f"screen-{reason}") for i, reason in result["outliers"])
+                outliers = tuple((candidates[i].id, f"screen-{reason}", outlier_detail(rest))
+                                 for i, reason, *rest in result["outliers"])
                 kept = tuple(candidates[i].id for i in result["kept"])
                 if not kept:
                     self._finish(work, {"window": work.window, "outliers": list(outliers), "kept": list(kept),
@@ -450,7 +451,7 @@ class Screening:
         head = check.head
         if mine is None or "params" not in mine:
             self._verdict(head, False, "recompute-failed")
-        elif {p for p, _ in mine["outliers"]} != outliers:
+        elif {p for p, *_ in mine["outliers"]} != outliers:
             self._verdict(head, False, "outliers-mismatch")
         elif (mine["params"], mine["params_digest"], mine["outer_state_digest"]) != (
                 head.params, head.params_digest, head.outer_state_digest) or mine["outer_state"] != head.outer_state:

@@ -155,7 +155,7 @@ class Lone:
         for task in self.pending("screen"):
             self.finish(task, {"ok": ok, "reason": "" if ok else "norm", "norm": 1.0})
 
-    def reduce(self, kept: tuple[int, ...] | None = None, outliers: tuple[tuple[int, str], ...] = (),
+    def reduce(self, kept: tuple[int, ...] | None = None, outliers: tuple[tuple[Any, ...], ...] = (),
                tag: bytes = b"p") -> None:
         """Answer the one pending reduce task: keep `kept` (default: every candidate)."""
         (task,) = self.pending("reduce")

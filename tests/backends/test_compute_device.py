@@ -71,6 +71,10 @@ def test_executor_backends_agree_on_every_rule(tmp_path):
             args = dict(base, rule=rule, outer_optimizer=optimizer)
             a, b = ex["numpy"].run("reduce", args), ex["torch"].run("reduce", args)
             assert a == b, (rule, optimizer)
+    # a cohort outlier carries its numbers: the norm, the cohort's median, the ratio and the threshold
+    outliers = ex["numpy"].run("reduce", dict(base, rule="mean", outer_optimizer="fedavg"))["outliers"]
+    assert [o[:2] for o in outliers] == [[5, "norm-outlier"]]
+    assert "x the cohort's median norm" in outliers[0][2] and "threshold 2 x =" in outliers[0][2]
     for ref, delta in zip(refs, deltas, strict=True):
         screen = {"delta": ref, "delta_digest": tensor_digest(delta)}
         assert ex["numpy"].run("screen", screen) == ex["torch"].run("screen", screen)

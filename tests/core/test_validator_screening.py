@@ -7,6 +7,7 @@ import math
 import attrs
 import pytest
 
+from peerloom.core import effects as fx
 from peerloom.core.messages import Signed
 from peerloom.core.objects import HeadProposal, seal
 from peerloom.core.screening import METRIC_TOLERANCE, Evaluate, Recompute, head_metrics, metrics_match
@@ -54,15 +55,18 @@ def test_own_head_recomputation_is_plain_data_until_it_finishes():
     assert isinstance(work, Recompute) and work.window == 1 and work.check is None
     assert [u.id for u in work.candidates] == sorted(u.id for u in work.candidates)
     assert sorted(work.train_losses) == [0.25, 0.5]
-    v.reduce(kept=(1,), outliers=((0, "norm-outlier"),))
+    detail = "norm 31 is 12.4 x the cohort's median norm 2.5; threshold 10 x = 25"
+    v.reduce(kept=(1,), outliers=((0, "norm-outlier", detail),))
     (work,) = v.role.screening.tasks.values()
     assert isinstance(work, Evaluate) and work.kept == (work.recompute.candidates[1].id,)
-    assert work.outliers == ((work.recompute.candidates[0].id, "screen-norm-outlier"),)
+    assert work.outliers == ((work.recompute.candidates[0].id, "screen-norm-outlier", detail),)
     assert work.train_loss == work.recompute.train_losses[1]
     v.evaluate()
     assert not v.role.screening.tasks
     (head,) = v.promoted()
     assert head.cohort == work.kept and head.rejected == (work.recompute.candidates[0].id,)
+    # the rejection says why, with the numbers (the event a user reads)
+    assert [(e.reason, e.detail) for e in v.effects if isinstance(e, fx.Rejected)] == [("screen-norm-outlier", detail)]
 
 
 def test_the_same_inputs_give_equal_pending_work_and_other_inputs_do_not():
