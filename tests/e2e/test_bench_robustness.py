@@ -83,11 +83,14 @@ def test_defences_strike_quarantine_and_audit_timing() -> None:
     bench = load_bench()
     stub = _Bowl()
     shards = [list(range(20 * i, 20 * i + 20)) for i in range(10)]
-    # sign-flip points uphill on the author's batch: rejected every time, never aggregated; the loss check's
-    # rejections are no strikes (spec/protocol.md §6.1), so nobody is quarantined for them
-    _, caught = bench.run_defended_cell(stub, stub, shards, ("sign-flip", {}), "centered_clip", 6, 0)
-    assert caught["attacker_updates"] == caught["attacker_loss"] == 12  # 6 windows, 2 attackers
-    assert "attacker_quarantined_strikes" not in caught and "attacker_quarantined_windows" not in caught
+    # sign-flip points uphill on the author's batch: rejected every time, never aggregated, and no strike
+    # (spec/protocol.md §6.1); but a rejected update is audited like an aggregated one (§6.2): at rate 1 the
+    # audits of window 0 quarantine both attackers with head 1, so they send updates in windows 0 and 1 only
+    _, caught = bench.run_defended_cell(stub, stub, shards, ("sign-flip", {}), "centered_clip", 6, 0,
+                                        audit_rate=1.0)
+    assert caught["attacker_updates"] == caught["attacker_loss"] == 4  # 2 windows, 2 attackers
+    assert caught["attacker_audit_failed"] == 4 and caught["attacker_quarantined_audit"] == 2
+    assert "attacker_quarantined_strikes" not in caught and caught["attacker_quarantined_windows"] == 8
     assert "attacker_aggregated" not in caught and "honest_loss" not in caught
     # ALIE lowers the loss and is no outlier: only the audit catches it. At rate 1 the update of window 0
     # is aggregated, the author still trains in window 1 (its lease comes from head 0), head 1 quarantines
@@ -99,7 +102,7 @@ def test_defences_strike_quarantine_and_audit_timing() -> None:
     assert caught["attacker_audited"] == 6 and "attacker_audit_failed" not in caught
     # the ablation switches each defence off
     _, caught = bench.run_defended_cell(stub, stub, shards, ("sign-flip", {}), "mean", 3, 0, defenses=("audit",))
-    assert caught["attacker_aggregated"] == 6 and "attacker_loss" not in caught
+    assert "attacker_loss" not in caught and caught["attacker_aggregated"] == caught["attacker_updates"] >= 2
 
 
 def test_cohort_outliers_is_the_engines_norm_ratio() -> None:

@@ -136,7 +136,11 @@ def start_fleet(root: Path, flag: Path):
     nodes = make_fleet(root, validators=1, trainers=1, quorum=1, window_s=1.0)
     http_port = free_port()
     validator = nodes[0]
-    validator.write_config(http={"enabled": True, "listen": f"127.0.0.1:{http_port}"})
+    # Every flooding identity comes from 127.0.0.1, like the honest trainer: the per-address handshake bucket
+    # (spec/transport.md §13) would refuse most of them before any state exists, and this test is about the
+    # state that identities which do complete a handshake leave behind.
+    validator.write_config(http={"enabled": True, "listen": f"127.0.0.1:{http_port}"},
+                           limits={"handshake_rate": 10_000.0, "handshake_burst": 10_000})
     for node in nodes:
         node.write_config(keep_windows=2)
     os.environ[TEST_FAULT_ENV] = str(flag)  # the validator only: the env is read when it starts
