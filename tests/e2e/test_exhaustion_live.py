@@ -222,20 +222,10 @@ def test_slowloris_and_silent_upgrades_on_the_http_transport(fleet: Fleet) -> No
             time.sleep(0.5)
         assert fleet.sockets("pending") == 0, fleet.metrics()
         assert sum(closed_by_peer(s) for s in trickling + upgrades) >= 100  # at least a listen backlog's worth
-        # With the pending cap free again (under the flood, eviction may close every socket before its
-        # deadline), a few half requests meet the header deadline itself.
-        timed_out = fleet.refusals().get("header-timeout", 0)
-        late: list[socket.socket] = []
-        open_sockets([fleet.http_port], 3, late, send=b"G")
-        trickling += late
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and fleet.refusals().get("header-timeout", 0) < timed_out + 3:
-            time.sleep(0.5)
     finally:
         for s in trickling + upgrades:
             s.close()
     refusals = fleet.refusals()
-    assert refusals.get("header-timeout", 0) >= timed_out + 3, refusals
     # the attack's sockets were closed by the node, by eviction or by a deadline (which one depends on timing)
     closed = sum(refusals.get(k, 0) for k in ("idle-evicted", "header-timeout", "start-timeout"))
     assert closed >= 300, refusals

@@ -73,7 +73,7 @@ def test_init_takes_the_verification_settings(tmp_path):
 def test_init_up_status_then_ctrl_c_stops_every_node(tmp_path):
     root = tmp_path / "exp"
     out = _peerloom("init", str(root), "--workload", WORKLOAD, "--trainers", "2", "--window-s", "2",
-                    "--base-port", str(free_port()))
+                    "--base-port", "0")
     assert out.returncode == 0 and "peerloom up" in out.stdout, out.stderr
     up = _peerloom("up", str(root), "--windows", "2")
     assert up.returncode == 0, up.stdout + up.stderr
@@ -139,7 +139,7 @@ def test_own_model_through_init_up_export_and_plain_torch(tmp_path):
 
     root = tmp_path / "exp"
     assert _peerloom("init", str(root), "--workload", "digits-mlp", "--trainers", "2", "--window-s", "3",
-                     "--base-port", str(free_port())).returncode == 0
+                     "--base-port", "0").returncode == 0
     up = _peerloom("up", str(root), "--windows", "2")
     assert up.returncode == 0, up.stdout + up.stderr
     model_file = tmp_path / "model.safetensors"
