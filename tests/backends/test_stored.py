@@ -73,7 +73,8 @@ def test_non_finite_stored_values_are_found(tmp_path):
         assert screening_stats(stored)["finite"] is False
 
 
-@pytest.mark.parametrize("sizes", [[0, 7], [BLOCK + 3], [READ_BLOCK + BLOCK + 5, 3]])
+@pytest.mark.parametrize("sizes", [[0, 7], [BLOCK + 3], [READ_BLOCK + BLOCK + 5, 3],
+                                   [2 * READ_BLOCK + 7, 5, READ_BLOCK + 1]])
 def test_one_read_screen_gives_the_statistics_digest_and_update_applied(tmp_path, sizes):
     """`screen_stored`: what `screening_stats`, `stored_digest` and ``base - delta`` give, from one read."""
     rng = np.random.default_rng(len(sizes))
@@ -94,6 +95,14 @@ def test_one_read_screen_gives_the_statistics_digest_and_update_applied(tmp_path
         stats, digest = screen_stored(stored)
         assert stats["finite"] is False and stats["global_norm"] != stats["global_norm"]
         assert digest == tensor_digest(delta)
+    delta[first].reshape(-1)[-1:] = np.float32(1.0)
+    last = max(sorted(delta), key=lambda n: delta[n].size)
+    for bad in (np.inf, -np.inf):  # finiteness is read off the squared norm: an infinity must show there too
+        delta[last].reshape(-1)[delta[last].size // 2] = bad
+        with open_stored(_file(tmp_path, delta, "inf.safetensors")) as stored:
+            stats, digest = screen_stored(stored)
+            assert stats["finite"] is False and stats["global_norm"] != stats["global_norm"]
+            assert screening_stats(stored)["finite"] is False and digest == tensor_digest(delta)
 
 
 def test_every_rule_and_outer_step_give_the_same_bytes_on_files(tmp_path):
