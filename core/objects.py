@@ -251,9 +251,13 @@ class Manifest:
             raise DecodeError("bad-field", f"{len(self.shards)} shards: at most {MAX_SHARDS} (the cohort limit)")
         if self.window_s <= 0 or self.min_updates < 1 or self.max_capacity < 1:
             raise DecodeError("bad-field", "window_s, min_updates and max_capacity must be positive")
-        if not (self.max_update_norm >= 0 and self.norm_ratio >= 0 and -1.0 <= self.min_cosine <= 1.0
-                and 0.0 <= self.outer_momentum < 1.0 and self.outer_lr > 0):
-            raise DecodeError("bad-field", "screening thresholds or outer optimizer settings out of range")
+        for ok, name, rule in ((self.max_update_norm >= 0, "max_update_norm", ">= 0"),
+                               (self.norm_ratio >= 0, "norm_ratio", ">= 0 (0: off)"),
+                               (-1.0 <= self.min_cosine <= 1.0, "min_cosine", "in [-1, 1] (-1: off)"),
+                               (0.0 <= self.outer_momentum < 1.0, "outer_momentum", "in [0, 1)"),
+                               (self.outer_lr > 0, "outer_lr", "> 0")):
+            if not ok:  # NaN fails every comparison, so it lands here too
+                raise DecodeError("bad-field", f"{name} must be {rule}, got {getattr(self, name)!r}")
         if not 0.0 <= self.lease_s < self.window_s:
             raise DecodeError("bad-field", "lease_s must be in [0, window_s)")
         if self.quarantine_strikes < 1 or self.strike_windows < 1 or self.quarantine_windows < 1:

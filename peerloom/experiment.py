@@ -645,6 +645,11 @@ def add_parsers(subparsers: Any) -> None:
                            "--inner-steps)")
     init.add_argument("--loss-check", type=int, default=0, metavar="SAMPLES",
                       help="reject updates that do not lower the loss on this many of their samples")
+    init.add_argument("--norm-ratio", type=float, default=None,
+                      help="reject an update whose norm exceeds this many times the cohort's median norm "
+                           "(default 10; 0: off; cohort screening, spec/protocol.md §6)")
+    init.add_argument("--min-cosine", type=float, default=None,
+                      help="reject an update whose cosine to the cohort's centre is below this (default -1: off)")
     init.add_argument("--base-port", type=int, default=7100, help="first TCP port of the local fleet")
     up = subparsers.add_parser("up", help="start an experiment's fleet as local processes (Ctrl-C stops it)")
     up.add_argument("directory", type=Path)
@@ -693,8 +698,11 @@ def _experiment_from(args: Any) -> Experiment:
         min_updates=args.min_updates, aggregation=args.rule, outer_optimizer=args.optimizer,
         outer_lr=args.outer_lr, inner_steps=args.inner_steps, codec=args.codec,
         audit=args.audit or args.audit_rate > 0, base_port=args.base_port, windows=args.windows,
-        manifest_options={k: v for k, v in (("audit_rate", args.audit_rate), ("audit_segments", args.audit_segments),
-                                            ("loss_check_samples", args.loss_check)) if v})
+        manifest_options={**{k: v for k, v in (("audit_rate", args.audit_rate),
+                                               ("audit_segments", args.audit_segments),
+                                               ("loss_check_samples", args.loss_check)) if v},
+                          **{k: v for k, v in (("norm_ratio", args.norm_ratio), ("min_cosine", args.min_cosine))
+                             if v is not None}})
 
 
 def _unused_ports(count: int) -> list[int]:
