@@ -573,13 +573,15 @@ def run_up(directory: Path, *, windows: int | None = None, echo: Callable[[str],
 
 
 def status_lines(directory: Path) -> list[str]:
-    """`peerloom status DIR`: one line per node (role, running or not, its latest head window) and the
-    latest certified head's metrics."""
+    """`peerloom status DIR`: one line per node (role, running or not, its latest head window), under it the
+    updates of its that the first validator rejected and its last failed task where it has any
+    (`node_problems`), and the latest certified head's metrics."""
     from peerloom.adapters.database import DB_NAME, Database
 
     fleet = Fleet.open(directory)
     lines = [f"{fleet.layout['experiment']['name']}: workload {fleet.layout['experiment']['workload']}, "
              f"dashboard {fleet.layout['dashboard']}"]
+    problems = node_problems(fleet)
     for node in fleet.layout["nodes"]:
         directory_i = fleet.node_dir(node["name"])
         pid_file = directory_i / "pid"
@@ -595,12 +597,38 @@ def status_lines(directory: Path) -> list[str]:
                 db.close()
         lines.append(f"  {node['name']:<14} {node['role']:<9} {'running' if running else 'stopped':<8} "
                      f"head window {window:>4}  {node['listen']}")
+        health = problems.get(node["name"], {})
+        if health.get("rejected"):
+            lines.append(f"      updates rejected: {health['rejected']} (last: {health['last_rejection']})")
+        if health.get("last_error"):
+            lines.append(f"      last error: {health['last_error']}")
     last = fleet.heads()
     if last:
         metrics = last[-1].get("metrics", {})
         lines.append(f"latest head: window {last[-1]['window']}, " +
                      ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items())))
     return lines
+
+
+def node_problems(fleet: Fleet) -> dict[str, dict[str, Any]]:
+    """Each node's problems over its whole event log, by name: ``last_error`` (its last failed task, the
+    task kind and the exception; absent if none) and, for a trainer, ``rejected`` (how many of its updates
+    the first validator rejected) and ``last_rejection`` (the last one's reason and detail)."""
+    nodes = fleet.layout["nodes"]
+    trainers = {n["peer"]: n["name"] for n in nodes if n["role"] == "trainer"}
+    found: dict[str, dict[str, Any]] = {}
+    for index, node in enumerate(nodes):
+        for event in fleet.events(node["name"]).read():
+            kind = event.get("event")
+            if kind == "task-failed":
+                found.setdefault(node["name"], {})["last_error"] = \
+                    f"{str(event.get('task', 'task')).rsplit('-', 1)[0]} task failed: {_short(event.get('reason', ''))}"
+            elif kind == "reject" and index == 0 and event.get("peer") in trainers:
+                entry = found.setdefault(trainers[event["peer"]], {})
+                entry["rejected"] = entry.get("rejected", 0) + 1
+                detail = f" ({_short(event['detail'])})" if event.get("detail") else ""
+                entry["last_rejection"] = f"{event.get('reason')}{detail}"
+    return found
 
 
 def _alive(pid: int) -> bool:

@@ -124,6 +124,44 @@ def test_init_up_status_then_ctrl_c_stops_every_node(tmp_path):
             os.kill(pid, 0)
 
 
+def test_status_shows_each_nodes_rejected_updates_and_last_error(tmp_path):
+    """`peerloom status` reads every node's event log: a trainer's updates the first validator rejected
+    (how many, the last reason with its numbers) and each node's last failed task; a healthy node gets no
+    such line."""
+    from peerloom.experiment import status_lines
+
+    root = Experiment(workload=WORKLOAD, trainers=3, base_port=0).write(tmp_path / "exp")
+    fleet = Fleet.open(root)
+    peers = {n["name"]: n["peer"] for n in fleet.layout["nodes"]}
+
+    def events(name, *lines):
+        (root / "nodes" / name / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+
+    events("validator-1",
+           {"event": "reject", "peer": peers["trainer-1"], "reason": "screen-loss", "detail": "loss 2 applied"},
+           {"event": "reject", "peer": peers["trainer-1"], "reason": "screen-norm-outlier",
+            "detail": "norm 31 > 10 x median 2.9"},
+           {"event": "reject", "peer": peers["reducer-1"], "reason": "bad-proposal", "detail": ""},
+           {"event": "task-failed", "task": "evaluate-7", "reason": "MemoryError"})
+    events("trainer-2", {"event": "task-failed", "task": "train-3", "reason": "OSError: disk\nfull"},
+           {"event": "task-failed", "task": "train-4", "reason": "ValueError: sample 17"})
+    events("trainer-1", {"event": "reject", "peer": peers["trainer-2"], "reason": "ignored", "detail": ""})
+    lines = status_lines(root)
+    text = "\n".join(lines)
+
+    def under(name):  # the indented lines right below a node's own line
+        start = next(i for i, line in enumerate(lines) if line.strip().startswith(name + " ")) + 1
+        end = start
+        while end < len(lines) and lines[end].startswith("      "):
+            end += 1
+        return [line.strip() for line in lines[start:end]]
+
+    assert under("trainer-1") == ["updates rejected: 2 (last: screen-norm-outlier (norm 31 > 10 x median 2.9))"]
+    assert under("trainer-2") == ["last error: train task failed: ValueError: sample 17"]  # only the first
+    assert under("validator-1") == ["last error: evaluate task failed: MemoryError"]      # validator counts
+    assert under("trainer-3") == [] and under("reducer-1") == [], text
+
+
 def test_late_joiners_manifest_and_node_options(tmp_path):
     import tomllib
 
@@ -212,6 +250,8 @@ def test_up_counts_windows_resumes_and_names_failed_trainers(tmp_path):
                           for line in failed), up.stdout
     summary = up.stdout.split("problems in windows 1-2:")[1]
     assert "trainer-3" in summary and "sample 17" in summary, up.stdout
+    status = _peerloom("status", str(root)).stdout.split("trainer-3", 1)[1]
+    assert "last error: train task failed" in status.splitlines()[1] and "sample 17" in status, status
     again = _peerloom("up", str(root))
     assert again.returncode == 0 and "at window 2 already" in again.stdout and not _window_lines(again.stdout)
 
