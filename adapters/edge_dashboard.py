@@ -5,8 +5,9 @@ Plain HTML and inline JavaScript, no external resources (test and demo machines 
 inline SVG, and refreshes on every ``head`` server-sent event (and every 5 s as a fallback).
 
 Stable element ids for tests: ``#latest-window``, ``#chain-rows`` (one ``tr`` per head), ``#curve``
-(an SVG with one ``circle.acc`` / ``circle.loss`` per window that has the metric), ``#peer-rows``,
-``#bytes``, ``#status``.
+(an SVG with one ``circle.acc`` / ``circle.loss`` per window that has the metric), ``#peer-rows`` (each peer's
+rejected input and the last rejection's reason), ``#last-error`` (the node's last failed task), ``#bytes``,
+``#status``.
 """
 
 DASHBOARD_HTML = r"""<!doctype html>
@@ -24,6 +25,7 @@ svg{background:#fff;border:1px solid #ddd} .acc{fill:#1f77b4} .loss{fill:#d62728
 <h1>peerloom node <code id="self"></code></h1>
 <div>latest certified window: <b id="latest-window">-</b> &middot; head <code id="latest-id">-</code>
  &middot; <span id="status" class="muted">loading</span></div>
+<div>last error: <span id="last-error" class="muted">none</span></div>
 <div class="grid">
 <div><h2>Validation curve</h2>
 <svg id="curve" width="520" height="240" viewBox="0 0 520 240" role="img"
@@ -31,7 +33,8 @@ svg{background:#fff;border:1px solid #ddd} .acc{fill:#1f77b4} .loss{fill:#d62728
 <div class="muted"><span style="color:#1f77b4">&#9679; accuracy</span> &nbsp;
 <span style="color:#d62728">&#9679; loss (scaled to its max)</span></div></div>
 <div><h2>Bytes</h2><div id="bytes">-</div>
-<h2>Peers</h2><table><thead><tr><th>peer</th><th>roles</th><th>sent</th><th>received</th></tr></thead>
+<h2>Peers</h2><table><thead><tr><th>peer</th><th>roles</th><th>sent</th><th>received</th><th>rejected</th>
+<th>last rejection</th></tr></thead>
 <tbody id="peer-rows"></tbody></table></div>
 </div>
 <h2>Head chain</h2>
@@ -105,12 +108,14 @@ function drawChain(heads) {
 }
 function drawPeers(info, windows) {
   document.getElementById("self").textContent = info.self;
+  document.getElementById("last-error").textContent = info.last_error || "none";
   const body = document.getElementById("peer-rows");
   body.textContent = "";
   let sent = 0, recv = 0;
   for (const p of info.peers) {
     const tr = el("tr", {});
-    for (const c of [p.peer.slice(-8), p.roles.join(","), fmtBytes(p.bytes_sent), fmtBytes(p.bytes_received)])
+    for (const c of [p.peer.slice(-8), p.roles.join(","), fmtBytes(p.bytes_sent), fmtBytes(p.bytes_received),
+                     String(p.rejected), p.last_rejection])
       tr.appendChild(el("td", {}, c));
     body.appendChild(tr); sent += p.bytes_sent; recv += p.bytes_received;
   }

@@ -83,6 +83,8 @@ class PeerInfo:
     connected: bool = True
     bytes_sent: int = 0
     bytes_received: int = 0
+    rejected: int = 0  # input of this peer the node rejected since it started (updates, messages, chunks)
+    last_rejection: str = ""  # the last one's reason and detail, e.g. "screen-norm-outlier (norm 31 > ...)"
 
 
 @attrs.frozen(kw_only=True)
@@ -187,6 +189,11 @@ class EdgeView(Protocol):
         uploads and casts no votes until space is free again (spec/transport.md §15)."""
         ...
 
+    def last_error(self) -> str:
+        """The node's last failed compute task, one line (``"train task failed: ValueError: ..."``); empty
+        when none has failed since it started."""
+        ...
+
 
 def check_submission(revision: Revision, head: Head, envelope: bytes, artifact: bytes | None, *,
                      leases: Mapping[PeerId, tuple[int, ...]] | None = None,
@@ -237,6 +244,7 @@ class ChainIndex:
         self._subscribers: list[HeadCallback] = []
         self._leases: tuple[bytes, dict[PeerId, tuple[int, ...]]] | None = None
         self._health = "ok"
+        self._last_error = ""
         for head, cert in sorted(entries, key=lambda e: e[0].window):
             self._add(head, cert, {})
 
@@ -297,6 +305,13 @@ class ChainIndex:
     def set_health(self, state: str) -> None:
         """``ok`` or ``disk-full`` (`EdgeView.health`); any thread."""
         self._health = state
+
+    def last_error(self) -> str:
+        return self._last_error
+
+    def set_last_error(self, line: str) -> None:
+        """The node's last failed task (`EdgeView.last_error`); any thread."""
+        self._last_error = line
 
     def history(self) -> Sequence[WindowStats]:
         with self._lock:

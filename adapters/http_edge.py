@@ -28,7 +28,7 @@ Endpoints (binary ids are lowercase hex of the 34-byte content id; peer ids are 
 ``POST /v1/join``           application/cbor: the bytes of a signed ``join`` envelope
 ``POST /v1/revocations``    application/cbor: the bytes of the admission authority's signed ``revocation``
                             envelope (spec/auth.md §6); a validator's edge keeps it and forwards it
-``GET /v1/peers``           200 peers the node knows
+``GET /v1/peers``           200 peers the node knows (rejections of each), the node's last failed task
 ``GET /v1/history``         200 per-window statistics for the dashboard
 ``GET /v1/events``          text/event-stream; one ``head`` event now (or, with ``Last-Event-ID: <window>``,
                             every head after that window) and one per head promotion; 503 when
@@ -211,7 +211,8 @@ def head_json(entry: CertifiedEntry) -> dict[str, Any]:
 
 def peer_json(p: PeerInfo) -> dict[str, Any]:
     return {"peer": p.peer_id.to_text(), "roles": list(p.roles), "address": p.address, "connected": p.connected,
-            "bytes_sent": p.bytes_sent, "bytes_received": p.bytes_received}
+            "bytes_sent": p.bytes_sent, "bytes_received": p.bytes_received, "rejected": p.rejected,
+            "last_rejection": p.last_rejection}
 
 
 def window_json(w: WindowStats) -> dict[str, Any]:
@@ -509,7 +510,7 @@ class HttpEdge:
                                   "shards": list(lease.shards)})
 
     async def peers(self, request: web.Request) -> web.Response:
-        return web.json_response({"self": self.view.peer_id.to_text(),
+        return web.json_response({"self": self.view.peer_id.to_text(), "last_error": self.view.last_error(),
                                   "peers": [peer_json(p) for p in self.view.peers()]})
 
     async def history(self, request: web.Request) -> web.Response:
@@ -1068,11 +1069,13 @@ def openapi_document() -> dict[str, Any]:
         "Lease": {"type": "object", "required": ["peer", "window", "base", "shards"], "properties": {
             "peer": {"type": "string"}, "window": {"type": "integer"}, "base": _CID,
             "shards": {"type": "array", "items": {"type": "integer"}}}},
-        "Peers": {"type": "object", "required": ["self", "peers"], "properties": {
-            "self": {"type": "string"}, "peers": {"type": "array", "items": {"type": "object", "properties": {
+        "Peers": {"type": "object", "required": ["self", "last_error", "peers"], "properties": {
+            "self": {"type": "string"}, "last_error": {"type": "string"},
+            "peers": {"type": "array", "items": {"type": "object", "properties": {
                 "peer": {"type": "string"}, "roles": {"type": "array", "items": {"type": "string"}},
                 "address": {"type": "string"}, "connected": {"type": "boolean"},
-                "bytes_sent": {"type": "integer"}, "bytes_received": {"type": "integer"}}}}}},
+                "bytes_sent": {"type": "integer"}, "bytes_received": {"type": "integer"},
+                "rejected": {"type": "integer"}, "last_rejection": {"type": "string"}}}}}},
         "History": {"type": "object", "required": ["windows"], "properties": {"windows": {
             "type": "array", "items": {"type": "object", "properties": {
                 "window": {"type": "integer"}, "head": _CID, "skipped": {"type": "boolean"},

@@ -275,6 +275,8 @@ class NodeRuntime:
         # attacker's flood of bad messages must not become a flood of fsyncs. Peers not admitted share the
         # OTHER_PEERS row, so the table's size does not grow with fresh identities.
         self._reputation: dict[tuple[str, str], int] = {}
+        # What the dashboard shows per admitted peer (a stranger gets no row): (rejections, the last one).
+        self._rejections: dict[PeerId, tuple[int, str]] = {}
         self._submits: dict[int, _Submit] = {}  # fed to the engine, awaiting its SubmitReply
         self._submit_ids = 0
         self.edge_view = NodeEdgeView(peer_id=identity.peer_id, roles=roles, revision=revision,
@@ -390,6 +392,8 @@ class NodeRuntime:
         """Admitted peers: the manifest's validators and the current head's roster (refreshed per head)."""
         self._admitted = frozenset(self.engine.manifest.validators) | self.engine.head.roster_peers
         self._admitted_texts = frozenset(p.to_text() for p in self._admitted)
+        for peer in [p for p in self._rejections if p not in self._admitted]:
+            del self._rejections[peer]  # bounded by the roster (spec/transport.md §14)
 
     def _add_other_bytes(self, sent: int, received: int) -> None:
         self._other_bytes[0] += sent
@@ -686,6 +690,10 @@ class NodeRuntime:
         if effect.peer is not None:
             key = (effect.peer.to_text() if effect.peer in self._admitted else OTHER_PEERS, effect.reason)
             self._reputation[key] = self._reputation.get(key, 0) + 1
+            if effect.peer in self._admitted:
+                count, _ = self._rejections.get(effect.peer, (0, ""))
+                detail = " ".join(effect.detail.split())[:200]
+                self._rejections[effect.peer] = (count + 1, f"{effect.reason} ({detail})" if detail else effect.reason)
 
     def ban(self, effect: fx.Ban) -> None:
         """Not re-admitted, inbound or dialed, until the ban ends (the engine's `HangUp` follows)."""
@@ -731,6 +739,10 @@ class NodeRuntime:
 
     def log(self, effect: fx.Log) -> None:
         self.metrics.on_effect(effect)
+        if effect.event == "task-failed":  # the dashboard's "last error" (`EdgeView.last_error`)
+            kind = str(effect.fields.get("task", "task")).rsplit("-", 1)[0]
+            reason = " ".join(str(effect.fields.get("reason", "")).split())[:300]
+            self.edge_view.set_last_error(f"{kind} task failed: {reason}")
         # A line about a peer (a rejection, mostly) is within the stranger budget unless the peer is admitted.
         if "peer" in effect.fields and not self._may_log(f"{effect.event}/{effect.fields.get('reason', '')}",
                                                           effect.fields["peer"]):
@@ -989,8 +1001,10 @@ class NodeRuntime:
             out = []
             for peer, conn in self._conns.items():
                 state = self.engine.peers.get(peer)
+                rejected, last = self._rejections.get(peer, (0, ""))
                 out.append(PeerInfo(peer_id=peer, roles=tuple(state.roles) if state else (),
-                                    bytes_sent=conn.bytes_sent, bytes_received=conn.bytes_received))
+                                    bytes_sent=conn.bytes_sent, bytes_received=conn.bytes_received,
+                                    rejected=rejected, last_rejection=last))
             return out
 
         if self._trio_token is None:

@@ -10,8 +10,10 @@ import shutil
 
 import pytest
 
+from peerloom.adapters.edge_view import PeerInfo
 from peerloom.adapters.http_edge import EdgeServer
 from tests.edge_fixtures import advance, make_view
+from tests.helpers import ident
 
 CHROMIUM = next((p for p in (shutil.which("chromium"), shutil.which("chromium-browser"), "/usr/bin/chromium")
                  if p and shutil.which(p)), None)
@@ -44,11 +46,22 @@ def test_dashboard_renders_chain_and_curve_and_follows_new_heads(tmp_path):
             assert page.locator("#curve polyline").count() == 2
             assert page.locator("#peer-rows tr").count() == 2
             assert "sent" in page.text_content("#bytes")
+            assert page.text_content("#last-error") == "none"
+            # A trainer's update rejected, a task failed: the page shows both at its next refresh. The detail
+            # is a peer's text: it must render as text, never as markup.
+            view.add_peer(PeerInfo(peer_id=ident(12).peer_id, roles=("trainer",), rejected=2,
+                                   last_rejection="screen-loss (<b id='x'>loss 2</b>)"))
+            view.set_last_error("train task failed: ValueError: sample 17")
             # The chain advances: the page follows via server-sent events (or its 5 s poll).
             advance(view, 2)
             sync_api.expect(page.locator("#chain-rows tr")).to_have_count(7, timeout=15_000)
             assert page.text_content("#latest-window") == "6"
             assert page.locator("#curve circle.acc").count() == 6
+            sync_api.expect(page.locator("#peer-rows tr")).to_have_count(3, timeout=15_000)
+            assert page.text_content("#last-error") == "train task failed: ValueError: sample 17"
+            row = page.locator("#peer-rows tr").last.inner_text()
+            assert "\t2\t" in row and "screen-loss (<b id='x'>loss 2</b>)" in row
+            assert page.locator("#x").count() == 0
             assert errors == []
         finally:
             browser.close()

@@ -23,11 +23,12 @@ class _NoCompute:
         raise AssertionError(f"unexpected compute task {kind}")
 
 
-def validator_runtime(tmp_path) -> NodeRuntime:
+def validator_runtime(tmp_path, trainers=()) -> NodeRuntime:
     store = ArtifactStore(tmp_path / "store")
     store.put(GENESIS)
-    return NodeRuntime(name="v", identity=VALIDATOR, revision=make_revision(genesis=GENESIS), roles={"validator"},
-                       store=store, executor=_NoCompute(), options=RuntimeOptions())  # type: ignore[arg-type]
+    return NodeRuntime(name="v", identity=VALIDATOR, revision=make_revision(genesis=GENESIS, trainers=trainers),
+                       roles={"validator"}, store=store, options=RuntimeOptions(),
+                       executor=_NoCompute())  # type: ignore[arg-type]  # a stand-in: no task may run
 
 
 def errors_counted(runtime: NodeRuntime, reason: str) -> float:
@@ -96,5 +97,24 @@ def test_submit_gets_the_engines_typed_verdict(tmp_path):
         # admitted shares (spec/transport.md §14)
         assert runtime._reputation == {(OTHER_PEERS, refused.result.reason): 1}
         assert runtime._submits == {}  # nothing left waiting
+    finally:
+        runtime.close()
+
+
+def test_rejections_of_admitted_peers_and_the_last_failed_task_reach_the_edge(tmp_path):
+    """What the dashboard shows: per admitted peer, how many of its inputs were rejected and the last reason
+    with its detail; a stranger gets no row (its rejections share one reputation row, spec/transport.md
+    §14); the node's last failed task as one line."""
+    trainer = ident(40)
+    runtime = validator_runtime(tmp_path, trainers=(trainer,))
+    try:
+        runtime.rejected(fx.Rejected(peer=trainer.peer_id, reason="screen-loss", detail="loss 2 applied"))
+        runtime.rejected(fx.Rejected(peer=trainer.peer_id, reason="screen-norm-outlier",
+                                     detail="norm 31 > 10 x\nmedian 2.9"))
+        runtime.rejected(fx.Rejected(peer=ident(41).peer_id, reason="bad-signature"))
+        assert runtime._rejections == {trainer.peer_id: (2, "screen-norm-outlier (norm 31 > 10 x median 2.9)")}
+        assert runtime.edge_view.last_error() == ""
+        runtime.log(fx.Log(event="task-failed", fields={"task": "train-12", "reason": "ValueError: sample\n17"}))
+        assert runtime.edge_view.last_error() == "train task failed: ValueError: sample 17"
     finally:
         runtime.close()

@@ -352,6 +352,27 @@ def test_dashboard_page_is_self_contained(world):
     assert "http://" not in page.replace("http://www.w3.org/", "") and "https://" not in page
 
 
+def test_peers_carry_their_rejections_and_the_node_its_last_error(tmp_path):
+    """`/v1/peers`: each peer's rejected input (count, the last reason with its numbers) and the node's last
+    failed task, as `PeerInfo` and `set_last_error` give them; the document's schema names every field."""
+    from peerloom.adapters.edge_view import PeerInfo
+
+    view = make_view(tmp_path, trainers=())
+    with EdgeServer(view, limits=EdgeLimits(rate=1000, burst=1000)) as server:
+        body = json.loads(fetch(server.url + "/v1/peers")[2])
+        assert body["last_error"] == "" and body["peers"] == []
+        view.add_peer(PeerInfo(peer_id=ident(12).peer_id, roles=("trainer",), rejected=3,
+                               last_rejection="screen-norm-outlier (norm 31 > 10 x median 2.9)"))
+        view.set_last_error("train task failed: ValueError: sample 17")
+        body = json.loads(fetch(server.url + "/v1/peers")[2])
+    assert body["last_error"] == "train task failed: ValueError: sample 17"
+    [peer] = body["peers"]
+    assert (peer["rejected"], peer["last_rejection"]) == (3, "screen-norm-outlier (norm 31 > 10 x median 2.9)")
+    schema = openapi_document()["components"]["schemas"]["Peers"]
+    assert set(body) == set(schema["properties"])
+    assert set(peer) == set(schema["properties"]["peers"]["items"]["properties"])
+
+
 def test_node_edge_view_relays_only_checked_submissions(tmp_path):
     from peerloom.adapters.edge_view import NodeEdgeView, SubmitResult
 
