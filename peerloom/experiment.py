@@ -25,15 +25,17 @@ importable by the nodes: `up` starts them in the current directory).
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -548,33 +550,35 @@ def run_up(directory: Path, *, windows: int | None = None, echo: Callable[[str],
     if resumed:
         echo(f"resuming after window {resumed} (the validators' stores)")
     problems = Problems(fleet, after=resumed)
-    fleet.start(stop_after_window=stop)
     status = 0
-    try:
-        fleet.wait_started()
-        echo(f"dashboard: {fleet.layout['dashboard']}")
-        while stop is None or problems.last_window < stop:
-            for line in problems.poll():
+    with _signals_interrupt():
+        try:
+            fleet.start(stop_after_window=stop)
+            fleet.wait_started()
+            echo(f"dashboard: {fleet.layout['dashboard']}")
+            while stop is None or problems.last_window < stop:
+                for line in problems.poll():
+                    echo(line)
+                exited = [n for n, p in fleet.processes.items() if p.poll() is not None]
+                if exited:
+                    echo(fleet.exit_line(exited[0]))
+                    status = 1
+                    break
+                time.sleep(0.2)
+        except KeyboardInterrupt:
+            echo("stopping ...")
+        finally:
+            with _signals_ignored():  # a second Ctrl-C must not leave nodes running: the stop is bounded
+                codes = fleet.stop()
+            for line in problems.summary():
                 echo(line)
-            exited = [n for n, p in fleet.processes.items() if p.poll() is not None]
-            if exited:
-                echo(fleet.exit_line(exited[0]))
-                status = 1
-                break
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        echo("stopping ...")
-    finally:
-        codes = fleet.stop()
-        for line in problems.summary():
-            echo(line)
     echo(f"stopped {len(codes)} nodes")
     return status
 
 
 def status_lines(directory: Path) -> list[str]:
     """`peerloom status DIR`: one line per node (role, running or not, its latest head window), under it the
-    updates of its that the first validator rejected and its last failed task where it has any
+    updates from it that the first validator rejected and its last failed task where it has any
     (`node_problems`), and the latest certified head's metrics."""
     from peerloom.adapters.database import DB_NAME, Database
 
@@ -629,6 +633,41 @@ def node_problems(fleet: Fleet) -> dict[str, dict[str, Any]]:
                 detail = f" ({_short(event['detail'])})" if event.get("detail") else ""
                 entry["last_rejection"] = f"{event.get('reason')}{detail}"
     return found
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt here (in the main thread; elsewhere nothing changes), so
+    `up` stops its nodes on either, even where it inherited SIGINT ignored (a background job of a
+    non-interactive shell: Python then keeps it ignored) and where the default SIGTERM would end `up` alone
+    and leave its nodes running."""
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    with _handlers(interrupt):
+        yield
+
+
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+    with _handlers(signal.SIG_IGN):
+        yield
+
+
+@contextlib.contextmanager
+def _handlers(handler: Any) -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
 
 
 def _alive(pid: int) -> bool:
