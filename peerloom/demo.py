@@ -47,7 +47,7 @@ from peerloom.demo_report import (
     read_events,
     verification_settings,
 )
-from peerloom.experiment import EventTail, Experiment, Fleet
+from peerloom.experiment import EventTail, Experiment, Fleet, signals_ignored, signals_interrupt
 
 WORKLOADS = {"digits": "digits-mlp", "mnist1d": "mnist1d-mlp", "charlm": "charlm"}
 MARKER = ".peerloom-demo"
@@ -265,6 +265,11 @@ def _kill(victim: NodeProc, leases: dict[Any, Any], window: int, behaviour: str)
 
 
 def _stop(nodes: list[NodeProc]) -> None:
+    with signals_ignored():  # a second Ctrl-C must not leave nodes running: the stop is bounded
+        _stop_now(nodes)
+
+
+def _stop_now(nodes: list[NodeProc]) -> None:
     for node in nodes:
         if node.process is not None and node.process.poll() is None:
             node.process.send_signal(signal.SIGTERM)
@@ -296,8 +301,16 @@ def run_demo(*, profile: str = "default", out: Path = Path("peerloom-demo"), see
 
     `rule` overrides the profile's aggregation rule (e.g. ``"mean"`` to show what the defence is worth);
     `kill_trainer_at` SIGKILLs a leaseholder of that window for good (a different fault from the
-    profile's kill-and-restart). Raises SystemExit when a node cannot start.
+    profile's kill-and-restart). Raises SystemExit when a node cannot start. SIGINT and SIGTERM stop every
+    node the demo started (`peerloom.experiment.signals_interrupt`), then raise KeyboardInterrupt.
     """
+    with signals_interrupt():
+        return _run_demo(profile=profile, out=out, seed=seed, kill_trainer_at=kill_trainer_at, rule=rule,
+                         workload=workload)
+
+
+def _run_demo(*, profile: str, out: Path, seed: int, kill_trainer_at: int | None, rule: str | None,
+              workload: str) -> int:
     import torch
 
     torch.set_num_threads(1)

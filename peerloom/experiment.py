@@ -551,7 +551,7 @@ def run_up(directory: Path, *, windows: int | None = None, echo: Callable[[str],
         echo(f"resuming after window {resumed} (the validators' stores)")
     problems = Problems(fleet, after=resumed)
     status = 0
-    with _signals_interrupt():
+    with signals_interrupt():
         try:
             fleet.start(stop_after_window=stop)
             fleet.wait_started()
@@ -568,7 +568,7 @@ def run_up(directory: Path, *, windows: int | None = None, echo: Callable[[str],
         except KeyboardInterrupt:
             echo("stopping ...")
         finally:
-            with _signals_ignored():  # a second Ctrl-C must not leave nodes running: the stop is bounded
+            with signals_ignored():  # a second Ctrl-C must not leave nodes running: the stop is bounded
                 codes = fleet.stop()
             for line in problems.summary():
                 echo(line)
@@ -639,7 +639,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @contextlib.contextmanager
-def _signals_interrupt() -> Iterator[None]:
+def signals_interrupt() -> Iterator[None]:
     """SIGINT and SIGTERM raise KeyboardInterrupt here (in the main thread; elsewhere nothing changes), so
     `up` stops its nodes on either, even where it inherited SIGINT ignored (a background job of a
     non-interactive shell: Python then keeps it ignored) and where the default SIGTERM would end `up` alone
@@ -652,7 +652,8 @@ def _signals_interrupt() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _signals_ignored() -> Iterator[None]:
+def signals_ignored() -> Iterator[None]:
+    """SIGINT and SIGTERM ignored here (in the main thread): for a bounded stop that must not be cut short."""
     with _handlers(signal.SIG_IGN):
         yield
 

@@ -233,3 +233,33 @@ def test_dashboard_of_the_running_demo_shows_the_chain_advancing(smoke_run):
     """Headless Chromium on the seed's dashboard while the demo runs: the head chain advances on the page."""
     _, _, seen = smoke_run
     assert len(seen) >= 2 and seen == sorted(seen) and seen[-1] > seen[0], seen
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_demo_and_every_node_it_started(tmp_path):
+    """SIGTERM (as a supervisor or `kill` sends it) ends `peerloom demo` with every node it started stopped,
+    even where it inherited SIGINT ignored (a background job): none of its node processes is left running."""
+    import os
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "peerloom", "demo", "--profile", "smoke", "--out",
+                             str(tmp_path / "demo")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert proc.stdout is not None
+    seen = ""
+    try:
+        for line in proc.stdout:
+            seen += line
+            if "dashboard:" in line:
+                break
+        pids = [int(p) for p in re.findall(r"\d+", re.search(r"pids ([\d,\s]+)", seen).group(1))]
+        assert len(pids) >= 4 and all(os.kill(pid, 0) is None for pid in pids), seen
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=90)  # nodes: SIGTERM, then SIGKILL after 15 s
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, seen + rest  # the CLI's status after an interrupt
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
