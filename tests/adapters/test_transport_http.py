@@ -84,3 +84,51 @@ def test_a_server_that_never_answers_the_upgrade_is_a_handshake_timeout() -> Non
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_request_trickled_past_the_header_deadline_is_closed_and_counted() -> None:
+    """spec/transport.md §13: the request line and headers must be complete within `http_header_timeout_s`
+    of the accept. A client that trickles a request line is closed when that runs out and counted as
+    ``header-timeout``, and its socket leaves the limiter's count."""
+    import socket
+    import time
+
+    from peerloom.adapters.limits import ConnectionLimiter, Limits
+
+    limiter = ConnectionLimiter(Limits(http_header_timeout_s=0.6))
+
+    def trickle(port: int) -> tuple[float, float]:
+        """Seconds from connect to the server's close; one byte every 0.1 s."""
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            start = time.monotonic()
+            sock.settimeout(0.1)
+            for byte in b"GET " + HTTP_PATH.encode() + b" HTTP/1.1\r\nHost: x\r\n" * 20:
+                try:
+                    if sock.recv(1024) == b"":
+                        return time.monotonic() - start, 0.0
+                except TimeoutError:
+                    pass
+                except ConnectionResetError:
+                    return time.monotonic() - start, 0.0
+                try:
+                    sock.send(bytes([byte]))
+                except (BrokenPipeError, ConnectionResetError):
+                    return time.monotonic() - start, 0.0
+            return float("inf"), 0.0
+
+    async def main() -> float:
+        async with trio.open_nursery() as nursery:
+            transport = HttpTransport(SecureOptions(limiter=limiter))
+            bound = await nursery.start(functools.partial(transport.listen, "http://127.0.0.1:0", SERVER,
+                                                          lambda conn: trio.sleep_forever()))
+            port = int(bound.rsplit(":", 1)[1])
+            closed_after, _ = await trio.to_thread.run_sync(trickle, port)
+            with trio.fail_after(5):
+                while limiter.sockets:  # the closed socket's slot is released
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+        return closed_after
+
+    closed_after = trio.run(main)
+    assert 0.5 <= closed_after < 3.0, closed_after  # at the deadline, not before it, not never
+    assert limiter.refusals["header-timeout"] == 1
