@@ -79,17 +79,19 @@ class BoundedLru(Generic[K, V]):
         self._items.clear()
 
 
-def _malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
+def _libc_function(name: str) -> Callable[..., int] | None:
+    """glibc's function `name`, or None where the C library is not glibc (or has no such function)."""
+    library = ctypes.util.find_library("c")
+    if library is None:
         return None
     try:
-        return ctypes.CDLL(name).malloc_trim  # type: ignore[no-any-return]
+        function: Callable[..., int] = getattr(ctypes.CDLL(library), name)
     except (OSError, AttributeError):
-        return None  # not glibc
+        return None
+    return function
 
 
-_TRIM = _malloc_trim()
+_TRIM = _libc_function("malloc_trim")
 
 MMAP_THRESHOLD_BYTES = 128 << 10
 """Allocations from this size up get their own memory mapping, returned to the OS when freed
@@ -101,11 +103,7 @@ def tune_allocator() -> bool:
     raises the threshold each time a mapped block is freed, after which every connection's buffers come from
     the heap, where a flood of short connections leaves them fragmented and the RSS high for good. Call once
     per process; False where the C library has no ``mallopt``."""
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):
-        mallopt = None
+    mallopt = _libc_function("mallopt")
     if mallopt is None:
         return False
     m_mmap_threshold = -3
