@@ -44,7 +44,6 @@ and joins its thread. An error of the node's thread is raised in the loop by `Pe
 
 from __future__ import annotations
 
-import json
 import queue
 import threading
 from collections.abc import Iterator
@@ -54,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from peerloom.core.errors import PeerloomError
-from peerloom.node import ConfigError, build_runtime, load_config
+from peerloom.node import ConfigError, build_runtime, load_config, write_stats
 
 CHECKS = ("first", "every")
 """`join`'s ``check``: replay the first window this peer trains, or every one (under audits only)."""
@@ -356,17 +355,8 @@ class Peer:
             self._close_runtime()
 
     def _close_runtime(self) -> None:
-        runtime = self._runtime
-        runtime.close()
-        if "stats" in self._config:
-            from peerloom.adapters.storage import atomic_write
-
-            sent, received = runtime.wire_bytes()
-            stats = {"name": self._config["name"], "peer_id": self.peer_id, "bytes_sent": sent,
-                     "bytes_received": received, "head_window": runtime.engine.head.window,
-                     "counters": dict(runtime.engine.stats),
-                     "rejected_by_reason": dict(runtime.engine.rejected_by_reason)}
-            atomic_write(Path(self._config["stats"]), json.dumps(stats, indent=2).encode())
+        self._runtime.close()
+        write_stats(self._runtime, self._config)
 
     def _next_job(self) -> _Job | None:
         while True:

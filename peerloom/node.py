@@ -798,10 +798,16 @@ def run_node(config_path: Path, *, stop_after_window: int | None = None) -> None
         trio.run(main)
     finally:
         runtime.close()
-        if "stats" in config:
-            sent, received = runtime.wire_bytes()
-            stats = {"name": config["name"], "peer_id": runtime.identity.peer_id.to_text(), "bytes_sent": sent,
-                     "bytes_received": received, "head_window": runtime.engine.head.window,
-                     "counters": dict(runtime.engine.stats),
-                     "rejected_by_reason": dict(runtime.engine.rejected_by_reason)}
-            _write_or_warn(Path(config["stats"]), json.dumps(stats, indent=2).encode(), runtime)
+        write_stats(runtime, config)
+
+
+def write_stats(runtime: NodeRuntime, config: dict[str, Any]) -> None:
+    """The config's ``stats`` file, if it names one, written as a node stops: JSON with its name, peer id,
+    wire bytes (sent, received), last head window, the engine's counters and rejections by reason."""
+    if "stats" not in config:
+        return
+    sent, received = runtime.wire_bytes()
+    stats = {"name": config["name"], "peer_id": runtime.identity.peer_id.to_text(), "bytes_sent": sent,
+             "bytes_received": received, "head_window": runtime.engine.head.window,
+             "counters": dict(runtime.engine.stats), "rejected_by_reason": dict(runtime.engine.rejected_by_reason)}
+    _write_or_warn(Path(config["stats"]), json.dumps(stats, indent=2).encode(), runtime)
