@@ -49,6 +49,7 @@ from . import disk, tcp
 from .addressbook import HANDSHAKE_FAILURES, AddressBook
 from .compute import ComputeExecutor
 from .edge_view import SUBMIT_TIMEOUT_S, NodeEdgeView, PeerInfo, SubmitResult
+from .eventqueue import EventQueue
 from .host import chunk_message, drain, stored_event
 from .limits import ConnectionLimiter, Limits, LimitsCollector
 from .logs import LineLimiter
@@ -237,8 +238,8 @@ class NodeRuntime:
         self._unwritten: list[fx.Persist] = []
         self._unwritten_chain: list[tuple[Head, QuorumCertificate]] = []
         self._lost_fetches: set[bytes] = set()  # fetches with a chunk that never reached the disk
-        self._send_events, self._receive_events = trio.open_memory_channel[ev.Event | _Submit | _DiskResumed](
-            math.inf)
+        # What the engine handles next: admitted peers' events and the node's own before strangers' (§14).
+        self._events: EventQueue[ev.Event | _Submit | _DiskResumed] = EventQueue()
         # Bytes of each peer's messages queued for the engine, bounded per peer (`_inbox_room`).
         self._inbox: Counter[PeerId] = Counter()
         self._inbox_room_events: dict[PeerId, trio.Event] = {}
@@ -350,7 +351,7 @@ class NodeRuntime:
                 log.warning("disk probe failed: %s", exc)
                 free = False
             if free:
-                await self._send_events.send(_DiskResumed())
+                self._events.put(_DiskResumed())
                 return
 
     def _resume_writes(self) -> None:
@@ -466,7 +467,7 @@ class NodeRuntime:
         """Ask the engine to leave the roster (`ev.LeaveRequested`, spec/protocol.md §5 "Leave"): the main
         loop feeds it like any other event. Call on the trio thread while `run` is running; trainers only
         (the engine raises LocalProtocolError for a node without the trainer role)."""
-        self._send_events.send_nowait(ev.LeaveRequested(now=0.0))
+        self._events.put(ev.LeaveRequested(now=0.0))
 
     def join_pending(self) -> bool:
         """True while this node (a trainer) has sent a join that no head has answered yet."""
@@ -586,7 +587,7 @@ class NodeRuntime:
         while True:
             deadline = self.engine.next_deadline()
             with trio.move_on_at(deadline if deadline is not None else math.inf):
-                item = await self._receive_events.receive()
+                item = await self._events.get()
                 if isinstance(item, _Submit):
                     self._submit(item)
                 elif isinstance(item, _DiskResumed):
@@ -798,10 +799,10 @@ class NodeRuntime:
                 self._disk_is_full(f"task {effect.kind}", exc)
             else:
                 log.exception("task %s failed", effect.task_id)
-            await self._send_events.send(ev.TaskFailed(now=0.0, task_id=effect.task_id, reason=repr(exc)))
+            self._events.put(ev.TaskFailed(now=0.0, task_id=effect.task_id, reason=repr(exc)))
             return
         self._emit_line("task-done", {"kind": effect.kind, "seconds": round(time.monotonic() - started, 4)})
-        await self._send_events.send(ev.TaskFinished(now=0.0, task_id=effect.task_id, result=result))
+        self._events.put(ev.TaskFinished(now=0.0, task_id=effect.task_id, result=result))
 
     async def _dialer(self) -> None:
         """Dial what the address book says is due (bootstrap and discovered addresses, with backoff)."""
@@ -887,7 +888,7 @@ class NodeRuntime:
             self._emit_line("connected", {"peer": peer.to_text(), "address": address,
                                           "transport": getattr(conn, "transport_kind", None),
                                           "cipher": getattr(conn, "transport_cipher", None)})
-        await self._send_events.send(ev.PeerConnected(now=0.0, peer=peer))
+        self._events.put(ev.PeerConnected(now=0.0, peer=peer), stranger=not outbox.admitted)
         try:
             with scope:
                 await self._run_connection(conn, peer, outbox, control_in, bulk_in)
@@ -906,7 +907,7 @@ class NodeRuntime:
             del self._conns[peer], self._outboxes[peer]
             with trio.CancelScope(shield=True):
                 await conn.aclose()
-                await self._send_events.send(ev.PeerDisconnected(now=0.0, peer=peer))
+                self._events.put(ev.PeerDisconnected(now=0.0, peer=peer), stranger=not outbox.admitted)
 
     async def _run_connection(self, conn: Connection, peer: PeerId, outbox: _Outbox,
                               control_in: trio.MemoryReceiveChannel[bytes],
@@ -924,7 +925,7 @@ class NodeRuntime:
                         self._note_hello(data)
                         first = False
                     self._inbox[peer] += len(data)
-                    await self._send_events.send(ev.MessageReceived(now=0.0, peer=peer, data=data))
+                    self._events.put(ev.MessageReceived(now=0.0, peer=peer, data=data), stranger=not outbox.admitted)
             except tcp.TransportError as exc:
                 if tcp.fault_reason(exc) in tcp.PEER_FAULTS:
                     nursery.cancel_scope.cancel()
@@ -1019,7 +1020,7 @@ class NodeRuntime:
         async def submit() -> SubmitResult:
             self._submit_ids += 1
             item = _Submit(request_id=self._submit_ids, envelope=envelope, artifact=artifact)
-            await self._send_events.send(item)
+            self._events.put(item)
             with trio.move_on_after(SUBMIT_TIMEOUT_S):
                 await item.done.wait()
             self._submits.pop(item.request_id, None)
