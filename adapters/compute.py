@@ -593,7 +593,8 @@ class ComputeExecutor:
         read = (lambda ref: self.open(ref, stack)) if self.manifest.codec == "none" else self.load
         deltas = [self._decode(read(ref)) for ref in args["deltas"]]
         weights = list(args["weights"])
-        outliers = self._outliers(deltas, float(args.get("norm_ratio", 0.0)), float(args.get("min_cosine", -1.0)))
+        outliers = cohort_outliers(self.compute, deltas, float(args.get("norm_ratio", 0.0)),
+                                   float(args.get("min_cosine", -1.0)))
         bad = {i for i, *_ in outliers}
         kept = [i for i in range(len(deltas)) if i not in bad]
         out: dict[str, Any] = {"outliers": outliers, "kept": kept, "outer_state": None, "outer_state_digest": None}
@@ -632,25 +633,36 @@ class ComputeExecutor:
             out["params"] = new_writer[1].commit()
         return out
 
-    def _outliers(self, deltas: list[dict[str, np.ndarray]], norm_ratio: float, min_cosine: float) -> list[list[Any]]:
-        if len(deltas) < 2 or (norm_ratio <= 0.0 and min_cosine <= -1.0):
-            return []
-        centre = self.compute.aggregate("median", deltas, [1] * len(deltas))
-        stats = [self.compute.stats(d, reference=centre) for d in deltas]
-        norms = sorted(s["global_norm"] for s in stats)
-        mid = len(norms) // 2
-        median_norm = norms[mid] if len(norms) % 2 else (norms[mid - 1] + norms[mid]) * 0.5
-        outliers: list[list[Any]] = []
-        for i, s in enumerate(stats):
-            norm, threshold = s["global_norm"], norm_ratio * median_norm
-            if norm_ratio > 0.0 and norm > threshold:
-                ratio = norm / median_norm if median_norm > 0.0 else math.inf
-                outliers.append([i, "norm-outlier", f"norm {norm:.6g} is {ratio:.4g} x the cohort's median norm "
-                                                    f"{median_norm:.6g}; threshold {norm_ratio:g} x = {threshold:.6g}"])
-            elif min_cosine > -1.0 and s["cosine"] == s["cosine"] and s["cosine"] < min_cosine:
-                outliers.append([i, "cosine", f"cosine {s['cosine']:.4g} to the cohort's coordinate-wise median, "
-                                              f"below min_cosine {min_cosine:g}"])
-        return outliers
+
+def cohort_outliers(compute: NumpyCompute, deltas: Sequence[dict[str, Any]], norm_ratio: float,
+                    min_cosine: float) -> list[list[Any]]:
+    """Cohort screening (spec/protocol.md §6) of candidate deltas in canonical order, as the ``reduce`` task
+    runs it: ``[[candidate index, reason, detail]]`` in index order, reason ``norm-outlier`` or ``cosine``
+    (the engine's ``screen-*`` codes without the prefix) and detail the numbers.
+
+    The robust centre is the candidates' coordinate-wise median (`compute`'s ``median``); a candidate whose
+    global L2 norm (float64 lane sums, equal on numpy and torch) exceeds ``norm_ratio`` times the median norm
+    is a ``norm-outlier``, else one whose cosine to the centre is below ``min_cosine`` is a ``cosine`` outlier.
+    ``norm_ratio`` 0 and ``min_cosine`` -1 switch the tests off. A deterministic function of the candidates
+    and the thresholds, so validators re-run it to check a proposal (spec §7)."""
+    if len(deltas) < 2 or (norm_ratio <= 0.0 and min_cosine <= -1.0):
+        return []
+    centre = compute.aggregate("median", list(deltas), [1] * len(deltas))
+    stats = [compute.stats(d, reference=centre) for d in deltas]
+    norms = sorted(s["global_norm"] for s in stats)
+    mid = len(norms) // 2
+    median_norm = norms[mid] if len(norms) % 2 else (norms[mid - 1] + norms[mid]) * 0.5
+    outliers: list[list[Any]] = []
+    for i, s in enumerate(stats):
+        norm, threshold = s["global_norm"], norm_ratio * median_norm
+        if norm_ratio > 0.0 and norm > threshold:
+            ratio = norm / median_norm if median_norm > 0.0 else math.inf
+            outliers.append([i, "norm-outlier", f"norm {norm:.6g} is {ratio:.4g} x the cohort's median norm "
+                                                f"{median_norm:.6g}; threshold {norm_ratio:g} x = {threshold:.6g}"])
+        elif min_cosine > -1.0 and s["cosine"] == s["cosine"] and s["cosine"] < min_cosine:
+            outliers.append([i, "cosine", f"cosine {s['cosine']:.4g} to the cohort's coordinate-wise median, "
+                                          f"below min_cosine {min_cosine:g}"])
+    return outliers
 
 
 def loss_check_batch(lease: Sequence[int], samples: int, seed: int) -> list[int]:
