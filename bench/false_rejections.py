@@ -50,7 +50,8 @@ from peerloom.core.audit import loss_batch_seed
 from peerloom.core.objects import Manifest
 
 DEFAULTS = {name: field.default for name, field in attrs.fields_dict(Manifest).items()}
-SCREENING = {"norm_ratio": float(DEFAULTS["norm_ratio"]), "min_cosine": float(DEFAULTS["min_cosine"])}
+SCREENING = {"norm_ratio": float(DEFAULTS["norm_ratio"]), "min_cosine": float(DEFAULTS["min_cosine"]),
+             "norm_mads": int(DEFAULTS["norm_mads"])}
 RULE = "centered_clip"  # `peerloom init`'s default aggregation rule
 OUTER = {"name": "diloco", "lr": 0.7, "momentum": 0.9}  # `peerloom init`'s default outer optimizer
 LOSS_SAMPLES = 64  # `loss_check_samples` of a deployment that enables the loss check

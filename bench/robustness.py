@@ -91,6 +91,7 @@ QUICK_ATTACKS = ("none", "sign-flip", "scaling", "alie", "ipm-100")
 # The protocol's defences (`--defenses`), at the engine's defaults (`Manifest`) unless stated.
 _DEFAULTS = {name: field.default for name, field in attrs.fields_dict(Manifest).items()}
 NORM_RATIO = float(_DEFAULTS["norm_ratio"])  # cohort screening: norm > 10 x the median norm is an outlier
+NORM_MADS = int(_DEFAULTS["norm_mads"])  # ... or beyond the cohort's spread of norms ** 6, whichever is larger
 MIN_COSINE = float(_DEFAULTS["min_cosine"])  # -1: the cosine test is off by default, as in the engine
 LOSS_SAMPLES = 64  # loss check batch (`loss_check_samples`; the manifest default 0 turns the check off)
 LOSS_MIN_DROP = float(_DEFAULTS["loss_min_drop"])
@@ -171,10 +172,10 @@ def loss_check(workload: Any, params: dict[str, np.ndarray], delta: dict[str, np
 
 
 def cohort_outliers(deltas: list[dict[str, np.ndarray]], norm_ratio: float = NORM_RATIO,
-                    min_cosine: float = MIN_COSINE) -> dict[int, str]:
+                    min_cosine: float = MIN_COSINE, norm_mads: int = NORM_MADS) -> dict[int, str]:
     """Cohort screening (spec/protocol.md §6): the executor's own `peerloom.adapters.compute.cohort_outliers`
     (numpy backend) at the engine's defaults. {index: reason}."""
-    return {i: reason for i, reason, _ in engine_outliers(NumpyCompute(), deltas, norm_ratio, min_cosine)}
+    return {i: reason for i, reason, _ in engine_outliers(NumpyCompute(), deltas, norm_ratio, min_cosine, norm_mads)}
 
 
 def run_defended_cell(workload: Any, flipped: Any, shards: list[list[int]],
@@ -395,7 +396,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.defenses:
         report["defended_cells"] = defended
         report["defended_default_rule"] = choose_default(defended, clean)
-        report["defenses"] = {"enabled": list(defenses), "norm_ratio": NORM_RATIO, "min_cosine": MIN_COSINE,
+        report["defenses"] = {"enabled": list(defenses), "norm_ratio": NORM_RATIO, "norm_mads": NORM_MADS,
+                              "min_cosine": MIN_COSINE,
                               "loss_check_samples": LOSS_SAMPLES, "loss_min_drop": LOSS_MIN_DROP,
                               "audit_rate": args.audit_rate, **vars(QUARANTINE)}
     report["wall_s"] = time.perf_counter() - start
