@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from peerloom.backends._robust import median_of
 from peerloom.backends.numpy import codecs as np_codecs
 from peerloom.backends.numpy import reduce as np_reduce
 from peerloom.backends.numpy.aggregate import aggregate, outer_step, screening_stats
@@ -576,11 +577,12 @@ class ComputeExecutor:
         """Cohort screening, then aggregation and the outer optimizer step (spec/protocol.md §6-7).
 
         The candidates (canonical order) are screened against each other: the robust centre is their
-        coordinate-wise median; a candidate whose L2 norm exceeds ``norm_ratio`` times the median norm is
-        an outlier (``norm-outlier``), else one whose cosine to the centre is below ``min_cosine`` is
-        (``cosine``). The rest are aggregated with the manifest's rule and the outer optimizer applied:
-        FedAvg (SGD, lr `outer_lr`) or DiLoCo (Nesterov momentum `outer_momentum`, state = the parent head's
-        `outer_state` artifact or zeros). Result: params, params_digest, outer_state (ArtifactRef or None),
+        coordinate-wise median; a candidate whose L2 norm exceeds the larger of ``norm_ratio`` and the
+        cohort's spread to the power ``norm_mads`` times the median norm is an outlier (``norm-outlier``),
+        else one whose cosine to the centre is below ``min_cosine`` is (``cosine``): `cohort_outliers`. The
+        rest are aggregated with the manifest's rule and the outer optimizer applied: FedAvg (SGD, lr
+        `outer_lr`) or DiLoCo (Nesterov momentum `outer_momentum`, state = the parent head's `outer_state`
+        artifact or zeros). Result: params, params_digest, outer_state (ArtifactRef or None),
         outer_state_digest, outliers ([[candidate index, reason, detail]]: the detail gives the numbers) and kept
         (candidate indices reduced).
 
@@ -593,7 +595,8 @@ class ComputeExecutor:
         read = (lambda ref: self.open(ref, stack)) if self.manifest.codec == "none" else self.load
         deltas = [self._decode(read(ref)) for ref in args["deltas"]]
         weights = list(args["weights"])
-        outliers = self._outliers(deltas, float(args.get("norm_ratio", 0.0)), float(args.get("min_cosine", -1.0)))
+        outliers = cohort_outliers(self.compute, deltas, float(args.get("norm_ratio", 0.0)),
+                                   float(args.get("min_cosine", -1.0)), int(args.get("norm_mads", 0)))
         bad = {i for i, *_ in outliers}
         kept = [i for i in range(len(deltas)) if i not in bad]
         out: dict[str, Any] = {"outliers": outliers, "kept": kept, "outer_state": None, "outer_state_digest": None}
@@ -632,25 +635,68 @@ class ComputeExecutor:
             out["params"] = new_writer[1].commit()
         return out
 
-    def _outliers(self, deltas: list[dict[str, np.ndarray]], norm_ratio: float, min_cosine: float) -> list[list[Any]]:
-        if len(deltas) < 2 or (norm_ratio <= 0.0 and min_cosine <= -1.0):
-            return []
-        centre = self.compute.aggregate("median", deltas, [1] * len(deltas))
-        stats = [self.compute.stats(d, reference=centre) for d in deltas]
-        norms = sorted(s["global_norm"] for s in stats)
-        mid = len(norms) // 2
-        median_norm = norms[mid] if len(norms) % 2 else (norms[mid - 1] + norms[mid]) * 0.5
-        outliers: list[list[Any]] = []
-        for i, s in enumerate(stats):
-            norm, threshold = s["global_norm"], norm_ratio * median_norm
-            if norm_ratio > 0.0 and norm > threshold:
-                ratio = norm / median_norm if median_norm > 0.0 else math.inf
-                outliers.append([i, "norm-outlier", f"norm {norm:.6g} is {ratio:.4g} x the cohort's median norm "
-                                                    f"{median_norm:.6g}; threshold {norm_ratio:g} x = {threshold:.6g}"])
-            elif min_cosine > -1.0 and s["cosine"] == s["cosine"] and s["cosine"] < min_cosine:
-                outliers.append([i, "cosine", f"cosine {s['cosine']:.4g} to the cohort's coordinate-wise median, "
-                                              f"below min_cosine {min_cosine:g}"])
-        return outliers
+
+MIN_SCREEN_COHORT = 3
+"""Fewer candidates than this are never cohort outliers (spec/protocol.md §6): two have their mean as median."""
+
+
+def norm_spread(norms: Sequence[float], median_norm: float) -> float:
+    """The cohort's spread of norms (spec/protocol.md §6): the median over candidates of ``max(n / m, m / n)``
+    (``m`` the median norm, a zero norm against a positive ``m`` counting as infinite), >= 1; of an even
+    count the geometric mean of the two middle values. ``log`` of it is the median absolute deviation of the
+    log norms, computed with correctly rounded operations only (division, product, square root), so every
+    validator gets the same float64."""
+    spreads = sorted(max(n, median_norm) / min(n, median_norm) if min(n, median_norm) > 0.0 else
+                     (1.0 if n == median_norm else math.inf) for n in norms)
+    mid = len(spreads) // 2
+    return spreads[mid] if len(spreads) % 2 else math.sqrt(spreads[mid - 1] * spreads[mid])
+
+
+def cohort_outliers(compute: NumpyCompute, deltas: Sequence[dict[str, Any]], norm_ratio: float,
+                    min_cosine: float, norm_mads: int = 0) -> list[list[Any]]:
+    """Cohort screening (spec/protocol.md §6) of candidate deltas in canonical order, as the ``reduce`` task
+    runs it: ``[[candidate index, reason, detail]]`` in index order, reason ``norm-outlier`` or ``cosine``
+    (the engine's ``screen-*`` codes without the prefix) and detail the numbers.
+
+    The robust centre is the candidates' coordinate-wise median (`compute`'s ``median``). A candidate whose
+    global L2 norm (float64 lane sums, equal on numpy and torch) exceeds ``factor`` times the median norm
+    ``m`` is a ``norm-outlier``, with ``factor = max(norm_ratio, spread ** norm_mads)`` (`norm_spread`; the
+    power by repeated multiplication): in log space the bound is the median log norm plus the larger of
+    ``log(norm_ratio)`` and ``norm_mads`` median absolute deviations of the log norms, so a cohort whose
+    honest norms are spread widely is not cut at a fixed ratio. ``norm_mads`` 0 is the fixed ratio alone.
+    Else one whose cosine to the centre is below ``min_cosine`` is a ``cosine`` outlier. ``norm_ratio`` 0 and
+    ``min_cosine`` -1 switch the tests off; fewer than `MIN_SCREEN_COHORT` candidates are never outliers. A
+    deterministic function of the candidates and the thresholds, invariant under their order, so validators
+    re-run it to check a proposal (spec §7)."""
+    if len(deltas) < MIN_SCREEN_COHORT or (norm_ratio <= 0.0 and min_cosine <= -1.0):
+        return []
+    centre = compute.aggregate("median", list(deltas), [1] * len(deltas))
+    stats = [compute.stats(d, reference=centre) for d in deltas]
+    norms = [s["global_norm"] for s in stats]
+    median_norm = median_of(norms)
+    factor, why = norm_ratio, f"norm_ratio {norm_ratio:g}"
+    if norm_ratio > 0.0 and norm_mads > 0:
+        spread = norm_spread(norms, median_norm)
+        power = 1.0
+        for _ in range(norm_mads):
+            power *= spread
+        if power > factor:
+            factor = power
+            why = f"spread {spread:.4g} ** norm_mads {norm_mads} (norm_ratio {norm_ratio:g})"
+        else:
+            why += f" (spread {spread:.4g} ** norm_mads {norm_mads} = {power:.4g})"
+    outliers: list[list[Any]] = []
+    for i, s in enumerate(stats):
+        norm, threshold = s["global_norm"], factor * median_norm
+        if norm_ratio > 0.0 and norm > threshold:
+            ratio = norm / median_norm if median_norm > 0.0 else math.inf
+            outliers.append([i, "norm-outlier", f"norm {norm:.6g} is {ratio:.4g} x the cohort's median norm "
+                                                f"{median_norm:.6g}; threshold {factor:.4g} x = {threshold:.6g} "
+                                                f"from {why}"])
+        elif min_cosine > -1.0 and s["cosine"] == s["cosine"] and s["cosine"] < min_cosine:
+            outliers.append([i, "cosine", f"cosine {s['cosine']:.4g} to the cohort's coordinate-wise median, "
+                                          f"below min_cosine {min_cosine:g}"])
+    return outliers
 
 
 def loss_check_batch(lease: Sequence[int], samples: int, seed: int) -> list[int]:

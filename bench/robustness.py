@@ -21,8 +21,8 @@ the order of ``PREFERENCE``, whose accuracy is >= 90% of ``clean_accuracy`` in e
 draws the table as a heatmap PNG.
 
 ``--defenses`` also runs every cell with the protocol's defences (spec/protocol.md §6, §6.1, §6.2, §9), at the
-engine's parameters: cohort screening (norm ratio 10 against the median norm, as ``adapters/compute.py``
-``_outliers``), the loss check on 64 of the author's own leased samples (``workload.loss`` with the update
+engine's parameters: cohort screening (the executor's own ``adapters/compute.py`` ``cohort_outliers``, at the
+manifest's defaults), the loss check on 64 of the author's own leased samples (``workload.loss`` with the update
 applied and applied the opposite way, with the executor's ``loss_check_batch`` and ``loss_check_passes``; its
 rejections are not strikes), outliers as strikes with the engine's quarantine records
 (`core.quarantine.next_records`: 3 strikes in 5 windows quarantine a trainer for 10), and sampled audits at
@@ -51,11 +51,12 @@ from typing import Any
 import attrs
 import numpy as np
 
-from peerloom.adapters.compute import loss_check_batch, loss_check_passes
+from peerloom.adapters.compute import NumpyCompute, loss_check_batch, loss_check_passes
+from peerloom.adapters.compute import cohort_outliers as engine_outliers
 from peerloom.backends.attacks import alie_z, craft_update, label_flipped
 from peerloom.backends.datasets import shard_indices
 from peerloom.backends.mnist1d import make_mnist1d_numpy_workload
-from peerloom.backends.numpy.aggregate import aggregate, outer_step, screening_stats
+from peerloom.backends.numpy.aggregate import aggregate, outer_step
 from peerloom.backends.numpy.workload import make_digits_numpy_workload
 from peerloom.core.audit import audit_selected, loss_batch_seed
 from peerloom.core.objects import Manifest
@@ -90,6 +91,7 @@ QUICK_ATTACKS = ("none", "sign-flip", "scaling", "alie", "ipm-100")
 # The protocol's defences (`--defenses`), at the engine's defaults (`Manifest`) unless stated.
 _DEFAULTS = {name: field.default for name, field in attrs.fields_dict(Manifest).items()}
 NORM_RATIO = float(_DEFAULTS["norm_ratio"])  # cohort screening: norm > 10 x the median norm is an outlier
+NORM_MADS = int(_DEFAULTS["norm_mads"])  # ... or beyond the cohort's spread of norms ** 6, whichever is larger
 MIN_COSINE = float(_DEFAULTS["min_cosine"])  # -1: the cosine test is off by default, as in the engine
 LOSS_SAMPLES = 64  # loss check batch (`loss_check_samples`; the manifest default 0 turns the check off)
 LOSS_MIN_DROP = float(_DEFAULTS["loss_min_drop"])
@@ -170,25 +172,10 @@ def loss_check(workload: Any, params: dict[str, np.ndarray], delta: dict[str, np
 
 
 def cohort_outliers(deltas: list[dict[str, np.ndarray]], norm_ratio: float = NORM_RATIO,
-                    min_cosine: float = MIN_COSINE) -> dict[int, str]:
-    """Cohort screening (spec/protocol.md §6), as ``adapters/compute.py`` ``_outliers`` runs it: the centre is
-    the coordinate-wise median; a member whose norm exceeds `norm_ratio` x the median norm is
-    ``norm-outlier``, else one whose cosine to the centre is below `min_cosine` is ``cosine``.
-    {index: reason}."""
-    if len(deltas) < 2 or (norm_ratio <= 0.0 and min_cosine <= -1.0):
-        return {}
-    centre = aggregate("median", deltas, [1] * len(deltas))
-    stats = [screening_stats(d, reference=centre) for d in deltas]
-    norms = sorted(s["global_norm"] for s in stats)
-    mid = len(norms) // 2
-    median_norm = norms[mid] if len(norms) % 2 else (norms[mid - 1] + norms[mid]) * 0.5
-    out: dict[int, str] = {}
-    for i, s in enumerate(stats):
-        if norm_ratio > 0.0 and s["global_norm"] > norm_ratio * median_norm:
-            out[i] = "norm-outlier"
-        elif min_cosine > -1.0 and s["cosine"] == s["cosine"] and s["cosine"] < min_cosine:
-            out[i] = "cosine"
-    return out
+                    min_cosine: float = MIN_COSINE, norm_mads: int = NORM_MADS) -> dict[int, str]:
+    """Cohort screening (spec/protocol.md §6): the executor's own `peerloom.adapters.compute.cohort_outliers`
+    (numpy backend) at the engine's defaults. {index: reason}."""
+    return {i: reason for i, reason, _ in engine_outliers(NumpyCompute(), deltas, norm_ratio, min_cosine, norm_mads)}
 
 
 def run_defended_cell(workload: Any, flipped: Any, shards: list[list[int]],
@@ -409,7 +396,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.defenses:
         report["defended_cells"] = defended
         report["defended_default_rule"] = choose_default(defended, clean)
-        report["defenses"] = {"enabled": list(defenses), "norm_ratio": NORM_RATIO, "min_cosine": MIN_COSINE,
+        report["defenses"] = {"enabled": list(defenses), "norm_ratio": NORM_RATIO, "norm_mads": NORM_MADS,
+                              "min_cosine": MIN_COSINE,
                               "loss_check_samples": LOSS_SAMPLES, "loss_min_drop": LOSS_MIN_DROP,
                               "audit_rate": args.audit_rate, **vars(QUARANTINE)}
     report["wall_s"] = time.perf_counter() - start

@@ -405,4 +405,4 @@ class Collector:
         return {"params": self.head.params, "deltas": tuple(x.announcement.delta for x in cohort),
                 "weights": self.weights(cohort), "rule": m.aggregation, "outer_optimizer": m.outer_optimizer,
                 "outer_lr": m.outer_lr, "outer_momentum": m.outer_momentum, "outer_state": self.head.outer_state,
-                "norm_ratio": m.norm_ratio, "min_cosine": m.min_cosine}
+                "norm_ratio": m.norm_ratio, "min_cosine": m.min_cosine, "norm_mads": m.norm_mads}

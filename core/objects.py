@@ -43,6 +43,7 @@ ERROR_FEEDBACK_CODECS = ("topk", "sign")
 # an `AdmissionCertificate` signed by the manifest's `admission_authority`.
 ADMISSION_POLICIES = ("open", "certificate")
 # Screening reasons of cohort-relative outliers (the reduce task's cohort screening).
+MAX_NORM_MADS = 64  # the largest `norm_mads`: the power of a cohort's spread is a product of that many floats
 OUTLIER_REASONS = frozenset({"screen-norm-outlier", "screen-cosine"})
 # DiLoCo outer Nesterov momentum default (Douillard et al., arXiv 2311.08105); FedAvg has none.
 DILOCO_MOMENTUM = 0.9
@@ -180,10 +181,14 @@ class Manifest:
     genesis_params_digest: bytes
     roster: tuple[RosterEntry, ...]
     # Screening thresholds (spec/protocol.md §6). 0 disables the absolute norm bound and the cohort-relative
-    # norm ratio; min_cosine -1 disables the cosine test.
+    # norm ratio; min_cosine -1 disables the cosine test. Cohort screening's norm bound is the larger of
+    # `norm_ratio` and the cohort's spread of norms to the power `norm_mads` (median absolute deviations of the
+    # log norms) times the median norm; 0 (absent from the encoding, as in revisions before the field) is the
+    # fixed ratio alone.
     max_update_norm: float = 0.0
     norm_ratio: float = 10.0
     min_cosine: float = -1.0
+    norm_mads: int = 6
     # Quarantine (spec/protocol.md §9): `quarantine_strikes` screening rejections within `strike_windows`
     # windows quarantine a trainer for `quarantine_windows` windows.
     quarantine_strikes: int = 3
@@ -273,6 +278,8 @@ class Manifest:
             raise DecodeError("bad-field", "admission must be 'open' (no authority) or 'certificate' (an authority)")
         if self.idle_windows < 0:
             raise DecodeError("bad-field", "idle_windows must be >= 0")
+        if not 0 <= self.norm_mads <= MAX_NORM_MADS:
+            raise DecodeError("bad-field", f"norm_mads must be in 0..{MAX_NORM_MADS}, got {self.norm_mads!r}")
         if not 0.0 < self.unproven_share <= 1.0 or self.max_joins < 0:
             raise DecodeError("bad-field", "unproven_share must be in (0, 1] and max_joins >= 0")
         if not 0.0 <= self.audit_rate <= 1.0 or (self.audit_rate > 0.0 and not self.audit):
@@ -323,6 +330,8 @@ class Manifest:
             body["loss_check_samples"] = self.loss_check_samples
         if self.loss_min_drop:
             body["loss_min_drop"] = self.loss_min_drop
+        if self.norm_mads:
+            body["norm_mads"] = self.norm_mads
         return body
 
     @classmethod
@@ -336,13 +345,14 @@ class Manifest:
         audit_segments = f.uint(body, "audit_segments", maximum=MAX_AUDIT_SEGMENTS) if "audit_segments" in body else 0
         loss_check_samples = f.uint(body, "loss_check_samples", maximum=1 << 20) if "loss_check_samples" in body else 0
         loss_min_drop = f.number(body, "loss_min_drop") if "loss_min_drop" in body else 0.0
+        norm_mads = f.uint(body, "norm_mads", maximum=MAX_NORM_MADS) if "norm_mads" in body else 0
         if ("idle_windows" in body and idle_windows == 0) or ("unproven_share" in body and unproven_share == 1.0) \
                 or ("max_joins" in body and max_joins == 0) or ("audit_rate" in body and audit_rate == 0.0) \
                 or ("audit_segments" in body and audit_segments == 0) \
                 or ("loss_check_samples" in body and loss_check_samples == 0) \
-                or ("loss_min_drop" in body and loss_min_drop == 0.0):
-            raise DecodeError("bad-field", "idle_windows, unproven_share, max_joins, audit_rate, loss_check_samples "
-                                           "and loss_min_drop are absent when off")
+                or ("loss_min_drop" in body and loss_min_drop == 0.0) or ("norm_mads" in body and norm_mads == 0):
+            raise DecodeError("bad-field", "idle_windows, unproven_share, max_joins, audit_rate, loss_check_samples, "
+                                           "loss_min_drop and norm_mads are absent when off")
         schema = []
         for item in f.array(body, "schema", max_len=MAX_TENSORS):
             if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
@@ -378,7 +388,7 @@ class Manifest:
             admission_authority=None if body["admission_authority"] is None else f.peer(body, "admission_authority"),
             idle_windows=idle_windows, unproven_share=unproven_share, max_joins=max_joins,
             audit_rate=audit_rate, loss_check_samples=loss_check_samples, loss_min_drop=loss_min_drop,
-            audit_segments=audit_segments,
+            audit_segments=audit_segments, norm_mads=norm_mads,
         )
 
     def seal(self, authority: Identity) -> SignedEnvelope:
@@ -394,7 +404,7 @@ _MANIFEST_KEYS = frozenset({
     "admission", "admission_authority",
 })
 _MANIFEST_OPTIONAL = frozenset({"idle_windows", "unproven_share", "max_joins", "audit_rate", "loss_check_samples",
-                                "loss_min_drop", "audit_segments"})  # present only when not off
+                                "loss_min_drop", "audit_segments", "norm_mads"})  # present only when not off
 
 
 @attrs.frozen(kw_only=True)

@@ -36,7 +36,7 @@ MANIFEST_PASSTHROUGH = {"quarantine_strikes": int, "strike_windows": int, "quara
                         "outer_optimizer": str, "outer_momentum": float, "inner_steps": int,
                         "audit": bool, "audit_min_cosine": float, "idle_windows": int,
                         "unproven_share": float, "max_joins": int, "audit_rate": float, "audit_segments": int,
-                        "loss_check_samples": int, "loss_min_drop": float}
+                        "loss_check_samples": int, "loss_min_drop": float, "norm_mads": int}
 TOP_KEYS = {"name", "description", "duration_s", "stop_window", "workload", "roles", "manifest", "compute",
             "network", "faults", "churn", "adversaries", "liveness", "engine", "disk", "trace"}
 

@@ -20,6 +20,7 @@ def test_a_chain_from_before_sampled_audits_verifies():
     revision, entries = verified_chain(OLD, checked=checked)
     m = revision.manifest
     assert len(entries) == 6 and (m.audit_rate, m.audit_segments, m.loss_check_samples) == (0.0, 0, 0)
+    assert m.norm_mads == 0  # decoded without the key: the fixed norm ratio its heads were screened with
     assert all(not head.audits for head, _ in entries)
     assert checked[-1].startswith("cohort and roster rules hold for 6 heads")
 

@@ -46,6 +46,23 @@ def test_manifest_round_trip_and_revision_id_is_envelope_id():
     assert rev.id == rev.envelope.id
 
 
+def test_norm_mads_is_encoded_only_when_on():
+    """spec/protocol.md §6 cohort screening: `norm_mads` defaults to 6; 0, the fixed ratio of revisions before
+    the field, is absent from the encoding, so their bytes and ids are unchanged and they decode to it."""
+    manifest = make_revision().manifest
+    assert manifest.norm_mads == 6 and manifest.to_cbor()["norm_mads"] == 6
+    assert Manifest.from_cbor(manifest.to_cbor()) == manifest
+    off = attrs.evolve(manifest, norm_mads=0)
+    assert "norm_mads" not in off.to_cbor() and Manifest.from_cbor(off.to_cbor()) == off
+    with pytest.raises(DecodeError):
+        Manifest.from_cbor({**off.to_cbor(), "norm_mads": 0})  # one encoding per manifest
+    for bad in (-1, 65):
+        with pytest.raises(DecodeError):
+            attrs.evolve(manifest, norm_mads=bad)
+    with pytest.raises(DecodeError):
+        Manifest.from_cbor({**off.to_cbor(), "norm_mads": 65})
+
+
 def test_a_manifest_has_at_most_max_cohort_shards():
     """One update per shard at most: a window's cohort then always fits a head (MAX_COHORT)."""
     from peerloom.core.objects import MAX_COHORT
