@@ -716,6 +716,9 @@ def add_parsers(subparsers: Any) -> None:
     init.add_argument("--norm-ratio", type=float, default=None,
                       help="reject an update whose norm exceeds this many times the cohort's median norm "
                            "(default 10; 0: off; cohort screening, spec/protocol.md §6)")
+    init.add_argument("--norm-mads", type=int, default=None,
+                      help="widen the norm bound to the cohort's spread of norms to this power when that is above "
+                           "--norm-ratio (default 6; 0: the fixed ratio alone; spec/protocol.md §6)")
     init.add_argument("--min-cosine", type=float, default=None,
                       help="reject an update whose cosine to the cohort's centre is below this (default -1: off)")
     init.add_argument("--base-port", type=int, default=7100, help="first TCP port of the local fleet")
@@ -769,7 +772,8 @@ def _experiment_from(args: Any) -> Experiment:
         manifest_options={**{k: v for k, v in (("audit_rate", args.audit_rate),
                                                ("audit_segments", args.audit_segments),
                                                ("loss_check_samples", args.loss_check)) if v},
-                          **{k: v for k, v in (("norm_ratio", args.norm_ratio), ("min_cosine", args.min_cosine))
+                          **{k: v for k, v in (("norm_ratio", args.norm_ratio), ("norm_mads", args.norm_mads),
+                                                ("min_cosine", args.min_cosine))
                              if v is not None}})
 
 

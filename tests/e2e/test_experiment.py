@@ -70,16 +70,16 @@ def test_init_takes_the_verification_settings(tmp_path):
 
 
 def test_init_takes_the_cohort_screening_thresholds(tmp_path):
-    """`init --norm-ratio/--min-cosine` reach the manifest's cohort screening (spec/protocol.md §6), 0 included
-    (the norm test off); a cosine outside [-1, 1] is a one-line error naming the field."""
+    """`init --norm-ratio/--norm-mads/--min-cosine` reach the manifest's cohort screening (spec/protocol.md
+    §6), 0 included (the norm test off); a cosine outside [-1, 1] is a one-line error naming the field."""
     out = _peerloom("init", str(tmp_path / "e"), "--workload", WORKLOAD, "--norm-ratio", "0", "--min-cosine", "0.25",
-                    "--base-port", "0")
+                    "--norm-mads", "0", "--base-port", "0")
     assert out.returncode == 0, out.stderr
     m = Fleet.open(tmp_path / "e").revision().manifest
-    assert (m.norm_ratio, m.min_cosine) == (0.0, 0.25)
+    assert (m.norm_ratio, m.norm_mads, m.min_cosine) == (0.0, 0, 0.25)
     plain = _peerloom("init", str(tmp_path / "d"), "--workload", WORKLOAD, "--base-port", "0")
     m = Fleet.open(tmp_path / "d").revision().manifest
-    assert plain.returncode == 0 and (m.norm_ratio, m.min_cosine) == (10.0, -1.0)  # the manifest's defaults
+    assert plain.returncode == 0 and (m.norm_ratio, m.norm_mads, m.min_cosine) == (10.0, 6, -1.0)  # the defaults
     bad = _peerloom("init", str(tmp_path / "f"), "--workload", WORKLOAD, "--min-cosine", "1.5", "--base-port", "0")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "min_cosine" in bad.stderr
 
