@@ -88,6 +88,14 @@ class WindowAgreement:
         self._start_round(round_)
         self.progress()
 
+    def first_proposal_due(self, delay_s: float) -> None:
+        """Round 0 still waits for its proposal: arm its propose timeout again, `delay_s` from now. The host
+        calls it when its window's collection closes (spec/agreement.md §4): before that no proposal of
+        this window can be checked here, so a timeout counted from the window's opening would prevote nil
+        on a collection that merely ran long."""
+        if self.round == 0 and self.step == "propose" and not self.decided:
+            self.host.schedule("propose", 0, delay_s)
+
     def on_proposal(self, round_: int, head: Head, updates: tuple[SignedEnvelope, ...],
                     valid_round: int | None, proposer: PeerId) -> None:
         """A proposal already checked to come from `proposer(round_)`. The first one per round decides

@@ -90,6 +90,7 @@ class ValidatorRole(RoleBase):
         self.state = "collecting"
         self.collector: Collector | None = None
         self.agreement: WindowAgreement | None = None
+        self.opened_at = 0.0  # engine time the window being collected opened here
         self.held: list[tuple[PeerId, SignedEnvelope]] = []  # messages for windows ahead
         self.admission = Admission(engine)
         self.clock = WindowClock(engine)
@@ -165,8 +166,11 @@ class ValidatorRole(RoleBase):
         self.admission.open(head)
         e.log("window-open", window=window, leases=len(self.collector.leases))
         m = e.manifest
+        # Round 0's propose timeout is armed again when the collection closes (`_close`); until then it is
+        # only a backstop past the latest close the window clock allows (core/deadlines.py).
+        self.opened_at = e.now
         self.agreement = WindowAgreement(self, e.me, m.validators, m.quorum, timeout_s=e.config.agreement_timeout_s,
-                                         first_propose_extra_s=m.window_s)
+                                         first_propose_extra_s=(WAIT_WINDOWS + MAX_DEADLINE_WINDOWS) * m.window_s)
         if not self.voting.restore(window):
             self.agreement.start(0)
         self._arm_deadline()
@@ -213,6 +217,10 @@ class ValidatorRole(RoleBase):
         c.closed = True
         if len(c.cohort()) < e.manifest.min_updates:
             e.log("window-short", window=c.window, accepted=len(c.cohort()), needed=e.manifest.min_updates)
+        # The first proposal may come until window_s after the opening, or agreement_timeout_s after this
+        # close if that is later (spec/agreement.md §4).
+        self.agreement.first_proposal_due(max(0.0, self.opened_at + e.manifest.window_s - e.now)
+                                          + e.config.agreement_timeout_s)
         self.agreement.progress()
 
     # --- agreement host (agreement.AgreementHost) ------------------------------------------------------

@@ -86,3 +86,27 @@ def test_a_window_closed_at_its_deadline_with_leases_unreported_lengthens_the_ne
     v.screen_all()
     v.at(WINDOW_S)
     assert v.logs("window-deadline") and v.role.clock.deadline_s == pytest.approx(1.25 * WINDOW_S)
+
+
+def test_a_window_closed_late_is_still_agreed_in_round_0():
+    """Round 0's propose timeout is `agreement_timeout_s` after the window's close when the collection ran
+    past `window_s` (adapted or extended, spec/agreement.md §4): a validator does not prevote nil while
+    its own collection, and so any proposal's check, is still running, which cost every late window a
+    round (a round's timeouts) before the head came."""
+    v = Lone(trainers=2, window_s=WINDOW_S, min_updates=1)
+    v.start()
+    for t in v.trainers:
+        v.greet(t, ("trainer",))
+    v.at(WINDOW_S)  # short: extended in half-window steps
+    v.at(2.5 * WINDOW_S)
+    v.announce(v.trainers[0])  # at last an update, long after window_s + agreement_timeout_s
+    v.screen_all()
+    while v.role.state == "collecting":  # the next half step closes it
+        v.at(v.engine.next_deadline())
+    assert v.now > WINDOW_S + v.engine.config.agreement_timeout_s and not v.logs("vote")
+    v.at(v.now + 0.5)  # the reduction takes a while: the window's own timeout has long passed
+    v.reduce()
+    v.evaluate()
+    v.until_head(100.0)
+    votes = v.logs("vote")
+    assert v.promoted() and votes and all(vote["round"] == 0 and vote["head"] is not None for vote in votes), votes

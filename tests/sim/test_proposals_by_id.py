@@ -91,11 +91,14 @@ def test_a_small_cohort_still_travels_inside_the_proposal() -> None:
 
 def test_a_withholding_proposer_costs_rounds_not_safety() -> None:
     """v0 names announcements only it holds and answers no updates-get: its proposals cannot be checked,
-    time out like a silent proposer's, and the other validators' heads certify without them."""
+    time out like a silent proposer's, and the other validators' heads certify without them. (Whether the
+    others give up fetching before a later round decides, `proposals_unavailable`, is timing.)"""
     result = _run(seed=2, adversaries=[{"behaviour": "announcement-withholding", "nodes": ["v0"]}])
     assert type(result.sim.nodes["v0"].behaviour).__name__ == "AnnouncementWithholding"
     assert result.ok, result.summary["invariants"]  # safety, and windows again after the heal
-    assert _stat(result, "proposals_unavailable", ("v1", "v2", "v3")) > 0
+    withheld = [p for p in _proposals(result, "v0") if p.head.cohort]
+    final = {h.id for h in result.checkers.final.values()}
+    assert withheld and not any(p.head.id in final for p in withheld)  # v0 proposed; none of it certified
     before_heal = [h for w, h in result.checkers.final.items() if result.checkers.final_at[w] < 60.0]
     assert len(before_heal) >= 3 and all(len(h.cohort) <= 5 for h in before_heal)  # t0-t2 never got in
 
