@@ -432,6 +432,12 @@ class PoolWorkload:
         self.workload = workload
         self.pool = pool
 
+    @property
+    def STREAMS_DELTA(self) -> bool:
+        """``train`` takes ``sink`` and params read from the store (a sharded pool: spec/pools.md §6), so the
+        node streams the head in and the pseudo-gradient out, never holding the whole model."""
+        return self.pool.parallel != "ddp"
+
     def train(self, params: Any, indices: Sequence[int], seed: int, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
         return self.pool.train(params, indices, seed, **kwargs)
 

@@ -163,3 +163,41 @@ def test_node_config_takes_the_parallel_mode(tmp_path):
     assert (table["parallel"], table["schedule"]) == ("pipeline", "1f1b")
     with pytest.raises(ConfigError, match=r"pool\.parallel"):
         load_config(_config(tmp_path, '[pool]\nranks = 2\nparallel = "zero3"\n'))
+
+
+def test_a_node_streams_a_sharded_pools_update_into_its_store_and_stores_nothing_when_a_rank_dies(
+        tmp_path, monkeypatch):
+    """The node's train task on an fsdp pool (spec/pools.md §6): the head is read from the store tensor by
+    tensor and the pseudo-gradient written into a new artifact as rank 0 gathers it. The artifact is the
+    single process's delta; when rank 1 dies in the middle of the gather, the task raises and the store
+    gains no artifact at all."""
+    from peerloom.adapters.compute import ComputeExecutor
+    from peerloom.adapters.pool import PoolWorkload
+    from peerloom.adapters.storage import ArtifactStore
+    from peerloom.backends.numpy.tensors import safetensors_views
+    from tests.helpers import make_revision
+
+    monkeypatch.setenv("PEERLOOM_TEST_POOL_DIE_IN_GATHER", str(tmp_path / "died"))
+    workload = pool_workloads.make_deep()
+    params = workload.initial_params(6)
+    shards = [LEASE[:24], LEASE[24:]]
+    manifest = make_revision(schema=workload.schema(), shards=(24, 16)).manifest
+    store = ArtifactStore(tmp_path / "store", chunk_size=1 << 16)
+    pool = TrainerPool(workload, ranks=2, timeout_s=20.0, parallel="fsdp", argv=pool_workloads.worker_argv("deep"))
+    ex = ComputeExecutor(store, manifest, PoolWorkload(workload, pool), shards)
+    head = store.put(to_safetensors(params))
+    task = {"params": head, "shards": (0,), "seed": 8, "inner_steps": 5}
+    expected, _ = pool_workloads.make_deep().train(params, LEASE[:24], 8, inner_steps=5)
+    stored_before = sorted((tmp_path / "store").rglob("*"))
+    pool.start()
+    try:
+        assert ex._streams_train()
+        with pytest.raises(PoolError, match="no update"):
+            ex.run("train", task)  # rank 1 dies in the gather: nothing stored
+        assert (tmp_path / "died").exists() and sorted((tmp_path / "store").rglob("*")) == stored_before
+        out = ex.run("train", task)
+    finally:
+        pool.close()
+    delta = safetensors_views(store.get(out["delta"].digest))
+    assert_close(dict(delta), expected)
+    assert out["delta_digest"] == ex.digest(dict(delta))
