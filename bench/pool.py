@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--timeout-s", type=float, default=120.0)
     parser.add_argument("--memory", action="store_true", help="per-rank peak memory / model size, by mode")
     parser.add_argument("--mem-hidden", type=int, default=2048, help="memory bench: hidden width")
-    parser.add_argument("--mem-layers", type=int, default=16, help="memory bench: h x h layers")
+    parser.add_argument("--mem-layers", type=int, default=24, help="memory bench: h x h layers")
     parser.add_argument("--mem-steps", type=int, default=2, help="memory bench: inner steps per task")
     parser.add_argument("--mem-ranks-list", type=lambda s: [int(n) for n in s.split(",")], default=[2, 4],
                         help="memory bench: pool sizes (comma-separated)")

@@ -13,4 +13,4 @@ if ! "$PYTHON" -c 'import peerloom.adapters.pool' 2>/dev/null; then
 fi
 "$PYTHON" -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print(torch.cuda.device_count(), "GPU(s):", torch.cuda.get_device_name(0))'
 "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/backends/test_pool_cuda.py
-"$PYTHON" bench/pool.py --memory --backend nccl --mem-hidden "${1:-8192}" --mem-layers 3 --mem-ranks-list 2,4
+"$PYTHON" bench/pool.py --memory --backend nccl --mem-hidden "${1:-2048}" --mem-ranks-list 2,4
