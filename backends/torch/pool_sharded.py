@@ -112,17 +112,13 @@ class _Built:
         self.owner, self.shapes, self.stage = owner, shapes, stage
 
 
-_BUILT: dict[int, _Built] = {}
-"""Per workload (by id): the sharded model of the current group; rebuilt when the pool re-forms."""
-
-
 def _float_state(module: nn.Module) -> dict[str, torch.Tensor]:
     return {n: t for n, t in module.state_dict(keep_vars=True).items() if t.is_floating_point()}
 
 
 def _build(workload: Any, mode: str, group: Any, split_points: Sequence[str] | None) -> _Built:
     """Build this rank's sharded module on the meta device and materialise only its part (see the module doc)."""
-    built = _BUILT.get(id(workload))
+    built = getattr(workload, "_pool_built", None)  # this group's, kept across tasks; rebuilt on re-forming
     current = group if group is not None else dist.distributed_c10d._get_default_group()
     if built is not None and built.group is current and built.mode == mode:
         return built
@@ -167,7 +163,7 @@ def _build(workload: Any, mode: str, group: Any, split_points: Sequence[str] | N
             buffers[name].copy_(value)
     shed_whole_model(workload)
     built = _Built(current, mode, module, owner, shapes, stage)
-    _BUILT[id(workload)] = built
+    workload._pool_built = built
     return built
 
 

@@ -201,3 +201,23 @@ def test_a_node_streams_a_sharded_pools_update_into_its_store_and_stores_nothing
     delta = safetensors_views(store.get(out["delta"].digest))
     assert_close(dict(delta), expected)
     assert out["delta_digest"] == ex.digest(dict(delta))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["fsdp", "pipeline"])
+def test_a_hung_rank_times_a_sharded_task_out(parallel, monkeypatch):
+    """A rank alive but silent (SIGSTOP) is caught by the group's timeout, in FSDP2's collectives and in the
+    pipeline's point-to-point exchanges alike; the pool re-forms and trains the next task."""
+    monkeypatch.setenv("PEERLOOM_TEST_POOL_TIMEOUT", "3")
+    params = pool_workloads.make_deep().initial_params(0)
+    pool = TrainerPool(pool_workloads.make_deep(), ranks=2, timeout_s=3.0, parallel=parallel,
+                       argv=pool_workloads.worker_argv("deep"))
+    try:
+        pool.start()
+        (pid,) = pool.rank_pids()
+        os.kill(pid, signal.SIGSTOP)
+        with pytest.raises(PoolError, match="no update"):
+            pool.train(params, LEASE[:16], 1)
+        assert pool.train(params, LEASE[:16], 1)[1]["samples"] == 16
+    finally:
+        pool.close()
