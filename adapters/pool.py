@@ -202,7 +202,8 @@ class TrainerPool:
         parallel: ``"ddp"`` (every rank holds the whole model, spec/pools.md §2), ``"fsdp"`` (each holds 1/N
             of the params, gradients and optimizer state, §6) or ``"pipeline"`` (each holds one stage, §7).
         split_points, schedule, microbatches: a pipeline's stages (child names where stages 1..N-1 begin;
-            None balances them by parameter count), schedule (``gpipe`` or ``1f1b``) and micro-batches per
+            None takes the workload's own ``split_points`` attribute if it has one, else balances the
+            stages by parameter count), schedule (``gpipe`` or ``1f1b``) and micro-batches per
             global batch (None: N). Announced with every task, so the other ranks need no config of their own.
 
     `start` forms the group (blocking, up to `start_timeout_s`); `train` is the workload's ``train`` for the node's
@@ -220,7 +221,8 @@ class TrainerPool:
             raise ValueError(f"parallel must be one of {PARALLEL_MODES} and schedule one of {SCHEDULES}")
         self.parallel = parallel
         self.options: dict[str, Any] = {} if parallel != "pipeline" else {
-            "split_points": list(split_points) if split_points else None, "schedule": schedule,
+            "split_points": list(split_points or getattr(workload, "split_points", None) or []) or None,
+            "schedule": schedule,
             "microbatches": microbatches}
         _step(workload, parallel)  # refuses a workload the mode cannot shard, before any rank starts
         if (argv is None) == (env is None):

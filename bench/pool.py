@@ -37,6 +37,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -114,8 +115,8 @@ def _limit(budget: float | None, model_bytes: int) -> None:
         resource.setrlimit(resource.RLIMIT_DATA, (cap, resource.getrlimit(resource.RLIMIT_DATA)[1]))
 
 
-def _model_bytes(workload: object) -> int:
-    return sum(int(np.prod(shape)) * 4 for _, _, shape in workload.schema())  # type: ignore[attr-defined]
+def _model_bytes(workload: Any) -> int:
+    return sum(int(np.prod(shape)) * 4 for _, _, shape in workload.schema())
 
 
 def _measured(fn, device: str, report: str | None, rank: int):

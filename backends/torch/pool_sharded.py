@@ -180,10 +180,12 @@ def _load_head(built: _Built, params: Mapping[str, Any] | None, rank: int, world
                group: Any) -> None:
     """Rank 0's head into every rank's part, one tensor at a time in name order."""
     state = _float_state(built.module)
+    if rank == 0 and params is None:
+        raise ValueError("rank 0 must pass the head's params")
     with torch.no_grad():
         for name in sorted(built.shapes):
             shape = built.shapes[name]
-            full = _head_tensor(params, name, shape).to(device) if rank == 0 else None  # type: ignore[arg-type]
+            full = _head_tensor(params, name, shape).to(device) if params is not None and rank == 0 else None
             owner = built.owner[name]
             if owner >= 0:  # pipeline: the stage that holds it
                 if owner == 0:

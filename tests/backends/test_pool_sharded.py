@@ -221,3 +221,14 @@ def test_a_hung_rank_times_a_sharded_task_out(parallel, monkeypatch):
         assert pool.train(params, LEASE[:16], 1)[1]["samples"] == 16
     finally:
         pool.close()
+
+
+def test_a_pipeline_takes_the_workloads_own_split_points_unless_the_config_names_some():
+    workload = pool_workloads.make_deep()
+    workload.split_points = ["4"]
+    named = TrainerPool(workload, ranks=2, parallel="pipeline", argv=["true"])
+    assert named.options["split_points"] == ["4"]
+    assert TrainerPool(workload, ranks=2, parallel="pipeline", split_points=["2"],
+                       argv=["true"]).options["split_points"] == ["2"]
+    assert TrainerPool(pool_workloads.make_deep(), ranks=2, parallel="pipeline",
+                       argv=["true"]).options["split_points"] is None  # balanced by parameter count
