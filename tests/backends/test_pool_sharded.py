@@ -232,3 +232,15 @@ def test_a_pipeline_takes_the_workloads_own_split_points_unless_the_config_names
                        argv=["true"]).options["split_points"] == ["2"]
     assert TrainerPool(pool_workloads.make_deep(), ranks=2, parallel="pipeline",
                        argv=["true"]).options["split_points"] is None  # balanced by parameter count
+
+
+def test_a_sharded_pool_that_lost_a_torchrun_rank_fails_every_later_task():
+    """Under torchrun a pool that failed shrinks to rank 0 (spec/pools.md §4), but a sharded model may not fit
+    rank 0 alone: every later task fails loudly (no update) until torchrun is restarted."""
+    pool = TrainerPool(pool_workloads.make_deep(), ranks=2, parallel="fsdp", argv=["true"])
+    pool.shrunk = True
+    params = pool_workloads.make_deep().initial_params(0)
+    with pytest.raises(PoolError, match="cannot shrink"):
+        pool.train(params, LEASE[:8], 1)
+    with pytest.raises(ValueError, match="sink"):
+        TrainerPool(pool_workloads.make(), ranks=2, argv=["true"]).train(params, LEASE[:8], 1, sink=print)
