@@ -35,6 +35,8 @@ def certified_updates(fleet: Fleet) -> set[str]:
     """The update ids (hex) in the cohorts of every head in the first validator's chain directory."""
     out: set[str] = set()
     for path in sorted((fleet.node_dir("validator-1") / "store" / "chain").glob("*")):
+        if path.name.startswith("."):  # a chain entry being written (".<name>.<pid>.<thread>.tmp"), renamed soon
+            continue
         head, _ = decode_chain_entry(path.read_bytes())
         out.update(u.hex() for u in head.cohort)
     return out
