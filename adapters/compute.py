@@ -129,6 +129,10 @@ def compute_backend(name: str) -> NumpyCompute:
     raise ValueError(f"compute must be one of {', '.join(COMPUTE_BACKENDS)}, got {name!r}")
 
 
+SINK_BLOCK = 1 << 20
+"""Elements per block when a streamed pseudo-gradient is written into its artifact (`_train_streamed`)."""
+
+
 class ComputeExecutor:
     """Runs train / screen / reduce / evaluate tasks synchronously (hosts put it on a worker thread).
 
@@ -252,8 +256,11 @@ class ComputeExecutor:
         each segment is stored as a checkpoint artifact, the residual the encoding starts from too, and both
         are committed in a `Trajectory` artifact: result ``trajectory`` (its ref) and ``committed`` (every
         artifact the trainer must serve: checkpoints 1..S, the residual, the trajectory)."""
-        params = self.load_params(args["params"])
         inner_steps, segments = int(args.get("inner_steps", 0)), int(args.get("segments", 0))
+        if not segments and self._streams_train():
+            with ExitStack() as stack:
+                return self._train_streamed(args, inner_steps, stack)
+        params = self.load_params(args["params"])
         checkpoints: list[ArtifactRef] = []
         if segments:
             def keep(j: int, state: dict[str, np.ndarray]) -> None:
@@ -278,6 +285,37 @@ class ComputeExecutor:
             out["trajectory"] = trajectory
             out["committed"] = [*checkpoints, *([residual] if residual is not None else []), trajectory]
         return out
+
+    def _streams_train(self) -> bool:
+        """Whether a train task streams its head and pseudo-gradient (spec/pools.md §6): the workload takes a
+        ``sink`` (a sharded trainer pool, ``STREAMS_DELTA``), the delta is stored as trained (codec none) and
+        the store streams (`_streams`)."""
+        return bool(getattr(self.workload, "STREAMS_DELTA", False)) and self.manifest.codec == "none" \
+            and self._streams()
+
+    def _train_streamed(self, args: dict[str, Any], inner_steps: int, stack: ExitStack) -> dict[str, Any]:
+        """The ``train`` task of a sharded pool: the head is read from its file one tensor at a time (`open`)
+        and the pseudo-gradient written into a new artifact one tensor at a time, in blocks, as the pool's
+        rank 0 gathers it, so this process never holds the whole model (spec/pools.md §6). The artifact is
+        committed only when the pool's task returned; a failed task aborts it (`writer`'s stack): an update
+        built from some ranks' shards is never stored, let alone announced."""
+        params = self.open(args["params"], stack)
+        made = self.writer(self.workload.schema(), stack)
+        if made is None:
+            raise ValueError("this schema's safetensors bytes are not streamed (several dtypes or odd names)")
+        writer, artifact = made
+
+        def sink(name: str, array: np.ndarray) -> None:
+            flat, values = writer.tensors[name].reshape(-1), array.reshape(-1)
+            for start in range(0, values.size, SINK_BLOCK):
+                flat[start:start + SINK_BLOCK][...] = values[start:start + SINK_BLOCK]
+
+        indices = [i for s in args["shards"] for i in self.shards[s]]
+        options = {"inner_steps": inner_steps, **self._global_step(args.get("window"), inner_steps)} \
+            if inner_steps > 0 else {}
+        _, metrics = self.workload.train(params, indices, args["seed"], sink=sink, **options)
+        digest = writer.finish()
+        return {"delta": artifact.commit(), "delta_digest": digest, "train_loss": float(metrics["train_loss"])}
 
     def _store_state(self, tensors: dict[str, np.ndarray], *, durable: bool = True) -> ArtifactRef:
         """Store tensors (`save` without the tensor digest); ``durable=False`` for a trainer's checkpoints

@@ -105,12 +105,34 @@ class RankEnv:
                    attempt=attempt)
 
 
+POOL_KEYS = ("ranks", "timeout_s", "backend", "parallel", "split_points", "schedule", "microbatches")
+PARALLEL_MODES = ("ddp", "fsdp", "pipeline")
+"""``[pool] parallel``: replicas with DDP (spec/pools.md §2), FSDP2 shards (§6) or pipeline stages (§7)."""
+SCHEDULES = ("gpipe", "1f1b")
+
+
 def check_pool_table(table: Mapping[str, Any]) -> None:
     """Check a config's ``[pool]`` table: ``ranks`` (int >= 1), ``timeout_s`` (seconds > 0), ``backend``
-    (auto, gloo or nccl). ValueError naming the problem."""
-    unknown = set(table) - {"ranks", "timeout_s", "backend"}
+    (auto, gloo or nccl), ``parallel`` (ddp, fsdp or pipeline), and for a pipeline ``split_points`` (names of
+    the model's children where stages 1..N-1 begin), ``schedule`` (gpipe or 1f1b) and ``microbatches`` (int
+    >= 1). ValueError naming the problem."""
+    unknown = set(table) - set(POOL_KEYS)
     if unknown:
-        raise ValueError(f"pool: unknown keys {', '.join(sorted(unknown))} (ranks, timeout_s, backend)")
+        raise ValueError(f"pool: unknown keys {', '.join(sorted(unknown))} ({', '.join(POOL_KEYS)})")
+    parallel = table.get("parallel", "ddp")
+    if parallel not in PARALLEL_MODES:
+        raise ValueError(f"pool.parallel must be one of {', '.join(PARALLEL_MODES)}, got {parallel!r}")
+    staging = {"split_points", "schedule", "microbatches"} & set(table)
+    if staging and parallel != "pipeline":
+        raise ValueError(f"pool: {', '.join(sorted(staging))} only apply to parallel = \"pipeline\"")
+    points = table.get("split_points", [])
+    if not isinstance(points, list) or not all(isinstance(p, str) and p for p in points):
+        raise ValueError(f"pool.split_points must be a list of child module names, got {points!r}")
+    if table.get("schedule", "gpipe") not in SCHEDULES:
+        raise ValueError(f"pool.schedule must be one of {', '.join(SCHEDULES)}, got {table['schedule']!r}")
+    micro = table.get("microbatches", 1)
+    if not isinstance(micro, int) or isinstance(micro, bool) or not 1 <= micro <= 4096:
+        raise ValueError(f"pool.microbatches must be an integer in [1, 4096], got {micro!r}")
     ranks = table.get("ranks", 1)
     if not isinstance(ranks, int) or isinstance(ranks, bool) or not 1 <= ranks <= 1024:
         raise ValueError(f"pool.ranks must be an integer in [1, 1024], got {ranks!r}")
@@ -128,11 +150,22 @@ def _backend(choice: str, workload: Any) -> str:
     return "nccl" if getattr(device, "type", "cpu") == "cuda" else "gloo"
 
 
-def _step(workload: Any) -> Any:
-    """The pool's train step for `workload`: DDP for a `TorchWorkload`, else the generic path."""
+def _step(workload: Any, parallel: str = "ddp", options: Mapping[str, Any] | None = None) -> Any:
+    """The pool's train step for `workload`: DDP for a `TorchWorkload`, FSDP2 or pipeline stages when the pool
+    shards it (`parallel`, with the pipeline's `options`), else the generic path. ValueError for a sharded
+    pool of a workload that is not a `TorchWorkload` (only its model factory can be built sharded)."""
+    import functools
+
     from peerloom.backends.torch import pool
     from peerloom.backends.torch.workload import TorchWorkload
 
+    if parallel != "ddp":
+        if not isinstance(workload, TorchWorkload):
+            raise ValueError(f"a {parallel} pool builds a TorchWorkload's model sharded; "
+                             f"{type(workload).__name__} is not one")
+        from peerloom.backends.torch.pool_sharded import pool_train_sharded
+
+        return functools.partial(pool_train_sharded, parallel=parallel, **(options or {}))
     return pool.pool_train if isinstance(workload, TorchWorkload) else pool.pool_train_generic
 
 
@@ -166,6 +199,12 @@ class TrainerPool:
         argv: the command that starts one more rank (``python -m peerloom node --config ...``), for a pool
             that spawns its ranks; None under torchrun.
         env: this process's `RankEnv` under torchrun (rank 0); None for a spawning pool.
+        parallel: ``"ddp"`` (every rank holds the whole model, spec/pools.md §2), ``"fsdp"`` (each holds 1/N
+            of the params, gradients and optimizer state, §6) or ``"pipeline"`` (each holds one stage, §7).
+        split_points, schedule, microbatches: a pipeline's stages (child names where stages 1..N-1 begin;
+            None takes the workload's own ``split_points`` attribute if it has one, else balances the
+            stages by parameter count), schedule (``gpipe`` or ``1f1b``) and micro-batches per
+            global batch (None: N). Announced with every task, so the other ranks need no config of their own.
 
     `start` forms the group (blocking, up to `start_timeout_s`); `train` is the workload's ``train`` for the node's
     compute thread; `close` stops the workers. Thread-safe (one task at a time).
@@ -173,9 +212,19 @@ class TrainerPool:
 
     def __init__(self, workload: Any, *, ranks: int, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = "auto",
                  argv: Sequence[str] | None = None, env: RankEnv | None = None,
-                 start_timeout_s: float = START_TIMEOUT_S) -> None:
+                 start_timeout_s: float = START_TIMEOUT_S, parallel: str = "ddp",
+                 split_points: Sequence[str] | None = None, schedule: str = "gpipe",
+                 microbatches: int | None = None) -> None:
         if ranks < 1:
             raise ValueError(f"a pool has at least 1 rank, got {ranks}")
+        if parallel not in PARALLEL_MODES or schedule not in SCHEDULES:
+            raise ValueError(f"parallel must be one of {PARALLEL_MODES} and schedule one of {SCHEDULES}")
+        self.parallel = parallel
+        self.options: dict[str, Any] = {} if parallel != "pipeline" else {
+            "split_points": list(split_points or getattr(workload, "split_points", None) or []) or None,
+            "schedule": schedule,
+            "microbatches": microbatches}
+        _step(workload, parallel)  # refuses a workload the mode cannot shard, before any rank starts
         if (argv is None) == (env is None):
             raise ValueError("a pool either spawns its ranks (argv) or runs under torchrun (env)")
         self.workload = workload
@@ -230,7 +279,7 @@ class TrainerPool:
         if reset is not None:
             reset(None)  # fresh ranks hold no kept optimizer state: every replica starts fresh together
         log.info("trainer pool formed", extra={"fields": {
-            "ranks": self.ranks, "backend": self.backend, "generation": self.generation,
+            "ranks": self.ranks, "backend": self.backend, "parallel": self.parallel, "generation": self.generation,
             "launcher": "torchrun" if self.env is not None else "spawn",
             "seconds": round(time.monotonic() - started, 3)}})
 
@@ -277,10 +326,13 @@ class TrainerPool:
         return [rank for rank, p in enumerate(self._procs, start=1) if p.poll() is not None]
 
     def train(self, params: Any, indices: Sequence[int], seed: int, *, epochs: int | None = None,
-              inner_steps: int | None = None, state_key: Any = None,
-              step: int = 0) -> tuple[Any, dict[str, float | int]]:
+              inner_steps: int | None = None, state_key: Any = None, step: int = 0,
+              sink: Any = None) -> tuple[Any, dict[str, float | int]]:
         """The workload's ``train`` run by the whole pool; returns rank 0's ``(delta, metrics)``. `step` is the
         run's global step (spec/protocol.md §5.1), passed on to a workload that takes it (``TAKES_STEP``).
+        `sink` (sharded pools only): ``sink(name, float32 array)`` gets the pseudo-gradient one tensor at a
+        time in name order, and the delta returned is None; after a PoolError, what it got is partial and
+        must be dropped (spec/pools.md §6). `params` may then be `FileTensor`s read one tensor at a time.
 
         Raises ValueError (checked on rank 0 before the ranks hear of the task: empty lease, out-of-range
         index, params of the wrong schema) and PoolError when the pool fails the task; after a PoolError the
@@ -289,7 +341,12 @@ class TrainerPool:
         """
         if state_key is not None:
             raise ValueError("a trainer pool trains for one peer: state_key must be None")
+        if sink is not None and self.parallel == "ddp":
+            raise ValueError("only a sharded pool (fsdp, pipeline) streams its delta to a sink")
         with self._lock:
+            if self.shrunk and self.parallel != "ddp":
+                raise PoolError(f"a {self.parallel} pool cannot shrink to rank 0 (the model is sharded): "
+                                "restart torchrun to re-form it; no update")
             if self.shrunk:
                 options = {k: v for k, v in (("epochs", epochs), ("inner_steps", inner_steps)) if v is not None}
                 if step and getattr(type(self.workload), "TAKES_STEP", False):
@@ -299,19 +356,22 @@ class TrainerPool:
                 self._form()
             self._check_task(params, indices)
             task = {"op": "train", "indices": [int(i) for i in indices], "seed": int(seed),
-                    "inner_steps": inner_steps, "epochs": epochs, "step": int(step)}
+                    "inner_steps": inner_steps, "epochs": epochs, "step": int(step), "parallel": self.parallel,
+                    "options": self.options}
             started = time.monotonic()
             try:
                 dead = self._dead_ranks()
                 if dead:
                     raise PoolError(f"rank(s) {dead} exited")
                 self._announce(task)
-                delta, metrics = _step(self.workload)(self.workload, params, indices, seed,
-                                                      inner_steps=inner_steps, epochs=epochs, step=step)
+                extra = {"sink": sink} if sink is not None else {}
+                delta, metrics = _step(self.workload, self.parallel, self.options)(
+                    self.workload, params, indices, seed, inner_steps=inner_steps, epochs=epochs, step=step,
+                    **extra)
             except Exception as exc:
                 self._fail(exc, time.monotonic() - started)
                 raise PoolError(f"trainer pool failed this task, no update: {exc!r}") from exc
-            assert delta is not None
+            assert delta is not None or sink is not None
             return delta, metrics
 
     def _check_task(self, params: Any, indices: Sequence[int]) -> None:
@@ -374,6 +434,12 @@ class PoolWorkload:
         self.workload = workload
         self.pool = pool
 
+    @property
+    def STREAMS_DELTA(self) -> bool:
+        """``train`` takes ``sink`` and params read from the store (a sharded pool: spec/pools.md §6), so the
+        node streams the head in and the pseudo-gradient out, never holding the whole model."""
+        return self.pool.parallel != "ddp"
+
     def train(self, params: Any, indices: Sequence[int], seed: int, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
         return self.pool.train(params, indices, seed, **kwargs)
 
@@ -398,7 +464,6 @@ def run_worker(workload: Any, env: RankEnv, *, timeout_s: float = DEFAULT_TIMEOU
     store.set(f"{READY_PREFIX}{env.rank}", "1")
     _init_group(chosen, store, env.rank, env.world, timeout_s)
     log.info("pool rank joined", extra={"fields": {"rank": env.rank, "ranks": env.world, "backend": chosen}})
-    step = _step(workload)
     task_number = 0
     try:
         while True:
@@ -413,9 +478,10 @@ def run_worker(workload: Any, env: RankEnv, *, timeout_s: float = DEFAULT_TIMEOU
             if task.get("op") == "stop":
                 log.info("pool rank stopping", extra={"fields": {"rank": env.rank}})
                 return 0
+            step = _step(workload, task.get("parallel", "ddp"), task.get("options"))  # rank 0's choice
             step(workload, None, task["indices"], int(task["seed"]), inner_steps=task.get("inner_steps"),
                  epochs=task.get("epochs"), step=int(task.get("step", 0)))
-    except (dist.DistError, RuntimeError) as exc:
+    except (dist.DistError, RuntimeError, ValueError, MemoryError) as exc:
         log.error("pool rank failed: exiting", extra={"fields": {"rank": env.rank, "error": repr(exc)}})
         return 1
     finally:

@@ -98,6 +98,11 @@ Config keys (TOML)::
     timeout_s = 60.0                   # ranks 1..N-1 on 127.0.0.1; timeout_s bounds every collective;
     backend = "auto"                   # gloo, nccl or auto (nccl on CUDA). Under `torchrun --nproc-per-node
                                        # N` the pool is torchrun's N ranks instead (peerloom/adapters/pool.py)
+    parallel = "ddp"                   # ddp (every rank the whole model), fsdp (FSDP2: each rank 1/N of the
+                                       # params, gradients and optimizer state) or pipeline (each rank one
+                                       # stage of an nn.Sequential; spec/pools.md §6-7). A pipeline also takes
+    # split_points = ["4"]             # children where stages 1..N-1 begin (default: balanced by params),
+    # schedule = "gpipe"               # gpipe or 1f1b, and microbatches = N per global batch
 
 A workload factory is called as ``factory(seed, num_shards)`` with the manifest's ``workload_seed`` and
 shard count, and returns ``(workload, shards)`` like `peerloom.backends.registry.build_workload`; every peer
@@ -601,7 +606,9 @@ def start_pool(config: dict[str, Any], workload: Any, config_path: Path | None) 
         raise ConfigError("a pool that spawns its ranks needs the config's path")
     argv = None if env is not None else [sys.executable, "-m", "peerloom", "node", "--config", str(config_path)]
     pool = TrainerPool(workload, ranks=ranks, timeout_s=float(table.get("timeout_s", DEFAULT_TIMEOUT_S)),
-                       backend=table.get("backend", "auto"), argv=argv, env=env)
+                       backend=table.get("backend", "auto"), argv=argv, env=env,
+                       parallel=table.get("parallel", "ddp"), split_points=table.get("split_points"),
+                       schedule=table.get("schedule", "gpipe"), microbatches=table.get("microbatches"))
     try:
         pool.start()
     except PoolError as exc:

@@ -27,6 +27,13 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, CLASSES))
 
 
+def deep_mlp() -> nn.Module:
+    """7 children (4 Linear, 3 Tanh): enough to cut into 4 pipeline stages; the last bias has 3 rows, fewer
+    than 4 ranks, so an FSDP rank holds none of it."""
+    return nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16),
+                         nn.Tanh(), nn.Linear(16, CLASSES))
+
+
 def data(n: int, seed: int) -> TensorDataset:
     """float32 [n, 8] features whose class is the argmax of a fixed projection, int64 [n] labels."""
     g = torch.Generator().manual_seed(seed)
@@ -37,11 +44,16 @@ def data(n: int, seed: int) -> TensorDataset:
 
 def make(**options: Any) -> Any:
     """The DDP path's workload: SGD with momentum, gradient clipping, 8-sample batches, 7 inner steps."""
-    kwargs: dict[str, Any] = {"batch_size": 8, "inner_steps": 7, "clip_grad_norm": 1.0}
+    kwargs: dict[str, Any] = {"batch_size": 8, "inner_steps": 7, "clip_grad_norm": 1.0, "model": mlp}
     kwargs.update(options)
-    return torch_workload(model=mlp, loss=nn.functional.cross_entropy,
+    return torch_workload(loss=nn.functional.cross_entropy,
                           optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
                           train_data=data(64, 5), eval_data=data(32, 6), **kwargs)
+
+
+def make_deep(**options: Any) -> Any:
+    """`make` with `deep_mlp`: the sharded pools' (fsdp, pipeline) workload."""
+    return make(model=deep_mlp, **options)
 
 
 def factory(seed: int, num_shards: int) -> tuple[Any, list[list[int]]]:
@@ -98,6 +110,8 @@ def make_scheduled() -> Any:
 def build(kind: str) -> Any:
     if kind == "regression":
         return AllReduceRegression()
+    if kind == "deep":
+        return make_deep()
     return make_scheduled() if kind == "ddp-scheduled" else make()
 
 
@@ -115,9 +129,55 @@ def worker_main() -> None:
     env = RankEnv.from_environ()
     assert env is not None
     workload = build(os.environ.get("PEERLOOM_TEST_POOL_WORKLOAD", "ddp"))
+    if os.environ.get("PEERLOOM_TEST_POOL_DIE_IN_GATHER"):
+        _die_in_gather(os.environ["PEERLOOM_TEST_POOL_DIE_IN_GATHER"])
     if os.environ.get("PEERLOOM_TEST_POOL_DEVICE") == "cuda":
         workload.to_device(f"cuda:{env.local_rank}")
     sys.exit(run_worker(workload, env, timeout_s=float(os.environ.get("PEERLOOM_TEST_POOL_TIMEOUT", "20"))))
+
+
+def _die_in_gather(marker: str) -> None:
+    """Fault injection for the sharded pools' failure test: the first rank to create `marker` exits in the
+    middle of the closing gather of the pseudo-gradient (its second gather or send), after rank 0 has received
+    part of it. Later ranks (the re-formed pool's) find the marker and live."""
+    from peerloom.backends.torch import pool_sharded
+
+    real = pool_sharded.dist
+
+    class Dying:
+        calls = 0
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def _count(self) -> None:
+            Dying.calls += 1
+            if Dying.calls == 2:
+                try:
+                    os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+                except FileExistsError:
+                    return
+                os._exit(3)
+
+        def gather(self, *args: Any, **kwargs: Any) -> Any:
+            self._count()
+            return real.gather(*args, **kwargs)
+
+        def send(self, *args: Any, **kwargs: Any) -> Any:
+            self._count()
+            return real.send(*args, **kwargs)
+
+    # the gather's collectives only: the head's scatter and send come before, on the same module
+    real_gather = pool_sharded._gather_delta
+
+    def gather_delta(*args: Any, **kwargs: Any) -> None:
+        pool_sharded.dist = Dying()  # type: ignore[assignment]  # a stand-in module for this one call
+        try:
+            real_gather(*args, **kwargs)
+        finally:
+            pool_sharded.dist = real
+
+    pool_sharded._gather_delta = gather_delta  # type: ignore[assignment]  # fault injection in a test rank
 
 
 def torchrun_main() -> None:

@@ -39,3 +39,31 @@ def test_an_nccl_pool_computes_the_single_gpu_pseudo_gradient(monkeypatch):
         np.testing.assert_allclose(delta[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
         assert np.array_equal(delta[name], again[name])  # the same task twice: the same bytes
     assert os.environ["PEERLOOM_TEST_POOL_DEVICE"] == "cuda"
+
+
+@pytest.mark.parametrize("parallel", ["fsdp", "pipeline"])
+def test_a_sharded_nccl_pool_computes_the_single_gpu_pseudo_gradient(monkeypatch, parallel):
+    """spec/pools.md §6-7 on CUDA: an FSDP2 pool (one rank per GPU, at most 4) and a pipeline (needs 2 GPUs)
+    over nccl compute what one GPU computes, within §3's tolerance; the second task repeats the first."""
+    ranks = min(4, torch.cuda.device_count())
+    if parallel == "pipeline" and ranks < 2:
+        pytest.skip("a pipeline of nccl ranks needs 2 GPUs (nccl puts one rank on each)")
+    monkeypatch.setenv("PEERLOOM_TEST_POOL_DEVICE", "cuda")
+    single = pool_workloads.make_deep().to_device("cuda:0")
+    params = single.initial_params(1)
+    lease = list(range(40))
+    expected, _ = single.train(params, lease, seed=11)
+    pool = TrainerPool(pool_workloads.make_deep().to_device("cuda:0"), ranks=ranks, timeout_s=60.0,
+                       parallel=parallel, argv=pool_workloads.worker_argv("deep"))
+    assert pool.backend == "nccl"
+    try:
+        pool.start()
+        delta, metrics = pool.train(params, lease, 11)
+        again, _ = pool.train(params, lease, 11)
+    finally:
+        pool.close()
+    assert metrics["samples"] == len(lease)
+    for name in expected:
+        assert delta[name].dtype == np.float32
+        np.testing.assert_allclose(delta[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(again[name], delta[name], rtol=1e-6, atol=1e-7, err_msg=name)

@@ -35,6 +35,8 @@ def certified_updates(fleet: Fleet) -> set[str]:
     """The update ids (hex) in the cohorts of every head in the first validator's chain directory."""
     out: set[str] = set()
     for path in sorted((fleet.node_dir("validator-1") / "store" / "chain").glob("*")):
+        if path.name.startswith("."):  # a chain entry being written (".<name>.<pid>.<thread>.tmp"), renamed soon
+            continue
         head, _ = decode_chain_entry(path.read_bytes())
         out.update(u.hex() for u in head.cohort)
     return out
@@ -145,3 +147,34 @@ def test_a_trainer_started_under_torchrun_is_one_peer_of_two_ranks(tmp_path, mon
             torchrun.kill()
             torchrun.wait()
         fleet.stop()
+
+
+@pytest.mark.slow
+def test_an_fsdp_pool_of_two_ranks_trains_in_a_fleet_and_the_chain_verifies(tmp_path, monkeypatch):
+    """``[pool] parallel = "fsdp"`` (spec/pools.md §6): trainer-1 is one peer whose two ranks each hold half of
+    the model; its node streams the head in and the pseudo-gradient into its store. Its updates are certified
+    in several windows, and `peerloom verify` passes on the validator's chain."""
+    monkeypatch.chdir(ROOT)
+    experiment = Experiment(workload="tests.pool_workloads:factory", trainers=2, reducers=1, window_s=3.0,
+                            base_port=0, node_options={"trainer-1": {"pool": {
+                                "ranks": 2, "timeout_s": 30.0, "parallel": "fsdp"}}})
+    fleet = Fleet.open(experiment.write(tmp_path / "exp"))
+    pool_node = fleet.node_dir("trainer-1")
+    fleet.start()
+    try:
+        fleet.wait_started(timeout_s=180.0)
+
+        def certified_pool_windows() -> set[int]:
+            announced = {e["update"]: e["window"] for e in _events(pool_node) if e.get("event") == "announce"}
+            return {announced[u] for u in set(announced) & certified_updates(fleet)}
+
+        wait_for("pool updates certified in two windows", lambda: len(certified_pool_windows()) >= 2)
+        text = (pool_node / "node.log").read_text(errors="replace")
+        assert '"parallel":"fsdp"' in text and "trainer pool failed" not in text
+        assert not any(e.get("event") == "task-failed" for e in _events(pool_node))
+    finally:
+        statuses = fleet.stop()
+    assert statuses["trainer-1"] == 0, (pool_node / "node.log").read_text(errors="replace")[-3000:]
+    verify = subprocess.run([sys.executable, "-m", "peerloom", "verify", str(fleet.node_dir("validator-1"))],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert verify.returncode == 0 and "OK:" in verify.stdout, verify.stdout + verify.stderr
