@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 import tomllib
 from collections.abc import Callable, Mapping
-from importlib.abc import Traversable
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import IO, Any
 
