@@ -34,11 +34,13 @@ FUZZ_TESTS := tests/adapters/test_transport_fuzz.py tests/core/test_encoding.py 
 fuzz: $(VENV)/.dev-installed
 	HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest -q -p no:cacheprovider $(FUZZ_TESTS)
 
-# Every attack of tests/live_attacks.py for a minute against a live fleet (by hand; CI runs a short form in
-# tests/e2e/test_hostile_peers.py). Prints one JSON line per attack.
+# Every attack of tests/live_attacks.py for a minute against a live fleet, then the identity flood and the
+# resource-exhaustion attacks (spec/transport.md §13-14) for a minute each (by hand; CI runs the short forms in
+# tests/e2e). Prints one JSON line per attack, then the flood's measurements and pytest's summary.
 fuzz-live: $(VENV)/.dev-installed
 	$(BIN)/python -m tests.live_attacks --seconds 60 --dir peerloom-fuzz-live
 	$(BIN)/python -m tests.e2e.test_identity_flood_live 12000
+	PEERLOOM_LIVE_ATTACK_S=60 $(BIN)/python -m pytest -q -p no:cacheprovider tests/e2e/test_exhaustion_live.py
 
 # Refresh every lock from pyproject.toml: dev first, then each smaller set constrained to dev's versions.
 lock: $(VENV)/.dev-installed
