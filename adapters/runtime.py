@@ -740,10 +740,6 @@ class NodeRuntime:
 
     def log(self, effect: fx.Log) -> None:
         self.metrics.on_effect(effect)
-        if effect.event == "task-failed":  # the dashboard's "last error" (`EdgeView.last_error`)
-            kind = str(effect.fields.get("task", "task")).rsplit("-", 1)[0]
-            reason = " ".join(str(effect.fields.get("reason", "")).split())[:300]
-            self.edge_view.set_last_error(f"{kind} task failed: {reason}")
         # A line about a peer (a rejection, mostly) is within the stranger budget unless the peer is admitted.
         if "peer" in effect.fields and not self._may_log(f"{effect.event}/{effect.fields.get('reason', '')}",
                                                           effect.fields["peer"]):
@@ -799,6 +795,8 @@ class NodeRuntime:
                 self._disk_is_full(f"task {effect.kind}", exc)
             else:
                 log.exception("task %s failed", effect.task_id)
+            # the dashboard's "last error" (`EdgeView.last_error`), one line
+            self.edge_view.set_last_error(f"{effect.kind} task failed: {' '.join(repr(exc).split())[:300]}")
             self._events.put(ev.TaskFailed(now=0.0, task_id=effect.task_id, reason=repr(exc)))
             return
         self._emit_line("task-done", {"kind": effect.kind, "seconds": round(time.monotonic() - started, 4)})

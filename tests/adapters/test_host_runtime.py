@@ -114,7 +114,17 @@ def test_rejections_of_admitted_peers_and_the_last_failed_task_reach_the_edge(tm
         runtime.rejected(fx.Rejected(peer=ident(41).peer_id, reason="bad-signature"))
         assert runtime._rejections == {trainer.peer_id: (2, "screen-norm-outlier (norm 31 > 10 x median 2.9)")}
         assert runtime.edge_view.last_error() == ""
-        runtime.log(fx.Log(event="task-failed", fields={"task": "train-12", "reason": "ValueError: sample\n17"}))
-        assert runtime.edge_view.last_error() == "train task failed: ValueError: sample 17"
+
+        class Failing:
+            def run(self, kind, args):
+                raise ValueError("sample\n17")
+
+        runtime.executor = Failing()  # type: ignore[assignment]  # a stand-in whose every task fails
+
+        async def main():
+            await runtime._run_task(fx.RunTask(task_id="train-12", kind="train", args={}))
+
+        trio.run(main)
+        assert runtime.edge_view.last_error() == "train task failed: ValueError('sample\\n17')"
     finally:
         runtime.close()
