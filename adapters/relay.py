@@ -231,7 +231,8 @@ class RelayServer:
         self.limits = limits or RelayLimits()
         self._reservations: dict[PeerId, _Reservation] = {}
         self._pending: dict[bytes, _Pending] = {}
-        self._lost: dict[PeerId, float] = {}  # peers whose reservation connection was lost -> end of its grace
+        # Peers whose reservation connection was lost -> (end of its grace, the address it reserved from)
+        self._lost: dict[PeerId, tuple[float, str]] = {}
         self.circuits = 0
         self.circuits_total = 0
         self.refusals: Counter[str] = Counter()
@@ -272,15 +273,17 @@ class RelayServer:
         ip = conn.remote_address[0] if conn.remote_address is not None else ""
         if old is None:
             now = trio.current_time()
-            for held, until in list(self._lost.items()):
+            for held, (until, _) in list(self._lost.items()):
                 if until <= now:
                     del self._lost[held]
             # A peer whose reservation connection was lost keeps its slot for `LOST_GRACE_S` (spec/transport.md
-            # §12): a flood of fresh identities cannot take it while the peer reconnects.
-            others = len(self._reservations) + sum(1 for p in self._lost if p != peer)
-            if peer not in self._lost and others >= limits.max_reservations:
+            # §12), in the relay's total and in its address's share: a flood of fresh identities, from its
+            # address too, cannot take it while the peer reconnects.
+            kept = [lost_ip for p, (_, lost_ip) in self._lost.items() if p != peer]
+            if len(self._reservations) + len(kept) >= limits.max_reservations:
                 raise RelayRefused("reservation-refused", f"{limits.max_reservations} reservations held")
-            if sum(1 for r in self._reservations.values() if r.ip == ip) >= limits.max_reservations_per_ip:
+            from_ip = sum(1 for r in self._reservations.values() if r.ip == ip) + kept.count(ip)
+            if from_ip >= limits.max_reservations_per_ip:
                 raise RelayRefused("reservation-refused", f"{limits.max_reservations_per_ip} reservations from {ip}")
             self._lost.pop(peer, None)
         if old is not None:  # a peer's new reservation replaces its old one (e.g. after a lost connection)
@@ -309,7 +312,7 @@ class RelayServer:
             if self._reservations.get(peer) is reservation:
                 del self._reservations[peer]
                 if not reservation.expired and len(self._lost) < limits.max_reservations:
-                    self._lost[peer] = trio.current_time() + LOST_GRACE_S
+                    self._lost[peer] = (trio.current_time() + LOST_GRACE_S, reservation.ip)
 
     async def _connect(self, conn: Connection, target: PeerId) -> None:
         limits = self.limits

@@ -424,6 +424,34 @@ def test_a_lost_reservation_keeps_its_slot_while_its_peer_reconnects() -> None:
     run(body)
 
 
+def test_a_lost_reservation_keeps_its_share_of_its_address() -> None:
+    """Two reservations per address (in memory every peer counts under ``memory``): SERVER's and OTHER's.
+    SERVER's connection drops; a third identity from the same address cannot take SERVER's share of the
+    address during the grace (the relay's total has room), and SERVER gets it back when it reconnects. Live,
+    a flood of fresh identities from one address took the share at once (tests/e2e/test_relay_flood_live.py)."""
+    third = Identity(bytes([6]) * 32)
+
+    async def body(net: Net) -> None:
+        relay = await net.relay("relay", RelayServer(RelayLimits(max_reservations=8, max_reservations_per_ip=2)))
+        address = await net.reserve("relay", SERVER, echo)
+        await net.reserve("relay", OTHER, echo)
+        await relay._reservations[SERVER.peer_id].conn.aclose()
+        with trio.fail_after(10):
+            while SERVER.peer_id in relay._reservations:
+                await trio.sleep(0.01)
+        await net.nursery.start(functools.partial(net.client().listen, "memory://relay/p2p-circuit", third, echo))
+        with trio.fail_after(10):
+            while not relay.refusals["reservation-refused"] or SERVER.peer_id not in relay._reservations:
+                await trio.sleep(0.01)
+        assert third.peer_id not in relay._reservations
+        conn = await net.client().dial(address, CLIENT)
+        await conn.send_message(b"back")
+        assert await conn.receive_message() == b"back"
+        await conn.aclose()
+
+    run(body)
+
+
 def test_total_circuits_cap_and_circuit_byte_and_time_limits() -> None:
     async def body(net: Net) -> None:
         relay = await net.relay("relay", RelayServer(RelayLimits(max_circuits=1, circuit_bytes=200_000)))
