@@ -6,7 +6,8 @@ holding slots while a rostered trainer reconnects.
 One fleet for the module: a validator (TCP and HTTP transport listeners, the HTTP edge for /metrics) run
 under ``ulimit -n 1024`` and one rostered trainer, window 1 s. After each attack the validator is alive, an
 honest newcomer is served, windows are still certified (the only trainer's update is in each cohort, so a
-certified window also says the trainer is served) and never more than 2 windows in a row go uncertified.
+certified window also says the trainer is served), never more than 2 windows in a row go uncertified, and
+within a log interval the validator's RSS is back within 20% of what it was after its first window.
 Short forms: a few seconds each. The long forms, in `make fuzz-live`, set ``PEERLOOM_LIVE_ATTACK_S`` (60 there):
 each attack then goes on for that many seconds (the slowloris repeated in rounds, the descriptor flood held,
 the handshake flood kept up) while the same checks run.
@@ -29,6 +30,7 @@ import trio
 
 from peerloom.adapters import tcp
 from peerloom.adapters.http_transport import HTTP_PATH, HttpTransport
+from peerloom.adapters.runtime import LOG_INTERVAL_S
 from peerloom.core.identity import Identity
 from peerloom.core.messages import Hello, decode_message
 from tests.live_attacks import certified, longest_skip_run, wait_certified
@@ -44,6 +46,14 @@ class Fleet:
     def __init__(self, validator: Node, trainer: Node, tcp_port: int, http_port: int, edge_port: int) -> None:
         self.validator, self.trainer = validator, trainer
         self.tcp_port, self.http_port, self.edge_port = tcp_port, http_port, edge_port
+        self.rss_baseline = self.rss()
+
+    def rss(self) -> int:
+        assert self.validator.process is not None
+        for line in open(f"/proc/{self.validator.process.pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS")
 
     def metrics(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.edge_port}/metrics", timeout=10) as response:
@@ -68,6 +78,11 @@ class Fleet:
             (v.directory / "node.log").read_text()[-2000:]
         assert wait_certified(v, certified(v) + 2, 60), f"windows stopped after {what}"
         assert longest_skip_run(v) <= 2, f"more than 2 windows in a row uncertified around {what}"
+        # memory comes back: within a log interval the runtime trims what the attack's connections left (§14)
+        deadline = time.monotonic() + LOG_INTERVAL_S + 5.0
+        while self.rss() > 1.2 * self.rss_baseline and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert self.rss() <= 1.2 * self.rss_baseline, (what, self.rss_baseline, self.rss())
 
 
 @pytest.fixture(scope="module")
