@@ -30,7 +30,7 @@ gives rank r the sorted lease indices ``r::N`` (padded the same way) and calls t
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -142,24 +142,14 @@ def pool_train(workload: Any, params: TensorDict | None, indices: Sequence[int],
     kept = workload.keep_optimizer_state and None in workload._saved_schedulers
     scheduler = workload._scheduler(optimizer, 0 if kept else step)  # the schedule at the run's global step
     if workload.keep_optimizer_state:  # every replica saved the same state: its gradients were the same
-        if (saved := workload._saved_optimizers.get(None)) is not None:
-            optimizer.load_state_dict(saved)
-        if scheduler is not None and (saved := workload._saved_schedulers.get(None)) is not None:
-            scheduler.load_state_dict(saved)
-    generator = torch.Generator().manual_seed(seed)
-    n, size = len(index), workload.batch_size
-    per_pass = -(-n // size)
-    total = steps if steps is not None else n_epochs * per_pass
+        restore_optimizer(workload, optimizer, scheduler)
     loss_sum, seen = 0.0, 0
-    order = index
     with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
         torch.manual_seed((seed + rank) % 2**63)
-        for k in range(total):
-            pos = k % per_pass
-            if pos == 0:
-                order = index[torch.randperm(n, generator=generator)]  # the single process's draw
+        for new_pass, batch in lease_batches(index, workload.batch_size, steps, n_epochs, seed):
+            if new_pass:
                 loss_sum, seen = 0.0, 0
-            mine = rank_batch(order[pos * size : (pos + 1) * size], rank, world)
+            mine = rank_batch(batch, rank, world)
             inputs, targets = workload._train_batch(mine)
             inputs, targets = _move(inputs, device), _move(targets, device)
             optimizer.zero_grad(set_to_none=True)
@@ -185,6 +175,31 @@ def pool_train(workload: Any, params: TensorDict | None, indices: Sequence[int],
     assert params is not None
     delta = {name: np.subtract(params[name], workload._host(name), dtype=np.float32) for name in workload._state}
     return delta, metrics
+
+
+def restore_optimizer(workload: Any, optimizer: Any, scheduler: Any) -> None:
+    """Load the optimizer's and the scheduler's state this process kept from its last task
+    (``keep_optimizer_state``), where it kept any."""
+    if (saved := workload._saved_optimizers.get(None)) is not None:
+        optimizer.load_state_dict(saved)
+    if scheduler is not None and (saved := workload._saved_schedulers.get(None)) is not None:
+        scheduler.load_state_dict(saved)
+
+
+def lease_batches(index: torch.Tensor, size: int, steps: int | None, epochs: int,
+                  seed: int) -> Iterator[tuple[bool, torch.Tensor]]:
+    """The global mini-batches of one task over the lease `index` (int64, [n]), as a single process draws
+    them: `steps` batches of `size` (None: `epochs` passes), a fresh permutation from a generator seeded
+    with `seed` at the start of every pass. Yields (whether a pass starts, the batch's sample indices)."""
+    generator = torch.Generator().manual_seed(seed)
+    n = len(index)
+    per_pass = -(-n // size)
+    order = index
+    for k in range(steps if steps is not None else epochs * per_pass):
+        pos = k % per_pass
+        if pos == 0:
+            order = index[torch.randperm(n, generator=generator)]
+        yield pos == 0, order[pos * size : (pos + 1) * size]
 
 
 def pool_train_generic(workload: Any, params: TensorDict | None, indices: Sequence[int], seed: int, *,

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from peerloom.backends.numpy.tensors import TensorDict
-from peerloom.backends.torch.pool import _close, _group_info, rank_batch
+from peerloom.backends.torch.pool import _close, _group_info, lease_batches, rank_batch, restore_optimizer
 from peerloom.backends.torch.workload import _move
 
 __all__ = ["PARALLEL_MODES", "SCHEDULES", "pool_train_sharded", "shard_rows", "shed_whole_model", "stage_bounds"]
@@ -347,28 +347,17 @@ def pool_train_sharded(workload: Any, params: Mapping[str, Any] | None, indices:
     kept = workload.keep_optimizer_state and None in workload._saved_schedulers
     scheduler = workload._scheduler(optimizer, 0 if kept else step) if optimizer is not None else None
     if optimizer is not None and workload.keep_optimizer_state:  # each rank saved its own shard's or stage's
-        if (saved := workload._saved_optimizers.get(None)) is not None:
-            optimizer.load_state_dict(saved)
-        if scheduler is not None and (saved := workload._saved_schedulers.get(None)) is not None:
-            scheduler.load_state_dict(saved)
+        restore_optimizer(workload, optimizer, scheduler)
     pipe = _Pipeline(built, world, device, workload.loss_fn, schedule, group) if parallel == "pipeline" else None
     per_micro = microbatches if microbatches is not None else world
     steps = workload.inner_steps if inner_steps is None else inner_steps
     n_epochs = workload.local_epochs if epochs is None else epochs
-    generator = torch.Generator().manual_seed(seed)
-    n, size = len(index), workload.batch_size
-    per_pass = -(-n // size)
-    total = steps if steps is not None else n_epochs * per_pass
     loss_sum, seen = 0.0, 0
-    order = index
     with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
         torch.manual_seed((seed + rank) % 2**63)
-        for k in range(total):
-            pos = k % per_pass
-            if pos == 0:
-                order = index[torch.randperm(n, generator=generator)]  # the single process's draw
+        for new_pass, batch in lease_batches(index, workload.batch_size, steps, n_epochs, seed):
+            if new_pass:
                 loss_sum, seen = 0.0, 0
-            batch = order[pos * size : (pos + 1) * size]
             module.zero_grad(set_to_none=True)
             if pipe is not None:  # the whole batch through the stages; the last one has the loss
                 inputs, targets = workload._train_batch(batch)

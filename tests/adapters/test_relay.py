@@ -401,25 +401,41 @@ def test_reservations_per_address_are_bounded() -> None:
     run(body)
 
 
+async def lose_reservation(relay: RelayServer, peer: Identity) -> None:
+    """Close `peer`'s reservation connection at the relay and wait until the relay has let it go."""
+    await relay._reservations[peer.peer_id].conn.aclose()
+    with trio.fail_after(10):
+        while peer.peer_id in relay._reservations:
+            await trio.sleep(0.01)
+
+
+async def refused_while_server_returns(net: Net, relay: RelayServer, newcomer: Identity) -> None:
+    """`newcomer` asks for a reservation (and keeps asking): it is refused, while SERVER, reconnecting after
+    a lost reservation, gets its own back."""
+    await net.nursery.start(functools.partial(net.client().listen, "memory://relay/p2p-circuit", newcomer, echo))
+    with trio.fail_after(10):
+        while not relay.refusals["reservation-refused"] or SERVER.peer_id not in relay._reservations:
+            await trio.sleep(0.01)
+    assert newcomer.peer_id not in relay._reservations
+
+
+async def echoes_back(net: Net, address: str) -> None:
+    """A dial of the circuit `address` reaches its peer's echo handler."""
+    conn = await net.client().dial(address, CLIENT)
+    await conn.send_message(b"back")
+    assert await conn.receive_message() == b"back"
+    await conn.aclose()
+
+
 def test_a_lost_reservation_keeps_its_slot_while_its_peer_reconnects() -> None:
     """The relay is full; SERVER's reservation connection drops. A stranger cannot take the slot during
     the grace, and SERVER gets its reservation back when it reconnects."""
     async def body(net: Net) -> None:
         relay = await net.relay("relay", RelayServer(RelayLimits(max_reservations=1)))
         address = await net.reserve("relay", SERVER, echo)
-        await relay._reservations[SERVER.peer_id].conn.aclose()  # the reservation connection is lost
-        with trio.fail_after(10):
-            while SERVER.peer_id in relay._reservations:
-                await trio.sleep(0.01)
-        await net.nursery.start(functools.partial(net.client().listen, "memory://relay/p2p-circuit", OTHER, echo))
-        with trio.fail_after(10):
-            while not relay.refusals["reservation-refused"] or SERVER.peer_id not in relay._reservations:
-                await trio.sleep(0.01)
-        assert OTHER.peer_id not in relay._reservations
-        conn = await net.client().dial(address, CLIENT)
-        await conn.send_message(b"back")
-        assert await conn.receive_message() == b"back"
-        await conn.aclose()
+        await lose_reservation(relay, SERVER)
+        await refused_while_server_returns(net, relay, OTHER)
+        await echoes_back(net, address)
 
     run(body)
 
@@ -435,19 +451,9 @@ def test_a_lost_reservation_keeps_its_share_of_its_address() -> None:
         relay = await net.relay("relay", RelayServer(RelayLimits(max_reservations=8, max_reservations_per_ip=2)))
         address = await net.reserve("relay", SERVER, echo)
         await net.reserve("relay", OTHER, echo)
-        await relay._reservations[SERVER.peer_id].conn.aclose()
-        with trio.fail_after(10):
-            while SERVER.peer_id in relay._reservations:
-                await trio.sleep(0.01)
-        await net.nursery.start(functools.partial(net.client().listen, "memory://relay/p2p-circuit", third, echo))
-        with trio.fail_after(10):
-            while not relay.refusals["reservation-refused"] or SERVER.peer_id not in relay._reservations:
-                await trio.sleep(0.01)
-        assert third.peer_id not in relay._reservations
-        conn = await net.client().dial(address, CLIENT)
-        await conn.send_message(b"back")
-        assert await conn.receive_message() == b"back"
-        await conn.aclose()
+        await lose_reservation(relay, SERVER)
+        await refused_while_server_returns(net, relay, third)
+        await echoes_back(net, address)
 
     run(body)
 

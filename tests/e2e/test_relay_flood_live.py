@@ -25,7 +25,7 @@ import trio
 from peerloom.adapters.relay import RelayTransport
 from peerloom.adapters.tcp import TcpTransport
 from peerloom.core.identity import Identity
-from tests.e2e.test_identity_flood_live import rss_bytes
+from tests.e2e.test_identity_flood_live import rss_bytes, wait_for
 from tests.live_attacks import certified, longest_skip_run, wait_certified
 from tests.node_cluster import Node, free_port, make_fleet
 
@@ -37,15 +37,6 @@ ATTACK_S = float(os.environ.get("PEERLOOM_LIVE_ATTACK_S", "0"))
 
 def announcements(node: Node) -> int:
     return sum(e.get("event") == "announce" for e in node.events())
-
-
-def wait_for(predicate, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.2)
-    return bool(predicate())
 
 
 def test_a_reservation_flood_keeps_neither_a_known_peers_reservation_nor_its_slot(tmp_path: Path) -> None:
