@@ -24,9 +24,9 @@ and releases the whole one). Figures: ``peak_x_model`` (the largest rank's peak 
 ``above_base_x_model`` (the same above ``base_mb``: an idle process that imported torch and the pool, formed a
 gloo group of one and built the data, but holds no model). Every rank runs with ``MALLOC_MMAP_THRESHOLD_``
 fixed (see `memory`). ``fsdp4_over_ddp`` is fsdp's largest per-rank peak with 4 ranks over ddp's with 4 ranks. With
-``--budget X`` ranks 1..N-1 also run under ``RLIMIT_DATA`` = their data size at start + X model sizes (CPU; rank 0
-is measured, not limited): the report says which modes trained and how the others failed (``PoolError``, no
-update).
+``--budget X`` the ranks also run under ``RLIMIT_DATA`` = their data size at start + X model sizes (CPU; under
+ddp rank 0 is measured, not limited): the report says which modes trained and how the others failed
+(``PoolError``, no update).
 """
 
 from __future__ import annotations
@@ -173,8 +173,11 @@ def memory_rank0(args: argparse.Namespace) -> dict:
     model_bytes = _model_bytes(scaffold)
     head.write_bytes(to_safetensors(scaffold.initial_params(0)))
     del scaffold
-    # Rank 0 runs without the budget: its peak is measured all the same, and a rank 0 held at its limit
+    # Under ddp rank 0 runs without the budget (its peak is measured all the same): a rank 0 held at its limit
     # once aborted while re-forming the pool after ddp's ranks failed (gloo's threads could not start).
+    # Sharded modes hold rank 0 to it like every other rank.
+    if args.parallel != "ddp":
+        _limit(args.budget, model_bytes)
     workload = build_memory(args, device)
     report = str(folder / "peak")
     forwarded = [a for a in sys.argv[1:] if a != "--memory-rank0"] + ["--model-bytes", str(model_bytes)]
