@@ -46,9 +46,6 @@ class EventQueue(Generic[T]):
         await trio.lowlevel.checkpoint()  # a steady stream of items must not starve the other tasks
         return self._urgent.popleft() if self._urgent else self._stranger.popleft()
 
-    def __len__(self) -> int:
-        return len(self._urgent) + len(self._stranger)
-
     @property
     def waiting(self) -> tuple[int, int]:
         """(urgent, stranger) items waiting."""

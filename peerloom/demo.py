@@ -266,22 +266,18 @@ def _kill(victim: NodeProc, leases: dict[Any, Any], window: int, behaviour: str)
 
 def _stop(nodes: list[NodeProc]) -> None:
     with signals_ignored():  # a second Ctrl-C must not leave nodes running: the stop is bounded
-        _stop_now(nodes)
-
-
-def _stop_now(nodes: list[NodeProc]) -> None:
-    for node in nodes:
-        if node.process is not None and node.process.poll() is None:
-            node.process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 15
-    for node in nodes:
-        if node.process is None:
-            continue
-        try:
-            node.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            node.process.kill()
-            node.process.wait()
+        for node in nodes:
+            if node.process is not None and node.process.poll() is None:
+                node.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for node in nodes:
+            if node.process is None:
+                continue
+            try:
+                node.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                node.process.kill()
+                node.process.wait()
 
 
 def _baseline(workload_name: str, workload: Any, epochs: int, seed: int) -> dict[str, Any]:

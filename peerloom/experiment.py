@@ -480,16 +480,13 @@ class Problems:
         for name, tail in self.tails.items():
             for event in tail.read():
                 if event.get("event") == "task-failed":
-                    self._note(name, f"{str(event.get('task', 'task')).rsplit('-', 1)[0]} task failed: "
-                                     f"{_short(event.get('reason', ''))}")
+                    self._note(name, _task_failed(event))
         lines = []
         for event in self.observer.read():
             if event.get("event") == "task-failed":
-                self._note(self.observer.path.parent.name, f"{str(event.get('task', 'task')).rsplit('-', 1)[0]} "
-                                                           f"task failed: {_short(event.get('reason', ''))}")
+                self._note(self.observer.path.parent.name, _task_failed(event))
             elif event.get("event") == "reject" and event.get("peer") in self.trainers:
-                detail = f" ({_short(event['detail'])})" if event.get("detail") else ""
-                self._note(self.trainers[event["peer"]], f"update rejected: {event.get('reason')}{detail}")
+                self._note(self.trainers[event["peer"]], f"update rejected: {_rejection(event)}")
             elif event.get("event") == "head" and event.get("window", 0) > self.last_window:
                 self.last_window = event["window"]
                 lines.append(_window_line(event))
@@ -510,6 +507,17 @@ class Problems:
             shown = "; ".join(f"{what} x{count}" if count > 1 else what for what, count in problems.items())
             lines.append(f"  {name:<12} {shown}")
         return [f"problems in windows {self.after + 1}-{self.last_window}:", *lines] if lines else []
+
+
+def _task_failed(event: dict[str, Any]) -> str:
+    """A ``task-failed`` event as one line: the task's kind and the exception."""
+    return f"{str(event.get('task', 'task')).rsplit('-', 1)[0]} task failed: {_short(event.get('reason', ''))}"
+
+
+def _rejection(event: dict[str, Any]) -> str:
+    """A ``reject`` event as one line: its reason, then its detail (the numbers) in parentheses."""
+    detail = f" ({_short(event['detail'])})" if event.get("detail") else ""
+    return f"{event.get('reason')}{detail}"
 
 
 def _short(text: str, limit: int = 160) -> str:
@@ -625,13 +633,11 @@ def node_problems(fleet: Fleet) -> dict[str, dict[str, Any]]:
         for event in fleet.events(node["name"]).read():
             kind = event.get("event")
             if kind == "task-failed":
-                found.setdefault(node["name"], {})["last_error"] = \
-                    f"{str(event.get('task', 'task')).rsplit('-', 1)[0]} task failed: {_short(event.get('reason', ''))}"
+                found.setdefault(node["name"], {})["last_error"] = _task_failed(event)
             elif kind == "reject" and index == 0 and event.get("peer") in trainers:
                 entry = found.setdefault(trainers[event["peer"]], {})
                 entry["rejected"] = entry.get("rejected", 0) + 1
-                detail = f" ({_short(event['detail'])})" if event.get("detail") else ""
-                entry["last_rejection"] = f"{event.get('reason')}{detail}"
+                entry["last_rejection"] = _rejection(event)
     return found
 
 
