@@ -28,7 +28,7 @@ import attrs
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.errors import DecodeError, VerificationError
 from peerloom.core.identity import PeerId
-from peerloom.core.leases import leases_of
+from peerloom.core.leases import lease_window, leases_of
 from peerloom.core.objects import (
     PROTOCOL_VERSION,
     AdmissionRevocation,
@@ -325,7 +325,12 @@ class ChainIndex:
         with self._lock:
             cached = self._leases if self._leases is not None and self._leases[0] == head.id else None
         if cached is None:
-            cached = (head.id, leases_of(head, revision.manifest))
+            # Overlapped windows draw a window's leases from an older head (spec/protocol.md §5.2).
+            window = head.window + 1
+            lease_w = lease_window(window, revision.manifest)
+            found = [e.head for e in self.chain(lease_w, 1) if e.head.window == lease_w]
+            lease_head = head if lease_w == head.window else (found[0] if found else None)
+            cached = (head.id, {} if lease_head is None else leases_of(lease_head, revision.manifest, window))
             with self._lock:
                 self._leases = cached
         return head, cached[1]

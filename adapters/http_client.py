@@ -35,7 +35,7 @@ from peerloom.core.encoding import decode, encode
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.errors import VerificationError
 from peerloom.core.identity import Identity, PeerId
-from peerloom.core.leases import leases_of
+from peerloom.core.leases import lease_window, leases_of
 from peerloom.core.objects import (
     ArtifactRef,
     Head,
@@ -267,7 +267,9 @@ class LightTrainer:
             self.client.join(seal(self.identity, JoinRequest(revision=self.revision.id, window=window,
                                                              capacity=self.capacity)))
             self.joined_at, joined = window, True
-        shards = leases_of(head, self.revision.manifest).get(me, ())
+        lease_w = lease_window(window, self.revision.manifest)  # an older head with overlap (§5.2)
+        lease_head = head if lease_w == head.window else self.client.chain(self.revision, lease_w, 1)[0][0]
+        shards = leases_of(lease_head, self.revision.manifest, window).get(me, ())
         offered = self.client.leases(me)
         if offered["base"] == head.id.hex() and tuple(offered["shards"]) != shards:
             raise VerificationError("bad-lease", "the edge's leases differ from the lease function")

@@ -311,7 +311,8 @@ class Admission:
         with a cohort (`delivered`: the authors of its cohort and rejected updates), the unproven
         leaseholders of the window that delivered nothing (spec/protocol.md §4.1); sorted."""
         window = head.window + 1
-        silent = undelivered(head, self.engine.manifest, delivered) if delivered is not None else frozenset()
+        silent = frozenset() if delivered is None else \
+            undelivered(head, self.engine.window_leases(window), delivered)
         return tuple(sorted(p for p, _ in head.roster if p not in left and (self.idle(p, window) or p in silent)))
 
     def make_room_for_join(self, joiner: PeerId) -> bool:
@@ -365,7 +366,8 @@ class Admission:
                 any(self.leaves.get(p, window + 1) > window for p in left):
             return "left-unknown"  # a departure without a signed leave held here for this window
         expired = set(head.expired)
-        silent = frozenset() if head.skipped else undelivered(parent, e.manifest, delivered) - left
+        leases = e.window_leases(window)
+        silent = frozenset() if head.skipped else undelivered(parent, leases, delivered) - left
         if list(head.expired) != sorted(expired) or expired & left or \
                 (e.manifest.idle_windows == 0 and not expired <= silent) or \
                 any(p not in before or p in roster for p in expired):
@@ -389,7 +391,7 @@ class Admission:
             return "roster-not-admitted"  # a revoked peer joins again
         if e.manifest.max_joins and sum(1 for p in roster if p not in before) > e.manifest.max_joins:
             return "roster-too-many-joins"
-        if head.unproven != next_unproven(parent, e.manifest, head.roster, cohort,
+        if head.unproven != next_unproven(parent, leases, head.roster, cohort,
                                           None if head.skipped else delivered):
             return "unproven-mismatch"
         return ""

@@ -158,7 +158,7 @@ class SampledAudits:
             e.stats["audits_started"] += 1
             segment = audit_segment(head.id, update_id, m.audit_segments) if m.audit_segments else None
             run = self.running[update_id] = _Run(envelope=entry.envelope, announcement=entry.announcement,
-                                                 base=collector.head, segment=segment, window=head.window)
+                                                 base=entry.base, segment=segment, window=head.window)
             if segment is None:
                 self._replay(update_id, head.window, run)
             else:

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from .audit import loss_batch_seed, train_seed
-from .envelope import SignedEnvelope
+from .encoding import decode
+from .envelope import MAX_BODY_BYTES, SignedEnvelope
 from .errors import DecodeError, VerificationError
 from .fsm import Table, step
 from .identity import PeerId
@@ -54,6 +55,7 @@ REPLAY_WINDOWS = 8  # how many windows of accepted delta digests a collector rem
 class Entry:
     envelope: SignedEnvelope
     announcement: UpdateAnnouncement
+    base: Head  # the certified head the update names as its base: the window's parent, or older (§5.2)
     state: str = "announced"
     reason: str = ""
 
@@ -112,6 +114,17 @@ class FetchAuditParams:
 CollectorWork = Screen | FetchBase | FetchDelta | FetchAuditParams
 
 
+def _peek_window(envelope: SignedEnvelope) -> int | None:
+    """The `window` field of an update announcement's body, read before its signature is checked (None
+    when the body is not a map with an integer window: the full checks then say why)."""
+    try:
+        body = decode(envelope.body, max_bytes=MAX_BODY_BYTES)
+    except DecodeError:
+        return None
+    window = body.get("window") if isinstance(body, dict) else None
+    return window if isinstance(window, int) and not isinstance(window, bool) else None
+
+
 def screen_needs_base(manifest: Manifest) -> bool:
     """Whether an update's ``screen`` task reads the base head's params: for an inline audit (`audit`
     without `audit_rate`) or the loss check."""
@@ -140,15 +153,29 @@ def resume_collector(engine: Engine, collector: Collector | None, work: Collecto
 class Collector:
     """Collects the updates of window `head.window + 1`; `on_change` runs after every state change. `owner`
     names the role holding it (``validator`` or ``reducer``): the engine hands that role the collector's
-    pending work (`CollectorWork`), which it passes on to `resume`."""
+    pending work (`CollectorWork`), which it passes on to `resume`.
+
+    The window's leases are drawn from its lease head, `head` itself unless the manifest overlaps windows;
+    an update may name as its base any certified head of `engine.base_windows(window)` (spec/protocol.md
+    §5.2). A node that does not hold the lease head (it jumped windows, `chain-gap`) has no leases this
+    window: every update is `no-lease` here, and the head is decided by the validators that hold it."""
 
     def __init__(self, engine: Engine, head: Head, on_change: Any, *, owner: str) -> None:
         self.engine = engine
         self.owner = owner
         self.head = head
         self.window = head.window + 1
-        self.leases = leases_of(head, engine.manifest)
-        self.claims = claims_of(head, engine.manifest)
+        lease_head = head if engine.manifest.overlap == 0 else engine.lease_head(self.window)
+        if lease_head is None:
+            engine.log("lease-head-missing", window=self.window)
+        self.leases = {} if lease_head is None else leases_of(lease_head, engine.manifest, self.window)
+        self.claims = {} if lease_head is None else claims_of(lease_head, engine.manifest, self.window)
+        # base head id -> head: the parent and, with overlap, the heads before it that this node holds
+        self.bases: dict[bytes, Head] = {head.id: head}
+        for window in engine.base_windows(self.window):
+            older = engine.head_at(window) if window != head.window else head
+            if older is not None:
+                self.bases[older.id] = older
         self.entries: dict[Slot, Entry] = {}
         self.by_id: dict[bytes, Entry] = {}
         self.claims_on: dict[PeerId, list[Entry]] = {}  # leaseholder -> claims on its lease
@@ -188,6 +215,16 @@ class Collector:
         leaseholder's update and a claim on its lease may then both be held - a cohort takes one of them.
         """
         e = self.engine
+        window = _peek_window(envelope)
+        if window is not None and window != self.window and not force:
+            # Before the quota, and before any signature check: an announcement for another window costs its
+            # sender nothing, because a node that is behind (or ahead) must not charge honest trainers for its
+            # own state. It is dropped: an older one is stale, and a node that is behind learns the window's
+            # cohort from the head (spec/protocol.md §6).
+            e.stats["stale_updates" if window < self.window else "future_updates"] += 1
+            if window > self.window:
+                e.rejected_by_reason["ahead"] += 1
+            return
         if not force:
             # Quota before any signature check: a sender may offer one update per lease plus slack.
             offers = self.offers.get(sender, 0) + 1
@@ -210,7 +247,7 @@ class Collector:
             e.stats["future_updates"] += 1  # we are behind; the head will reach us
         elif self.closed and not force:
             e.rejected_by_reason["late"] += 1
-        elif ann.base != self.head.id:
+        elif ann.base not in self.bases:
             e.reject(sender, "wrong-base")
         elif (ann.trajectory is not None) != (e.manifest.audit_segments > 0):
             e.reject(sender, "bad-trajectory", "segment audits need one, and only they")
@@ -230,7 +267,7 @@ class Collector:
             if self.entries[slot].envelope.id != envelope.id:
                 e.reject(sender, "duplicate-update", str(author))
         else:
-            entry = Entry(envelope=envelope, announcement=ann)
+            entry = Entry(envelope=envelope, announcement=ann, base=self.bases[ann.base])
             self.entries[slot] = entry
             self.by_id[envelope.id] = entry
             if ann.claim is not None:
@@ -246,7 +283,7 @@ class Collector:
                 # them: a validator that adopted that head from others' certificate may not hold them yet. The
                 # author trained on them, so it can serve.
                 providers = [author, sender, *e.peers_with("validator"), *e.peers_with("reducer")]
-                e.fetch(self.head.params, providers, self.owner,
+                e.fetch(entry.base.params, providers, self.owner,
                         FetchAuditParams(window=window, slot=slot, sender=sender))
             else:
                 e.fetch(ann.delta, [author, sender], self.owner, FetchDelta(window=window, slot=slot))
@@ -303,12 +340,12 @@ class Collector:
                                 "max_norm": manifest.max_update_norm}
         if manifest.loss_check_samples:
             # The loss before and after the update on a batch of the author's leased samples (§6.1).
-            args["loss_check"] = {"params": self.head.params, "shards": ann.shards,
+            args["loss_check"] = {"params": entry.base.params, "shards": ann.shards,
                                   "seed": loss_batch_seed(entry.envelope.id),
                                   "samples": manifest.loss_check_samples, "min_drop": manifest.loss_min_drop}
         if manifest.audit and not manifest.audit_rate:
             # Re-run the author's training exactly as it had to run it (core/audit.py).
-            args["audit"] = audit_args(manifest, self.head, entry.envelope.signer, ann)
+            args["audit"] = audit_args(manifest, entry.base, entry.envelope.signer, ann)
         self.engine.run_task("screen", args, self.owner, Screen(window=window, slot=slot))
 
     def resume(self, work: Screen | FetchDelta | FetchAuditParams, outcome: Outcome) -> None:

@@ -38,6 +38,7 @@ from .encoding import decode, encode
 from .envelope import SignedEnvelope
 from .errors import DecodeError, LocalProtocolError, VerificationError
 from .identity import Identity, PeerId
+from .leases import lease_window, leases_of
 from .messages import (
     MAX_CHAIN_ENTRIES,
     MAX_PEER_ENTRIES,
@@ -58,7 +59,7 @@ from .messages import (
     decode_message,
     encode_message,
 )
-from .objects import ArtifactRef, Head, QuorumCertificate, Revision
+from .objects import MAX_OVERLAP, ArtifactRef, Head, QuorumCertificate, Revision
 from .pending import Done, Failed, Outcome, Pending, PendingState
 from .roles import Role
 
@@ -243,6 +244,9 @@ class Engine:
             head, cert = decode_chain_entry(records[HEAD_RECORD])
             self.verify_certified(head, cert)
             self.head, self.certificate = head, cert
+        # The last heads promoted, by window: an overlapped window's leases and bases are older heads
+        # (spec/protocol.md §5.2), which a node without its chain archive (`keep_chain` off) holds only here.
+        self._recent: dict[int, Head] = {self.head.window: self.head}
         self.roles: list[Role] = []
         # The validator serves announcements by id and holds snapshotted joins; the trainer leaves and joins.
         self._validator: ValidatorRole | None = None
@@ -573,6 +577,9 @@ class Engine:
             return
         parent = self.head
         self.head, self.certificate = head, cert
+        self._recent[head.window] = head
+        for window in [w for w in self._recent if w < head.window - MAX_OVERLAP - 1]:
+            del self._recent[window]
         self.emit(fx.HeadPromoted(head=head, certificate=cert))
         self._retire_artifacts()
         self.log("head", window=head.window, id=head.id.hex(), skipped=head.skipped,
@@ -757,6 +764,27 @@ class Engine:
             self.emit(fx.PeersDiscovered(peers=new))
 
     # --- chain sync (spec/protocol.md §8) -----------------------------------------------------------
+
+    def head_at(self, window: int) -> Head | None:
+        """The certified head of `window` if this node holds it (current, recent, archived or genesis)."""
+        if window in self._recent:
+            return self._recent[window]
+        entry = self.chain_entry(window)
+        return None if entry is None else entry[0]
+
+    def lease_head(self, window: int) -> Head | None:
+        """The head that draws the leases of `window` (spec/protocol.md §4, §5.2), if this node holds it."""
+        return self.head_at(lease_window(window, self.manifest))
+
+    def window_leases(self, window: int) -> Mapping[PeerId, tuple[int, ...]]:
+        """The leases of `window` (trainer -> sorted shards), empty when this node lacks its lease head."""
+        head = self.lease_head(window)
+        return {} if head is None else leases_of(head, self.manifest, window)
+
+    def base_windows(self, window: int) -> range:
+        """The windows whose certified heads an update of `window` may name as its base: its parent and up to
+        `overlap` windows before it (spec/protocol.md §5.2)."""
+        return range(max(0, window - 1 - self.manifest.overlap), window)
 
     def chain_entry(self, window: int) -> tuple[Head, QuorumCertificate] | None:
         """The certified head of `window` if this node holds it (genesis, archive or current head)."""
@@ -1066,10 +1094,12 @@ class Engine:
         held while the head was older than ``window - keep_windows``, except the current head's params and
         optimizer state. What a window's work needs (its base head's params and state, its updates, the
         proposals and the next params) is held from the base head on, so it outlives the window by
-        `keep_windows` heads; a peer asking for a dropped artifact gets `chunk-missing`."""
+        `keep_windows` heads; a peer asking for a dropped artifact gets `chunk-missing`. Overlapped windows
+        keep `overlap` more: an update's base may be that many heads older (spec/protocol.md §5.2)."""
         keep = self.config.keep_windows
         if keep <= 0:
             return
+        keep += self.manifest.overlap
         for digest in self._stored:
             self._stored_at.setdefault(digest, self.head.window)  # restored with the node: from now on
         pinned = {self.head.params.digest}

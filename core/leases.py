@@ -1,6 +1,7 @@
 """Lease assignment by a capacity-weighted random permutation of slots (spec/design.md §4, spec/protocol.md §4).
 
-For window w the owner of shard s is a pure function of the certified head of window w-1: every rostered,
+For window w the owner of shard s is a pure function of the certified head of window w-1-overlap (the
+*lease head*: w-1 unless the manifest overlaps windows, spec/protocol.md §5.2): every rostered,
 non-quarantined trainer p with capacity c holds c *slots*, slot j keyed ``SHA-256(domain, head_id, w, p,
 j)``. Sorting the slots by key gives a fresh uniformly random order every window (the head id changes);
 shard s goes to the trainer of slot ``s mod V`` (V slots in all), and its next-ranked trainer is the trainer
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from .identity import PeerId
 from .objects import Head, Manifest
@@ -99,38 +100,43 @@ def rank_shards(head_id: bytes, window: int, num_shards: int, roster: Sequence[t
     return ranked
 
 
-_CACHE: dict[bytes, dict[PeerId, tuple[int, ...]]] = {}
-_CLAIMS: dict[bytes, dict[PeerId, dict[PeerId, tuple[int, ...]]]] = {}
+_CACHE: dict[tuple[bytes, int], dict[PeerId, tuple[int, ...]]] = {}
+_CLAIMS: dict[tuple[bytes, int], dict[PeerId, dict[PeerId, tuple[int, ...]]]] = {}
 _CACHE_SIZE = 16
 
 
-def leases_of(head: Head, manifest: Manifest) -> dict[PeerId, tuple[int, ...]]:
-    """The leases of window `head.window + 1`: trainer -> its sorted shard numbers (do not mutate).
+def lease_window(window: int, manifest: Manifest) -> int:
+    """The window of the certified head that draws the leases of `window` (its *lease head*): `window - 1 -
+    manifest.overlap`, and genesis (0) for the first windows (spec/protocol.md §4, §5.2)."""
+    return max(0, window - 1 - manifest.overlap)
 
-    Computed once per head and shared (a head id names its revision, hence the manifest): every engine in
-    one process - a simulator's ten thousand trainers included - reuses one assignment per window.
+
+def leases_of(head: Head, manifest: Manifest, window: int | None = None) -> dict[PeerId, tuple[int, ...]]:
+    """The leases of `window` drawn from `head`, its lease head (`lease_window`; default `head.window + 1`,
+    which is the rule without overlap): trainer -> its sorted shard numbers (do not mutate).
+
+    Computed once per (head, window) and shared (a head id names its revision, hence the manifest): every
+    engine in one process - a simulator's ten thousand trainers included - reuses one assignment per window.
     """
-    key = head.id
+    key = (head.id, head.window + 1 if window is None else window)
     cached = _CACHE.get(key)
     if cached is None:
-        cached = _compute_leases(head, manifest)
-        if len(_CACHE) >= _CACHE_SIZE:
-            _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = cached
+        cached = _compute_leases(head, manifest, key[1])
     return cached
 
 
-def claims_of(head: Head, manifest: Manifest) -> dict[PeerId, dict[PeerId, tuple[int, ...]]]:
-    """Next-ranked claims of window `head.window + 1`: claimant -> {leaseholder: the leaseholder's shards
-    the claimant ranks second for}. A claim is valid only after the lease expired (spec/protocol.md §4)."""
-    key = head.id
+def claims_of(head: Head, manifest: Manifest, window: int | None = None) -> dict[PeerId, dict[PeerId, tuple[int, ...]]]:
+    """Next-ranked claims of `window` (default `head.window + 1`) drawn from `head`: claimant -> {leaseholder: the
+    leaseholder's shards the claimant ranks second for}. A claim is valid only after the lease expired
+    (spec/protocol.md §4)."""
+    key = (head.id, head.window + 1 if window is None else window)
     if key not in _CLAIMS:
-        _compute_leases(head, manifest)
+        _compute_leases(head, manifest, key[1])
     return _CLAIMS[key]
 
 
-def _compute_leases(head: Head, manifest: Manifest) -> dict[PeerId, tuple[int, ...]]:
-    ranked = rank_shards(head.id, head.window + 1, len(manifest.shards), head.roster, manifest.max_capacity,
+def _compute_leases(head: Head, manifest: Manifest, window: int) -> dict[PeerId, tuple[int, ...]]:
+    ranked = rank_shards(head.id, window, len(manifest.shards), head.roster, manifest.max_capacity,
                          head.quarantined, frozenset(head.unproven), manifest.unproven_share)
     by_peer: dict[PeerId, list[int]] = {}
     claims: dict[PeerId, dict[PeerId, list[int]]] = {}
@@ -138,10 +144,13 @@ def _compute_leases(head: Head, manifest: Manifest) -> dict[PeerId, tuple[int, .
         by_peer.setdefault(peers[0], []).append(shard)
         if len(peers) > 1:
             claims.setdefault(peers[1], {}).setdefault(peers[0], []).append(shard)
-    if len(_CLAIMS) >= _CACHE_SIZE:
-        _CLAIMS.pop(next(iter(_CLAIMS)))
-    _CLAIMS[head.id] = {c: {p: tuple(sorted(s)) for p, s in by.items()} for c, by in claims.items()}
-    return {p: tuple(sorted(s)) for p, s in by_peer.items()}
+    for cache in (_CACHE, _CLAIMS):
+        if len(cache) >= _CACHE_SIZE:
+            cache.pop(next(iter(cache)))
+    leases = {p: tuple(sorted(s)) for p, s in by_peer.items()}
+    _CLAIMS[(head.id, window)] = {c: {p: tuple(sorted(s)) for p, s in by.items()} for c, by in claims.items()}
+    _CACHE[(head.id, window)] = leases
+    return leases
 
 
 def lease_weight(manifest: Manifest, shards: Sequence[int]) -> int:
@@ -152,29 +161,29 @@ def lease_weight(manifest: Manifest, shards: Sequence[int]) -> int:
 # --- unproven trainers (spec/protocol.md §4.1) ----------------------------------------------------------
 
 
-def demotable(parent: Head, manifest: Manifest, skipped: bool) -> frozenset[PeerId]:
-    """The trainers that the head after `parent` turns unproven unless they deliver (spec/protocol.md §4.1):
-    the leaseholders of its window, or nobody when that head is `skipped` (a skipped window proves and
-    disproves nobody). `peerloom verify`, which cannot see an update's author, bounds `unproven` by this."""
-    return frozenset() if skipped else frozenset(leases_of(parent, manifest))
+def demotable(leases: Mapping[PeerId, Sequence[int]], skipped: bool) -> frozenset[PeerId]:
+    """The trainers that the head of a window turns unproven unless they deliver (spec/protocol.md §4.1):
+    the holders of that window's `leases`, or nobody when that head is `skipped` (a skipped window proves
+    and disproves nobody). `peerloom verify`, which cannot see an update's author, bounds `unproven` by this."""
+    return frozenset() if skipped else frozenset(leases)
 
 
-def next_unproven(parent: Head, manifest: Manifest, roster: Sequence[tuple[PeerId, int]],
+def next_unproven(parent: Head, leases: Mapping[PeerId, Sequence[int]], roster: Sequence[tuple[PeerId, int]],
                   proven: frozenset[PeerId], delivered: frozenset[PeerId] | None) -> tuple[PeerId, ...]:
     """The `unproven` of the head after `parent` with `roster` (spec/protocol.md §4.1), sorted: the parent's
-    unproven, the newly rostered trainers and the leaseholders of the window that delivered nothing
+    unproven, the newly rostered trainers and the holders of the window's `leases` that delivered nothing
     (`delivered`: the authors of the head's cohort and rejected updates; None for a skipped head, which
     demotes nobody), less the trainers no longer rostered and the authors of cohort updates (`proven`)."""
     before = parent.roster_peers
-    silent = demotable(parent, manifest, delivered is None) - (delivered or frozenset())
+    silent = demotable(leases, delivered is None) - (delivered or frozenset())
     return tuple(sorted(p for p, _ in roster
                         if (p in parent.unproven or p not in before or p in silent) and p not in proven))
 
 
-def undelivered(parent: Head, manifest: Manifest, delivered: frozenset[PeerId]) -> frozenset[PeerId]:
-    """Unproven trainers of `parent` that hold a lease in the next window and are not among `delivered` (the
-    authors of the next head's cohort and rejected updates): the next head drops them (§4.1)."""
+def undelivered(parent: Head, leases: Mapping[PeerId, Sequence[int]],
+                delivered: frozenset[PeerId]) -> frozenset[PeerId]:
+    """Unproven trainers of `parent` that hold one of the next window's `leases` and are not among `delivered`
+    (the authors of the next head's cohort and rejected updates): the next head drops them (§4.1)."""
     if not parent.unproven:
         return frozenset()
-    leases = leases_of(parent, manifest)
     return frozenset(p for p in parent.unproven if p in leases and p not in delivered)

@@ -43,6 +43,7 @@ ERROR_FEEDBACK_CODECS = ("topk", "sign")
 # an `AdmissionCertificate` signed by the manifest's `admission_authority`.
 ADMISSION_POLICIES = ("open", "certificate")
 # Screening reasons of cohort-relative outliers (the reduce task's cohort screening).
+MAX_OVERLAP = 2  # the largest `overlap`: how many windows an update's base may lag its window's parent
 MAX_NORM_MADS = 64  # the largest `norm_mads`: the power of a cohort's spread is a product of that many floats
 OUTLIER_REASONS = frozenset({"screen-norm-outlier", "screen-cosine"})
 # DiLoCo outer Nesterov momentum default (Douillard et al., arXiv 2311.08105); FedAvg has none.
@@ -241,6 +242,11 @@ class Manifest:
     # `max_joins` trainers to the roster (0: no limit; absent from the encoding).
     unproven_share: float = 0.25
     max_joins: int = 16
+    # Overlapped windows (spec/protocol.md §5.2): a trainer may train window w from a certified head up to
+    # `overlap` windows older than w - 1 (its update's base), so it starts window w + 1 as soon as it has
+    # published w; the leases of window w are drawn from the head of window w - 1 - overlap. 0 (absent from
+    # the encoding): every update is trained from the window's parent.
+    overlap: int = 0
 
     def __attrs_post_init__(self) -> None:
         n = len(self.validators)
@@ -296,6 +302,10 @@ class Manifest:
             # The error-feedback residual is private trainer state no validator can recompute, unless the
             # trainer commits to it in its trajectory (segment audits, §6.3).
             raise DecodeError("bad-field", f"audits of error-feedback codec {self.codec!r} need audit_segments")
+        if not 0 <= self.overlap <= MAX_OVERLAP or (self.overlap and self.lease_s):
+            # Next-ranked claims fill a lease within its window's first `lease_s` seconds; an overlapped
+            # trainer trains a window before it opens, so the two do not combine.
+            raise DecodeError("bad-field", f"overlap must be in 0..{MAX_OVERLAP}, and 0 with lease_s > 0")
 
     def to_cbor(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -332,6 +342,8 @@ class Manifest:
             body["loss_min_drop"] = self.loss_min_drop
         if self.norm_mads:
             body["norm_mads"] = self.norm_mads
+        if self.overlap:
+            body["overlap"] = self.overlap
         return body
 
     @classmethod
@@ -346,13 +358,15 @@ class Manifest:
         loss_check_samples = f.uint(body, "loss_check_samples", maximum=1 << 20) if "loss_check_samples" in body else 0
         loss_min_drop = f.number(body, "loss_min_drop") if "loss_min_drop" in body else 0.0
         norm_mads = f.uint(body, "norm_mads", maximum=MAX_NORM_MADS) if "norm_mads" in body else 0
+        overlap = f.uint(body, "overlap", maximum=MAX_OVERLAP) if "overlap" in body else 0
         if ("idle_windows" in body and idle_windows == 0) or ("unproven_share" in body and unproven_share == 1.0) \
                 or ("max_joins" in body and max_joins == 0) or ("audit_rate" in body and audit_rate == 0.0) \
                 or ("audit_segments" in body and audit_segments == 0) \
                 or ("loss_check_samples" in body and loss_check_samples == 0) \
-                or ("loss_min_drop" in body and loss_min_drop == 0.0) or ("norm_mads" in body and norm_mads == 0):
+                or ("loss_min_drop" in body and loss_min_drop == 0.0) or ("norm_mads" in body and norm_mads == 0) \
+                or ("overlap" in body and overlap == 0):
             raise DecodeError("bad-field", "idle_windows, unproven_share, max_joins, audit_rate, loss_check_samples, "
-                                           "loss_min_drop and norm_mads are absent when off")
+                                           "loss_min_drop, norm_mads and overlap are absent when off")
         schema = []
         for item in f.array(body, "schema", max_len=MAX_TENSORS):
             if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
@@ -388,7 +402,7 @@ class Manifest:
             admission_authority=None if body["admission_authority"] is None else f.peer(body, "admission_authority"),
             idle_windows=idle_windows, unproven_share=unproven_share, max_joins=max_joins,
             audit_rate=audit_rate, loss_check_samples=loss_check_samples, loss_min_drop=loss_min_drop,
-            audit_segments=audit_segments, norm_mads=norm_mads,
+            audit_segments=audit_segments, norm_mads=norm_mads, overlap=overlap,
         )
 
     def seal(self, authority: Identity) -> SignedEnvelope:
@@ -404,7 +418,7 @@ _MANIFEST_KEYS = frozenset({
     "admission", "admission_authority",
 })
 _MANIFEST_OPTIONAL = frozenset({"idle_windows", "unproven_share", "max_joins", "audit_rate", "loss_check_samples",
-                                "loss_min_drop", "audit_segments", "norm_mads"})  # present only when not off
+                                "loss_min_drop", "audit_segments", "norm_mads", "overlap"})  # present only when not off
 
 
 @attrs.frozen(kw_only=True)

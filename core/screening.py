@@ -216,7 +216,7 @@ class Screening:
                     roster=roster, quarantine=quarantine, revoked=revoked,
                     metrics=parent.metrics, strikes=strikes, evidence=evidence, outer_state=parent.outer_state,
                     outer_state_digest=parent.outer_state_digest, left=left, expired=expired,
-                    unproven=next_unproven(parent, m, roster, frozenset(), None), audits=audits)
+                    unproven=next_unproven(parent, {}, roster, frozenset(), None), audits=audits)
 
     def make_head(self, result: dict[str, Any], rejected: tuple[SignedEnvelope, ...], evidence: Evidence,
                   audits: tuple[AuditEvidence, ...] = ()) -> Head:
@@ -241,7 +241,7 @@ class Screening:
                     metrics=result["metrics"], strikes=strikes, rejected=tuple(sorted(u.id for u in rejected)),
                     evidence=evidence, outer_state=result["outer_state"],
                     outer_state_digest=result["outer_state_digest"], left=left, expired=expired,
-                    unproven=next_unproven(parent, e.manifest, roster, proven, delivered), audits=audits)
+                    unproven=next_unproven(parent, c.leases, roster, proven, delivered), audits=audits)
 
     # --- recomputation: reduce, then evaluate -----------------------------------------------------
 

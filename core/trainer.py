@@ -8,6 +8,12 @@ it only if the leaseholder's own update has not arrived; a cohort holds one upda
 One pass of this machine per window. A new certified head resets it to ``idle`` for the next window;
 results that arrive for an old window are dropped. The claim (the signed announcement) is persisted
 before it is sent, so a restarted trainer re-announces the same update instead of a different one.
+
+Overlapped windows (manifest `overlap` k > 0, spec/protocol.md §5.2): once a window's announcement is
+durable the trainer goes on (``announced`` -> ``fetching``) to the next window it holds a lease in, up to k
+windows past the one open at validators, training from the latest certified head it holds; a new head
+resets only work for a window that head closed. An announcement for a window that has not opened yet is
+held until the head before it arrives, then sent.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ TABLE: Table = {
     ("training", "trained"): "persisting",
     ("training", "train-failed"): "idle",
     ("persisting", "persisted"): "announced",
+    # overlapped windows only (manifest `overlap` > 0): on to the next window without waiting for a head
+    ("announced", "lease"): "fetching",
 }
 
 
@@ -124,10 +132,14 @@ class TrainerRole(RoleBase):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.state = "idle"
-        self.window = -1
-        self.head: Head | None = None
+        self.window = -1  # the window trained (or to train) now; the open one unless windows overlap
+        self.head: Head | None = None  # the latest certified head
+        self.base: Head | None = None  # the head `window` is trained from (`head`, or older with overlap)
         self.shards: tuple[int, ...] = ()
-        self.announcement: SignedEnvelope | None = None
+        # Durable announcements of windows not yet closed, by window: the open one is sent (and sent again
+        # to servers that connect), a later one (overlap) waits until its window opens.
+        self.published: dict[int, SignedEnvelope] = {}
+        self.done = 0  # the highest window this trainer has announced or found no lease in
         self.head_sources: set[PeerId] = set()
         self.joined_window = -1
         self.membership = "joining"  # MEMBERSHIP_TABLE
@@ -179,17 +191,25 @@ class TrainerRole(RoleBase):
         if committed:
             self.committed[envelope.id] = (window, committed)
 
+    @property
+    def current(self) -> int:
+        """The window open at the validators: the one after the latest certified head (-1 before any)."""
+        return -1 if self.head is None else self.head.window + 1
+
     def on_head(self, head: Head) -> None:
         e = self.engine
         if self.committed or self.kept:
             self._retire_commitments(head)
-        self.head, self.window, self.state, self.announcement = head, head.window + 1, "idle", None
-        self.shards = leases_of(head, e.manifest).get(e.me, ())
+        self.head = head
+        self.published = {w: env for w, env in self.published.items() if w > head.window}
+        if self.window <= head.window or self.state in ("idle", "announced"):
+            # the window in flight closed (its results are dropped as stale), or nothing is in flight
+            self.state, self.window, self.base, self.shards = "idle", head.window + 1, head, ()
         self.claims = claims_of(head, e.manifest).get(e.me, {}) if e.manifest.lease_s > 0 else {}
         self.claim_state = {holder: "waiting" for holder in self.claims}
         self.claim_announcements = {}
         if self.claims:
-            e.set_timer(("claim", self.window), e.now + e.manifest.lease_s)
+            e.set_timer(("claim", self.current), e.now + e.manifest.lease_s)
         rostered = e.me in head.roster_peers
         before = self.membership
         self._membership_step("head-rostered" if rostered else "head-unrostered")
@@ -199,28 +219,63 @@ class TrainerRole(RoleBase):
         self.beat, self.beat_sent = None, set()
         if rostered and self.membership == "member" and e.manifest.idle_windows > 0:
             # Alive in this window, lease or not: keeps an idle trainer's place in the roster (§5).
-            self.beat = seal(e.identity, Heartbeat(revision=e.revision.id, window=self.window))
+            self.beat = seal(e.identity, Heartbeat(revision=e.revision.id, window=self.current))
             for v in e.peers_with("validator"):
                 self._send_beat(v)
-        if not self.shards:
-            self._step("no-lease")
+        opened = self.published.get(self.current)
+        if opened is not None:  # announced ahead of its window (overlap), which has now opened
+            e.broadcast(Signed(envelope=opened), roles=("validator", "reducer"))
+        if self.state == "idle":
+            self._next()
+
+    def _next(self) -> None:
+        """Start the next window this trainer holds a lease in, from the latest certified head: the open
+        window, or with overlap k one of the k after it (spec/protocol.md §5.2), reannouncing instead an
+        update a restarted trainer had already made durable. Idle when there is none."""
+        e, head = self.engine, self.head
+        assert head is not None
+        for window in range(max(self.current, self.done + 1), self.current + 1 + e.manifest.overlap):
+            lease_head = head if e.manifest.overlap == 0 else e.lease_head(window)
+            if lease_head is None:
+                return  # a head this node jumped over: try again at the next head
+            shards = leases_of(lease_head, e.manifest, window).get(e.me, ())
+            if not shards:
+                self.done = window
+                continue
+            self.window, self.base, self.shards = window, head, shards
+            if self._reclaim(window):
+                continue
+            e.log("lease", window=window, shards=list(shards))
+            self._begin()
             return
-        old = e.records.get(claim_key(self.window))
-        if old is not None:
-            envelope = SignedEnvelope.from_bytes(old)
-            ann = UpdateAnnouncement.from_cbor(envelope.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
-            if ann.base == head.id and e.is_stored(ann.delta.digest):
-                self._step("reclaim")
-                self.announcement = envelope
-                e.log("reannounce", window=self.window)
-                e.broadcast(Signed(envelope=envelope), roles=("validator", "reducer"))
-                return
-        e.log("lease", window=self.window, shards=list(self.shards))
-        self._begin()
+        if self.state == "idle":
+            self._step("no-lease")
+            self.window, self.base, self.shards = self.current, head, ()
+
+    def _reclaim(self, window: int) -> bool:
+        """A restarted trainer's durable announcement for `window` (its delta still stored, its base a head
+        the window may name): announce it again instead of training a different update."""
+        e = self.engine
+        old = e.records.get(claim_key(window))
+        if old is None:
+            return False
+        envelope = SignedEnvelope.from_bytes(old)
+        ann = UpdateAnnouncement.from_cbor(envelope.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
+        bases = {h.id for h in map(e.head_at, e.base_windows(window)) if h is not None}
+        if ann.base not in bases or not e.is_stored(ann.delta.digest):
+            return False
+        if self.state == "idle":
+            self._step("reclaim")
+        self.done = window
+        self.published[window] = envelope
+        e.log("reannounce", window=window)
+        if window == self.current:
+            e.broadcast(Signed(envelope=envelope), roles=("validator", "reducer"))
+        return True
 
     def _begin(self) -> None:
-        """Fetch the head's params (then train). Without any provider yet, wait for one to connect."""
-        e, head = self.engine, self.head
+        """Fetch the base head's params (then train). Without any provider yet, wait for one to connect."""
+        e, head = self.engine, self.base
         assert head is not None
         providers = sorted(self.head_sources) + e.peers_with("validator") + e.peers_with("reducer")
         if not providers and not e.is_stored(head.params.digest):
@@ -284,13 +339,13 @@ class TrainerRole(RoleBase):
     def _leave(self) -> None:
         """Ask the validators to drop this trainer from the roster of the head of the current window."""
         e = self.engine
-        if self.left_window == self.window:
+        if self.left_window == self.current:
             return
         validators = e.peers_with("validator")
         if validators:
-            self.left_window = self.window
-            leave = seal(e.identity, LeaveRequest(revision=e.revision.id, window=self.window))
-            e.log("leave", window=self.window)
+            self.left_window = self.current
+            leave = seal(e.identity, LeaveRequest(revision=e.revision.id, window=self.current))
+            e.log("leave", window=self.current)
             for v in validators:
                 e.send(v, Signed(envelope=leave))
 
@@ -301,23 +356,23 @@ class TrainerRole(RoleBase):
 
     def _join(self) -> None:
         e = self.engine
-        if self.joined_window == self.window:
+        if self.joined_window == self.current:
             return
         validators = e.peers_with("validator")
         if validators:
-            self.joined_window = self.window
-            join = seal(e.identity, JoinRequest(revision=e.revision.id, window=self.window,
+            self.joined_window = self.current
+            join = seal(e.identity, JoinRequest(revision=e.revision.id, window=self.current,
                                                 capacity=e.config.capacity, admission=e.config.admission))
             for v in validators:
                 e.send(v, Signed(envelope=join))
 
     def _params_stored(self, window: int) -> None:
-        if window != self.window or self.state != "fetching" or self.head is None:
+        if window != self.window or self.state != "fetching" or self.base is None:
             return
         self._step("params-stored")
         e = self.engine
-        args = {"params": self.head.params, "shards": self.shards,
-                "seed": train_seed(self.head.id, window, self.shards, e.me),
+        args = {"params": self.base.params, "shards": self.shards,
+                "seed": train_seed(self.base.id, window, self.shards, e.me),
                 "window": window, "inner_steps": e.manifest.inner_steps, "author": e.me,
                 "segments": e.manifest.audit_segments}
         e.run_task("train", args, "trainer", Train(window=window))
@@ -335,11 +390,11 @@ class TrainerRole(RoleBase):
         e = self.engine
         delta: ArtifactRef = result["delta"]
         e.note_stored(delta)
-        if window != self.window or self.state != "training" or self.head is None:
+        if window != self.window or self.state != "training" or self.base is None:
             e.log("stale-result", window=window)
             return
         self._step("trained")
-        ann = UpdateAnnouncement(revision=e.revision.id, window=window, base=self.head.id, shards=self.shards,
+        ann = UpdateAnnouncement(revision=e.revision.id, window=window, base=self.base.id, shards=self.shards,
                                  delta=delta, delta_digest=result["delta_digest"],
                                  train_loss=float(result["train_loss"]), trajectory=result.get("trajectory"))
         envelope = seal(e.identity, ann)
@@ -348,29 +403,37 @@ class TrainerRole(RoleBase):
                        Announce(window=window, envelope=envelope, train_loss=ann.train_loss, delta=delta.digest))
 
     def _announce(self, work: Announce) -> None:
-        """The announcement `work.envelope` is durable: send it (if its window is still ours)."""
+        """The announcement `work.envelope` is durable: send it (if its window is still ours; one that has not
+        opened yet waits for its head), then, with overlap, go on to the next window."""
         e, window, envelope = self.engine, work.window, work.envelope
-        if window != self.window:
-            return
-        if work.holder is None:
-            self._step("persisted")
-            self.announcement = envelope
-            e.stats["updates_announced"] += 1
-            e.log("announce", window=window, update=envelope.id.hex(), train_loss=work.train_loss,
-                  delta=work.delta.hex()[:16])
-        else:
+        if work.holder is not None:
+            if window != self.current:
+                return
             self._claim_step(work.holder, "persisted")
             self.claim_announcements[work.holder] = envelope
             e.stats["claims_announced"] += 1
             e.log("announce-claim", window=window, holder=str(work.holder), update=envelope.id.hex())
-        e.broadcast(Signed(envelope=envelope), roles=("validator", "reducer"))
+            e.broadcast(Signed(envelope=envelope), roles=("validator", "reducer"))
+            return
+        if window != self.window:
+            return
+        self._step("persisted")
+        self.done = window
+        self.published[window] = envelope
+        e.stats["updates_announced"] += 1
+        e.log("announce", window=window, update=envelope.id.hex(), train_loss=work.train_loss,
+              delta=work.delta.hex()[:16])
+        if window == self.current:
+            e.broadcast(Signed(envelope=envelope), roles=("validator", "reducer"))
+        if e.manifest.overlap and self.head is not None:
+            self._next()
 
     def on_peer_ready(self, peer: PeerId, roles: tuple[str, ...]) -> None:
         e = self.engine
         if self.head is not None and "validator" in roles:
             if self.membership == "leaving":
                 e.send(peer, Signed(envelope=seal(e.identity, LeaveRequest(revision=e.revision.id,
-                                                                           window=self.window))))
+                                                                           window=self.current))))
             elif self.membership == "joining":
                 self._join()
             self._send_beat(peer)
@@ -378,16 +441,17 @@ class TrainerRole(RoleBase):
             return
         for envelope in self.claim_announcements.values():
             e.send(peer, Signed(envelope=envelope))
-        if self.announcement is not None:
-            e.send(peer, Signed(envelope=self.announcement))
-        elif self.state == "idle" and self.shards:
+        opened = self.published.get(self.current)
+        if opened is not None:
+            e.send(peer, Signed(envelope=opened))
+        if self.state in ("idle", "announced") and self.shards and self.window > self.done:
             self._begin()  # a lease we could not start for lack of a provider
 
     def on_head_source(self, peer: PeerId, head: Head) -> None:
         self.head_sources = {peer}
 
     def on_timer(self, key: tuple[Any, ...]) -> None:
-        if key[0] == "claim" and key[1] == self.window:
+        if key[0] == "claim" and key[1] == self.current:
             for holder in sorted(self.claims):
                 self._claim(holder)
 
@@ -397,7 +461,7 @@ class TrainerRole(RoleBase):
         self.claim_state[holder] = step("trainer-claim", CLAIM_TABLE, self.claim_state[holder], event)
 
     def _claim(self, holder: PeerId) -> None:
-        e, head, window = self.engine, self.head, self.window
+        e, head, window = self.engine, self.head, self.current
         assert head is not None
         old = e.records.get(claim_key(window, holder))
         if old is not None:  # restarted: stand by the claim we announced
@@ -414,11 +478,11 @@ class TrainerRole(RoleBase):
         e.fetch(head.params, providers, "trainer", FetchParams(window=window, holder=holder))
 
     def _claim_failed(self, window: int, holder: PeerId, event: str) -> None:
-        if window == self.window and self.claim_state.get(holder) in ("fetching", "training"):
+        if window == self.current and self.claim_state.get(holder) in ("fetching", "training"):
             self._claim_step(holder, event)
 
     def _claim_params(self, window: int, holder: PeerId) -> None:
-        if window != self.window or self.claim_state.get(holder) != "fetching" or self.head is None:
+        if window != self.current or self.claim_state.get(holder) != "fetching" or self.head is None:
             return
         self._claim_step(holder, "params-stored")
         e = self.engine
@@ -431,7 +495,7 @@ class TrainerRole(RoleBase):
     def _claim_trained(self, window: int, holder: PeerId, result: dict[str, Any]) -> None:
         e = self.engine
         e.note_stored(result["delta"])
-        if window != self.window or self.claim_state.get(holder) != "training" or self.head is None:
+        if window != self.current or self.claim_state.get(holder) != "training" or self.head is None:
             return
         self._claim_step(holder, "trained")
         envelope = seal(e.identity, UpdateAnnouncement(

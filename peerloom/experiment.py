@@ -727,6 +727,9 @@ def add_parsers(subparsers: Any) -> None:
                            "--norm-ratio (default 6; 0: the fixed ratio alone; spec/protocol.md §6)")
     init.add_argument("--min-cosine", type=float, default=None,
                       help="reject an update whose cosine to the cohort's centre is below this (default -1: off)")
+    init.add_argument("--overlap", type=int, default=0, choices=(0, 1, 2),
+                      help="trainers start the next window as soon as they have published one, training from a "
+                           "head up to this many windows older, applied one window late (spec/protocol.md §5.2)")
     init.add_argument("--base-port", type=int, default=7100, help="first TCP port of the local fleet")
     up = subparsers.add_parser("up", help="start an experiment's fleet as local processes (Ctrl-C stops it)")
     up.add_argument("directory", type=Path)
@@ -777,7 +780,8 @@ def _experiment_from(args: Any) -> Experiment:
         audit=args.audit or args.audit_rate > 0, base_port=args.base_port, windows=args.windows,
         manifest_options={**{k: v for k, v in (("audit_rate", args.audit_rate),
                                                ("audit_segments", args.audit_segments),
-                                               ("loss_check_samples", args.loss_check)) if v},
+                                               ("loss_check_samples", args.loss_check),
+                                               ("overlap", args.overlap)) if v},
                           **{k: v for k, v in (("norm_ratio", args.norm_ratio), ("norm_mads", args.norm_mads),
                                                 ("min_cosine", args.min_cosine))
                              if v is not None}})

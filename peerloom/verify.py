@@ -31,7 +31,7 @@ from peerloom.core.chain import decode_chain_entry, verify_chain
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.errors import DecodeError, PeerloomError, VerificationError
 from peerloom.core.identity import PeerId
-from peerloom.core.leases import demotable
+from peerloom.core.leases import demotable, lease_window, leases_of
 from peerloom.core.objects import Head, QuorumCertificate, Revision, check_revocation
 
 
@@ -54,7 +54,7 @@ def check_rules(revision: Revision, entries: Sequence[tuple[Head, QuorumCertific
     """
     m = revision.manifest
     previous = revision.genesis()
-    by_window = {head.window: head for head, _ in entries}
+    by_window = {0: previous} | {head.window: head for head, _ in entries}
     audits = 0
     for head, _ in entries:
         where = f"window {head.window}"
@@ -82,7 +82,10 @@ def check_rules(revision: Revision, entries: Sequence[tuple[Head, QuorumCertific
         if m.max_joins and len(added) > m.max_joins:
             raise VerificationError("too-many-joins", f"{where}: {len(added)} joins > max_joins {m.max_joins}")
         unproven = set(head.unproven)
-        may = set(previous.unproven) | added | demotable(previous, m, head.skipped)
+        # the window's leases come from its lease head: the parent, or older with overlap (spec/protocol.md §5.2)
+        lease_head = by_window.get(lease_window(head.window, m))
+        leases = {} if lease_head is None else leases_of(lease_head, m, head.window)
+        may = set(previous.unproven) | added | demotable(leases, head.skipped)
         if not added <= unproven or not unproven <= set(peers) or not unproven <= may:
             raise VerificationError("unproven-mismatch", f"{where}: unproven must hold every joiner, and only "
                                                          "rostered trainers that joined or held a lease since "
@@ -103,8 +106,9 @@ def check_audits(revision: Revision, head: Head, previous: Head, by_window: dict
     """Check the failed sampled audits `head` carries (spec/protocol.md §6.2); returns how many.
 
     Each entry's verdicts prove a failed audit (`check_audit_evidence`: enough distinct validators, one
-    update); the update's window is within `AUDIT_WINDOWS` before `head`'s; it was trained on the base of
-    that window (the parent of its certified head) and `audit_selected` picked it with that head's id and
+    update); the update's window is within `AUDIT_WINDOWS` before `head`'s; it was trained on a base
+    its window allows (the parent of its certified head, or with `overlap` k up to k heads before it,
+    spec/protocol.md §5.2) and `audit_selected` picked it with that head's id and
     the manifest's `audit_rate` (it may be outside the cohort: an update the loss check rejected is
     audited too, and the chain does not record those); its author was not quarantined by `previous` and
     is quarantined by `head` for `quarantine_windows` windows; entries are sorted by update id, one per author. Raises
@@ -120,10 +124,13 @@ def check_audits(revision: Revision, head: Head, previous: Head, by_window: dict
         except (DecodeError, VerificationError) as exc:
             raise VerificationError("bad-audit", f"{where}: {exc.reason} {exc.detail}".rstrip()) from exc
         certified = by_window.get(ann.window)
+        older = range(max(0, ann.window - 1 - m.overlap), ann.window - 1)  # overlap k: k heads before the parent
+        bases = {certified.parent} if certified is not None else set()
+        bases |= {by_window[w].id if w else revision.genesis().id for w in older if w in by_window or not w}
         if not head.window - AUDIT_WINDOWS <= ann.window < head.window or certified is None or \
-                ann.base != certified.parent or not audit_selected(certified.id, update.id, m.audit_rate):
+                ann.base not in bases or not audit_selected(certified.id, update.id, m.audit_rate):
             raise VerificationError("bad-audit", f"{where}: update of window {ann.window} was not trained on "
-                                                 "its window's base and selected for audit")
+                                                 "a base its window allows and selected for audit")
         if update.signer in previous.quarantined or update.signer in authors or \
                 release.get(update.signer, 0) < head.window + 1 + m.quarantine_windows:
             raise VerificationError("bad-audit", f"{where}: {update.signer} must be quarantined once, by this head")

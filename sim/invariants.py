@@ -41,7 +41,7 @@ import attrs
 from peerloom.core.engine import chain_key
 from peerloom.core.errors import DecodeError, VerificationError
 from peerloom.core.identity import PeerId
-from peerloom.core.leases import claims_of
+from peerloom.core.leases import claims_of, lease_window
 from peerloom.core.messages import Signed, decode_message
 from peerloom.core.objects import PROTOCOL_VERSION, VOTE_KIND, Head, QuorumCertificate
 
@@ -225,9 +225,19 @@ class Checkers:
         self._check_roster(sim, parent, head)
         if head.quarantine or parent.quarantine:
             self.quarantine_seen = True
-        leases = sim.leases(parent)
+        # With overlapped windows the leases come from an older head, and an update's base may be one of the
+        # heads up to `overlap` windows before its parent (spec/protocol.md §5.2).
+        lease_w = lease_window(head.window, sim.manifest)
+        lease_head = parent if lease_w == parent.window else \
+            (sim.revision.genesis() if lease_w == 0 else self.final.get(lease_w))
+        if lease_head is None:
+            self.checked_cohorts.discard(hid)
+            return
+        leases = sim.leases(lease_head, head.window)
         self._check_under_attack(sim, head, leases)
         claims = claims_of(parent, sim.manifest)
+        bases = {pid} | {self.genesis_id(sim) if w == 0 else self.final_ids.get(w)
+                         for w in range(max(0, head.window - 1 - sim.manifest.overlap), head.window - 1)}
         quarantined: set[PeerId] = set(parent.quarantined)
         lease_v, quar_v = self.verdicts["valid-leases"], self.verdicts["no-quarantined-cohort"]
         for peer in leases:
@@ -246,7 +256,7 @@ class Checkers:
                 self._fail(sim, "no-quarantined-cohort", f"window {head.window}: update of quarantined {signer}")
             claim = getattr(ann, "claim", None)
             lease = leases.get(signer) if claim is None else claims.get(signer, {}).get(claim)
-            if ann.window != head.window or ann.base != pid or lease is None or not set(ann.shards) <= set(lease):
+            if ann.window != head.window or ann.base not in bases or lease is None or not set(ann.shards) <= set(lease):
                 self._fail(sim, "valid-leases", f"window {head.window}: update {update_id.hex()[:16]} of {signer} "
                                                 f"for shards {list(ann.shards)} has no valid lease")
         child = self.final.get(head.window + 1)

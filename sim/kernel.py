@@ -332,9 +332,8 @@ class Simulation:
         engine = node.engine
         assert engine is not None
         for role in engine.roles:
-            envelope = getattr(role, "announcement", None)
-            if envelope is not None and self._seen_ann.get(node.name) != envelope.id:
-                self._seen_ann[node.name] = envelope.id
+            # the announcements it made durable for windows not yet closed (with overlap, some ahead)
+            for envelope in getattr(role, "published", {}).values():
                 self.register_update(envelope)
 
     def register_update(self, envelope: Any) -> None:
@@ -539,9 +538,10 @@ class Simulation:
 
     # --- views -------------------------------------------------------------------------------------
 
-    def leases(self, head: Head) -> dict[PeerId, tuple[int, ...]]:
-        """The leases of window `head.window + 1` (core caches them per head; do not mutate)."""
-        return leases_of(head, self.manifest)
+    def leases(self, head: Head, window: int | None = None) -> dict[PeerId, tuple[int, ...]]:
+        """The leases of `window` (default `head.window + 1`) drawn from `head`, its lease head (core caches
+        them per head; do not mutate)."""
+        return leases_of(head, self.manifest, window)
 
     def honest_delta_bytes(self, entry: tuple[str, Any]) -> bytes:
         name, ref = entry

@@ -87,16 +87,17 @@ def test_next_unproven_and_undelivered():
     joiners = (ident(20).peer_id, ident(21).peer_id)
     roster = tuple(sorted((*genesis.roster, *((p, 1) for p in joiners))))
     m = revision.manifest
-    assert next_unproven(genesis, m, roster, frozenset(), None) == tuple(sorted(joiners))  # joiners: unproven
+    assert next_unproven(genesis, leases_of(genesis, m), roster, frozenset(), None) == tuple(sorted(joiners))
     head = attrs.evolve(genesis, window=1, parent=genesis.id, roster=roster, unproven=tuple(sorted(joiners)))
     everyone = frozenset(p for p, _ in roster)
-    assert next_unproven(head, m, roster, frozenset({joiners[0]}), everyone) == (joiners[1],)  # an update proves
+    window = leases_of(head, m)  # the leases of window 2
+    assert next_unproven(head, window, roster, frozenset({joiners[0]}), everyone) == (joiners[1],)  # an update proves
     dropped = tuple(x for x in roster if x[0] != joiners[1])
-    assert next_unproven(head, m, dropped, frozenset(), everyone) == (joiners[0],)  # gone from the roster
-    leased = undelivered(head, revision.manifest, frozenset())
+    assert next_unproven(head, window, dropped, frozenset(), everyone) == (joiners[0],)  # gone from the roster
+    leased = undelivered(head, window, frozenset())
     assert leased and leased <= set(joiners)  # unproven leaseholders with no update are dropped
-    assert undelivered(head, revision.manifest, frozenset(joiners)) == frozenset()
-    assert undelivered(genesis, revision.manifest, frozenset()) == frozenset()  # nobody unproven
+    assert undelivered(head, window, frozenset(joiners)) == frozenset()
+    assert undelivered(genesis, leases_of(genesis, m), frozenset()) == frozenset()  # nobody unproven
 
 
 def test_a_silent_leaseholder_turns_unproven_unless_its_window_is_skipped():
@@ -106,9 +107,10 @@ def test_a_silent_leaseholder_turns_unproven_unless_its_window_is_skipped():
     revision = make_revision(trainers=[ident(10), ident(11)], shards=(10,) * 8)
     m, genesis = revision.manifest, revision.genesis()
     a, b = sorted(leases_of(genesis, m))  # both hold a lease of window 1
-    assert next_unproven(genesis, m, genesis.roster, frozenset({a}), frozenset({a})) == (b,)  # b: silent
-    assert next_unproven(genesis, m, genesis.roster, frozenset({a}), frozenset({a, b})) == ()  # b: rejected
-    assert next_unproven(genesis, m, genesis.roster, frozenset(), None) == ()  # a skipped head
+    first = leases_of(genesis, m)
+    assert next_unproven(genesis, first, genesis.roster, frozenset({a}), frozenset({a})) == (b,)  # b: silent
+    assert next_unproven(genesis, first, genesis.roster, frozenset({a}), frozenset({a, b})) == ()  # b: rejected
+    assert next_unproven(genesis, first, genesis.roster, frozenset(), None) == ()  # a skipped head
     cohort = tuple(bytes([i]) * 34 for i in range(m.min_updates))
     demoted = attrs.evolve(genesis, window=1, parent=genesis.id, cohort=cohort, unproven=(b,))
     assert check_rules(revision, [(demoted, None)])
@@ -117,7 +119,8 @@ def test_a_silent_leaseholder_turns_unproven_unless_its_window_is_skipped():
         check_rules(revision, [(skipped, None)])
     one = make_revision(trainers=[ident(10), ident(11)], shards=(10,))  # one shard: one leaseholder
     idle = next(p for p, _ in one.genesis().roster if p not in leases_of(one.genesis(), one.manifest))
-    assert next_unproven(one.genesis(), one.manifest, one.genesis().roster, frozenset(), frozenset()) == \
+    assert next_unproven(one.genesis(), leases_of(one.genesis(), one.manifest), one.genesis().roster, frozenset(),
+                         frozenset()) == \
         tuple(sorted(leases_of(one.genesis(), one.manifest)))  # only the leaseholder, not the idle trainer
     stray = attrs.evolve(one.genesis(), window=1, parent=one.genesis().id, cohort=cohort, unproven=(idle,))
     with pytest.raises(VerificationError, match="unproven"):
