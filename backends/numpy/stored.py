@@ -6,7 +6,8 @@ allocated (the kernel zeroes every page, which cost as much as the arithmetic he
 `peerloom.backends._robust` only ever touch one block of a tensor at a time, so they can run on:
 
 * `FileTensor`: a read-only tensor in a stored safetensors file; ``t.reshape(-1)[a:b]`` reads elements
-  ``a..b`` into a reused buffer and returns a numpy view of it (valid until that flat view is sliced again).
+  ``a..b`` into a reused buffer of the calling thread and returns a numpy view of it (valid until that flat
+  view is sliced again on that thread), so the kernels' threads read their own parts at their own offsets.
 * `TensorFileWriter`: the safetensors serialization of a schema, written sequentially through a caller's
   ``write(bytes)`` (e.g. a store's artifact writer, which hashes on the way): its tensors are
   `FileTensorSink` objects whose flat slices are buffers the kernel fills, written out when the next block
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -64,13 +66,14 @@ class _Blocked:
 class FileTensor(_Blocked):
     """A read-only tensor of `shape` and `dtype` at byte `offset` of the open file `fd` (not owned: the
     `StoredTensors` that made it closes it). Slicing is only defined on the flat view (``reshape(-1)``) with
-    a contiguous ``[start:stop]``; each flat view reads into its own reused buffer."""
+    a contiguous ``[start:stop]``; each flat view reads into a reused buffer of its own per thread
+    (``os.preadv`` at the slice's offset: threads may slice one view at once)."""
 
     def __init__(self, fd: int, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> None:
         self.fd, self.offset, self.dtype, self.shape = fd, offset, np.dtype(dtype), tuple(shape)
         self.size = int(np.prod(shape, dtype=np.int64)) if shape else 1
         self.nbytes = self.size * self.dtype.itemsize
-        self._buffer: np.ndarray | None = None
+        self._local = threading.local()  # .buffer: this thread's reused read buffer
         self._flat: FileTensor | None = None  # the cached flat view (not self: no reference cycle)
 
     def _flat_view(self) -> FileTensor:
@@ -81,9 +84,10 @@ class FileTensor(_Blocked):
             raise TypeError("a FileTensor is sliced flat and contiguously: t.reshape(-1)[a:b]")
         start, stop, _ = key.indices(self.size)
         count = max(0, stop - start)
-        if self._buffer is None or self._buffer.size < count:
-            self._buffer = np.empty(count, dtype=self.dtype)
-        out = self._buffer[:count]
+        buffer = getattr(self._local, "buffer", None)
+        if buffer is None or buffer.size < count:
+            buffer = self._local.buffer = np.empty(count, dtype=self.dtype)
+        out = buffer[:count]
         want = count * self.dtype.itemsize
         got = os.preadv(self.fd, [memoryview(out).cast("B")], self.offset + start * self.dtype.itemsize)
         if got != want:

@@ -171,7 +171,9 @@ def test_malformed_stored_files_are_refused(tmp_path, damage):
 def test_a_streamed_diloco_reduce_holds_about_one_model_size(tmp_path):
     """The executor's reduce on the numpy backend reads its inputs and writes its outputs block by block:
     the Python-visible peak (tracemalloc, which numpy reports to) is about the aggregate alone, where loading
-    params, state and deltas whole and building new params and state in memory took about 5x the model."""
+    params, state and deltas whole and building new params and state in memory took about 5x the model. Beside
+    it, a few MiB that do not grow with the model: the kernel threads' workspaces and read buffers, and the
+    span (`SPAN` elements) that each of the two streamed outputs is written from."""
     size = 1 << 22  # 16 MiB of float32 (the kernels' reused buffers, a few MiB, are small beside it)
     schema = (("w", "float32", (size,)),)
     manifest = attrs.evolve(make_revision(schema=schema).manifest, aggregation="centered_clip",
@@ -191,7 +193,8 @@ def test_a_streamed_diloco_reduce_holds_about_one_model_size(tmp_path):
     finally:
         tracemalloc.stop()
     model = 4 * size
-    assert peak < 1.6 * model, peak / model
+    fixed = 8 << 20
+    assert peak < 1.6 * model + fixed, (peak - fixed) / model
     # and the artifacts it streamed are the ones the in-memory path computes
     loaded = {k: ex.load(v) for k, v in (("p", params), ("s", state))}
     centre = aggregate("centered_clip", [ex.load(d) for d in deltas], [1, 1, 1])
