@@ -244,7 +244,9 @@ class ComputeExecutor:
             return None
         artifact = self.store.open_writer(size)
         stack.callback(artifact.abort)
-        return TensorFileWriter(schema, artifact.write), artifact
+        writer = TensorFileWriter(schema, artifact.write)
+        stack.callback(writer.close)  # before the abort: no write may reach a closed (or reused) descriptor
+        return writer, artifact
 
     @staticmethod
     def digest(tensors: dict[str, Any]) -> bytes:

@@ -205,3 +205,38 @@ def test_a_streamed_diloco_reduce_holds_about_one_model_size(tmp_path):
     assert make_artifact_ref(ex.store.get(result["outer_state"].digest), 1 << 16) == result["outer_state"]
     with ExitStack() as stack:
         assert isinstance(ex.open(params, stack)["w"], FileTensor)
+
+
+def test_the_writer_thread_writes_in_order_never_from_a_refilled_buffer_and_reports_errors():
+    """Blocks are hashed and written on the writer's thread; a slow `write` must still see every block in
+    order with the bytes the kernel wrote (each sink alternates two buffers), and its error reaches `finish`."""
+    import time
+
+    from peerloom.backends._robust import SPAN
+
+    rng = np.random.default_rng(4)
+    params = {"a": rng.standard_normal(3 * SPAN + 7).astype(np.float32), "b": rng.standard_normal(5).astype(np.float32)}
+    grad = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params.items()}
+    expected = outer_step("fedavg", params, grad, None, lr=0.5)[0]
+    written = bytearray()
+
+    def slow(data):
+        time.sleep(0.01)  # the kernels run ahead and ask for the next blocks meanwhile
+        written.extend(data)
+
+    writer = TensorFileWriter(schema_of(params), slow)
+    outer_step("fedavg", params, grad, None, lr=0.5, out=writer.tensors, threads=2)
+    assert writer.finish() == tensor_digest(expected) and bytes(written) == to_safetensors(expected)
+
+    calls = []
+
+    def failing(data):
+        calls.append(len(data))
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+
+    writer = TensorFileWriter(schema_of(params), failing)
+    with pytest.raises(OSError, match="No space left"):
+        outer_step("fedavg", params, grad, None, lr=0.5, out=writer.tensors)
+        writer.finish()
+    writer.close()
