@@ -17,11 +17,17 @@ statistics, cohort screening, aggregation and the outer optimizer step; the two 
 validators with either agree on every head. Tensors stay float32 numpy arrays on the CPU between tasks
 (the torch backend works on CPU tensors sharing or copying their memory); codecs decode with numpy in both.
 Training and evaluation run wherever the workload runs (its device).
+
+Compute threads (node config key ``compute_threads``): the kernels of screening, aggregation and the outer
+step run on that many threads (`peerloom.backends._robust.Workspace`; default `default_compute_threads`,
+the machine's cores up to `peerloom.backends._robust.MAX_THREADS`; 1 runs them on the task's own thread).
+The bytes are the same on any count (spec/design.md §5 "Threads never change the bytes").
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -29,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from peerloom.backends._robust import median_of
+from peerloom.backends._robust import MAX_THREADS, median_of
 from peerloom.backends.numpy import codecs as np_codecs
 from peerloom.backends.numpy import reduce as np_reduce
 from peerloom.backends.numpy.aggregate import aggregate, outer_step, screening_stats
@@ -56,13 +62,24 @@ MAX_EVAL_METRICS = 63
 """A head holds at most 64 metrics (spec/wire.md): the workload's, as ``test_<name>``, and ``train_loss``."""
 
 
+def default_compute_threads() -> int:
+    """The machine's cores (``os.cpu_count()``), at most `peerloom.backends._robust.MAX_THREADS`."""
+    return max(1, min(os.cpu_count() or 1, MAX_THREADS))
+
+
 class NumpyCompute:
-    """Screening statistics, aggregation and outer steps on numpy arrays (`peerloom.backends.numpy.aggregate`)."""
+    """Screening statistics, aggregation and outer steps on numpy arrays (`peerloom.backends.numpy.aggregate`),
+    their kernels on `threads` threads. ValueError unless ``1 <= threads <= MAX_THREADS``."""
 
     name = "numpy"
 
+    def __init__(self, threads: int = 1) -> None:
+        if not 1 <= threads <= MAX_THREADS:
+            raise ValueError(f"compute threads must be in [1, {MAX_THREADS}], got {threads}")
+        self.threads = threads
+
     def aggregate(self, rule: str, deltas: list[dict[str, np.ndarray]], weights: list[int]) -> dict[str, np.ndarray]:
-        return aggregate(rule, deltas, weights)
+        return aggregate(rule, deltas, weights, threads=self.threads)
 
     streams = True
     """Takes `peerloom.backends.numpy.stored` tensors (read and written block by block) for any tensor dict."""
@@ -71,11 +88,12 @@ class NumpyCompute:
               state: dict[str, np.ndarray] | None, lr: float, momentum: float, *, out: dict[str, Any] | None = None,
               out_state: dict[str, Any] | None = None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
         if optimizer == "fedavg":
-            return np_reduce.outer_sgd_step(params, centre, lr, out=out), None
-        return outer_step(optimizer, params, centre, state, lr=lr, momentum=momentum, out=out, out_state=out_state)
+            return np_reduce.outer_sgd_step(params, centre, lr, out=out, threads=self.threads), None
+        return outer_step(optimizer, params, centre, state, lr=lr, momentum=momentum, out=out, out_state=out_state,
+                          threads=self.threads)
 
     def stats(self, delta: dict[str, np.ndarray], reference: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
-        return screening_stats(delta, reference=reference)
+        return screening_stats(delta, reference=reference, threads=self.threads)
 
 
 class TorchCompute(NumpyCompute):
@@ -85,7 +103,8 @@ class TorchCompute(NumpyCompute):
     name = "torch"
     streams = False  # torch kernels take whole torch tensors
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int = 1) -> None:
+        super().__init__(threads)
         import torch
 
         from peerloom.backends.torch import aggregate as torch_aggregate
@@ -102,30 +121,33 @@ class TorchCompute(NumpyCompute):
         return {n: t.numpy() for n, t in tensors.items()}
 
     def aggregate(self, rule: str, deltas: list[dict[str, np.ndarray]], weights: list[int]) -> dict[str, np.ndarray]:
-        return self._out(self._aggregate.aggregate(rule, [self._in(d) for d in deltas], weights))
+        return self._out(self._aggregate.aggregate(rule, [self._in(d) for d in deltas], weights, threads=self.threads))
 
     def outer(self, optimizer: str, params: dict[str, np.ndarray], centre: dict[str, np.ndarray],
               state: dict[str, np.ndarray] | None, lr: float, momentum: float, *, out: None = None,
               out_state: None = None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
         if optimizer == "fedavg":
-            return self._out(self._reduce.outer_sgd_step(self._in(params), self._in(centre), lr)), None
+            return self._out(self._reduce.outer_sgd_step(self._in(params), self._in(centre), lr,
+                                                         threads=self.threads)), None
         new, new_state = self._aggregate.outer_step(optimizer, self._in(params), self._in(centre),
                                                     None if state is None else self._in(state), lr=lr,
-                                                    momentum=momentum)
+                                                    momentum=momentum, threads=self.threads)
         return self._out(new), None if new_state is None else self._out(new_state)
 
     def stats(self, delta: dict[str, np.ndarray], reference: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
         return self._aggregate.screening_stats(self._in(delta),
-                                               reference=None if reference is None else self._in(reference))
+                                               reference=None if reference is None else self._in(reference),
+                                               threads=self.threads)
 
 
-def compute_backend(name: str) -> NumpyCompute:
-    """The compute backend called `name` (one of `COMPUTE_BACKENDS`). ValueError for another name; ImportError
-    for ``"torch"`` without torch installed."""
+def compute_backend(name: str, threads: int = 1) -> NumpyCompute:
+    """The compute backend called `name` (one of `COMPUTE_BACKENDS`), its kernels on `threads` threads.
+    ValueError for another name or a thread count outside [1, MAX_THREADS]; ImportError for ``"torch"``
+    without torch installed."""
     if name == "numpy":
-        return NumpyCompute()
+        return NumpyCompute(threads)
     if name == "torch":
-        return TorchCompute()
+        return TorchCompute(threads)
     raise ValueError(f"compute must be one of {', '.join(COMPUTE_BACKENDS)}, got {name!r}")
 
 
@@ -137,17 +159,20 @@ class ComputeExecutor:
     """Runs train / screen / reduce / evaluate tasks synchronously (hosts put it on a worker thread).
 
     `compute` picks the backend of screening statistics, aggregation and outer steps (``"numpy"`` or
-    ``"torch"``, module docstring); training and evaluation are the workload's.
+    ``"torch"``, module docstring) and `compute_threads` how many threads their kernels run on (None:
+    `default_compute_threads`); training and evaluation are the workload's.
     """
 
     def __init__(self, store: ArtifactStore, manifest: Manifest, workload: Any,
-                 shards: Sequence[Sequence[int]], *, state_dir: Path | None = None, compute: str = "numpy") -> None:
+                 shards: Sequence[Sequence[int]], *, state_dir: Path | None = None, compute: str = "numpy",
+                 compute_threads: int | None = None) -> None:
         self.store = store
         self.manifest = manifest
         self.workload = workload
         self.shards = shards
         self.state_dir = state_dir
-        self.compute = compute_backend(compute)
+        self.compute = compute_backend(compute, default_compute_threads() if compute_threads is None
+                                       else compute_threads)
         # Error-feedback residual per trainer (its peer id; None when the task names none), across windows.
         self.residuals: dict[PeerId | None, np_codecs.ErrorFeedback] = {}
         self._params: tuple[bytes, dict[str, np.ndarray]] | None = None  # `load_params`
@@ -219,7 +244,9 @@ class ComputeExecutor:
             return None
         artifact = self.store.open_writer(size)
         stack.callback(artifact.abort)
-        return TensorFileWriter(schema, artifact.write), artifact
+        writer = TensorFileWriter(schema, artifact.write)
+        stack.callback(writer.close)  # before the abort: no write may reach a closed (or reused) descriptor
+        return writer, artifact
 
     @staticmethod
     def digest(tensors: dict[str, Any]) -> bytes:
@@ -361,7 +388,7 @@ class ComputeExecutor:
         elif isinstance(encoded, StoredTensors):  # the none codec, streamed: one read for all of it
             base = None if loss_check is None else self.load_params(loss_check["params"])
             applied = None if base is None else self._scratch_for(base)
-            stats, digest = screen_stored(encoded, base=base, applied=applied)
+            stats, digest = screen_stored(encoded, base=base, applied=applied, threads=self.compute.threads)
             ok, reason, norm = self._verdict(stats)
             if ok and digest != args["delta_digest"]:
                 ok, reason = False, "digest-mismatch"

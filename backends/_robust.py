@@ -16,6 +16,12 @@ produce the same bytes. The rules:
   float64 *lanes* (block after block, tensors in sorted-name order), and the lanes are then folded by
   halving (``lanes[:h] += lanes[h:2h]``) to one value. That fixed order is the definition of every norm,
   inner product and distance this module returns.
+* Threads never change a bit (spec/design.md §5 "Threads never change the bytes"): a `Workspace` made for
+  ``threads > 1`` runs each kernel's work on the caller's thread and ``threads - 1`` helpers (numpy and
+  torch release the GIL in their kernels), each with buffers of its own. Elementwise kernels split each
+  span of `SPAN` coordinates into contiguous runs of blocks (`span_part`); lane sums split the *lanes*
+  (`lane_stripe`), so lane j is added to by one thread in block order as with one thread; Gram matrices
+  compute each block's product on any thread and add the products in block order on the caller's.
 * ``min``/``max`` may order ``-0.0`` and ``+0.0`` differently in different libraries; order statistics
   therefore add ``+0.0`` to their result, which maps ``-0.0`` to ``+0.0`` and changes nothing else.
 * Inputs must be finite (screening rejects the rest first). Non-finite values propagate without crashing,
@@ -31,10 +37,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Any, Protocol, TypeVar
 
 BLOCK = 1 << 15
 """Elements per block and number of float64 lanes (a power of two)."""
+
+SPAN = 16 * BLOCK
+"""Coordinates per parallel step of the elementwise kernels and the Gram matrices (a multiple of `BLOCK` and
+`CC_BLOCK`): the threads share out a span's blocks, and a streamed output gets one write per span."""
+
+MAX_THREADS = 8
+"""The most threads a `Workspace` runs a kernel on (memory bandwidth is spent long before)."""
+
+LANE_ALIGN = 64
+"""Lane stripes start at multiples of this many lanes (whole cache lines for float32 and float64)."""
 
 UNIT_ROUNDOFF = 2.0**-53
 SORTING_NETWORK_MAX = 32
@@ -103,13 +120,38 @@ def segments(schema: Schema) -> list[tuple[str, int, int, int]]:
     return out
 
 
-class Workspace:
-    """Per-thread float64 (and input-dtype) buffers, grown on demand and reused between calls."""
+T = TypeVar("T")
 
-    def __init__(self, ops: Ops) -> None:
+
+class Workspace:
+    """One caller thread's float64 (and input-dtype) buffers, grown on demand and reused between calls; with
+    ``threads > 1`` also ``threads - 1`` helper threads, each with a `Workspace` of its own (`parallel`).
+
+    A workspace serves one caller at a time (backends keep one per calling thread and thread count).
+    ValueError unless ``1 <= threads <= MAX_THREADS``."""
+
+    def __init__(self, ops: Ops, threads: int = 1) -> None:
+        if not 1 <= threads <= MAX_THREADS:
+            raise ValueError(f"threads must be in [1, {MAX_THREADS}], got {threads}")
         self.ops = ops
+        self.threads = threads
         self._bufs: dict[tuple[str, str], Any] = {}
         self._sizes: dict[tuple[str, str], tuple[int, int]] = {}
+        self._helpers = [Workspace(ops) for _ in range(threads - 1)]
+        self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="peerloom-kernel") if threads > 1 else None
+
+    def parallel(self, part: Callable[[int, Workspace], T]) -> list[T]:
+        """``[part(0, self), part(1, helper 1), ...]``: part k of a kernel's work with workspace k, part 0 on
+        the calling thread and the others on the helpers. Returns when every part is done; an exception of
+        a part is raised then (the first in part order), never while another part still runs."""
+        if self._pool is None:
+            return [part(0, self)]
+        futures = [self._pool.submit(part, k, ws) for k, ws in enumerate(self._helpers, start=1)]
+        try:
+            first = part(0, self)
+        finally:
+            wait(futures)
+        return [first, *(f.result() for f in futures)]
 
     def get(self, key: str, rows: int, n: int, dtype: str = "float64") -> Any:
         """A ``[rows, n]`` buffer (``rows == 0``: 1-D ``[n]``) named `key`; contents unspecified."""
@@ -127,6 +169,27 @@ class Workspace:
 
 def flats(ops: Ops, members: Sequence[dict[str, Any]], schema: Schema) -> dict[str, list[Any]]:
     return {name: [ops.flat(m[name]) for m in members] for name, _, _ in schema}
+
+
+def spans(schema: Schema) -> list[tuple[str, str, int, int]]:
+    """``(name, dtype, start, end)``: each tensor's flat coordinates in runs of at most `SPAN`, schema order."""
+    return [(name, dtype, start, min(numel(shape), start + SPAN))
+            for name, dtype, shape in schema for start in range(0, numel(shape), SPAN)]
+
+
+def span_part(start: int, end: int, k: int, threads: int, unit: int = BLOCK) -> tuple[int, int]:
+    """The coordinates ``[a, b)`` of span ``[start, end)`` that part k of `threads` computes: a contiguous
+    run of its blocks of `unit` elements (block boundaries at multiples of `unit` from `start`)."""
+    units = -(-(end - start) // unit)
+    return (min(end, start + unit * (units * k // threads)), min(end, start + unit * (units * (k + 1) // threads)))
+
+
+def lane_stripe(k: int, threads: int) -> tuple[int, int]:
+    """The lanes ``[lo, hi)`` part k of `threads` accumulates (spec/design.md §5: threads split lanes, never
+    blocks). Stripes tile ``[0, BLOCK)`` and start at multiples of `LANE_ALIGN`."""
+    def edge(i: int) -> int:
+        return BLOCK if i == threads else BLOCK * i // threads // LANE_ALIGN * LANE_ALIGN
+    return edge(k), edge(k + 1)
 
 
 # ---------------------------------------------------------------- deterministic sums
@@ -157,25 +220,35 @@ def dots(
     rows = len(next(iter(xs.values()))) if xs else 0
     lanes = ws.get("lanes", rows, BLOCK)
     ops.fill(lanes, 0.0)
-    s = ws.get("s", 0, BLOCK)
-    t = ws.get("t", 0, BLOCK)
-    for name, start, end, _ in segments(schema):
-        n = end - start
-        sb, tb = s[:n], t[:n]
-        for i in range(rows):
-            x = xs[name][i][start:end]
-            if centre is None:
-                ops.mul_into(sb, x, x if ys is None else ys[name][i][start:end])
-            else:
-                ops.copy(sb, x)
-                ops.sub(sb, centre[name][start:end])
-                if ys is None:
-                    ops.mul(sb, sb)
+    blocks = segments(schema)
+
+    def part(k: int, w: Workspace) -> None:
+        lo, hi = lane_stripe(k, ws.threads)
+        s = w.get("s", 0, BLOCK)
+        t = w.get("t", 0, BLOCK)
+        for name, start, end, _ in blocks:
+            a, b = start + lo, min(end, start + hi)
+            if a >= b:
+                continue
+            n = b - a
+            sb, tb = s[:n], t[:n]
+            for i in range(rows):
+                x = xs[name][i][a:b]
+                if centre is None:
+                    ops.mul_into(sb, x, x if ys is None else ys[name][i][a:b])
                 else:
-                    ops.copy(tb, ys[name][i][start:end])
-                    ops.sub(tb, centre[name][start:end])
-                    ops.mul(sb, tb)
-            ops.add(lanes[i, :n], sb)
+                    ops.copy(sb, x)
+                    ops.sub(sb, centre[name][a:b])
+                    if ys is None:
+                        ops.mul(sb, sb)
+                    else:
+                        ops.copy(tb, ys[name][i][a:b])
+                        ops.sub(tb, centre[name][a:b])
+                        ops.mul(sb, tb)
+                ops.add(lanes[i, lo:lo + n], sb)
+
+    if rows:
+        ws.parallel(part)
     return fold_lanes(ops, lanes) if rows else []
 
 
@@ -183,13 +256,13 @@ class SquaredNorms:
     """Each tensor's squared L2 norm and the global one, fed block by block: `start` a tensor, `add` its flat
     blocks in order (each starting at a multiple of `BLOCK` of the tensor), `end` it; tensors in sorted-name
     order; then `total`. The same products added into the same lanes in the same order as `dots` on each
-    tensor alone and on all of them, however large the blocks fed (they are cut at `BLOCK`)."""
+    tensor alone and on all of them, however large the blocks fed (they are cut at `BLOCK`), on the
+    workspace's threads (each its stripe of lanes)."""
 
     def __init__(self, ops: Ops, ws: Workspace) -> None:
-        self.ops = ops
+        self.ops, self.ws = ops, ws
         self.tensor_lanes = ws.get("norm_lanes", 1, BLOCK)
         self.total_lanes = ws.get("total_lanes", 1, BLOCK)
-        self.s = ws.get("s", 0, BLOCK)
         ops.fill(self.total_lanes, 0.0)
         self.per: dict[str, float] = {}
 
@@ -197,14 +270,24 @@ class SquaredNorms:
         self.ops.fill(self.tensor_lanes, 0.0)
 
     def add(self, x: Any) -> None:
-        ops, s = self.ops, self.s
+        """Add the squares of flat block `x` (an array, or a flat stored tensor that the threads slice)."""
+        ops = self.ops
         size = x.shape[0]
-        for i in range(0, size, BLOCK):
-            n = min(BLOCK, size - i)
-            part = x[i:i + n]
-            ops.mul_into(s[:n], part, part)
-            ops.add(self.tensor_lanes[0, :n], s[:n])
-            ops.add(self.total_lanes[0, :n], s[:n])
+
+        def part(k: int, w: Workspace) -> None:
+            lo, hi = lane_stripe(k, self.ws.threads)
+            s = w.get("s", 0, BLOCK)
+            for i in range(0, size, BLOCK):
+                a, b = i + lo, min(size, i + hi)
+                if a >= b:
+                    continue
+                n = b - a
+                piece = x[a:b]
+                ops.mul_into(s[:n], piece, piece)
+                ops.add(self.tensor_lanes[0, lo:lo + n], s[:n])
+                ops.add(self.total_lanes[0, lo:lo + n], s[:n])
+
+        self.ws.parallel(part)
 
     def end(self, name: str) -> None:
         self.per[name] = fold_lanes(self.ops, self.tensor_lanes)[0]
@@ -216,10 +299,9 @@ class SquaredNorms:
 def squared_norms(ops: Ops, ws: Workspace, schema: Schema, flat: dict[str, Any]) -> tuple[dict[str, float], float]:
     """Each tensor's squared L2 norm and the global one, read in one pass (`SquaredNorms`)."""
     norms = SquaredNorms(ops, ws)
-    for name, dtype, shape in schema:
+    for name, _, _ in schema:
         norms.start()
-        for _, start, end, _ in segments(((name, dtype, shape),)):
-            norms.add(flat[name][start:end])
+        norms.add(flat[name])
         norms.end(name)
     return norms.per, norms.total()
 
@@ -236,18 +318,17 @@ def weighted_sum(
     ops: Ops, ws: Workspace, schema: Schema, fl: dict[str, list[Any]], coeffs: Sequence[float], out: dict[str, Any]
 ) -> dict[str, Any]:
     """``out = sum_i coeffs[i] * x_i``: per block ``acc = +0.0; acc += float64(x_i) * c_i`` in member order,
-    rounded once into `out` (the `peerloom.backends.numpy.reduce` recipe, blocked)."""
-    acc = ws.get("acc", 0, BLOCK)
-    s = ws.get("s", 0, BLOCK)
-    with ops.errstate():
-        for name, start, end, _ in segments(schema):
-            n = end - start
-            a, sb = acc[:n], s[:n]
-            ops.fill(a, 0.0)
-            for x, c in zip(fl[name], coeffs, strict=True):
-                ops.scale_into(sb, x[start:end], c)
-                ops.add(a, sb)
-            ops.copy(ops.flat(out[name])[start:end], a)
+    rounded once into `out` (the `peerloom.backends.numpy.reduce` recipe, blocked: `blockwise`)."""
+
+    def block(w: Workspace, name: str, _dtype: str, i: int, j: int, targets: list[Any]) -> None:
+        a, sb = w.get("acc", 0, BLOCK)[:j - i], w.get("s", 0, BLOCK)[:j - i]
+        ops.fill(a, 0.0)
+        for x, c in zip(fl[name], coeffs, strict=True):
+            ops.scale_into(sb, x[i:j], c)
+            ops.add(a, sb)
+        ops.copy(targets[0], a)
+
+    blockwise(ops, ws, schema, [out], block)
     return out
 
 
@@ -291,34 +372,51 @@ def pruned_network(n: int, wanted: tuple[int, ...]) -> list[tuple[int, int]]:
     return _NETWORKS[key]
 
 
-def order_statistic_blocks(
-    ops: Ops, ws: Workspace, schema: Schema, fl: dict[str, list[Any]], wanted: tuple[int, ...]
-) -> Any:
-    """Yields ``(name, start, end, rows)`` where ``rows[p]`` holds sorted position ``wanted[p]`` of the block.
+def order_statistics(ops: Ops, ws: Workspace, dtype: str, xs: list[Any], start: int, end: int,
+                     wanted: tuple[int, ...]) -> list[Any]:
+    """Buffers of `ws` where ``rows[p]`` holds sorted position ``wanted[p]`` of ``x[start:end]`` over the
+    members `xs` (at most `BLOCK` coordinates; valid until `ws` computes the next).
 
     Up to `SORTING_NETWORK_MAX` members: the pruned sorting network on input-dtype buffers (min/max are
     exact); beyond: the backend's sort along the member axis. Either way the values are the order
     statistics; only the sign of zeros may differ, which the callers canonicalize.
     """
-    n = len(next(iter(fl.values())))
-    use_network = n <= SORTING_NETWORK_MAX
-    for name, dtype, shape in schema:
-        work = ws.get("order", n + 1, BLOCK, dtype)
-        for _, start, end, _ in segments(((name, dtype, shape),)):
-            m = end - start
-            rows = [work[i, :m] for i in range(n)]
-            for i in range(n):
-                ops.copy(rows[i], fl[name][i][start:end])
-            if use_network:
-                spare = work[n, :m]
-                for a, b in pruned_network(n, wanted):
-                    ops.minimum(spare, rows[a], rows[b])
-                    ops.maximum(rows[b], rows[a], rows[b])
-                    rows[a], spare = spare, rows[a]
-                yield name, start, end, [rows[p] for p in wanted]
-            else:
-                ordered = ops.sort0(work[:n, :m])
-                yield name, start, end, [ordered[p] for p in wanted]
+    n = len(xs)
+    m = end - start
+    work = ws.get("order", n + 1, BLOCK, dtype)
+    rows = [work[i, :m] for i in range(n)]
+    for i in range(n):
+        ops.copy(rows[i], xs[i][start:end])
+    if n > SORTING_NETWORK_MAX:
+        ordered = ops.sort0(work[:n, :m])
+        return [ordered[p] for p in wanted]
+    spare = work[n, :m]
+    for a, b in pruned_network(n, wanted):
+        ops.minimum(spare, rows[a], rows[b])
+        ops.maximum(rows[b], rows[a], rows[b])
+        rows[a], spare = spare, rows[a]
+    return [rows[p] for p in wanted]
+
+
+def blockwise(ops: Ops, ws: Workspace, schema: Schema, out: Sequence[dict[str, Any] | None],
+              block: Callable[[Workspace, str, str, int, int, list[Any]], None]) -> None:
+    """Run an elementwise kernel: ``block(w, name, dtype, i, j, targets)`` computes coordinates ``i..j`` (at
+    most `BLOCK`) of tensor `name` into ``targets[o]``, the matching slices of the outputs `out` (None
+    entries stay None), with workspace `w`. Per span (`spans`), this thread takes each output's slice (a
+    streamed output's buffer, in order), then the threads compute their runs of blocks (`span_part`) under
+    the backend's error state (thread-local in numpy)."""
+    for name, dtype, start, end in spans(schema):
+        spanned = [None if o is None else ops.flat(o[name])[start:end] for o in out]
+
+        def part(k: int, w: Workspace, name: str = name, dtype: str = dtype, start: int = start, end: int = end,
+                 spanned: list[Any] = spanned) -> None:
+            first, last = span_part(start, end, k, ws.threads)
+            with ops.errstate():
+                for i in range(first, last, BLOCK):
+                    j = min(last, i + BLOCK)
+                    block(w, name, dtype, i, j, [None if t is None else t[i - start:j - start] for t in spanned])
+
+        ws.parallel(part)
 
 
 def median(ops: Ops, ws: Workspace, schema: Schema, fl: dict[str, list[Any]], out: dict[str, Any]) -> dict[str, Any]:
@@ -326,22 +424,22 @@ def median(ops: Ops, ws: Workspace, schema: Schema, fl: dict[str, list[Any]], ou
     float64 rounded once (not the lower middle value `torch.median` returns)."""
     n = len(next(iter(fl.values())))
     wanted = ((n - 1) // 2,) if n % 2 else (n // 2 - 1, n // 2)
-    s = ws.get("s", 0, BLOCK)
-    t = ws.get("t", 0, BLOCK)
-    with ops.errstate():
-        for name, start, end, rows in order_statistic_blocks(ops, ws, schema, fl, wanted):
-            target = ops.flat(out[name])[start:end]
-            if n % 2:
-                ops.add_scalar(rows[0], 0.0)
-                ops.copy(target, rows[0])
-            else:
-                m = end - start
-                ops.copy(s[:m], rows[0])
-                ops.copy(t[:m], rows[1])
-                ops.add(s[:m], t[:m])
-                ops.scale(s[:m], 0.5)
-                ops.add_scalar(s[:m], 0.0)
-                ops.copy(target, s[:m])
+
+    def block(w: Workspace, name: str, dtype: str, i: int, j: int, targets: list[Any]) -> None:
+        rows = order_statistics(ops, w, dtype, fl[name], i, j, wanted)
+        if n % 2:
+            ops.add_scalar(rows[0], 0.0)
+            ops.copy(targets[0], rows[0])
+        else:
+            s, t = w.get("s", 0, BLOCK)[:j - i], w.get("t", 0, BLOCK)[:j - i]
+            ops.copy(s, rows[0])
+            ops.copy(t, rows[1])
+            ops.add(s, t)
+            ops.scale(s, 0.5)
+            ops.add_scalar(s, 0.0)
+            ops.copy(targets[0], s)
+
+    blockwise(ops, ws, schema, [out], block)
     return out
 
 
@@ -352,18 +450,18 @@ def trimmed_mean(
     accumulator from +0.0, divided by the count, rounded once."""
     n = len(next(iter(fl.values())))
     wanted = tuple(range(trim, n - trim))
-    acc = ws.get("acc", 0, BLOCK)
-    s = ws.get("s", 0, BLOCK)
-    with ops.errstate():
-        for name, start, end, rows in order_statistic_blocks(ops, ws, schema, fl, wanted):
-            m = end - start
-            a, sb = acc[:m], s[:m]
-            ops.fill(a, 0.0)
-            for row in rows:
-                ops.copy(sb, row)
-                ops.add(a, sb)
-            ops.div_scalar(a, float(len(wanted)))
-            ops.copy(ops.flat(out[name])[start:end], a)
+
+    def block(w: Workspace, name: str, dtype: str, i: int, j: int, targets: list[Any]) -> None:
+        rows = order_statistics(ops, w, dtype, fl[name], i, j, wanted)
+        a, sb = w.get("acc", 0, BLOCK)[:j - i], w.get("s", 0, BLOCK)[:j - i]
+        ops.fill(a, 0.0)
+        for row in rows:
+            ops.copy(sb, row)
+            ops.add(a, sb)
+        ops.div_scalar(a, float(len(wanted)))
+        ops.copy(targets[0], a)
+
+    blockwise(ops, ws, schema, [out], block)
     return out
 
 
@@ -371,21 +469,44 @@ def trimmed_mean(
 
 
 def gram(ops: Ops, ws: Workspace, schema: Schema, fl: dict[str, list[Any]]) -> list[list[float]]:
-    """``G[i][j] = <x_i, x_j>`` in float64 via one BLAS product per block (rounding order is the BLAS's)."""
+    """``G[i][j] = <x_i, x_j>`` in float64 via one BLAS product per block (rounding order is the BLAS's),
+    the products added in block order (`block_products`)."""
     n = len(next(iter(fl.values())))
-    total = ws.get("gram", 0, n * n)
-    part = ws.get("gram_part", n, n)
-    ops.fill(total, 0.0)
-    x = ws.get("gram_x", n, BLOCK)
-    for name, start, end, _ in segments(schema):
-        m = end - start
-        xb = x[:, :m]
+
+    def product(w: Workspace, name: str, _dtype: str, start: int, end: int, part: Any) -> None:
+        x = w.get("gram_x", n, BLOCK)[:, :end - start]
         for i in range(n):
-            ops.copy(xb[i], fl[name][i][start:end])
-        ops.gram(xb, part)
-        for i in range(n):
-            ops.add(total[i * n : (i + 1) * n], part[i])
+            ops.copy(x[i], fl[name][i][start:end])
+        ops.gram(x, part)
+
+    total = block_products(ops, ws, schema, n, BLOCK, product)
     return [[ops.item(total, i * n + j) for j in range(n)] for i in range(n)]
+
+
+def block_products(ops: Ops, ws: Workspace, schema: Schema, n: int, unit: int,
+                   product: Callable[[Workspace, str, str, int, int, Any], None]) -> Any:
+    """``sum_b P_b``, float64 ``[n * n]`` in `ws`: ``product(w, name, dtype, start, end, P)`` writes block b's
+    ``[n, n]`` matrix (coordinates ``start..end``, blocks of `unit` per tensor) with workspace `w`. The
+    threads compute runs of each span's blocks; this thread adds the products into the total in block
+    order (tensors in schema order), so the sum is the one-thread sum bit for bit (spec/design.md §5)."""
+    total = ws.get("products", 0, n * n)
+    ops.fill(total, 0.0)
+    per_span = SPAN // unit
+    for name, dtype, start, end in spans(schema):
+        def part(k: int, w: Workspace, name: str = name, dtype: str = dtype, start: int = start,
+                 end: int = end) -> list[Any]:
+            first, last = span_part(start, end, k, ws.threads, unit)
+            parts = w.get("block_products", per_span, n * n)
+            done = []
+            for b, i in enumerate(range(first, last, unit)):
+                product(w, name, dtype, i, min(last, i + unit), ops.reshape(parts[b], (n, n)))
+                done.append(parts[b])
+            return done
+
+        for done in ws.parallel(part):
+            for p in done:
+                ops.add(total, p)
+    return total
 
 
 def krum_scores(dist: list[list[float]], neighbours: int) -> list[float]:
@@ -484,26 +605,22 @@ def quantized_gram(ops: Ops, ws: Workspace, schema: Schema, rows: dict[str, list
     about ``2^-CC_QUANT_BITS`` of the block maxima.
     """
     n = len(next(iter(rows.values())))
-    total = ws.get("cc_gram", 0, n * n)
-    ops.fill(total, 0.0)
-    total2 = ops.reshape(total, (n, n))
-    part = ops.reshape(ws.get("cc_part", 0, n * n), (n, n))
-    smat = ops.reshape(ws.get("cc_smat", 0, n * n), (n, n))
-    for name, dtype, shape in schema:
-        size = numel(shape)
-        for start in range(0, size, CC_BLOCK):
-            m = min(size, start + CC_BLOCK) - start
-            x = ops.reshape(ws.get("cc_x", 0, n * CC_BLOCK, dtype)[: n * m], (n, m))
-            ops.stack(x, [r[start : start + m] for r in rows[name]])
-            scratch = ops.reshape(ws.get("cc_abs", 0, n * CC_BLOCK, dtype)[: n * m], (n, m))
-            exps = [math.frexp(a)[1] if a > 0.0 else 0 for a in ops.absmax_rows(x, scratch)]
-            q = ops.reshape(ws.get("cc_q", 0, n * CC_BLOCK)[: n * m], (n, m))
-            ops.quantize_rows(q, x, [math.ldexp(1.0, CC_QUANT_BITS - e) for e in exps])
-            ops.gram(q, part)
-            inv = ops.column([math.ldexp(1.0, e - CC_QUANT_BITS) for e in exps])
-            ops.mul_into(smat, inv, ops.reshape(inv, (1, n)))
-            ops.mul(part, smat)
-            ops.add(total2, part)
+
+    def product(w: Workspace, name: str, dtype: str, start: int, end: int, part: Any) -> None:
+        m = end - start
+        x = ops.reshape(w.get("cc_x", 0, n * CC_BLOCK, dtype)[: n * m], (n, m))
+        ops.stack(x, [r[start:end] for r in rows[name]])
+        scratch = ops.reshape(w.get("cc_abs", 0, n * CC_BLOCK, dtype)[: n * m], (n, m))
+        exps = [math.frexp(a)[1] if a > 0.0 else 0 for a in ops.absmax_rows(x, scratch)]
+        q = ops.reshape(w.get("cc_q", 0, n * CC_BLOCK)[: n * m], (n, m))
+        ops.quantize_rows(q, x, [math.ldexp(1.0, CC_QUANT_BITS - e) for e in exps])
+        ops.gram(q, part)
+        inv = ops.column([math.ldexp(1.0, e - CC_QUANT_BITS) for e in exps])
+        smat = ops.reshape(w.get("cc_smat", 0, n * n), (n, n))
+        ops.mul_into(smat, inv, ops.reshape(inv, (1, n)))
+        ops.mul(part, smat)
+
+    total = block_products(ops, ws, schema, n, CC_BLOCK, product)
     return [[ops.item(total, i * n + j) for j in range(n)] for i in range(n)]
 
 
@@ -573,36 +690,39 @@ def outer_momentum(
     ``b' = momentum * b + g``; ``step = g + momentum * b'`` (Nesterov) or ``b'`` (heavy ball) or ``g``
     (momentum 0); ``p' = p - lr * step``. float64 per block, one multiply or add per kernel in exactly this
     order, ``b'`` rounded to the params dtype (that rounded value is used for the step), ``p'`` rounded once.
+    Blocked by `blockwise`; `out` and `out_buf` may be streamed outputs (written span by span, in order).
     """
-    acc = ws.get("acc", 0, BLOCK)
-    s = ws.get("s", 0, BLOCK)
-    with ops.errstate():
-        for name, start, end, _ in segments(schema):
-            m = end - start
-            a, sb = acc[:m], s[:m]
-            g = ops.flat(grad[name])[start:end]
-            if out_buf is not None:
-                nb = ops.flat(out_buf[name])[start:end]
-                if buf is None:
-                    ops.fill(a, 0.0)
-                else:
-                    ops.copy(a, ops.flat(buf[name])[start:end])
-                ops.scale(a, momentum)
-                ops.copy(sb, g)
-                ops.add(a, sb)
-                ops.copy(nb, a)  # b' rounded to the state dtype
-                if nesterov:
-                    ops.copy(a, nb)
-                    ops.scale(a, momentum)
-                    ops.add(a, sb)
-                else:
-                    ops.copy(a, nb)
+    flat_params = {name: ops.flat(t) for name, t in params.items()}
+    flat_grad = {name: ops.flat(t) for name, t in grad.items()}
+    flat_buf = None if buf is None else {name: ops.flat(t) for name, t in buf.items()}
+
+    def block(w: Workspace, name: str, _dtype: str, i: int, j: int, targets: list[Any]) -> None:
+        new, nb = targets
+        a, sb = w.get("acc", 0, BLOCK)[:j - i], w.get("s", 0, BLOCK)[:j - i]
+        g = flat_grad[name][i:j]
+        if nb is not None:
+            if flat_buf is None:
+                ops.fill(a, 0.0)
             else:
-                ops.copy(a, g)
-            ops.scale(a, lr)
-            ops.copy(sb, ops.flat(params[name])[start:end])
-            ops.sub(sb, a)
-            ops.copy(ops.flat(out[name])[start:end], sb)
+                ops.copy(a, flat_buf[name][i:j])
+            ops.scale(a, momentum)
+            ops.copy(sb, g)
+            ops.add(a, sb)
+            ops.copy(nb, a)  # b' rounded to the state dtype
+            if nesterov:
+                ops.copy(a, nb)
+                ops.scale(a, momentum)
+                ops.add(a, sb)
+            else:
+                ops.copy(a, nb)
+        else:
+            ops.copy(a, g)
+        ops.scale(a, lr)
+        ops.copy(sb, flat_params[name][i:j])
+        ops.sub(sb, a)
+        ops.copy(new, sb)
+
+    blockwise(ops, ws, schema, [out, out_buf], block)
 
 
 # ---------------------------------------------------------------- the dispatcher both backends share

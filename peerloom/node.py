@@ -27,6 +27,8 @@ Config keys (TOML)::
     compute = "numpy"                  # optional: backend of screening, cohort screening, aggregation and the
                                        # outer step on validators and reducers: numpy or torch (needs torch).
                                        # Both give the same bytes, so a fleet may mix them. Default numpy
+    compute_threads = 2                # optional: threads of those kernels (1 to 8; the same bytes on any
+                                       # count, spec/design.md §5). Default: this machine's cores, at most 8
     stop_after_window = 20             # optional: open no window after this one
     keep_windows = 2                   # optional: artifacts (params, optimizer state, updates) are deleted
                                        # from the store this many heads after the window they served, all but
@@ -129,7 +131,7 @@ from typing import Any
 
 import trio
 
-from peerloom.adapters.compute import ComputeExecutor
+from peerloom.adapters.compute import MAX_THREADS, ComputeExecutor
 from peerloom.adapters.database import Database
 from peerloom.adapters.disk import is_disk_full
 from peerloom.adapters.keys import load_identity, load_or_create_identity
@@ -175,6 +177,7 @@ KEYS: dict[str, tuple[type, ...]] = {
     "stats": (str,), "threads": (int,), "stop_after_window": (int,), "workload": (str,), "log_format": (str,),
     "log_level": (str,), "http": (dict,), "discovery": (dict,), "behaviour": (str,), "admission": (str,),
     "leave_on_exit": (bool,), "leave_grace_s": (float, int), "device": (str,), "compute": (str,),
+    "compute_threads": (int,),
     "pool": (dict,), "transport": (dict, list), "relay": (dict,), "keep_windows": (int,), "limits": (dict,),
     "audit_worker": (bool,),
 }
@@ -258,6 +261,8 @@ def _check(config: dict[str, Any]) -> None:
     for key in ("capacity", "threads"):
         if key in config and config[key] < 1:
             raise ConfigError(f"{key} must be at least 1, got {config[key]}")
+    if not 1 <= config.get("compute_threads", 1) <= MAX_THREADS:
+        raise ConfigError(f"compute_threads must be in [1, {MAX_THREADS}], got {config['compute_threads']}")
     if config.get("keep_windows", 0) < 0:
         raise ConfigError(f"keep_windows must be 0 (keep every artifact) or more, got {config['keep_windows']}")
     try:
@@ -669,14 +674,16 @@ def build_runtime(config: dict[str, Any], config_path: Path | None = None, *,
         sys.modules["torch"].set_num_threads(int(config.get("threads", 1)))
     workload = start_pool(config, workload, config_path)
     executor = ComputeExecutor(store, manifest, workload, shards, state_dir=Path(config["store"]),
-                               compute=config.get("compute", "numpy"))
+                               compute=config.get("compute", "numpy"),
+                               compute_threads=config.get("compute_threads"))
     audit_executor = None
     if "validator" in config["roles"] and manifest.audit and manifest.audit_rate > 0.0 and \
             config.get("audit_worker", True):
         # Sampled audits beside the other tasks (`ComputeSlot`): an executor is not thread-safe, so a second
         # one over the same store, with a workload instance of its own.
         audit_executor = ComputeExecutor(store, manifest, _node_workload(config, manifest)[0], shards,
-                                         compute=config.get("compute", "numpy"))
+                                         compute=config.get("compute", "numpy"),
+                                         compute_threads=config.get("compute_threads"))
     host, port = _address(config.get("listen", "127.0.0.1:0"))
     http = config.get("http", {})
     http_listen = _address(http.get("listen", "127.0.0.1:0")) if http.get("enabled", False) else None

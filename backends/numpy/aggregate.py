@@ -165,18 +165,25 @@ def check_schema(members: Sequence[TensorDict], what: str) -> Schema:
     return _reduce.check_schema(members, what, schema_of)
 
 
-def workspace() -> _robust.Workspace:
-    """This thread's reusable buffers."""
-    ws = getattr(_local, "ws", None)
+def workspace(threads: int = 1) -> _robust.Workspace:
+    """This thread's reusable buffers for kernels on `threads` threads (`peerloom.backends._robust.Workspace`,
+    its helper threads with their own buffers; one workspace per calling thread and thread count). ValueError
+    unless ``1 <= threads <= _robust.MAX_THREADS``."""
+    spaces = getattr(_local, "spaces", None)
+    if spaces is None:
+        spaces = _local.spaces = {}
+    ws = spaces.get(threads)
     if ws is None:
-        ws = _local.ws = _robust.Workspace(NUMPY_OPS)
+        ws = spaces[threads] = _robust.Workspace(NUMPY_OPS, threads)
     return ws
 
 
-def aggregate(rule: str, deltas: Sequence[TensorDict], weights: Sequence[int], **params: Any) -> TensorDict:
+def aggregate(rule: str, deltas: Sequence[TensorDict], weights: Sequence[int], *, threads: int = 1,
+              **params: Any) -> TensorDict:
     """Aggregate a cohort of same-schema deltas (float32/float64 numpy arrays, canonical cohort order)
-    with `rule` (one of `RULES`; parameters in the module docstring). Returns new arrays, same schema."""
-    return _reduce.aggregate(NUMPY_OPS, workspace(), check_schema, rule, deltas, weights, params)
+    with `rule` (one of `RULES`; parameters in the module docstring) on `threads` threads (the same bytes on
+    any count: spec/design.md §5). Returns new arrays, same schema."""
+    return _reduce.aggregate(NUMPY_OPS, workspace(threads), check_schema, rule, deltas, weights, params)
 
 
 def outer_step(
@@ -189,6 +196,7 @@ def outer_step(
     momentum: float | None = None,
     out: TensorDict | None = None,
     out_state: TensorDict | None = None,
+    threads: int = 1,
 ) -> tuple[TensorDict, TensorDict | None]:
     """One outer-optimizer step; returns ``(new_params, new_state)``.
 
@@ -197,20 +205,23 @@ def outer_step(
     (PyTorch's SGD formulation). `state` is the momentum buffer, a tensor dict of the params' schema (None =
     zeros); the returned state is None when momentum is 0. `out` / `out_state` receive the results when given
     (e.g. `peerloom.backends.numpy.stored.TensorFileWriter` tensors, written block by block). Any input may be
-    a `peerloom.backends.numpy.stored.FileTensor` dict. Raises ValueError on schema mismatch/unknown name.
+    a `peerloom.backends.numpy.stored.FileTensor` dict. Runs on `threads` threads (same bytes on any count).
+    Raises ValueError on schema mismatch/unknown name or a thread count outside [1, `_robust.MAX_THREADS`].
     """
-    return _reduce.outer_step(NUMPY_OPS, workspace(), check_schema, name, params, pseudo_gradient, state, lr,
+    return _reduce.outer_step(NUMPY_OPS, workspace(threads), check_schema, name, params, pseudo_gradient, state, lr,
                               momentum, out, out_state)
 
 
 def screening_stats(
-    delta: TensorDict, *, reference: TensorDict | None = None, centre: TensorDict | None = None
+    delta: TensorDict, *, reference: TensorDict | None = None, centre: TensorDict | None = None, threads: int = 1
 ) -> dict[str, Any]:
     """Screening statistics of one delta (spec/design.md §4): ``{"finite": bool, "norms": {name: float},
     "global_norm": float, "cosine": float (to `reference`; NaN if none/zero), "distance": float (L2 to the
     robust `centre`; NaN if none)}``. Sums in float64 lanes (`peerloom.backends._robust`), so the numpy and
-    torch backends return equal floats. Non-finite deltas return ``finite=False`` and NaN statistics."""
-    return _reduce.screening_stats(NUMPY_OPS, workspace(), check_schema, _all_finite, delta, reference, centre)
+    torch backends return equal floats, on any number of `threads`. Non-finite deltas return ``finite=False``
+    and NaN statistics."""
+    return _reduce.screening_stats(NUMPY_OPS, workspace(threads), check_schema, _all_finite, delta, reference,
+                                  centre)
 
 
 FINITE_BLOCK = 1 << 20

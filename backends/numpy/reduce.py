@@ -38,26 +38,26 @@ from .tensors import TensorDict
 __all__ = ["SUPPORTED_DTYPES", "check_weights", "outer_sgd_step", "weighted_mean"]
 
 
-def weighted_mean(deltas: Sequence[TensorDict], weights: Sequence[int], *, out: TensorDict | None = None
-                  ) -> TensorDict:
+def weighted_mean(deltas: Sequence[TensorDict], weights: Sequence[int], *, out: TensorDict | None = None,
+                  threads: int = 1) -> TensorDict:
     """Sample-weighted mean ``sum_i (w_i / sum w) * delta_i`` of same-schema tensor dicts (FedAvg,
     McMahan et al. 2017, arXiv 1602.05629, Algorithm 1).
 
     `deltas`: tensor dicts with identical names, shapes and dtypes (float32 or float64), in the
     canonical cohort order. `weights`: positive ints (sample counts), one per delta. Accumulates in
-    float64 as documented in the module docstring; returns tensors of the input dtype and shapes
-    (written into `out` if given). Raises ValueError for an empty cohort, mismatched schemas or
-    weight counts, non-integer or non-positive weights.
+    float64 as documented in the module docstring, on `threads` threads (the same bytes on any count);
+    returns tensors of the input dtype and shapes (written into `out` if given). Raises ValueError for an
+    empty cohort, mismatched schemas or weight counts, non-integer or non-positive weights.
     """
-    return _reduce.weighted_mean(NUMPY_OPS, workspace(), check_schema, deltas, weights, out)
+    return _reduce.weighted_mean(NUMPY_OPS, workspace(threads), check_schema, deltas, weights, out)
 
 
-def outer_sgd_step(params: TensorDict, pseudo_gradient: TensorDict, lr: float, *, out: TensorDict | None = None
-                   ) -> TensorDict:
+def outer_sgd_step(params: TensorDict, pseudo_gradient: TensorDict, lr: float, *, out: TensorDict | None = None,
+                   threads: int = 1) -> TensorDict:
     """One outer SGD step ``params - lr * pseudo_gradient`` (FedAvg's outer optimizer is SGD with lr 1;
     DiLoCo, arXiv 2311.08105, uses the same sign convention: pseudo-gradient = before - after).
 
     Both dicts share one schema (float32 or float64); computed in float64, rounded once to the
     params dtype. Returns new tensors (or writes `out`). Raises ValueError on schema mismatch.
     """
-    return _reduce.outer_sgd_step(NUMPY_OPS, workspace(), check_schema, params, pseudo_gradient, lr, out)
+    return _reduce.outer_sgd_step(NUMPY_OPS, workspace(threads), check_schema, params, pseudo_gradient, lr, out)

@@ -6,12 +6,15 @@ allocated (the kernel zeroes every page, which cost as much as the arithmetic he
 `peerloom.backends._robust` only ever touch one block of a tensor at a time, so they can run on:
 
 * `FileTensor`: a read-only tensor in a stored safetensors file; ``t.reshape(-1)[a:b]`` reads elements
-  ``a..b`` into a reused buffer and returns a numpy view of it (valid until that flat view is sliced again).
+  ``a..b`` into a reused buffer of the calling thread and returns a numpy view of it (valid until that flat
+  view is sliced again on that thread), so the kernels' threads read their own parts at their own offsets.
 * `TensorFileWriter`: the safetensors serialization of a schema, written sequentially through a caller's
   ``write(bytes)`` (e.g. a store's artifact writer, which hashes on the way): its tensors are
-  `FileTensorSink` objects whose flat slices are buffers the kernel fills, written out when the next block
-  is asked for. The bytes are those of `peerloom.backends.numpy.tensors.to_safetensors`, and `finish`
-  returns the `tensor_digest`, hashed on the way too.
+  `FileTensorSink` objects whose flat slices are buffers the kernel fills, handed, in order, to a writer
+  thread of its own when the next block is asked for (hashing and writing overlap the kernels; each sink
+  alternates two buffers, so a block is never refilled while it is written). The bytes are those of
+  `peerloom.backends.numpy.tensors.to_safetensors`, and `finish` returns the `tensor_digest`, hashed on the
+  way too.
 
 Memory is then a few blocks per tensor whatever the model size. Only the numpy backend streams (torch
 kernels take torch tensors); `peerloom.adapters.compute.ComputeExecutor` picks this path for it.
@@ -21,7 +24,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -64,13 +70,14 @@ class _Blocked:
 class FileTensor(_Blocked):
     """A read-only tensor of `shape` and `dtype` at byte `offset` of the open file `fd` (not owned: the
     `StoredTensors` that made it closes it). Slicing is only defined on the flat view (``reshape(-1)``) with
-    a contiguous ``[start:stop]``; each flat view reads into its own reused buffer."""
+    a contiguous ``[start:stop]``; each flat view reads into a reused buffer of its own per thread
+    (``os.preadv`` at the slice's offset: threads may slice one view at once)."""
 
     def __init__(self, fd: int, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> None:
         self.fd, self.offset, self.dtype, self.shape = fd, offset, np.dtype(dtype), tuple(shape)
         self.size = int(np.prod(shape, dtype=np.int64)) if shape else 1
         self.nbytes = self.size * self.dtype.itemsize
-        self._buffer: np.ndarray | None = None
+        self._local = threading.local()  # .buffer: this thread's reused read buffer
         self._flat: FileTensor | None = None  # the cached flat view (not self: no reference cycle)
 
     def _flat_view(self) -> FileTensor:
@@ -81,9 +88,10 @@ class FileTensor(_Blocked):
             raise TypeError("a FileTensor is sliced flat and contiguously: t.reshape(-1)[a:b]")
         start, stop, _ = key.indices(self.size)
         count = max(0, stop - start)
-        if self._buffer is None or self._buffer.size < count:
-            self._buffer = np.empty(count, dtype=self.dtype)
-        out = self._buffer[:count]
+        buffer = getattr(self._local, "buffer", None)
+        if buffer is None or buffer.size < count:
+            buffer = self._local.buffer = np.empty(count, dtype=self.dtype)
+        out = buffer[:count]
         want = count * self.dtype.itemsize
         got = os.preadv(self.fd, [memoryview(out).cast("B")], self.offset + start * self.dtype.itemsize)
         if got != want:
@@ -188,9 +196,13 @@ class TensorFileWriter:
     name, one dtype: `peerloom.backends.numpy.tensors.safetensors_header`) through `write`, block by block.
 
     ``writer.tensors[name]`` is a `FileTensorSink` the kernels write into through its flat view, in order
-    (ValueError on a gap or a step back). `finish()` writes the last block, checks that every byte came,
-    and returns the `tensor_digest` of what was written. ValueError from the constructor when the schema has
-    no fixed header (more than one dtype, an unusual name): serialize in memory instead.
+    (ValueError on a gap or a step back). A block is hashed and passed to `write` on the writer's own thread
+    (one thread: in order) once the next block is asked for; an error there is raised from the next block
+    asked for or from `finish`. `finish()` writes the last block, waits for every write, checks that every
+    byte came, and returns the `tensor_digest` of what was written; `close()` (idempotent; `finish` calls
+    it) waits for the writes still queued and ends the thread: call it before the target of `write` is
+    closed. ValueError from the constructor when the schema has no fixed header (more than one dtype, an
+    unusual name): serialize in memory instead.
     """
 
     def __init__(self, schema: Schema, write: Callable[[memoryview], None]) -> None:
@@ -204,8 +216,29 @@ class TensorFileWriter:
         self._next = 0  # index in _order of the tensor being written
         self._written = 0  # elements of that tensor written so far
         self._pending: tuple[str, int, np.ndarray] | None = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="peerloom-writer")
+        self._queued: deque[Future[None]] = deque()  # writes handed to the thread, oldest first
         self.tensors = {name: FileTensorSink(self, name, np.dtype(dtype), tuple(shape))
                         for name, dtype, shape in schema}
+
+    def _emit(self, data: memoryview) -> None:
+        self._digest.update(data)
+        self._write(data)
+
+    def _settle(self, until: Future[None] | None = None) -> None:
+        """Wait for the queued writes up to `until` (all when None; one thread runs them in order), raising
+        the first error among them."""
+        while self._queued:
+            job = self._queued.popleft()
+            job.result()
+            if job is until:
+                return
+
+    def close(self) -> None:
+        """Wait for the queued writes (their errors dropped) and end the writer thread."""
+        wait(self._queued)
+        self._queued.clear()
+        self._thread.shutdown(wait=True)
 
     @staticmethod
     def file_size(schema: Schema) -> int | None:
@@ -222,9 +255,9 @@ class TensorFileWriter:
             return
         name, start, block = self._pending
         self._pending = None
-        data = memoryview(block).cast("B")
-        self._digest.update(data)
-        self._write(data)
+        job = self._thread.submit(self._emit, memoryview(block).cast("B"))
+        self._queued.append(job)
+        self.tensors[name].writing(job)
         self._written = start + block.size
         if self._written == self.tensors[name].size:
             self._next, self._written = self._next + 1, 0
@@ -240,8 +273,13 @@ class TensorFileWriter:
         return block
 
     def finish(self) -> bytes:
-        """Write the last block; returns the tensor digest (34-byte content id). ValueError if incomplete."""
+        """Write the last block and wait for every write; returns the tensor digest (34-byte content id).
+        ValueError if incomplete; the first error of a write, if any."""
         self._flush()
+        try:
+            self._settle()
+        finally:
+            self.close()
         while self._next < len(self._order) and self.tensors[self._order[self._next]].size == 0:
             self._next += 1
         if self._next != len(self._order):
@@ -251,21 +289,36 @@ class TensorFileWriter:
 
 class FileTensorSink(_Blocked):
     """One output tensor of a `TensorFileWriter`: its flat view's ``[start:stop]`` is a writable buffer for
-    those elements, written when the next block (of any tensor of the writer) is asked for."""
+    those elements, written when the next block (of any tensor of the writer) is asked for. Its blocks
+    alternate between two buffers; one still being written is waited for before it is handed out again."""
 
     def __init__(self, writer: TensorFileWriter, name: str, dtype: np.dtype, shape: tuple[int, ...]) -> None:
         self.writer, self.name, self.dtype, self.shape = writer, name, dtype, shape
         self.size = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        self._buffer: np.ndarray | None = None
+        self._buffers: list[np.ndarray | None] = [None, None]
+        self._jobs: list[Future[None] | None] = [None, None]  # the write reading each buffer
+        self._turn = 0
         self._flat: FileTensorSink | None = None
 
     def _flat_view(self) -> FileTensorSink:
         return FileTensorSink(self.writer, self.name, self.dtype, (self.size,))
 
     def buffer(self, count: int) -> np.ndarray:
-        if self._buffer is None or self._buffer.size < count:
-            self._buffer = np.empty(max(count, 1), dtype=self.dtype)
-        return self._buffer[:count]
+        """A buffer for the next block of `count` elements, not read by any queued write."""
+        sink = self.writer.tensors[self.name]  # the buffers live on the writer's sink, whichever view asks
+        turn = sink._turn = 1 - sink._turn
+        job = sink._jobs[turn]
+        if job is not None:
+            self.writer._settle(job)
+            sink._jobs[turn] = None
+        buffer = sink._buffers[turn]
+        if buffer is None or buffer.size < count:
+            buffer = sink._buffers[turn] = np.empty(max(count, 1), dtype=self.dtype)
+        return buffer[:count]
+
+    def writing(self, job: Future[None]) -> None:
+        """`job` writes the block last handed out (`buffer`), so that buffer waits for it."""
+        self._jobs[self._turn] = job
 
     def __getitem__(self, key: slice) -> np.ndarray:
         if self.ndim != 1 or not isinstance(key, slice) or key.step not in (None, 1):

@@ -139,21 +139,26 @@ TORCH_OPS = TorchOps()
 _local = threading.local()
 
 
-def workspace() -> _robust.Workspace:
-    """This thread's reusable buffers."""
-    ws = getattr(_local, "ws", None)
+def workspace(threads: int = 1) -> _robust.Workspace:
+    """This thread's reusable buffers for kernels on `threads` threads (`peerloom.backends._robust.Workspace`,
+    its helper threads with their own buffers; one workspace per calling thread and thread count). ValueError
+    unless ``1 <= threads <= _robust.MAX_THREADS``."""
+    spaces = getattr(_local, "spaces", None)
+    if spaces is None:
+        spaces = _local.spaces = {}
+    ws = spaces.get(threads)
     if ws is None:
-        ws = _local.ws = _robust.Workspace(TORCH_OPS)
+        ws = spaces[threads] = _robust.Workspace(TORCH_OPS, threads)
     return ws
 
 
 @torch.no_grad()
 def aggregate(
-    rule: str, deltas: Sequence[TorchTensorDict], weights: Sequence[int], **params: Any
+    rule: str, deltas: Sequence[TorchTensorDict], weights: Sequence[int], *, threads: int = 1, **params: Any
 ) -> TorchTensorDict:
     """Aggregate a cohort of same-schema deltas (float32/float64 CPU tensors, canonical cohort order)
     with `rule`; the contract of `peerloom.backends.numpy.aggregate.aggregate`, byte for byte."""
-    return _reduce.aggregate(TORCH_OPS, workspace(), check_schema, rule, deltas, weights, params)
+    return _reduce.aggregate(TORCH_OPS, workspace(threads), check_schema, rule, deltas, weights, params)
 
 
 @torch.no_grad()
@@ -165,18 +170,21 @@ def outer_step(
     *,
     lr: float | None = None,
     momentum: float | None = None,
+    threads: int = 1,
 ) -> tuple[TorchTensorDict, TorchTensorDict | None]:
     """`peerloom.backends.numpy.aggregate.outer_step` on torch CPU tensors, byte for byte."""
-    return _reduce.outer_step(TORCH_OPS, workspace(), check_schema, name, params, pseudo_gradient, state, lr,
+    return _reduce.outer_step(TORCH_OPS, workspace(threads), check_schema, name, params, pseudo_gradient, state, lr,
                               momentum)
 
 
 @torch.no_grad()
 def screening_stats(
-    delta: TorchTensorDict, *, reference: TorchTensorDict | None = None, centre: TorchTensorDict | None = None
+    delta: TorchTensorDict, *, reference: TorchTensorDict | None = None, centre: TorchTensorDict | None = None,
+    threads: int = 1,
 ) -> dict[str, Any]:
     """`peerloom.backends.numpy.aggregate.screening_stats` on torch CPU tensors (equal floats)."""
-    return _reduce.screening_stats(TORCH_OPS, workspace(), check_schema, _all_finite, delta, reference, centre)
+    return _reduce.screening_stats(TORCH_OPS, workspace(threads), check_schema, _all_finite, delta, reference,
+                                  centre)
 
 
 def _all_finite(t: torch.Tensor) -> bool:

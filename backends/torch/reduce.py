@@ -26,21 +26,21 @@ __all__ = ["SUPPORTED_DTYPES", "check_weights", "outer_sgd_step", "weighted_mean
 
 @torch.no_grad()
 def weighted_mean(deltas: Sequence[TorchTensorDict], weights: Sequence[int], *,
-                  out: TorchTensorDict | None = None) -> TorchTensorDict:
+                  out: TorchTensorDict | None = None, threads: int = 1) -> TorchTensorDict:
     """Sample-weighted mean of same-schema dicts of CPU tensors (FedAvg, McMahan et al. 2017,
     arXiv 1602.05629). Same contract, errors and bytes as the numpy reference: float32/float64 in,
     float64 accumulation in the given order, one rounding to the input dtype at the end (into `out` if
     given). ValueError as the reference, and for a tensor off the CPU.
     """
-    return _reduce.weighted_mean(TORCH_OPS, workspace(), check_schema, deltas, weights, out)
+    return _reduce.weighted_mean(TORCH_OPS, workspace(threads), check_schema, deltas, weights, out)
 
 
 @torch.no_grad()
 def outer_sgd_step(params: TorchTensorDict, pseudo_gradient: TorchTensorDict, lr: float, *,
-                   out: TorchTensorDict | None = None) -> TorchTensorDict:
+                   out: TorchTensorDict | None = None, threads: int = 1) -> TorchTensorDict:
     """``params - lr * pseudo_gradient`` in float64, rounded once to the params dtype; bit-identical
     to the numpy reference (FedAvg outer SGD, lr 1; DiLoCo sign convention, arXiv 2311.08105).
     ValueError as the reference, and for a tensor off the CPU.
     """
-    return _reduce.outer_sgd_step(TORCH_OPS, workspace(), check_schema, params, pseudo_gradient, lr, out)
+    return _reduce.outer_sgd_step(TORCH_OPS, workspace(threads), check_schema, params, pseudo_gradient, lr, out)
 

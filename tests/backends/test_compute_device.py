@@ -85,6 +85,9 @@ def test_executor_backends_agree_on_every_rule(tmp_path):
 @pytest.mark.parametrize(("extra", "message"), [
     ('compute = "jax"\n', "compute must be numpy or torch, got 'jax'"),
     ("compute = 1\n", "compute must be"),
+    ("compute_threads = 0\n", "compute_threads must be in [1, 8], got 0"),
+    ("compute_threads = 9\n", "compute_threads must be in [1, 8], got 9"),
+    ('compute_threads = "2"\n', "compute_threads"),
     ('device = "tpu"\n', "device 'tpu' is not one of cpu, cuda, cuda:N, mps, auto"),
     ('device = "cuda:x"\n', "device 'cuda:x' is not one of"),
     ('device = "cuda:64"\n', "device 'cuda:64' is not available on this machine"),
@@ -124,9 +127,9 @@ def test_node_runtime_takes_the_compute_and_device_keys(tmp_path):
     params = build_workload("digits-mlp", 0, 2)[0].initial_params(0)  # a node refuses a model the manifest lacks
     revision = make_revision(schema=tuple((name, "float32", tensor.shape) for name, tensor in params.items()))
     (tmp_path / "m").write_bytes(revision.envelope.to_bytes())
-    runtime = build_runtime(load_config(_config(tmp_path, 'compute = "torch"\ndevice = "auto"\n')))
+    runtime = build_runtime(load_config(_config(tmp_path, 'compute = "torch"\ndevice = "auto"\ncompute_threads = 3\n')))
     try:
-        assert runtime.executor.compute.name == "torch"
+        assert runtime.executor.compute.name == "torch" and runtime.executor.compute.threads == 3
         assert runtime.executor.workload.device.type == resolve_device("auto")
     finally:
         runtime.close()

@@ -171,7 +171,9 @@ def test_malformed_stored_files_are_refused(tmp_path, damage):
 def test_a_streamed_diloco_reduce_holds_about_one_model_size(tmp_path):
     """The executor's reduce on the numpy backend reads its inputs and writes its outputs block by block:
     the Python-visible peak (tracemalloc, which numpy reports to) is about the aggregate alone, where loading
-    params, state and deltas whole and building new params and state in memory took about 5x the model."""
+    params, state and deltas whole and building new params and state in memory took about 5x the model. Beside
+    it, a few MiB that do not grow with the model: the kernel threads' workspaces and read buffers, and the
+    span (`SPAN` elements) that each of the two streamed outputs is written from."""
     size = 1 << 22  # 16 MiB of float32 (the kernels' reused buffers, a few MiB, are small beside it)
     schema = (("w", "float32", (size,)),)
     manifest = attrs.evolve(make_revision(schema=schema).manifest, aggregation="centered_clip",
@@ -191,7 +193,8 @@ def test_a_streamed_diloco_reduce_holds_about_one_model_size(tmp_path):
     finally:
         tracemalloc.stop()
     model = 4 * size
-    assert peak < 1.6 * model, peak / model
+    fixed = 8 << 20
+    assert peak < 1.6 * model + fixed, (peak - fixed) / model
     # and the artifacts it streamed are the ones the in-memory path computes
     loaded = {k: ex.load(v) for k, v in (("p", params), ("s", state))}
     centre = aggregate("centered_clip", [ex.load(d) for d in deltas], [1, 1, 1])
@@ -202,3 +205,38 @@ def test_a_streamed_diloco_reduce_holds_about_one_model_size(tmp_path):
     assert make_artifact_ref(ex.store.get(result["outer_state"].digest), 1 << 16) == result["outer_state"]
     with ExitStack() as stack:
         assert isinstance(ex.open(params, stack)["w"], FileTensor)
+
+
+def test_the_writer_thread_writes_in_order_never_from_a_refilled_buffer_and_reports_errors():
+    """Blocks are hashed and written on the writer's thread; a slow `write` must still see every block in
+    order with the bytes the kernel wrote (each sink alternates two buffers), and its error reaches `finish`."""
+    import time
+
+    from peerloom.backends._robust import SPAN
+
+    rng = np.random.default_rng(4)
+    params = {"a": rng.standard_normal(3 * SPAN + 7).astype(np.float32), "b": rng.standard_normal(5).astype(np.float32)}
+    grad = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params.items()}
+    expected = outer_step("fedavg", params, grad, None, lr=0.5)[0]
+    written = bytearray()
+
+    def slow(data):
+        time.sleep(0.01)  # the kernels run ahead and ask for the next blocks meanwhile
+        written.extend(data)
+
+    writer = TensorFileWriter(schema_of(params), slow)
+    outer_step("fedavg", params, grad, None, lr=0.5, out=writer.tensors, threads=2)
+    assert writer.finish() == tensor_digest(expected) and bytes(written) == to_safetensors(expected)
+
+    calls = []
+
+    def failing(data):
+        calls.append(len(data))
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+
+    writer = TensorFileWriter(schema_of(params), failing)
+    with pytest.raises(OSError, match="No space left"):
+        outer_step("fedavg", params, grad, None, lr=0.5, out=writer.tensors)
+        writer.finish()
+    writer.close()

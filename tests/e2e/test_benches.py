@@ -28,6 +28,22 @@ def test_aggregate_bench_quick() -> None:
         assert set(r) == {"backend", "rule", "seconds", "ratio"}
 
 
+def test_aggregate_reduce_bench_quick() -> None:
+    """bench/aggregate.py --reduce (issue 27): the executor's streamed reduce on 1 and 2 kernel threads."""
+    report = run_bench("aggregate.py", "--reduce")
+    assert report["same_bytes"] is True and [r["threads"] for r in report["results"]] == [1, 2]
+    assert all(r["seconds"] > 0 for r in report["results"]) and report["results"][0]["speedup"] == 1.0
+
+
+def test_hashing_bench_quick() -> None:
+    """bench/hashing.py (issue 27): SHA-256 and BLAKE3 over chunks and whole artifacts, SHA-256 the baseline."""
+    report = run_bench("hashing.py")
+    cases = {(r["mode"], r["hasher"], r["threads"]) for r in report["results"]}
+    assert {("chunks", "sha256", 1), ("chunks", "blake3", 1), ("whole", "sha256", 1), ("whole", "blake3", 1),
+            ("whole", "blake3", "auto")} <= cases
+    assert all(r["speedup"] == 1.0 for r in report["results"] if r["hasher"] == "sha256" and r["threads"] == 1)
+
+
 def test_pool_bench_quick() -> None:
     """bench/pool.py (issue 19): one process and a 2-rank gloo pool on the same lease, same result."""
     report = run_bench("pool.py")
