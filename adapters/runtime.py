@@ -799,7 +799,10 @@ class NodeRuntime:
             self.edge_view.set_last_error(f"{effect.kind} task failed: {' '.join(repr(exc).split())[:300]}")
             self._events.put(ev.TaskFailed(now=0.0, task_id=effect.task_id, reason=repr(exc)))
             return
-        self._emit_line("task-done", {"kind": effect.kind, "seconds": round(time.monotonic() - started, 4)})
+        seconds = time.monotonic() - started
+        # `started`: the unix time the task began on its worker (bench/window.py's utilization reads it)
+        self._emit_line("task-done", {"kind": effect.kind, "seconds": round(seconds, 4),
+                                      "started": round(time.time() - seconds, 3)})
         self._events.put(ev.TaskFinished(now=0.0, task_id=effect.task_id, result=result))
 
     async def _dialer(self) -> None:
