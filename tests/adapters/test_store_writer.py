@@ -8,8 +8,8 @@ import threading
 
 import trio
 
-from peerloom.adapters.store_writer import CORRUPT, FAILED, SKIPPED, STORED, Outcome, StoreWriter
 from peerloom.adapters.storage import ArtifactStore
+from peerloom.adapters.store_writer import CORRUPT, FAILED, SKIPPED, STORED, Outcome, StoreWriter
 from peerloom.core import effects as fx
 from peerloom.core.errors import VerificationError
 from peerloom.core.objects import make_artifact_ref
@@ -162,7 +162,7 @@ def test_room_waits_while_more_than_the_cap_is_queued():
     store = _Recording()
     store.gate.clear()
     writer = StoreWriter(store, lambda outcome: None, max_queued_bytes=2500)  # type: ignore[arg-type]
-    ref, chunks = _chunks(b"r" * 4000, 1000)
+    _, chunks = _chunks(b"r" * 4000, 1000)
     blocked_for = []
 
     async def body():
