@@ -136,7 +136,7 @@ def stored_event(store: ArtifactStore, effect: fx.CommitArtifact, now: float) ->
     """Commit a fetched artifact and return the event to feed back: `ArtifactStored`, or `ArtifactCorrupt`
     when the bytes do not hash to the ref's digest (a hostile ref must never stop the host)."""
     try:
-        store.commit(effect.ref)
+        store.commit(effect.ref, durable=effect.durable)
     except VerificationError:
         return ev.ArtifactCorrupt(now=now, ref=effect.ref)
     return ev.ArtifactStored(now=now, ref=effect.ref)

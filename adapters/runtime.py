@@ -50,13 +50,14 @@ from .addressbook import HANDSHAKE_FAILURES, AddressBook
 from .compute import ComputeExecutor
 from .edge_view import SUBMIT_TIMEOUT_S, NodeEdgeView, PeerInfo, SubmitResult
 from .eventqueue import EventQueue
-from .host import chunk_message, drain, stored_event
+from .host import chunk_message, drain
 from .limits import ConnectionLimiter, Limits, LimitsCollector
 from .logs import LineLimiter
 from .metrics import NodeMetrics
 from .peerstate import MAX_PEER_SERIES, MAX_SEEN_PEERS, BoundedLru, release_freed_memory, tune_allocator
 from .relay import RelayServer, RelayTransport
 from .storage import ArtifactStore
+from .store_writer import CORRUPT, FAILED, STORED, Outcome, StoreWriter
 from .transport import Connection, Transport, canonical_address
 
 log = logging.getLogger("peerloom.runtime")
@@ -238,6 +239,8 @@ class NodeRuntime:
         self._unwritten: list[fx.Persist] = []
         self._unwritten_chain: list[tuple[Head, QuorumCertificate]] = []
         self._lost_fetches: set[bytes] = set()  # fetches with a chunk that never reached the disk
+        # Chunk writes and artifact commits run on a worker thread, in order (spec/design.md §6, Storage).
+        self._store_writer = StoreWriter(store, self._stored)
         # What the engine handles next: admitted peers' events and the node's own before strangers' (§14).
         self._events: EventQueue[ev.Event | _Submit | _DiskResumed] = EventQueue()
         # Bytes of each peer's messages queued for the engine, bounded per peer (`_inbox_room`).
@@ -429,6 +432,7 @@ class NodeRuntime:
                 if not await trio.to_thread.run_sync(lambda: disk.space_available(self.store.root, need=0)):
                     self._disk_is_full("start", disk.DiskFullError(self.store.root))  # one line, then reads only
                 nursery.start_soon(self._summarize_logs)
+                nursery.start_soon(self._store_writer.run)
                 self.transports = self._make_transports()
                 for address in self._listen_addresses():
                     bound = await nursery.start(self._serve, address)
@@ -585,6 +589,7 @@ class NodeRuntime:
 
     async def _main_loop(self) -> None:
         while True:
+            await self._store_writer.room()  # backpressure: chunks queued for the disk are bounded
             deadline = self.engine.next_deadline()
             with trio.move_on_at(deadline if deadline is not None else math.inf):
                 item = await self._events.get()
@@ -643,31 +648,33 @@ class NodeRuntime:
         self.engine.handle(ev.Persisted(now=trio.current_time(), token=effect.token))
 
     def store_chunk(self, effect: fx.StoreChunk) -> None:
-        """A chunk that cannot be written (full disk) loses its whole fetch: the store drops the partial file
-        and the fetch is never committed (`commit_artifact`), so no artifact with a hole is ever trusted and
-        no provider or author is charged for our disk."""
-        if effect.ref.digest in self._lost_fetches:
-            return
-        try:
-            self.store.write_chunk(effect.ref, effect.index, effect.data)
-        except OSError as exc:
-            if not disk.is_disk_full(exc):
-                raise
-            self._lost_fetches.add(effect.ref.digest)
-            self._disk_is_full("artifact store", exc)
+        """Queued for the store writer's thread (`adapters.store_writer`), in order with the commit.
+        A chunk that cannot be written (full disk) loses its whole fetch: the store drops the partial file
+        and the fetch is never committed (`_stored`), so no artifact with a hole is ever trusted and no
+        provider or author is charged for our disk."""
+        if effect.ref.digest not in self._lost_fetches:
+            self._store_writer.write_chunk(effect)
 
     def commit_artifact(self, effect: fx.CommitArtifact) -> None:
-        if effect.ref.digest in self._lost_fetches:
-            return  # held for good: see `store_chunk`
-        try:
-            event = stored_event(self.store, effect, trio.current_time())
-        except OSError as exc:
-            if not disk.is_disk_full(exc):
-                raise
+        """Queued behind the artifact's chunks; the engine hears `ArtifactStored` (or `ArtifactCorrupt`) once
+        the commit is done (`_stored`)."""
+        if effect.ref.digest not in self._lost_fetches:  # else held for good: see `store_chunk`
+            self._store_writer.commit(effect)
+
+    def _stored(self, outcome: Outcome) -> None:
+        """On the trio thread, the outcome of a queued write or commit, in order: a commit's event goes to
+        the engine's queue; a write or commit that failed for want of space loses its fetch (`store_chunk`);
+        any other OSError stops the node, as it did when the writes ran on this thread."""
+        effect = outcome.effect
+        if outcome.status == FAILED:
+            assert outcome.error is not None
+            if not disk.is_disk_full(outcome.error):
+                raise outcome.error
             self._lost_fetches.add(effect.ref.digest)
-            self._disk_is_full("artifact store", exc)
-            return
-        self.engine.handle(event)
+            self._disk_is_full("artifact store", outcome.error)
+        elif isinstance(effect, fx.CommitArtifact) and outcome.status in (STORED, CORRUPT):
+            self._events.put(ev.ArtifactStored(now=0.0, ref=effect.ref) if outcome.status == STORED
+                             else ev.ArtifactCorrupt(now=0.0, ref=effect.ref))
 
     def drop_artifacts(self, effect: fx.DropArtifacts) -> None:
         self.store.remove(effect.digests)
@@ -799,7 +806,10 @@ class NodeRuntime:
             self.edge_view.set_last_error(f"{effect.kind} task failed: {' '.join(repr(exc).split())[:300]}")
             self._events.put(ev.TaskFailed(now=0.0, task_id=effect.task_id, reason=repr(exc)))
             return
-        self._emit_line("task-done", {"kind": effect.kind, "seconds": round(time.monotonic() - started, 4)})
+        seconds = time.monotonic() - started
+        # `started`: the unix time the task began on its worker (bench/window.py's utilization reads it)
+        self._emit_line("task-done", {"kind": effect.kind, "seconds": round(seconds, 4),
+                                      "started": round(time.time() - seconds, 3)})
         self._events.put(ev.TaskFinished(now=0.0, task_id=effect.task_id, result=result))
 
     async def _dialer(self) -> None:

@@ -4,6 +4,8 @@ Layout under `root`::
 
     artifacts/<hex digest>        the artifact bytes (verified against the digest once, when stored)
     artifacts/<hex digest>.ref    its canonical ArtifactRef (chunk size and chunk digests)
+    artifacts/<hex digest>.vref   the same, for an artifact stored without fsync (``durable=False``):
+                                  hashed again when the store next opens, before it is trusted
     partial/<hex digest>          an artifact being fetched, written chunk by chunk at its offsets
     node.db                       SQLite (WAL): engine records, heads, votes, claims, peers, pins
                                   (`adapters/database.py`; stores from before it kept ``records/<key>``
@@ -13,6 +15,12 @@ Every artifact write goes to a temporary file, is fsynced, then renamed over the
 is fsynced, so a crash at any point leaves either the old state or the new one, never a torn file. Opening
 the store removes what a crash can leave behind (temporary files, partial fetches, an artifact without its
 ref); `check()` verifies everything.
+
+An artifact stored with ``durable=False`` (`put_parts`, `commit`: what the node can fetch or compute again)
+skips both fsyncs, so after a power loss its file may be missing, short or full of zeros (a preallocated
+file keeps its size) while its name survives. Its ref is therefore written as ``.vref``, and opening the
+store hashes every such artifact again (`_recover`): one whose bytes are its id's is made durable and
+trusted like any other, the rest are deleted (spec/design.md §6, Storage).
 
 An artifact is hashed once, chunk by chunk, when it enters the store: `put` and `open_writer` hash what
 they write, and a fetched artifact's chunks were each verified on arrival, so `commit` checks only that
@@ -95,8 +103,11 @@ def read_artifact(root: str | Path, digest: bytes) -> bytes:
     """
     path = Path(root) / "artifacts" / digest[2:].hex()
     data = path.read_bytes()
+    meta = path.with_suffix(".ref")
+    if not meta.exists() and path.with_suffix(".vref").exists():
+        meta = path.with_suffix(".vref")  # stored without fsync; the check below hashes it anyway
     try:
-        ref = ArtifactRef.from_cbor(decode(path.with_suffix(".ref").read_bytes(), max_bytes=1 << 24))
+        ref = ArtifactRef.from_cbor(decode(meta.read_bytes(), max_bytes=1 << 24))
     except DecodeError as exc:
         raise VerificationError("corrupt-artifact", f"{digest.hex()} in {root}: bad ref file ({exc})") from None
     if ref.digest != digest or make_artifact_ref(data, ref.chunk_size) != ref:
@@ -104,6 +115,8 @@ def read_artifact(root: str | Path, digest: bytes) -> bytes:
     return data
 
 
+DURABLE_REF = ".ref"  # the ref of an artifact fsynced before it became visible
+VOLATILE_REF = ".vref"  # the ref of one stored without fsync: hashed again when the store opens (`_recover`)
 HASH_BLOCK_BYTES = 4 << 20  # `commit` hashes a fetched artifact in blocks of this size
 OPEN_FILES = 16  # open artifact files kept per direction (reads of stored ones, writes of fetches)
 
@@ -152,14 +165,14 @@ class _Handles:
                 os.close(fd)
             path.unlink(missing_ok=True)
 
-    def sync_whole(self, digest: bytes, path: Path, size: int) -> bool:
-        """True iff the file is `size` bytes, then fsynced; the descriptor is closed. Its chunks were each
-        verified against the ref when they arrived, so nothing is hashed again here."""
+    def sync_whole(self, digest: bytes, path: Path, size: int, *, durable: bool = True) -> bool:
+        """True iff the file is `size` bytes, then fsynced (unless not `durable`); the descriptor is closed.
+        Its chunks were each verified against the ref when they arrived, so nothing is hashed again here."""
         with self._lock:
             fd = self._fd(digest, path)
             try:
                 ok = os.fstat(fd).st_size == size
-                if ok:
+                if ok and durable:
                     os.fsync(fd)
                 return ok
             finally:
@@ -284,7 +297,8 @@ class ArtifactStore:
     """Artifacts by content id plus the node database, in one directory.
 
     Reads (`get`, `read_chunk`, `refs`) and `put` may come from any thread; chunked fetches
-    (`write_chunk`/`commit`) come from the node's one engine loop.
+    (`write_chunk`/`commit`) come from one thread at a time, in order per artifact (the node runtime's
+    `adapters.store_writer.StoreWriter`).
     """
 
     def __init__(self, root: str | Path, *, chunk_size: int = 256 * 1024) -> None:
@@ -300,17 +314,46 @@ class ArtifactStore:
         self._recover()
 
     def _recover(self) -> None:
-        """Load the refs of complete artifacts; remove what an interrupted write or fetch left behind."""
+        """Load the refs of complete artifacts; remove what an interrupted write or fetch left behind; hash
+        the artifacts stored without fsync again (`VOLATILE_REF`) and keep only those still whole."""
         self._refs: dict[bytes, ArtifactRef] = {}
         for leftover in [*self._artifacts.glob(".*.tmp"), *self._partial.iterdir()]:
             leftover.unlink(missing_ok=True)  # a fetch interrupted by a crash starts again
-        for meta in self._artifacts.glob("*.ref"):
+        for meta in self._artifacts.glob("*" + DURABLE_REF):
             ref = ArtifactRef.from_cbor(decode(meta.read_bytes(), max_bytes=1 << 24))
             if (self._artifacts / ref.digest[2:].hex()).exists():
                 self._refs[ref.digest] = ref
+            meta.with_suffix(VOLATILE_REF).unlink(missing_ok=True)  # made durable since (`_keep_volatile`)
+        for meta in self._artifacts.glob("*" + VOLATILE_REF):
+            self._keep_volatile(meta)
         for path in self._artifacts.iterdir():
-            if not path.name.startswith(".") and not path.suffix and not path.with_suffix(".ref").exists():
+            if not path.name.startswith(".") and not path.suffix and not path.with_suffix(DURABLE_REF).exists():
                 path.unlink()  # renamed into place, crashed before its ref was written: not visible, drop it
+
+    def _keep_volatile(self, meta: Path) -> None:
+        """An artifact stored without fsync (its ref in `meta`, a ``.vref``), found when the store opens: a
+        crash may have left its file or its ref torn. Hash it (`verify`); if whole, fsync it and write its
+        ref durably as ``.ref`` (so it is not hashed at the next start), else delete both."""
+        path = meta.with_suffix("")
+        try:
+            ref = ArtifactRef.from_cbor(decode(meta.read_bytes(), max_bytes=1 << 24))
+        except (DecodeError, VerificationError):  # torn by the crash
+            ref = None
+        if ref is not None and ref.digest[2:].hex() == path.name and path.exists():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                whole = os.fstat(fd).st_size == ref.size and _file_digest(fd, ref.size, ref.chunk_size) == ref.digest
+                if whole:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            if whole:
+                _fsync_dir(self._artifacts)
+                atomic_write(path.with_suffix(DURABLE_REF), encode(ref.to_cbor()))
+                self._refs[ref.digest] = ref
+        meta.unlink(missing_ok=True)
+        if ref is None or ref.digest not in self._refs:
+            path.unlink(missing_ok=True)
 
     # --- artifacts -------------------------------------------------------------------------------
 
@@ -361,7 +404,10 @@ class ArtifactStore:
         self._drop_partial(ref.digest)
 
     def _finish(self, ref: ArtifactRef, *, durable: bool = True) -> None:
-        atomic_write(self._path(ref.digest).with_suffix(".ref"), encode(ref.to_cbor()), durable=durable)
+        """Write the ref that makes the artifact visible: ``.ref``, or ``.vref`` when its bytes were not
+        fsynced (hashed again when the store next opens, `_keep_volatile`)."""
+        suffix = DURABLE_REF if durable else VOLATILE_REF
+        atomic_write(self._path(ref.digest).with_suffix(suffix), encode(ref.to_cbor()), durable=durable)
         self._refs[ref.digest] = ref
 
     def get(self, digest: bytes) -> bytes:
@@ -406,18 +452,20 @@ class ArtifactStore:
             self._writers.discard(ref.digest, path)
             raise
 
-    def commit(self, ref: ArtifactRef) -> None:
+    def commit(self, ref: ArtifactRef, *, durable: bool = True) -> None:
         """Make a fully fetched artifact visible, durably (fsync, rename, directory fsync). Its chunks were
         each verified against `ref` as they arrived (the engine's `chunk_ok`) and `ref.digest` names those
         chunks (`artifact_id`), so the bytes are not hashed again (issue 20). VerificationError when the ref
-        is not self-consistent or the file is not `ref.size` bytes."""
+        is not self-consistent or the file is not `ref.size` bytes. ``durable=False``
+        (`core.effects.CommitArtifact.durable`) skips the fsyncs: the artifact is visible at once and hashed
+        again when the store next opens (module docstring)."""
         if ref.digest in self._refs:
             return
         path = self._partial / ref.digest[2:].hex()
         if artifact_id(ref.size, ref.chunk_size, ref.chunks) != ref.digest:
             self._writers.discard(ref.digest, path)
             raise VerificationError("corrupt-artifact", f"{ref.digest.hex()} is not the id of its chunks")
-        if not self._writers.sync_whole(ref.digest, path, ref.size):
+        if not self._writers.sync_whole(ref.digest, path, ref.size, durable=durable):
             path.unlink(missing_ok=True)
             if ref.digest in self._refs:
                 return  # computed and stored here meanwhile (`_drop_partial` took the partial file)
@@ -428,8 +476,9 @@ class ArtifactStore:
             if ref.digest in self._refs:
                 return  # as above, between the check and the rename
             raise
-        _fsync_dir(self._artifacts)
-        self._finish(ref)
+        if durable:
+            _fsync_dir(self._artifacts)
+        self._finish(ref, durable=durable)
 
     # --- garbage collection and checks -------------------------------------------------------------
 
@@ -462,7 +511,8 @@ class ArtifactStore:
             if ref is None:
                 continue
             self._readers.close(digest)
-            self._path(digest).with_suffix(".ref").unlink(missing_ok=True)
+            self._path(digest).with_suffix(DURABLE_REF).unlink(missing_ok=True)
+            self._path(digest).with_suffix(VOLATILE_REF).unlink(missing_ok=True)
             self._path(digest).unlink(missing_ok=True)
             freed += ref.size
         return freed

@@ -2,7 +2,7 @@
 scale, against a gloo ``all_reduce`` + ``broadcast`` of the same parameters; one JSON object on the last line.
 
     python bench/window.py [--params 1000000,10000000] [--windows 5] [--trainers 2] [--validators 1]
-                           [--verification inline|sampled|both] [--quick] [--out DIR]
+                           [--verification inline|sampled|both] [--train-s S] [--overlap N] [--quick] [--out DIR]
 
 For each parameter count P the benchmark writes an experiment (`peerloom.experiment.Experiment`: the demo's
 protocol settings, centered clipping, DiLoCo with 4 inner steps, 1 MiB chunks; ``--verification`` picks
@@ -13,6 +13,11 @@ committed segments, spec/protocol.md §6.1-6.3; ``both`` runs one fleet each), s
 127.0.0.1, and lets them certify `--windows` windows. The workload (`flat_factory`) is one float32 tensor
 of P parameters whose "training" is a fixed-cost step (one multiply: ``delta = c * params``), so what is
 measured is the protocol: storing, hashing, moving, screening, auditing, reducing and agreeing.
+``--train-s S`` adds an idle wait of S seconds to each train task (`time.sleep`, standing in for training
+on a GPU while the protocol has the CPUs; replays of training wait their share too: `FlatWorkload`), so
+that what users pay shows as utilization (below). ``--overlap N`` writes ``overlap = N`` into the manifest
+(overlapped windows: a trainer starts window w+1 as soon as it has published window w); the bench stops
+with a message naming the field when this tree's manifest does not know it.
 
 Per window (medians over the windows after the first, which warms up): the wall time from the earliest
 trainer's ``lease`` to the validator's certified ``head`` (seconds), split into phases read from the nodes'
@@ -37,10 +42,18 @@ before the nodes stop) against ``4 P``; the baseline: the median over `--baselin
 as the fleet has, run in the same invocation right before the fleet; and ``ratio`` = the window's
 protocol overhead (wall minus the train task) / the baseline.
 
+**Utilization** (what users pay): per trainer, the training time of its train task in window w over the
+wall time from the start of that task to the start of its train task in window w+1 (the runtime's
+``task-done`` lines name their task's start, ``started``), median over the windows after the first; the
+training time is S with ``--train-s S`` and the whole train task's seconds without. 1 means the trainer's
+GPU never waits for the protocol; with ``--overlap`` and ``--train-s`` this is the headline figure.
+
 Output (last line): ``{"cpus", "results": [{"params", "model_bytes", "windows", "window_s" (median wall),
 "overhead_s", "phases": {name: median s}, "tasks": {role: {kind: median s}}, "wire_bytes": {role: median
 per window}, "wire_ratio": {role: bytes / model_bytes}, "peak_rss_bytes": {role: max}, "rss_ratio": {role:
-peak / model_bytes}, "baseline_s", "ratio", "skipped"}]}``. ``--quick``: P = 1M, 3 windows.
+peak / model_bytes}, "skipped", "train_s", "overlap", "verification", "baseline_s", "ratio",
+"utilization_median" (across trainers; null without two train tasks after the first window),
+"utilization": {trainer: median or null}}]}``. ``--quick``: P = 1M, 3 windows.
 
 Disk: nodes delete a window's artifacts two heads later (node config ``keep_windows = 2``, as a deployment
 at this scale would set it; spec/protocol.md §8.1), so a fleet holds about ``4 P x 12 x 4`` bytes at most
@@ -52,6 +65,7 @@ before it starts.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -71,6 +85,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 PARAMS_ENV = "PEERLOOM_BENCH_PARAMS"
+TRAIN_S_ENV = "PEERLOOM_BENCH_TRAIN_S"  # seconds of idle wait per train task (`--train-s`)
 PHASES = ("fetch_head", "train", "publish", "fetch", "screen", "reduce", "agree")
 KEEP_WINDOWS = 2  # node config keep_windows: what a fleet at this scale runs with (module docstring)
 
@@ -85,10 +100,15 @@ class FlatWorkload:
     reproduces it bit for bit. With ``checkpoints`` it reports ``{"w", "train_state.step"}`` after each
     segment, and `resume` replays a segment from one (segment audits, spec/protocol.md §6.3). `evaluate`
     reports the mean square of the parameters.
+
+    `train_s` (seconds, ``--train-s``) stands in for GPU training: each step also waits ``train_s / H``
+    seconds idle (`time.sleep`, so the protocol keeps the CPUs as it would beside a GPU), so a `train` call
+    waits `train_s` in all and a `resume` of steps ``start..stop`` waits ``train_s * (stop - start) / H``:
+    replaying training (an inline audit calls `train`, a segment audit `resume`) costs what training does.
     """
 
-    def __init__(self, params: int, num_train: int) -> None:
-        self.params, self.num_train = params, num_train
+    def __init__(self, params: int, num_train: int, train_s: float = 0.0) -> None:
+        self.params, self.num_train, self.train_s = params, num_train, train_s
 
     def schema(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
         return (("w", "float32", (self.params,)),)
@@ -102,7 +122,7 @@ class FlatWorkload:
         bounds = {(j * steps) // checkpoints: j for j in range(1, checkpoints + 1)} if checkpoints else {}
         w = np.array(params["w"], dtype=np.float32, copy=True)
         self._steps(w, indices, steps, 0, steps, lambda k: on_checkpoint(bounds[k], self._state(w, k))
-                    if on_checkpoint is not None and k in bounds else None)
+                    if on_checkpoint is not None and k in bounds else None, self.train_s)
         return {"w": np.subtract(params["w"], w, dtype=np.float32)}, {"train_loss": 1.0, "samples": len(indices)}
 
     def resume(self, state: dict[str, np.ndarray], indices: Any, seed: int, *, inner_steps: int, start: int,
@@ -113,7 +133,7 @@ class FlatWorkload:
                 "train_state.step" in state and int(state["train_state.step"][0]) != start):
             raise ValueError("bad segment bounds or state")
         w = np.array(state["w"], dtype=np.float32, copy=True)
-        self._steps(w, indices, inner_steps, start, stop, None)
+        self._steps(w, indices, inner_steps, start, stop, None, self.train_s)
         return self._state(w, stop)
 
     @staticmethod
@@ -121,10 +141,13 @@ class FlatWorkload:
         return {"w": w, "train_state.step": np.array([step], dtype=np.float32)}
 
     @staticmethod
-    def _steps(w: np.ndarray, indices: Any, steps: int, start: int, stop: int, after: Any) -> None:
+    def _steps(w: np.ndarray, indices: Any, steps: int, start: int, stop: int, after: Any,
+               train_s: float) -> None:
         rate = np.float32(1e-3 * (1.0 + (int(indices[0]) % 7) / 100.0) / steps)
         step = np.empty_like(w)
         for k in range(start, stop):
+            if train_s > 0:
+                time.sleep(train_s / steps)  # the GPU's share of this step (class docstring)
             np.multiply(w, rate, out=step)
             w -= step
             if after is not None:
@@ -148,9 +171,11 @@ class FlatWorkload:
 
 def flat_factory(seed: int, num_shards: int) -> tuple[FlatWorkload, list[list[int]]]:
     """Workload factory (``workload = "bench.window:flat_factory"``): P from the environment variable
-    ``PEERLOOM_BENCH_PARAMS`` (default 1,000,000), one sample per shard."""
+    ``PEERLOOM_BENCH_PARAMS`` (default 1,000,000), the idle wait per train task from
+    ``PEERLOOM_BENCH_TRAIN_S`` (seconds, default 0), one sample per shard."""
     params = int(os.environ.get(PARAMS_ENV, "1000000"))
-    return FlatWorkload(params, num_shards), [[i] for i in range(num_shards)]
+    train_s = float(os.environ.get(TRAIN_S_ENV, "0"))
+    return FlatWorkload(params, num_shards, train_s), [[i] for i in range(num_shards)]
 
 
 # --- baseline: gloo all_reduce + broadcast ------------------------------------------------------------------
@@ -235,11 +260,27 @@ VERIFICATION = {
 INNER_STEPS = 4  # the flat workload's steps per window, in both settings
 
 
+def check_overlap(overlap: int) -> None:
+    """SystemExit with one line naming the field unless `peerloom init` (`Experiment`) takes the manifest
+    field ``overlap`` = `overlap`."""
+    from peerloom.experiment import Experiment
+
+    try:
+        Experiment(workload="bench.window:flat_factory", manifest_options={"overlap": overlap})
+    except ValueError as exc:
+        raise SystemExit(f"bench/window.py: --overlap {overlap} needs the manifest field `overlap` (overlapped "
+                         f"windows), which this tree's `peerloom init` refuses: {exc}") from None
+
+
 def run_fleet(params: int, *, windows: int, trainers: int, validators: int, out: Path,
-              keep: bool = False, verification: str = "inline") -> dict[str, Any]:
+              keep: bool = False, verification: str = "inline", train_s: float = 0.0,
+              overlap: int = 0) -> dict[str, Any]:
     """Run one fleet for `windows` certified windows; returns its measurements (module docstring).
-    SystemExit when the disk under `out` lacks room for the run (`disk_needed`). `verification` names the
-    manifest's audit settings (`VERIFICATION`)."""
+    SystemExit when the disk under `out` lacks room for the run (`disk_needed`), or when `overlap` > 0 and
+    this tree's manifest has no ``overlap`` field. `verification` names the manifest's audit settings
+    (`VERIFICATION`); `train_s` is the flat workload's idle wait per train task (`FlatWorkload`); `overlap`
+    is written into the manifest as ``overlap`` when positive (overlapped windows: a trainer starts window
+    w+1 once it has published window w)."""
     from peerloom.experiment import Experiment, Fleet
 
     need = disk_needed(params, windows, trainers, validators)
@@ -247,17 +288,22 @@ def run_fleet(params: int, *, windows: int, trainers: int, validators: int, out:
     if free < need + (2 << 30):  # and leave 2 GiB to everyone else
         raise SystemExit(f"bench/window.py: {params} parameters x {windows} windows need {need / 1e9:.1f} GB "
                          f"under {out}, {free / 1e9:.1f} GB free")
-    os.environ[PARAMS_ENV] = str(params)
+    os.environ[PARAMS_ENV] = str(params)  # the nodes build the workload from these (`flat_factory`)
+    os.environ[TRAIN_S_ENV] = repr(float(train_s))
+    manifest_options = dict(VERIFICATION[verification]) | ({"overlap": overlap} if overlap > 0 else {})
     directory = out / f"p{params}-{verification}"
     shutil.rmtree(directory, ignore_errors=True)
     # Collection time: generous, so a slow machine never closes a window early (a window closes as soon as
     # every lease has reported, so this does not add to the measured time).
     window_s = 20.0 + params / 2e6
+    window_s += 3 * train_s  # the collection deadline must not close a window while its trainers train
+    if overlap > 0:
+        check_overlap(overlap)
     experiment = Experiment(
         workload="bench.window:flat_factory", name="bench-window", trainers=trainers, validators=validators,
         reducers=1, shards=trainers, window_s=window_s, min_updates=trainers, aggregation="centered_clip",
         outer_optimizer="diloco", audit=True, chunk_size=1 << 20, base_port=0, inner_steps=INNER_STEPS,
-        manifest_options=VERIFICATION[verification])
+        manifest_options=manifest_options)
     experiment = attrs.evolve(experiment, node_options={
         name: {"keep_windows": KEEP_WINDOWS} | ({"stop_after_window": windows} if role == "validator" else {})
         for name, role in experiment.node_names()})
@@ -265,7 +311,7 @@ def run_fleet(params: int, *, windows: int, trainers: int, validators: int, out:
     fleet = Fleet.open(directory)
     names = [n["name"] for n in fleet.layout["nodes"]]
     roles = {n["name"]: n["role"] for n in fleet.layout["nodes"]}
-    deadline = time.monotonic() + 120 + windows * (10 + params / 1e6 * 3)
+    deadline = time.monotonic() + 120 + windows * (10 + params / 1e6 * 3 + 4 * train_s)
     fleet.start()
     skipped = 0
     rss: dict[str, int] = {}
@@ -291,7 +337,8 @@ def run_fleet(params: int, *, windows: int, trainers: int, validators: int, out:
     logs = {name: _events(fleet.node_dir(name) / "events.jsonl") for name in names}
     if not keep:
         shutil.rmtree(directory, ignore_errors=True)  # gigabytes of artifacts at 100M: never leave them behind
-    result = analyse(logs, roles, params, windows)
+    result = analyse(logs, roles, params, windows, train_s=train_s)
+    result["train_s"], result["overlap"] = train_s, overlap
     result["skipped"] = skipped
     by_role: dict[str, int] = {}
     for name, value in rss.items():
@@ -315,9 +362,29 @@ def _by_window(lines: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
     return out
 
 
+def train_starts(lines: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """(unix start, seconds) of each finished ``train`` task in a node's event log, in start order (the
+    runtime's ``task-done`` line names its task's start, ``started``; lines without it give ``t - seconds``)."""
+    return sorted((e.get("started", e["t"] - e["seconds"]), e["seconds"]) for e in lines
+                  if e["event"] == "task-done" and e["kind"] == "train")
+
+
+def utilization(lines: list[dict[str, Any]], train_s: float) -> float | None:
+    """A trainer's training time over wall time (module docstring): for each window after the first (a
+    warm-up), the training time of its train task over the time from that task's start to the start of the
+    trainer's next train task, median over those windows; None with fewer than two such tasks. The training
+    time is `train_s` when positive (the idle wait that stands in for the GPU), else the whole task's
+    seconds."""
+    starts = train_starts(lines)[1:]  # the first window warms up
+    shares = [(train_s if train_s > 0 else took) / (nxt - start)
+              for (start, took), (nxt, _) in itertools.pairwise(starts) if nxt > start]
+    return round(statistics.median(shares), 4) if shares else None
+
+
 def analyse(logs: dict[str, list[dict[str, Any]]], roles: dict[str, str], params: int,
-            windows: int) -> dict[str, Any]:
-    """Phases, tasks and wire bytes per window from the nodes' event logs (module docstring)."""
+            windows: int, *, train_s: float = 0.0) -> dict[str, Any]:
+    """Phases, tasks, wire bytes and the trainers' utilization from the nodes' event logs (module
+    docstring)."""
     validator = next(n for n in logs if roles[n] == "validator")
     reducer = next(n for n in logs if roles[n] == "reducer")
     trainers = [n for n in logs if roles[n] == "trainer"]
@@ -366,7 +433,11 @@ def analyse(logs: dict[str, list[dict[str, Any]]], roles: dict[str, str], params
     wall = statistics.median(walls) if walls else float("nan")
     train = statistics.median(phases_all["train"]) if walls else 0.0
     wire_med = {r: int(statistics.median(v)) for r, v in wire.items()}
+    shares = {n: utilization(logs[n], train_s) for n in trainers}
+    measured = [v for v in shares.values() if v is not None]
     return {
+        "utilization": shares,
+        "utilization_median": round(statistics.median(measured), 4) if measured else None,
         "params": params, "model_bytes": model, "windows": len(walls), "window_s": round(wall, 4),
         "overhead_s": round(wall - train, 4),
         "phases": {p: round(statistics.median(v), 4) if v else None for p, v in phases_all.items()},
@@ -389,14 +460,23 @@ def main() -> None:
     parser.add_argument("--verification", default="inline", choices=(*VERIFICATION, "both"),
                         help="audits: inline (every update replayed by every validator and the reducer), "
                              "sampled (loss check, sampled segment audits), or both, one fleet each")
+    parser.add_argument("--train-s", type=float, default=0.0,
+                        help="seconds of idle wait per train task, standing in for GPU training (default 0)")
+    parser.add_argument("--overlap", type=int, default=0,
+                        help="manifest `overlap` (overlapped windows; written only when > 0)")
     parser.add_argument("--gloo-worker", nargs=5, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.gloo_worker:
         _gloo_worker(*args.gloo_worker)
         return
+    if args.train_s < 0 or args.overlap < 0:
+        parser.error("--train-s and --overlap must not be negative")
+    if args.overlap > 0:
+        check_overlap(args.overlap)  # before the baseline: a tree without the field stops at once
     sizes = [1_000_000] if args.quick else [int(float(p)) for p in args.params.split(",")]
     windows = 3 if args.quick else args.windows
     out = args.out or Path(tempfile.mkdtemp(prefix="peerloom-bench-window-"))
+    out.mkdir(parents=True, exist_ok=True)
     world = args.validators + 1 + args.trainers
     results = []
     try:
@@ -405,10 +485,13 @@ def main() -> None:
             baseline = gloo_baseline(world, params, 3 if args.quick else args.baseline_repeats)
             for mode in modes:
                 result = run_fleet(params, windows=windows, trainers=args.trainers, validators=args.validators,
-                                   out=out, keep=args.out is not None, verification=mode)
+                                   out=out, keep=args.out is not None, verification=mode,
+                                   train_s=args.train_s, overlap=args.overlap)
                 result["verification"] = mode
                 result["baseline_s"] = round(baseline, 4)
                 result["ratio"] = round(result["overhead_s"] / baseline, 2) if baseline > 0 else None
+                for key in ("utilization_median", "utilization"):  # next to the ratio in the JSON
+                    result[key] = result.pop(key)
                 print(json.dumps(result), file=sys.stderr, flush=True)
                 results.append(result)
     finally:

@@ -79,9 +79,15 @@ class StoreChunk:
 
 @attrs.frozen(kw_only=True)
 class CommitArtifact:
-    """Every chunk of `ref` is stored: assemble, verify the whole digest, make it durable and visible,
-    then feed back `ArtifactStored`."""
+    """Every chunk of `ref` is stored: assemble, verify the whole digest, make it visible, then feed back
+    `ArtifactStored`.
+
+    `durable` (the default) asks for it durable before `ArtifactStored` (fsync). False where the node can
+    fetch the artifact again and neither signs nor persists anything that needs it across a crash (an
+    update's delta, fetched to screen and reduce): the host may skip the fsyncs, and after a crash such an
+    artifact is missing, or checked before it is trusted again (spec/design.md §6, Storage)."""
     ref: ArtifactRef
+    durable: bool = True
 
 
 @attrs.frozen(kw_only=True)

@@ -34,6 +34,7 @@ import attrs
 from . import effects as fx
 from . import events as ev
 from .chain import decode_chain_entry, encode_chain_entry
+from .collector import FetchDelta
 from .encoding import decode, encode
 from .envelope import SignedEnvelope
 from .errors import DecodeError, LocalProtocolError, VerificationError
@@ -183,6 +184,7 @@ class _Fetch:
     failures: int = 0
     committing: bool = False
     started: float = 0.0  # engine time the fetch began (the "artifact-fetched" log's seconds)
+    durable: bool = True  # `CommitArtifact.durable`: False only while every waiter fetches an update's delta
 
 
 class Engine:
@@ -516,6 +518,9 @@ class Engine:
             self._resume(waiter, Done())
             return
         live = [p for p in dict.fromkeys(providers) if p in self.peers and p != self.me]
+        # An update's delta can be fetched again from its author, and nothing this node signs or persists
+        # needs it across a crash: its commit need not be durable (`CommitArtifact.durable`).
+        durable = not isinstance(work, FetchDelta)
         fetch = self._fetches.get(ref.digest)
         if fetch is not None:
             if fetch.ref != ref:
@@ -523,8 +528,9 @@ class Engine:
                 return
             fetch.providers.extend(p for p in live if p not in fetch.providers)
             fetch.waiters.append(waiter)
+            fetch.durable = fetch.durable or durable
         else:
-            fetch = _Fetch(ref=ref, providers=live, waiters=[waiter], started=self.now)
+            fetch = _Fetch(ref=ref, providers=live, waiters=[waiter], started=self.now, durable=durable)
             partial = self._partial.pop(ref.digest, None)
             # Another ref with the same digest chunks it differently: its record says nothing of ours, and
             # this fetch may overwrite its bytes, so it is dropped either way.
@@ -1035,7 +1041,7 @@ class Engine:
             if not fetch.committing:
                 fetch.committing = True
                 self.cancel_timer(("fetch", ref.digest))
-                self.emit(fx.CommitArtifact(ref=ref))
+                self.emit(fx.CommitArtifact(ref=ref, durable=fetch.durable))
             return
         if not fetch.providers:
             if not fetch.in_flight:

@@ -6,7 +6,10 @@ It offers the `ArtifactStore` surface the hosts use (`put`, `get`, `has`, `ref`,
 
 Durability model (spec/simulator.md §4): a record written by a `Persist` effect is *pending* until the
 simulator syncs it (after the modelled fsync time), and only then is `Persisted` fed back to the engine.
-A crash drops pending records (when `lose_unsynced`) and partial fetches; committed artifacts are durable.
+A crash drops pending records (when `lose_unsynced`) and partial fetches; committed artifacts are durable,
+except those committed with ``durable=False`` (an update's delta, `core.effects.CommitArtifact.durable`),
+which a crash that loses unsynced writes drops too: the worst case of the real store, which hashes them
+again at start and deletes what is torn (spec/design.md §6, Storage).
 A crash "without its disk" wipes everything.
 
 Why this does not share code with `adapters/storage.py` (issue 18): the two implement one interface over
@@ -29,6 +32,7 @@ class SimDisk:
         self._data: dict[bytes, bytes] = {}
         self._refs: dict[bytes, ArtifactRef] = {}
         self._partial: dict[bytes, dict[int, bytes]] = {}
+        self._volatile: set[bytes] = set()  # committed with durable=False: lost by a crash (module docstring)
         self._records: dict[str, bytes] = {}
         self._pending: dict[int, tuple[str, bytes]] = {}
         self.bytes_written = 0
@@ -62,6 +66,7 @@ class SimDisk:
         """Forget these artifacts (retention); returns the bytes freed."""
         freed = 0
         for digest in digests:
+            self._volatile.discard(digest)
             if self._refs.pop(digest, None) is not None:
                 freed += len(self._data.pop(digest))
         return freed
@@ -73,7 +78,7 @@ class SimDisk:
     def write_chunk(self, ref: ArtifactRef, index: int, data: bytes | memoryview) -> None:
         self._partial.setdefault(ref.digest, {})[index] = bytes(data)
 
-    def commit(self, ref: ArtifactRef) -> None:
+    def commit(self, ref: ArtifactRef, *, durable: bool = True) -> None:
         if ref.digest in self._refs:
             return
         parts = self._partial.pop(ref.digest, {})
@@ -83,6 +88,8 @@ class SimDisk:
         self._data[ref.digest] = data
         self._refs[ref.digest] = ref
         self.bytes_written += len(data)
+        if not durable:
+            self._volatile.add(ref.digest)
 
     # --- records: pending until synced -------------------------------------------------------------
 
@@ -113,15 +120,17 @@ class SimDisk:
     # --- faults -----------------------------------------------------------------------------------
 
     def crash(self, *, lose_unsynced: bool = True) -> int:
-        """Power loss: partial fetches vanish; pending records too when `lose_unsynced`. Returns how many
-        pending records were lost."""
+        """Power loss: partial fetches vanish; pending records and artifacts committed without fsync too when
+        `lose_unsynced`. Returns how many pending records were lost."""
         self._partial.clear()
         lost = len(self._pending) if lose_unsynced else 0
         if lose_unsynced:
             self._pending.clear()
+            self.remove(sorted(self._volatile))
         else:
             for token in sorted(self._pending):
                 self.sync(token)
+        self._volatile.clear()
         return lost
 
     def wipe(self) -> None:
@@ -129,5 +138,6 @@ class SimDisk:
         self._data.clear()
         self._refs.clear()
         self._partial.clear()
+        self._volatile.clear()
         self._records.clear()
         self._pending.clear()

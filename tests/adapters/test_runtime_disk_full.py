@@ -62,20 +62,27 @@ def test_a_chunk_lost_to_a_full_disk_loses_its_fetch_and_charges_nobody(tmp_path
     flag = tmp_path / "full.flag"
     monkeypatch.setenv(disk.TEST_FAULT_ENV, str(flag))
     runtime = validator_runtime(tmp_path)
-    fed: list[ev.Event] = []
-    monkeypatch.setattr(runtime.engine, "handle", fed.append)
     ref = make_artifact_ref(b"0123456789abcdef", 8)
+    writer = runtime._store_writer
 
     async def main():
-        runtime.store_chunk(fx.StoreChunk(ref=ref, index=0, data=b"01234567"))
-        flag.touch()
-        runtime.store_chunk(fx.StoreChunk(ref=ref, index=1, data=b"89abcdef"))
-        flag.unlink()
-        runtime.commit_artifact(fx.CommitArtifact(ref=ref))
+        async with trio.open_nursery() as nursery:
+            runtime._nursery = nursery
+            nursery.start_soon(writer.run)  # the chunk writes run on its thread (adapters/store_writer.py)
+            runtime.store_chunk(fx.StoreChunk(ref=ref, index=0, data=b"01234567"))
+            await writer.drained()
+            flag.touch()
+            runtime.store_chunk(fx.StoreChunk(ref=ref, index=1, data=b"89abcdef"))
+            await writer.drained()
+            flag.unlink()
+            runtime.commit_artifact(fx.CommitArtifact(ref=ref))
+            await writer.drained()
+            nursery.cancel_scope.cancel()
 
     try:
         trio.run(main)
-        assert runtime.disk_full and fed == []  # neither ArtifactStored (a hole) nor ArtifactCorrupt (a charge)
+        # neither ArtifactStored (a hole) nor ArtifactCorrupt (a charge) waits for the engine
+        assert runtime.disk_full and runtime._events.waiting == (0, 0)
         assert not runtime.store.has(ref.digest)
     finally:
         runtime.close()

@@ -211,3 +211,59 @@ def test_an_artifact_writer_refuses_too_many_or_too_few_bytes_and_leaves_nothing
     aborted.write(b"ab")
     aborted.abort()
     assert store.refs() == [] and not list((tmp_path / "artifacts").iterdir())
+
+
+def _fetch(store, data: bytes, chunk: int):
+    ref = make_artifact_ref(data, chunk)
+    for i in range(ref.num_chunks):
+        store.write_chunk(ref, i, data[i * chunk:(i + 1) * chunk])
+    return ref
+
+
+def test_a_non_durable_commit_skips_fsync_and_is_hashed_again_and_made_durable_at_the_next_open(tmp_path, monkeypatch):
+    """An update's delta is committed without fsync (core.effects.CommitArtifact.durable): visible at once
+    under a ``.vref``; the next open hashes it, keeps it whole, and writes its ref durably."""
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    store = ArtifactStore(tmp_path, chunk_size=10)
+    data = os.urandom(35)
+    ref = _fetch(store, data, 10)
+    store.commit(ref, durable=False)
+    assert synced == [] and store.get(ref.digest) == data
+    name = ref.digest[2:].hex()
+    assert (tmp_path / "artifacts" / f"{name}.vref").exists() and not (tmp_path / "artifacts" / f"{name}.ref").exists()
+    store.close()
+    again = ArtifactStore(tmp_path, chunk_size=10)
+    assert again.refs() == [ref] and again.get(ref.digest) == data and synced  # fsynced now
+    assert sorted(p.name for p in (tmp_path / "artifacts").iterdir()) == [name, f"{name}.ref"]
+    assert again.check() == []
+    again.remove([ref.digest])
+    assert list((tmp_path / "artifacts").iterdir()) == []
+
+
+@pytest.mark.parametrize("damage", ["zeros", "short", "missing", "torn-ref", "empty-ref"])
+def test_a_non_durable_artifact_a_crash_tore_is_deleted_at_the_next_open(tmp_path, damage):
+    """After a power loss a file stored without fsync can be full of zeros at its full (preallocated) size,
+    short, or gone, and its ref torn: `get` checks only sizes, so the store must not trust it again."""
+    store = ArtifactStore(tmp_path, chunk_size=10)
+    kept = store.put(b"a durable artifact")
+    data = os.urandom(35)
+    ref = _fetch(store, data, 10)
+    store.commit(ref, durable=False)
+    store.close()
+    path = tmp_path / "artifacts" / ref.digest[2:].hex()
+    meta = path.with_suffix(".vref")
+    if damage == "zeros":
+        path.write_bytes(bytes(len(data)))
+    elif damage == "short":
+        path.write_bytes(data[:20])
+    elif damage == "missing":
+        path.unlink()
+    elif damage == "torn-ref":
+        meta.write_bytes(meta.read_bytes()[:7])
+    else:
+        meta.write_bytes(b"")
+    again = ArtifactStore(tmp_path, chunk_size=10)
+    assert again.refs() == [kept] and not again.has(ref.digest) and again.check() == []
+    assert not path.exists() and not meta.exists()
