@@ -9,8 +9,8 @@ in 30 s and windows fell by 81%. Checked: at most 1 window skipped while they pu
 announce an update in windows opened during the attack (they fetched the head), no trainer fails a params
 fetch, and each identity was served at most 2 copies of the params per window it pulled in.
 
-Short form (the suite): 8 s. The long form, in `make fuzz-live`, sets ``PEERLOOM_LIVE_ATTACK_S`` (30 s is
-the issue's measure).
+Short form (the suite): 8 s of pulling. The long form, in `make fuzz-live`, sets ``PEERLOOM_LIVE_ATTACK_S``
+(60 there; the issue measured 30 s).
 """
 
 from __future__ import annotations
