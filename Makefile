@@ -41,7 +41,7 @@ fuzz-live: $(VENV)/.dev-installed
 	$(BIN)/python -m tests.live_attacks --seconds 60 --dir peerloom-fuzz-live
 	$(BIN)/python -m tests.e2e.test_identity_flood_live 12000
 	PEERLOOM_LIVE_ATTACK_S=60 $(BIN)/python -m pytest -q -p no:cacheprovider tests/e2e/test_exhaustion_live.py \
-		tests/e2e/test_relay_flood_live.py
+		tests/e2e/test_relay_flood_live.py tests/e2e/test_fair_serving_live.py
 
 # Refresh every lock from pyproject.toml: dev first, then each smaller set constrained to dev's versions.
 lock: $(VENV)/.dev-installed

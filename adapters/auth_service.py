@@ -7,31 +7,41 @@ provider's token endpoint and never pass through the client:
 
 ==============================  =================================================================================
 ``POST /v1/login/start``        JSON ``{"provider": "github"|"oidc", "peer": <peer id>}`` → 200 ``{"session",
-                                "nonce", "verification_uri", "user_code", "interval", "expires_in", "revision"}``
+                                "nonce", "verification_uri", "user_code", "interval", "expires_in", "revision",
+                                "fingerprint", "approval_path"}``; 429 ``slow-down`` over the start rate
 ``POST /v1/login/poll``         JSON ``{"session", "signature": <hex>}`` → 202 ``{"status": "pending",
                                 "interval"}``, or 200 ``{"certificate": <hex of the SignedEnvelope>, "login",
                                 "expires_window"}``; a used or unknown session is 404 ``unknown-session``
+``GET /v1/login/approve/{p}``   200 an HTML page naming the key (peer id) being approved, the provider, the
+                                user code and its link (RFC 8628 §5.4); 404 once the login is over
 ``GET /v1/revocations``         200 ``{"revoked": [{"login_digest": <hex>, "peers": [<peer id>...]}]}``
-``GET /healthz``                200 ``{"status": "ok"}``
+``GET /healthz``                200 ``{"status": "ok", "sessions", "issued", "evicted"}``
 ==============================  =================================================================================
 
 Refusals are JSON ``{"error": <code>, "detail": <text>}`` with a 4xx/5xx status, and issue nothing.
 `signature` is the peer's Ed25519 signature over `login_proof_preimage` (domain-separated, binding the
 revision, session, nonce, peer and provider): a certificate is never issued for a peer id whose key the
 client does not hold (spec/auth.md §2). A session is consumed by its first completed poll, and a provider
-token is accepted once (its SHA-256 is remembered until the service restarts), so neither a session nor a
-code can be replayed. ID tokens are validated with PyJWT and the provider's JWKS (`jwt.PyJWKClient`):
-signature, ``iss``, ``aud``, ``exp``, ``iat``; GitHub access tokens by GitHub's REST API (``/user``,
-``/user/orgs``, ``/user/teams``). Everything a provider or client sends is size-bounded before it is parsed.
+token is accepted once (its SHA-256 is kept for a day in ``used-tokens.sqlite3`` in the state directory, so
+a restart forgets none), so neither a session nor a code can be replayed. Pending logins are bounded per
+remote address and in all, and a full table evicts the oldest first rather than refuse (spec/auth.md §2
+"Limits"), so no one address can lock others out. ID tokens are validated with PyJWT and the provider's
+JWKS (`jwt.PyJWKClient`): signature, ``iss``, ``aud``, ``exp``, ``iat``; GitHub access tokens by GitHub's
+REST API (``/user``, ``/user/orgs``, ``/user/teams``). Everything a provider or client sends is
+size-bounded before it is parsed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import html
+import ipaddress
 import json
 import secrets
+import sqlite3
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -55,6 +65,7 @@ MAX_REQUEST_BYTES = 16 * 1024  # a client's JSON body
 MAX_PROVIDER_BYTES = 256 * 1024  # one provider response (discovery, token, user, orgs, teams)
 PROVIDER_TIMEOUT_S = 10.0
 USED_TOKEN_MEMORY_S = 86400.0  # how long a used provider token is remembered (longer than any token lives)
+MAX_START_BUCKETS = 65536  # addresses whose login-start rate is tracked at once (least recently seen forgotten)
 ID_TOKEN_ALGORITHMS = ("RS256", "RS384", "RS512", "ES256", "ES384", "PS256", "EdDSA")
 
 
@@ -106,7 +117,11 @@ class OidcPolicy:
 class AuthSettings:
     """Everything the service needs. `validity_windows` > 0 makes certificates expire that many windows
     after the window being collected when they are issued (read from `edge_url`'s ``/v1/heads/latest``);
-    0 issues certificates without expiry. `max_peers_per_login` bounds the peer ids one login may hold."""
+    0 issues certificates without expiry. `max_peers_per_login` bounds the peer ids one login may hold.
+
+    Pending logins (spec/auth.md §2 "Limits"): at most `max_sessions` in all and `max_sessions_per_address`
+    per remote address (`address_key`); one address starts at most `starts_per_minute` logins a minute (a
+    token bucket of that many, refilled at that rate), because each start costs a request to the provider."""
 
     revision: Revision
     authority: Identity
@@ -118,6 +133,8 @@ class AuthSettings:
     edge_url: str | None = None
     session_ttl_s: float = 600.0
     max_sessions: int = 1024
+    max_sessions_per_address: int = 8
+    starts_per_minute: float = 30.0
     max_peers_per_login: int = 1
 
 
@@ -178,6 +195,50 @@ class Ledger:
         """Revoked logins (as digests) with the peers issued to them, for validators and admins."""
         return [{"login_digest": login_digest(login).hex(), "peers": sorted(self.peers_of(login))}
                 for login in sorted(self.revoked_logins())]
+
+
+# --- remote addresses and used tokens ------------------------------------------------------------------------
+
+def address_key(remote: str | None) -> str:
+    """What the per-address limits count a client by (spec/auth.md §2 "Limits"): an IPv4 address itself, an
+    IPv6 address by its /64 prefix (one subscriber commonly holds a whole /64), an IPv4-mapped IPv6 address as
+    its IPv4 address; ``"?"`` when the transport gives none."""
+    try:
+        ip = ipaddress.ip_address(remote or "")
+    except ValueError:
+        return "?"
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
+
+
+class UsedTokens:
+    """The SHA-256 digests of provider tokens that were accepted, each until a time (wall seconds), in the
+    SQLite database ``used-tokens.sqlite3`` of the state directory (spec/auth.md §2 "Replay"): a token stays
+    used across restarts. One row per login that reached the provider's approval, so the table grows only
+    with real logins; expired rows are deleted on every claim."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        # autocommit: each claim is durable at once; one thread at a time uses it (the service's event loop),
+        # which need not be the thread that built the service
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA synchronous = FULL")
+        self._db.execute("CREATE TABLE IF NOT EXISTS used (digest BLOB PRIMARY KEY, until REAL NOT NULL)")
+
+    def claim(self, digest: bytes, *, now: float, until: float) -> bool:
+        """Record `digest` as used until `until`; False if it is already used (and not expired at `now`)."""
+        self._db.execute("DELETE FROM used WHERE until <= ?", (now,))
+        cursor = self._db.execute("INSERT OR IGNORE INTO used (digest, until) VALUES (?, ?)", (digest, until))
+        return cursor.rowcount == 1
+
+    def __len__(self) -> int:
+        return int(self._db.execute("SELECT COUNT(*) FROM used").fetchone()[0])
+
+    def close(self) -> None:
+        self._db.close()
 
 
 # --- provider adapters --------------------------------------------------------------------------------------
@@ -422,6 +483,10 @@ class _Session:
     device_code: str
     interval: float
     expires_at: float
+    address: str  # `address_key` of the client that started it
+    page: str  # the approval page's id (`GET /v1/login/approve/{page}`)
+    user_code: str
+    verification_uri: str
     next_poll_at: float = 0.0
 
 
@@ -435,8 +500,12 @@ class AuthService:
     current_window: Callable[[], Awaitable[int]] | None = None
     ledger: Ledger = field(init=False)
     providers: dict[str, _DeviceFlow] = field(init=False)
-    sessions: dict[str, _Session] = field(init=False, default_factory=dict)
-    used_tokens: dict[bytes, float] = field(init=False, default_factory=dict)
+    sessions: dict[str, _Session] = field(init=False, default_factory=dict)  # oldest first (insertion order)
+    pages: dict[str, str] = field(init=False, default_factory=dict)  # approval page id -> session id
+    used_tokens: UsedTokens = field(init=False)
+    # start buckets per address_key: (tokens, at), least recently used first, at most MAX_START_BUCKETS
+    start_buckets: OrderedDict[str, tuple[float, float]] = field(init=False, default_factory=OrderedDict)
+    evicted: int = field(init=False, default=0)
     issued: int = field(init=False, default=0)
     _http: aiohttp.ClientSession | None = field(init=False, default=None)
     _issue_lock: asyncio.Lock = field(init=False, default_factory=asyncio.Lock)
@@ -448,7 +517,10 @@ class AuthService:
                              f"admission_authority")
         if s.validity_windows > 0 and s.edge_url is None and self.current_window is None:
             raise ValueError("validity_windows needs edge (an HTTP edge of the fleet) to read the current window")
+        if s.max_sessions < 1 or s.max_sessions_per_address < 1 or not s.starts_per_minute > 0:
+            raise ValueError("max_sessions, max_sessions_per_address and starts_per_minute must be positive")
         self.ledger = Ledger(s.state_dir)
+        self.used_tokens = UsedTokens(s.state_dir / "used-tokens.sqlite3")
         self.providers = {}
         if s.github is not None:
             self.providers["github"] = GithubProvider(s.github, self.now)
@@ -461,6 +533,7 @@ class AuthService:
         app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[_refusals])
         app.router.add_post("/v1/login/start", self.start)
         app.router.add_post("/v1/login/poll", self.poll)
+        app.router.add_get("/v1/login/approve/{page}", self.approval_page)
         app.router.add_get("/v1/revocations", self.revocations)
         app.router.add_get("/healthz", self.healthz)
         app.on_cleanup.append(self._close)
@@ -469,6 +542,7 @@ class AuthService:
     async def _close(self, app: web.Application) -> None:
         if self._http is not None:
             await self._http.close()
+        self.used_tokens.close()
 
     def http(self) -> aiohttp.ClientSession:
         if self._http is None:
@@ -478,10 +552,83 @@ class AuthService:
     def _sweep(self) -> None:
         now = self.now()
         for sid in [sid for sid, s in self.sessions.items() if s.expires_at <= now]:
-            del self.sessions[sid]
+            self._end(sid)
+
+    def _end(self, sid: str) -> _Session | None:
+        session = self.sessions.pop(sid, None)
+        if session is not None:
+            self.pages.pop(session.page, None)
+        return session
+
+    def _take_start(self, address: str) -> None:
+        """One token of `address`'s start bucket (`starts_per_minute`, refilled at that rate per minute);
+        AuthRefused 429 ``slow-down`` when it is empty. At most MAX_START_BUCKETS addresses are tracked (the
+        least recently seen is forgotten: it comes back with a full bucket)."""
+        rate, now = self.settings.starts_per_minute, self.now()
+        tokens, at = self.start_buckets.pop(address, (rate, now))
+        tokens = min(rate, tokens + (now - at) * rate / 60.0)
+        if tokens < 1.0:
+            self.start_buckets[address] = (tokens, now)
+            raise AuthRefused(429, "slow-down", f"at most {rate:g} logins a minute from one address")
+        self.start_buckets[address] = (tokens - 1.0, now)
+        while len(self.start_buckets) > MAX_START_BUCKETS:
+            self.start_buckets.popitem(last=False)
+
+    def _make_room(self, address: str) -> None:
+        """Evict pending logins so that one more from `address` fits (spec/auth.md §2 "Limits"): if the address
+        holds `max_sessions_per_address`, its own oldest; then, while the table holds `max_sessions`, the oldest
+        of the address that holds the most (ties: the one whose oldest is older). Never refuses."""
+        s = self.settings
+        mine = [sid for sid, session in self.sessions.items() if session.address == address]
+        while len(mine) >= s.max_sessions_per_address:
+            self._end(mine.pop(0))
+            self.evicted += 1
+        while len(self.sessions) >= s.max_sessions:
+            held: dict[str, list[str]] = {}
+            for sid, session in self.sessions.items():  # oldest first, so each list is too
+                held.setdefault(session.address, []).append(sid)
+            heaviest = max(held.values(), key=len)  # max keeps the first of equals: the oldest address
+            self._end(heaviest[0])
+            self.evicted += 1
 
     async def healthz(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "sessions": len(self.sessions), "issued": self.issued})
+        return web.json_response({"status": "ok", "sessions": len(self.sessions), "issued": self.issued,
+                                  "evicted": self.evicted})
+
+    async def approval_page(self, request: web.Request) -> web.Response:
+        """The page the volunteer opens before approving at the provider (RFC 8628 §5.4): the key being
+        approved (its peer id, in full), the provider and where the login was started from, and the
+        provider's link and user code. 404 once the login is over (used, expired or evicted)."""
+        self._sweep()
+        sid = self.pages.get(request.match_info["page"])
+        session = self.sessions.get(sid) if sid is not None else None
+        if session is None:
+            return web.Response(status=404, content_type="text/html",
+                                text="<!doctype html><title>peerloom login</title><p>No such login in progress "
+                                     "(unknown, expired or already used).</p>")
+        e = html.escape
+        expires = datetime.fromtimestamp(session.expires_at, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>peerloom login: approve a node key</title></head>
+<body>
+<h1>Approve this node key?</h1>
+<p>Approving gives the node with this key an admission certificate under <b>your</b> {e(session.provider)}
+login. Approve only if <b>you</b> ran <code>peerloom login</code> and it printed exactly this key:</p>
+<p><code id="fingerprint">{e(session.peer.to_text())}</code></p>
+<p>If you did not start this login, or the key differs, close this page: someone else is asking you to
+approve their key.</p>
+<ul>
+<li>revision: <code>{e(self.settings.revision.id.hex())}</code></li>
+<li>started from: <code>{e(session.address)}</code></li>
+<li>expires: {e(expires)}</li>
+</ul>
+<p>To approve, open <a href="{e(session.verification_uri)}">{e(session.verification_uri)}</a> and enter the
+code <code id="user-code">{e(session.user_code)}</code>.</p>
+</body></html>
+"""
+        return web.Response(text=page, content_type="text/html",
+                            headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer",
+                                     "X-Frame-Options": "DENY", "Content-Security-Policy": "default-src 'none'"})
 
     async def revocations(self, request: web.Request) -> web.Response:
         return web.json_response({"revoked": self.ledger.revocations()})
@@ -495,20 +642,24 @@ class AuthService:
             peer = PeerId.from_text(str(peer_text)[:128])
         except (DecodeError, ValueError):
             raise AuthRefused(400, "bad-peer", "peer is not a peer id") from None
+        address = address_key(request.remote)
+        self._take_start(address)  # first: each start below costs a ledger read and a provider request
         if self.ledger.logins_of_peer(peer.to_text()) & self.ledger.revoked_logins():
             raise AuthRefused(403, "revoked", "this peer's login is revoked")
-        self._sweep()
-        if len(self.sessions) >= self.settings.max_sessions:
-            raise AuthRefused(503, "busy", "too many logins in progress; try again later")
         device = await self.providers[provider_name].start(self.http())
-        sid, nonce = secrets.token_urlsafe(24), secrets.token_bytes(32)
+        self._sweep()
+        self._make_room(address)  # after the provider's answer: evicting is the last thing before the insert
+        sid, nonce, page = secrets.token_urlsafe(24), secrets.token_bytes(32), secrets.token_urlsafe(16)
         now = self.now()
         ttl = min(device.expires_in, self.settings.session_ttl_s)
         self.sessions[sid] = _Session(provider=provider_name, peer=peer, nonce=nonce, device_code=device.device_code,
-                                      interval=device.interval, expires_at=now + ttl)
+                                      interval=device.interval, expires_at=now + ttl, address=address, page=page,
+                                      user_code=device.user_code, verification_uri=device.verification_uri)
+        self.pages[page] = sid
         return web.json_response({"session": sid, "nonce": nonce.hex(), "verification_uri": device.verification_uri,
                                   "user_code": device.user_code, "interval": device.interval, "expires_in": ttl,
-                                  "revision": self.settings.revision.id.hex()})
+                                  "revision": self.settings.revision.id.hex(), "fingerprint": peer.to_text(),
+                                  "approval_path": f"/v1/login/approve/{page}"})
 
     async def poll(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
@@ -523,7 +674,7 @@ class AuthService:
             signature = b""
         preimage = login_proof_preimage(self.settings.revision.id, sid, session.nonce, session.peer, session.provider)
         if not session.peer.verify(preimage, signature):  # checked on every poll, before the provider is asked
-            del self.sessions[sid]  # one try: a client without the key learns nothing by guessing
+            self._end(sid)  # one try: a client without the key learns nothing by guessing
             raise AuthRefused(403, "bad-proof", "the signature is not the peer key's over this login's nonce")
         now = self.now()
         if now < session.next_poll_at:
@@ -533,16 +684,16 @@ class AuthService:
         try:
             tokens = await provider.poll(self.http(), session.device_code)
         except AuthRefused:
-            self.sessions.pop(sid, None)
+            self._end(sid)
             raise
         if tokens is None:
             return web.json_response({"status": "pending", "interval": session.interval}, status=202)
-        del self.sessions[sid]  # consumed: a second poll of this session is unknown-session
+        if self.sessions.get(sid) is not session:  # evicted or used while the provider was asked
+            raise AuthRefused(404, "unknown-session", "this login ended while the provider was asked")
+        self._end(sid)  # consumed: a second poll of this session is unknown-session
         token_digest = hashlib.sha256(provider.token_key(tokens).encode()).digest()
-        if token_digest in self.used_tokens:
+        if not self.used_tokens.claim(token_digest, now=now, until=now + USED_TOKEN_MEMORY_S):  # durable first
             raise AuthRefused(403, "replayed", "this provider token was used for a certificate already")
-        self.used_tokens = {d: t for d, t in self.used_tokens.items() if t > now - USED_TOKEN_MEMORY_S}
-        self.used_tokens[token_digest] = now
         login = await provider.identify(self.http(), tokens)
         return web.json_response(await self._issue(login, session.peer))
 

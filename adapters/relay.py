@@ -26,7 +26,10 @@ Refusal reasons (also the `TransportError` reason a client raises): ``bad-reques
 ``reservation-refused`` (the relay holds `RelayLimits.max_reservations`), ``no-reservation``,
 ``limit-exceeded`` (`max_circuits` in all or `max_circuits_per_reservation`), ``bad-token``,
 ``accept-timeout``. A circuit ends when either side closes, after `circuit_s` seconds or `circuit_bytes`
-bytes (both directions together): the relay closes both connections.
+bytes (both directions together): the relay closes both connections. Within that, each circuit relays at
+most `circuit_window_bytes` and each reservation (all its circuits together) at most
+`reservation_window_bytes` per `window_s` seconds: beyond, the relay stops reading the circuit until the
+next period, so the senders wait (backpressure) and nothing is lost.
 
 `RelayServer` is the relay (a node with ``[relay] enabled = true``); `RelayTransport` is the client, an
 `adapters.transport.Transport` of kind ``relay`` that dials circuit addresses and listens on relays.
@@ -86,7 +89,9 @@ class RelayLimits:
     most `max_reservations_per_ip` made from one remote address) and
     `max_circuits` circuits, at most `max_circuits_per_reservation` of them to one reserved peer; a reserved
     peer has `accept_timeout_s` to accept an announced circuit, and a new connection `request_timeout_s` to
-    send its request."""
+    send its request. Per period of `window_s` seconds (a training window's order), one circuit relays at most
+    `circuit_window_bytes` and one reservation's circuits together at most `reservation_window_bytes`, both
+    directions counted; beyond, the circuit waits for the next period (spec/transport.md §12)."""
 
     reservation_s: float = 3600.0
     circuit_s: float = 3600.0
@@ -97,11 +102,17 @@ class RelayLimits:
     max_reservations_per_ip: int = 8
     accept_timeout_s: float = 10.0
     request_timeout_s: float = 10.0
+    window_s: float = 60.0
+    circuit_window_bytes: int = 256 << 20
+    reservation_window_bytes: int = 512 << 20
 
     def __attrs_post_init__(self) -> None:
-        for name in ("reservation_s", "circuit_s", "accept_timeout_s", "request_timeout_s"):
+        for name in ("reservation_s", "circuit_s", "accept_timeout_s", "request_timeout_s", "window_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"relay {name} must be > 0")
+        for name in ("circuit_window_bytes", "reservation_window_bytes"):
+            if getattr(self, name) < RELAY_MAX_MESSAGE_BYTES:
+                raise ValueError(f"relay {name} must be >= {RELAY_MAX_MESSAGE_BYTES} (one message)")
         for name in ("circuit_bytes", "max_reservations", "max_circuits", "max_circuits_per_reservation",
                      "max_reservations_per_ip"):
             if getattr(self, name) < 1:
@@ -202,6 +213,27 @@ async def _refuse(conn: Connection, reason: str, detail: str = "") -> None:
 
 
 @attrs.define(eq=False)
+class _WindowBytes:
+    """Bytes a circuit or a reservation may still relay in the current period of `window_s` seconds."""
+
+    limit: int
+    window_s: float
+    left: int = 0
+    resets_at: float = float("-inf")
+
+    async def take(self, n: int) -> None:
+        """Count `n` bytes (at most `limit`), first waiting for the next period when this one has too few left."""
+        while True:  # both directions of a circuit, and a reservation's circuits, take from one count
+            now = trio.current_time()
+            if now >= self.resets_at:
+                self.left, self.resets_at = self.limit, now + self.window_s
+            if n <= self.left:
+                self.left -= n
+                return
+            await trio.sleep_until(self.resets_at)
+
+
+@attrs.define(eq=False)
 class _Reservation:
     peer: PeerId
     conn: Connection
@@ -209,6 +241,7 @@ class _Reservation:
     circuits: int = 0
     ip: str = ""
     expired: bool = False
+    relayed: _WindowBytes | None = None  # this period's bytes of all its circuits (`reservation_window_bytes`)
 
 
 @attrs.define(eq=False)
@@ -288,7 +321,10 @@ class RelayServer:
             self._lost.pop(peer, None)
         if old is not None:  # a peer's new reservation replaces its old one (e.g. after a lost connection)
             await old.conn.aclose()
-        reservation = _Reservation(peer=peer, conn=conn, expires=trio.current_time() + limits.reservation_s, ip=ip)
+        reservation = _Reservation(peer=peer, conn=conn, expires=trio.current_time() + limits.reservation_s, ip=ip,
+                                   relayed=_WindowBytes(limits.reservation_window_bytes, limits.window_s))
+        if old is not None and old.relayed is not None:
+            reservation.relayed = old.relayed  # a renewed or remade reservation keeps its period's count
         self._reservations[peer] = reservation
         try:
             while True:
@@ -346,7 +382,7 @@ class RelayServer:
                 await conn.send_message(connected, lane=LANE_CONTROL)
             except TransportError:
                 return
-            await self._splice(conn, other)
+            await self._splice(conn, other, reservation)
         finally:
             self._pending.pop(token, None)
             pending.done.set()
@@ -361,10 +397,15 @@ class RelayServer:
         pending.accepted.set()
         await pending.done.wait()  # the connect side splices; this connection stays open until it ends
 
-    async def _splice(self, a: Connection, b: Connection) -> None:
+    async def _splice(self, a: Connection, b: Connection, reservation: _Reservation) -> None:
         """Copy the bulk lanes of `a` and `b` into each other until either side ends or a limit is reached
-        (`circuit_s`, `circuit_bytes`); the caller's listeners then close both."""
-        left = [self.limits.circuit_bytes]
+        (`circuit_s`, `circuit_bytes`); the caller's listeners then close both. Per period of `window_s`, the
+        circuit's `circuit_window_bytes` and the reservation's `reservation_window_bytes` pace the copying:
+        a message over either waits for the next period, and meanwhile nothing more is read."""
+        limits = self.limits
+        left = [limits.circuit_bytes]
+        circuit = _WindowBytes(limits.circuit_window_bytes, limits.window_s)
+        shared = reservation.relayed or _WindowBytes(limits.reservation_window_bytes, limits.window_s)
 
         async def pump(source: Connection, sink: Connection, cancel: trio.CancelScope) -> None:
             try:
@@ -374,6 +415,8 @@ class RelayServer:
                     if left[0] < 0:
                         log.info("circuit %s-%s: byte limit reached", a.remote_peer.short(), b.remote_peer.short())
                         return
+                    await circuit.take(len(data))
+                    await shared.take(len(data))
                     await self.forward(sink, data)
             except TransportError as exc:
                 log.debug("circuit ended: %s", exc)

@@ -71,6 +71,7 @@ if TYPE_CHECKING:
 HEAD_RECORD = "head"
 SERVE_MIN_COST_BYTES = 64 << 10  # what a served request costs the per-peer bucket at least (spec/wire.md §6)
 SERVER_ROLES = frozenset({"validator", "reducer"})
+MAX_SERVED_PEERS = 4096  # peers whose bytes served in this window are tracked at once (spec/protocol.md §8.2)
 CHAIN_BACKOFF_MAX_DOUBLINGS = 6  # a peer that never answers is asked again at most every 2^6 chain-get timeouts
 
 
@@ -104,6 +105,9 @@ class EngineConfig:
     # holds a 400 MB artifact at once and the refill outruns a window's honest fetches from one peer.
     serve_bytes_per_s: float = float(256 << 20)  # refill, bytes per second
     serve_bytes_burst: int = 1 << 30  # bucket size, bytes
+    # Per window of this node's head, a peer that is not one of the manifest's validators is served each
+    # artifact at most this many times its size (spec/protocol.md §8.2, `serve-quota`).
+    serve_copies: int = attrs.field(default=2, validator=attrs.validators.ge(1))
     announcement_slack: int = 4  # offers a sender may make per window beyond the number of leases
     stop_after_window: int | None = None  # local policy: open no window after this one
     # Retention (spec/protocol.md §8.1): at each new head, drop the stored artifacts first held while the head
@@ -218,6 +222,13 @@ class Engine:
         self._held: dict[int, tuple[str, Pending]] = {}  # persist token -> (record key, what then)
         self._stored: dict[bytes, ArtifactRef] = {r.digest: r for r in stored}
         self._stored_at: dict[bytes, int] = {}  # digest -> head window when first held (retention)
+        # The per-window serving budget (spec/protocol.md §8.2): peer -> {artifact digest: bytes served} while
+        # the head is `_served_window`; cleared when the head moves. Kept across reconnects within a window.
+        self._served: dict[PeerId, dict[bytes, int]] = {}
+        self._served_window = -1
+        self._validator_ids = frozenset(config.revision.manifest.validators)
+        m = config.revision.manifest
+        self._max_served_artifacts = 4 + 2 * len(m.shards) + len(m.validators)
         self._fetches: dict[bytes, _Fetch] = {}
         # digest -> (ref, verified chunk indices) of a failed fetch; in memory only, like the host's partial
         # chunks, which a restart also drops.
@@ -711,13 +722,20 @@ class Engine:
             case ChunkRequest():
                 ref = self._stored.get(message.artifact)
                 held = ref is not None and message.index < ref.num_chunks
-                cost = max(SERVE_MIN_COST_BYTES, ref.chunk_length(message.index)) if held else SERVE_MIN_COST_BYTES
-                if not self._take_chunk_token(state, cost):
+                length = ref.chunk_length(message.index) if ref is not None and held else 0
+                served = self._window_served(peer, length)
+                refusal = None if served is None or ref is None else self._serve_refusal(served, ref, length)
+                if refusal is not None:
+                    self.reject(peer, "serve-quota", refusal)
+                    return
+                if not self._take_chunk_token(state, max(SERVE_MIN_COST_BYTES, length)):
                     self.reject(peer, "chunk-quota")
                     return
                 if ref is None or not held:
                     self.send(peer, ChunkMissing(artifact=message.artifact, index=message.index))
                 else:
+                    if served is not None:
+                        served[message.artifact] = served.get(message.artifact, 0) + length
                     self.stats["chunks_served"] += 1
                     self.emit(fx.ServeChunk(peer=peer, ref=ref, index=message.index))
             case Chunk():
@@ -996,6 +1014,34 @@ class Engine:
                 state.chain_backoff_until = self.now + self.config.chain_request_timeout_s * 2**doublings
                 self.stats["chain_timeouts"] += 1
         self._sync()
+
+    def _window_served(self, peer: PeerId, length: int) -> dict[bytes, int] | None:
+        """What `peer` was served in this window of the head (spec/protocol.md §8.2), artifact digest -> bytes;
+        None when the budget does not apply: to the manifest's validators (they fetch every update and audit,
+        so only the byte bucket bounds them) and to a chunk we lack (`length` 0). Entries last until the head
+        moves, across reconnects; at most `MAX_SERVED_PEERS` peers are tracked (the oldest forgotten)."""
+        if peer in self._validator_ids or length == 0:
+            return None
+        if self._served_window != self.head.window:
+            self._served.clear()
+            self._served_window = self.head.window
+        served = self._served.get(peer)
+        if served is None:
+            if len(self._served) >= MAX_SERVED_PEERS:
+                del self._served[next(iter(self._served))]
+            served = self._served[peer] = {}
+        return served
+
+    def _serve_refusal(self, served: dict[bytes, int], ref: ArtifactRef, length: int) -> str | None:
+        """Why serving `length` more bytes of `ref` would exceed a peer's budget for this window (`served`, from
+        `_window_served`), or None: each artifact at most `serve_copies` times its size, and at most
+        `_max_served_artifacts` artifacts (spec/protocol.md §8.2)."""
+        done = served.get(ref.digest)
+        if done is None and len(served) >= self._max_served_artifacts:
+            return f"{len(served)} artifacts served in window {self.head.window}"
+        if (done or 0) + length > self.config.serve_copies * ref.size:
+            return f"{done} of {ref.size} bytes of this artifact served in window {self.head.window}"
+        return None
 
     def _take_chunk_token(self, state: PeerState, cost: int = SERVE_MIN_COST_BYTES) -> bool:
         """Byte token bucket per peer (`serve_bytes_burst`, refilled at `serve_bytes_per_s`): a request

@@ -12,6 +12,9 @@ An ``auth.toml`` (relative paths are relative to its directory)::
     edge = "http://127.0.0.1:8001"     # an HTTP edge of the fleet: the current window (if validity_windows)
     max_peers_per_login = 1            # peer ids one login may hold
     session_ttl_s = 600.0              # a login not finished in this long is forgotten
+    max_sessions = 1024                # logins in progress, in all (a full table evicts the oldest first)
+    max_sessions_per_address = 8       # logins in progress from one address (IPv6: one /64)
+    starts_per_minute = 30             # logins one address may start a minute (each asks the provider)
 
     [github]                           # optional: GitHub OAuth app with the device flow enabled
     client_id = "Iv1.0123456789abcdef"
@@ -49,7 +52,8 @@ from typing import Any
 CONFIG_KEYS: dict[str, tuple[type, ...]] = {
     "listen": (str,), "key": (str,), "manifest": (str,), "state": (str,), "max_capacity": (int,),
     "validity_windows": (int,), "edge": (str,), "max_peers_per_login": (int,), "session_ttl_s": (int, float),
-    "max_sessions": (int,), "github": (dict,), "oidc": (dict,),
+    "max_sessions": (int,), "max_sessions_per_address": (int,), "starts_per_minute": (int, float),
+    "github": (dict,), "oidc": (dict,),
 }
 GITHUB_KEYS: dict[str, tuple[type, ...]] = {
     "client_id": (str,), "orgs": (list,), "teams": (list,), "users": (list,), "min_account_age_days": (int, float),
@@ -120,11 +124,14 @@ def load_settings(path: Path) -> tuple[Any, str, int]:
                           groups=allowed(o.get("groups", ())),
                           **{k: o[k] for k in ("groups_claim", "scope", "leeway_s") if k in o})
     numbers = {k: config[k] for k in ("max_capacity", "validity_windows", "max_peers_per_login", "max_sessions",
-                                      "session_ttl_s") if k in config}
+                                      "max_sessions_per_address", "starts_per_minute", "session_ttl_s")
+               if k in config}
     if not 1 <= numbers.get("max_capacity", 1) <= 1 << 16:
         raise AuthConfigError("max_capacity must be 1..65536")
     if numbers.get("validity_windows", 0) < 0 or numbers.get("max_peers_per_login", 1) < 1:
         raise AuthConfigError("validity_windows must be >= 0 and max_peers_per_login >= 1")
+    if min(numbers.get(k, 1) for k in ("max_sessions", "max_sessions_per_address", "starts_per_minute")) <= 0:
+        raise AuthConfigError("max_sessions, max_sessions_per_address and starts_per_minute must be positive")
     settings = AuthSettings(revision=revision, authority=authority, state_dir=base / config["state"], github=github,
                             oidc=oidc, edge_url=config.get("edge"), **numbers)
     return settings, host, int(port)

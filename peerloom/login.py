@@ -1,8 +1,10 @@
 """`peerloom login --edge URL --provider github|oidc`: get an admission certificate from an auth service by
 logging in (issue 21, spec/auth.md §2; the service is `peerloom auth serve`).
 
-It asks the service to start a device-flow login for this node's peer id, prints the provider's
-verification URL and user code for the volunteer to open, signs the service's nonce with the node's key
+It asks the service to start a device-flow login for this node's peer id, prints that peer id (the key's
+fingerprint), the service's approval page, which shows the same key, and the provider's verification URL
+and user code for the volunteer to open (RFC 8628 §5.4: a volunteer approves only the key it sees its own
+node print), signs the service's nonce with the node's key
 (`login_proof_preimage`: the proof that it holds the key of the peer id it asks for) and polls until the
 service answers with a certificate or a refusal. It checks the certificate against the manifest
 (`check_admission`, as validators do) and writes it where the node config's ``admission`` key points
@@ -79,9 +81,14 @@ def login(edge: str, provider: str, identity: Any, *, timeout_s: float = 900.0, 
         session, nonce = str(started["session"]), bytes.fromhex(started["nonce"])
         revision, interval = bytes.fromhex(started["revision"]), float(started["interval"])
         uri, code = str(started["verification_uri"]), str(started["user_code"])
+        fingerprint, page = str(started["fingerprint"]), str(started["approval_path"])
     except (KeyError, ValueError, TypeError):
         raise LoginError("the service's answer to login/start is malformed") from None
-    print(f"Open {uri} and enter the code {code}", file=out or sys.stdout, flush=True)
+    if fingerprint != identity.peer_id.to_text() or not page.startswith("/v1/login/approve/"):
+        raise LoginError("the service started a login for another key")
+    print(f"This node's key (its fingerprint): {fingerprint}\n"
+          f"Check it at {base}{page} : that page shows the key you are about to approve, and it must be this one.\n"
+          f"Open {uri} and enter the code {code}", file=out or sys.stdout, flush=True)
     signature = identity.sign(login_proof_preimage(revision, session, nonce, identity.peer_id, provider))
     deadline = time.monotonic() + timeout_s
     while True:

@@ -81,6 +81,9 @@ Config keys (TOML)::
     max_circuits = 256
     max_circuits_per_reservation = 16
     max_reservations_per_ip = 8        # reservations made from one remote address
+    window_s = 60.0                    # per period of this many seconds, bytes one circuit and one
+    circuit_window_bytes = 268435456   # reservation's circuits together relay (beyond: they wait for the
+    reservation_window_bytes = 536870912  # next period)
     via = ["/ip4/127.0.0.1/tcp/7100"]  # or, on a node that cannot be dialed: hold a reservation at each of
                                        # these relays and listen at "<relay>/p2p-circuit/<peer id>" there
                                        # (the first is the address the node advertises); without listen or
@@ -184,7 +187,8 @@ KEYS: dict[str, tuple[type, ...]] = {
 RELAY_KEYS: dict[str, tuple[type, ...]] = {
     "enabled": (bool,), "listen": (str,), "via": (list,), "only": (bool,), "reservation_s": (float, int),
     "circuit_s": (float, int), "circuit_bytes": (int,), "max_reservations": (int,), "max_circuits": (int,),
-    "max_circuits_per_reservation": (int,), "max_reservations_per_ip": (int,)}
+    "max_circuits_per_reservation": (int,), "max_reservations_per_ip": (int,), "window_s": (float, int),
+    "circuit_window_bytes": (int,), "reservation_window_bytes": (int,)}
 TRANSPORT_KEYS: dict[str, tuple[type, ...]] = {"kind": (str,), "listen": (str,), "dial_only": (bool,)}
 DEFAULT_LISTEN = {"tcp": "127.0.0.1:0", "http": "http://127.0.0.1:0"}
 COMPUTE = ("numpy", "torch")

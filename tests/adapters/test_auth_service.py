@@ -2,11 +2,14 @@
 127.0.0.1: a valid login yields a certificate validators accept; every bad case (expired token, wrong
 audience or issuer, tampered or foreign signature, a disallowed claim, org or account age, a replayed session
 or token, a peer key the client does not hold, a revoked login, too many peers) is refused and issues
-nothing."""
+nothing. Pending logins are bounded per address and evict the oldest first, starts are rate-limited per
+address, used tokens survive a restart, and the approval page and the client show the key being approved.
+Clients on other addresses bind 127.0.0.2 and 127.0.0.3, which are loopback on Linux."""
 
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import io
 import json
 import subprocess
@@ -21,6 +24,7 @@ from peerloom.adapters.auth_service import (
     AuthSettings,
     GithubPolicy,
     OidcPolicy,
+    address_key,
     login_digest,
     login_proof_preimage,
 )
@@ -58,7 +62,7 @@ async def _window() -> int:
     return WINDOW
 
 
-def make_service(tmp_path, provider: FakeProvider, **overrides) -> AuthService:
+def make_service(tmp_path, provider: FakeProvider, now=None, **overrides) -> AuthService:
     oidc = overrides.pop("oidc", OidcPolicy(issuer=provider.issuer, client_id=CLIENT_ID,
                                             email_domains=frozenset({"example.edu"})))
     github = overrides.pop("github", GithubPolicy(
@@ -67,6 +71,8 @@ def make_service(tmp_path, provider: FakeProvider, **overrides) -> AuthService:
         token_url=f"{provider.issuer}/login/oauth/access_token", api_url=f"{provider.issuer}/api"))
     settings = AuthSettings(revision=REVISION, authority=GATE, state_dir=tmp_path / "state", oidc=oidc, github=github,
                             max_capacity=2, validity_windows=10, **overrides)
+    if now is not None:
+        return AuthService(settings, current_window=_window, now=now)
     return AuthService(settings, current_window=_window)
 
 
@@ -78,6 +84,33 @@ def post(url: str, body: dict) -> tuple[int, dict]:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
+
+
+def request_from(source: str, url: str, body: dict | None = None) -> tuple[int, str]:
+    """POST `body` as JSON (GET when None) to `url` from the loopback address `source`: (status, body text)."""
+    rest = url.removeprefix("http://")
+    hostport, _, path = rest.partition("/")
+    host, _, port = hostport.partition(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10, source_address=(source, 0))
+    try:
+        if body is None:
+            conn.request("GET", "/" + path)
+        else:
+            conn.request("POST", "/" + path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode()
+    finally:
+        conn.close()
+
+
+def start_from(source: str, url: str, peer=PEER) -> tuple[int, dict]:
+    status, text = request_from(source, f"{url}/v1/login/start", {"provider": "oidc", "peer": peer.peer_id.to_text()})
+    return status, json.loads(text)
+
+
+def poll_status(url: str, started: dict, peer=PEER) -> int:
+    body = {"session": started["session"], "signature": proof(started, signer=peer, peer=peer)}
+    return post(f"{url}/v1/login/poll", body)[0]
 
 
 def proof(started: dict, provider: str = "oidc", signer=PEER, peer=PEER) -> str:
@@ -335,3 +368,96 @@ def test_login_client_needs_no_extra_and_a_missing_extra_is_named(tmp_path):
     out = subprocess.run([sys.executable, "-c", hide + "from peerloom.cli import main; main()", "auth", "serve",
                           "--config", str(tmp_path / "auth.toml")], capture_output=True, text=True)
     assert out.returncode == 2 and "pip install 'peerloom[auth]'" in out.stderr, out.stderr
+
+
+# --- login that cannot be locked (spec/auth.md §2 "Limits", §7) --------------------------------------------
+
+def test_address_keys():
+    assert address_key("127.0.0.2") == "127.0.0.2"
+    assert address_key("::ffff:192.0.2.7") == "192.0.2.7"
+    assert address_key("2001:db8:1:2:3:4:5:6") == address_key("2001:db8:1:2::9") == "2001:db8:1:2::/64"
+    assert address_key("2001:db8:1:3::1") != address_key("2001:db8:1:2::1")
+    assert address_key(None) == address_key("not an address") == "?"
+
+
+def test_pending_logins_are_bounded_per_address_and_evict_the_oldest(tmp_path):
+    """One address holds at most max_sessions_per_address pending logins (its own oldest go first); a full
+    table evicts the oldest login of the address that holds the most; the newcomer on another address is
+    never refused and logs in."""
+    with FakeProvider() as provider:
+        service = make_service(tmp_path, provider, max_sessions=6, max_sessions_per_address=3,
+                               starts_per_minute=1000)
+        with running_service(service) as url:
+            flood = [start_from("127.0.0.2", url) for _ in range(10)]
+            assert all(status == 200 for status, _ in flood)
+            assert len(service.sessions) == 3 and service.evicted == 7
+            assert [poll_status(url, s) for _, s in flood[:7]] == [404] * 7  # its own oldest went first
+            assert [poll_status(url, s) for _, s in flood[7:]] == [202] * 3
+            other = [start_from("127.0.0.3", url, ident(9)) for _ in range(3)]  # the table is full now
+            assert len(service.sessions) == 6
+            status, mine = start_from("127.0.0.1", url, PEER)  # full: the oldest of the heaviest (.2) goes
+            assert status == 200 and len(service.sessions) == 6
+            assert poll_status(url, flood[7][1]) == 404
+            assert [poll_status(url, s) for _, s in (*flood[8:], (0, mine))] == [202] * 3
+            assert [poll_status(url, s, ident(9)) for _, s in other] == [202] * 3
+            provider.approve(mine["user_code"], {"claims": {}})
+            status, answer = post(f"{url}/v1/login/poll", {"session": mine["session"], "signature": proof(mine)})
+    assert status == 200 and "certificate" in answer
+
+
+def test_login_starts_are_rate_limited_per_address(tmp_path):
+    clock = [1000.0]
+    with FakeProvider() as provider:
+        service = make_service(tmp_path, provider, now=lambda: clock[0], starts_per_minute=5)
+        with running_service(service) as url:
+            statuses = [start_from("127.0.0.2", url)[0] for _ in range(8)]
+            assert statuses == [200] * 5 + [429] * 3
+            assert start_from("127.0.0.2", url)[1]["error"] == "slow-down"
+            assert start_from("127.0.0.1", url)[0] == 200  # another address has its own bucket
+            requests = len(provider.devices)
+            clock[0] += 12.0  # 5 a minute: one more start after 12 s
+            assert [start_from("127.0.0.2", url)[0] for _ in range(2)] == [200, 429]
+    assert requests == 6 and len(provider.devices) == 7  # a refused start never reached the provider
+
+
+def test_used_token_is_refused_after_a_restart(tmp_path):
+    """The used-token table is SQLite in the state directory: a new service on the same directory (a
+    restart) refuses a token the old one accepted."""
+    with FakeProvider() as provider:
+        provider.auto = {"token": provider.id_token()}
+        first = make_service(tmp_path, provider, max_peers_per_login=4)
+        with running_service(first) as url:
+            login(url, "oidc", ident(7), out=io.StringIO(), timeout_s=30)
+        second = make_service(tmp_path, provider, max_peers_per_login=4)
+        with running_service(second) as url:
+            with pytest.raises(LoginError, match="replayed"):
+                login(url, "oidc", ident(8), out=io.StringIO(), timeout_s=30)
+            provider.auto = {"claims": {}}  # a fresh token is fine
+            login(url, "oidc", ident(8), out=io.StringIO(), timeout_s=30)
+    assert [r["peer"] for r in second.ledger.issued()] == [ident(7).peer_id.to_text(), ident(8).peer_id.to_text()]
+
+
+def test_approval_page_and_client_show_the_key_being_approved(tmp_path):
+    """RFC 8628 §5.4: the service's approval page names the peer id (the key's fingerprint) in full, with the
+    provider's link and user code; the client prints the same key and the page's address. The page is gone
+    once the login is used."""
+    with FakeProvider() as provider:
+        service = make_service(tmp_path, provider)
+        with running_service(service) as url:
+            status, started = start_from("127.0.0.1", url)
+            assert status == 200 and started["fingerprint"] == PEER.peer_id.to_text()
+            status, page = request_from("127.0.0.1", url + started["approval_path"])
+            assert status == 200
+            assert f'<code id="fingerprint">{PEER.peer_id.to_text()}</code>' in page
+            assert started["user_code"] in page and f"{provider.issuer}/activate" in page
+            assert request_from("127.0.0.1", url + "/v1/login/approve/nothing")[0] == 404
+            provider.approve(started["user_code"], {"claims": {}})
+            assert post(f"{url}/v1/login/poll", {"session": started["session"], "signature": proof(started)})[0] \
+                == 200
+            assert request_from("127.0.0.1", url + started["approval_path"])[0] == 404
+            provider.auto = {"claims": {"sub": "volunteer-2"}}
+            out = io.StringIO()
+            login(url, "oidc", ident(6), out=out, timeout_s=30)
+    printed = out.getvalue()
+    assert f"This node's key (its fingerprint): {ident(6).peer_id.to_text()}" in printed
+    assert f"{url}/v1/login/approve/" in printed

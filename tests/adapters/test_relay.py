@@ -584,3 +584,45 @@ def test_a_target_that_never_accepts_gives_accept_timeout() -> None:
         await mute.aclose()
 
     run(body)
+
+
+@pytest.mark.parametrize("limits", [
+    {"circuit_window_bytes": 200_000},  # one circuit's own period budget
+    {"reservation_window_bytes": 200_000},  # shared by every circuit to one reserved peer
+], ids=["per-circuit", "per-reservation"])
+def test_bytes_per_period_pace_circuits_and_lose_nothing(limits) -> None:
+    """spec/transport.md §12: per period of `window_s` (0.5 s here), a circuit, and a reservation's circuits
+    together, relay at most their budget (200 kB, both directions). Two circuits to one peer echo 10 × 50 kB
+    each: all of it arrives, nothing is closed, and it takes at least the periods the budget allows, since
+    without the bound the same bytes take a few milliseconds."""
+    async def body(net: Net) -> None:
+        await net.relay("relay", RelayServer(RelayLimits(window_s=0.5, **limits)))
+        server = await net.reserve("relay", SERVER, echo)
+        client = net.client()
+        conns = [await client.dial(server, CLIENT), await client.dial(server, OTHER)]
+        started = trio.current_time()
+
+        async def echoes(conn) -> None:
+            for i in range(10):
+                await conn.send_message(bytes([i]) * 50_000, lane=LANE_BULK)
+                assert await conn.receive_message(LANE_BULK) == bytes([i]) * 50_000
+
+        async with trio.open_nursery() as nursery:
+            for conn in conns:
+                nursery.start_soon(echoes, conn)
+        took = trio.current_time() - started
+        # 2 MB both ways over the budget of the period: per circuit, 1 MB each at 200 kB a period (at least 4
+        # waits); per reservation, 2 MB at 200 kB a period (at least 9 waits)
+        waits = 4 if "circuit_window_bytes" in limits else 9
+        assert took >= waits * 0.5 - 0.05, took
+        for conn in conns:
+            await conn.aclose()
+
+    run(body)
+
+
+def test_period_budgets_must_hold_one_message() -> None:
+    with pytest.raises(ValueError, match="circuit_window_bytes"):
+        RelayLimits(circuit_window_bytes=1000)
+    with pytest.raises(ValueError, match="window_s"):
+        RelayLimits(window_s=0)

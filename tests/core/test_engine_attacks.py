@@ -14,7 +14,7 @@ from peerloom.core import events as ev
 from peerloom.core.encoding import content_id
 from peerloom.core.engine import SERVE_MIN_COST_BYTES, Engine, EngineConfig
 from peerloom.core.envelope import SignedEnvelope
-from peerloom.core.messages import Chunk, ChunkRequest, Hello, Signed, encode_message
+from peerloom.core.messages import CertifiedHead, Chunk, ChunkRequest, Hello, Signed, encode_message
 from peerloom.core.objects import ArtifactRef, UpdateAnnouncement, make_artifact_ref, seal
 from tests.helpers import ident, make_revision
 
@@ -80,10 +80,11 @@ def test_bad_chunk_from_the_asked_provider_is_charged_to_it_and_never_stored():
     assert engine.rejected_by_reason["bad-chunk"] == 1 and engine.peers[VALIDATOR.peer_id].penalty == 1
 
 
-def validator_with_stored_genesis():
+def validator_with_stored_genesis(**config):
     rev = make_revision(trainers=[TRAINER], genesis=GENESIS, chunk_size=4096)
     ref = make_artifact_ref(GENESIS, 4096)
-    engine = Engine(EngineConfig(roles={"validator"}, revision=rev), VALIDATOR, random.Random(0), stored=[ref])
+    engine = Engine(EngineConfig(roles={"validator"}, revision=rev, **config), VALIDATOR, random.Random(0),
+                    stored=[ref])
     engine.handle(ev.Start(now=0.0))
     greet(engine, MALLORY, ("trainer",))
     greet(engine, TRAINER, ("trainer",))
@@ -92,7 +93,8 @@ def validator_with_stored_genesis():
 
 
 def test_chunk_request_flood_is_refused_per_peer_and_others_are_still_served():
-    engine, _rev, ref = validator_with_stored_genesis()
+    # the byte bucket alone: the per-window budget (serve_copies) is lifted here, tested below
+    engine, _rev, ref = validator_with_stored_genesis(serve_copies=10**9)
     burst = engine.config.serve_bytes_burst // SERVE_MIN_COST_BYTES  # a 4 KiB chunk costs the minimum
     for _ in range(burst + 50):
         deliver(engine, MALLORY, ChunkRequest(artifact=ref.digest, index=0))
@@ -113,7 +115,8 @@ def test_an_honest_fetch_of_a_400_mb_artifact_is_never_refused():
     rev = make_revision(trainers=[TRAINER], genesis=GENESIS, chunk_size=4096)
     size, chunk = 400_000_000, 1 << 20
     big = ArtifactRef(digest=content_id(b"big"), size=size, chunk_size=chunk, chunks=(bytes(32),) * -(-size // chunk))
-    engine = Engine(EngineConfig(roles={"validator"}, revision=rev), VALIDATOR, random.Random(0), stored=[big])
+    engine = Engine(EngineConfig(roles={"validator"}, revision=rev, serve_copies=4), VALIDATOR, random.Random(0),
+                    stored=[big])
     engine.handle(ev.Start(now=0.0))
     greet(engine, TRAINER, ("trainer",))
     drain(engine)
@@ -124,7 +127,74 @@ def test_an_honest_fetch_of_a_400_mb_artifact_is_never_refused():
     for _ in range(2):
         for index in range(big.num_chunks):
             deliver(engine, TRAINER, ChunkRequest(artifact=big.digest, index=index))
-    assert engine.rejected_by_reason["chunk-quota"] > 0
+    assert engine.rejected_by_reason["chunk-quota"] > 0 and engine.rejected_by_reason["serve-quota"] == 0
+
+
+def test_a_peer_is_served_each_artifact_at_most_twice_per_window():
+    """spec/protocol.md §8.2: a peer that is not a validator gets each artifact at most `serve_copies` (2)
+    times in one window of the head; beyond, each request is refused (`serve-quota`, a penalty point) before
+    any storage read, so a puller ends banned. Another peer, and a validator, are served in full meanwhile;
+    a reconnect does not renew the budget."""
+    vals = [ident(1), ident(2), ident(3), ident(4)]
+    rev = make_revision(validators=vals, quorum=3, trainers=[TRAINER], genesis=GENESIS, chunk_size=4096)
+    ref = make_artifact_ref(GENESIS, 4096)
+    engine = Engine(EngineConfig(roles={"validator"}, revision=rev), vals[0], random.Random(0), stored=[ref])
+    engine.handle(ev.Start(now=0.0))
+    for peer, roles in ((MALLORY, ("reducer",)), (TRAINER, ("trainer",)), (vals[1], ("validator",))):
+        greet(engine, peer, roles)
+    drain(engine)
+
+    def pull(peer, times=1):
+        for _ in range(times):
+            for index in range(ref.num_chunks):
+                deliver(engine, peer, ChunkRequest(artifact=ref.digest, index=index))
+        return sum(isinstance(e, fx.ServeChunk) and e.peer == peer.peer_id for e in drain(engine))
+
+    assert pull(MALLORY, 2) == 2 * ref.num_chunks  # a whole fetch, and a whole retry
+    engine.handle(ev.PeerDisconnected(now=0.0, peer=MALLORY.peer_id))
+    greet(engine, MALLORY, ("reducer",))
+    assert pull(MALLORY) == 0  # the same window: reconnecting renews nothing
+    assert engine.rejected_by_reason["serve-quota"] == ref.num_chunks
+    assert pull(TRAINER) == ref.num_chunks and pull(vals[1], 5) == 5 * ref.num_chunks
+    effects = []
+    for _ in range(engine.config.penalty_limit):
+        deliver(engine, MALLORY, ChunkRequest(artifact=ref.digest, index=0))
+        effects += drain(engine)
+    assert any(isinstance(e, fx.Ban) and e.peer == MALLORY.peer_id for e in effects)
+    assert engine.peers[TRAINER.peer_id].penalty == 0
+
+
+def test_the_serving_budget_counts_artifacts_and_starts_again_at_the_next_head():
+    """A peer is served at most 4 + 2 × shards + validators distinct artifacts in one window (what a window
+    can hold); the next head gives every peer a new budget."""
+    from tests.core.test_objects import certify, child
+
+    vals = [ident(1), ident(2), ident(3), ident(4)]
+    rev = make_revision(validators=vals, quorum=3, trainers=[TRAINER], shards=(10,), genesis=GENESIS,
+                        chunk_size=4096)
+    limit = 4 + 2 * 1 + len(vals)
+    refs = [make_artifact_ref(GENESIS + bytes([i]), 4096) for i in range(limit + 1)]
+    engine = Engine(EngineConfig(roles={"trainer"}, revision=rev), TRAINER, random.Random(0), stored=refs)
+    engine.handle(ev.Start(now=0.0))
+    greet(engine, MALLORY, ("reducer",))
+    greet(engine, vals[0], ("validator",))
+    drain(engine)
+
+    def first_chunks():
+        for ref in refs:
+            deliver(engine, MALLORY, ChunkRequest(artifact=ref.digest, index=0))
+        return [e.ref for e in drain(engine) if isinstance(e, fx.ServeChunk) and e.peer == MALLORY.peer_id]
+
+    assert first_chunks() == refs[:limit]
+    assert engine.rejected_by_reason["serve-quota"] == 1
+    head = child(rev, rev.genesis())
+    deliver(engine, vals[0], CertifiedHead(head=head, certificate=certify(rev, head, vals[:3])))
+    for effect in drain(engine):
+        if isinstance(effect, fx.Persist):
+            engine.handle(ev.Persisted(now=0.0, token=effect.token))
+    drain(engine)
+    assert engine.head.window == 1
+    assert first_chunks() == refs[:limit]  # a new window, a new budget
 
 
 def test_announcement_flood_is_capped_before_signature_checks():
