@@ -199,7 +199,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="windows per run (default: " + ", ".join(f"{k} {v}" for k, v in WINDOWS.items()) + ")")
     parser.add_argument("--seeds", default="0", help="comma-separated seeds (workload, shards, init, training)")
     parser.add_argument("--trainers", type=int, default=TRAINERS)
-    parser.add_argument("--inner-steps", type=int, default=INNER_STEPS, help="manifest inner_steps H (0: the workload's)")
+    parser.add_argument("--inner-steps", type=int, default=INNER_STEPS,
+                        help="the manifest's inner_steps H (0: the workload's own local epochs)")
     parser.add_argument("--outer-lr", type=float, default=OUTER["lr"])
     parser.add_argument("--momentum", type=float, default=OUTER["momentum"], help="outer (Nesterov) momentum")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of a torch workload")
