@@ -18,6 +18,7 @@ def test_overlap_bench_tiny(tmp_path: Path) -> None:
     report = json.loads(out.strip().splitlines()[-1])
     assert report["trainers"] == 4 and report["shards"] == 8 and report["rule"] == "centered_clip"
     assert report["outer"] == {"name": "diloco", "lr": 0.7, "momentum": 0.9}  # `peerloom init`'s defaults
+    assert report["outer_overlap1"] == report["outer"]  # no --overlap1-outer
     assert report["seeds"] == [0, 1]
     (res,) = report["results"]
     assert (res["workload"], res["metric"], res["windows"], res["inner_steps"]) == ("mnist1d-numpy", "accuracy", 3, 0)
