@@ -506,14 +506,19 @@ class Engine:
         fetch = self._fetches.get(ref.digest)
         if fetch is not None and fetch.ref == ref and not fetch.committing:
             if fetch.in_flight:
-                self._superseded[ref.digest] = dict(fetch.in_flight)
-                if len(self._superseded) > MAX_PARTIAL_FETCHES:
-                    del self._superseded[next(iter(self._superseded))]
+                self._supersede(ref.digest, fetch.in_flight)
             self._on_artifact_stored(ref)
             return
         self._stored[ref.digest] = ref
         self._stored_at.setdefault(ref.digest, self.head.window)
         self._partial.pop(ref.digest, None)
+
+    def _supersede(self, digest: bytes, requests: Mapping[int, PeerId]) -> None:
+        """Chunk requests (index -> provider) whose answers are no longer wanted: dropped without a charge
+        when they come (the oldest artifacts' are forgotten first)."""
+        self._superseded.setdefault(digest, {}).update(requests)
+        if len(self._superseded) > MAX_PARTIAL_FETCHES:
+            del self._superseded[next(iter(self._superseded))]
 
     def fetch(self, ref: ArtifactRef, providers: Iterable[PeerId], owner: str, work: Any) -> None:
         """Make `ref` stored locally, fetching verified chunks from `providers`; then `owner` (a
@@ -1061,8 +1066,10 @@ class Engine:
         fetch = self._fetches.get(chunk.artifact)
         if fetch is None or fetch.in_flight.get(chunk.index) != peer:
             late = self._superseded.get(chunk.artifact)
-            if fetch is None and late is not None and late.get(chunk.index) == peer:
-                del late[chunk.index]  # asked for before we computed the artifact ourselves: not the peer's fault
+            if late is not None and late.get(chunk.index) == peer:
+                # Asked for before we computed the artifact ourselves, or before the request timed out and
+                # went to another provider: a slow answer, not the peer's fault.
+                del late[chunk.index]
                 if not late:
                     del self._superseded[chunk.artifact]
                 return
@@ -1132,6 +1139,8 @@ class Engine:
         if fetch is None or fetch.committing:
             return
         silent = sorted(set(fetch.in_flight.values()))
+        if fetch.in_flight:
+            self._supersede(digest, fetch.in_flight)  # their answers may still come: taken quietly, unused
         if any(p not in silent for p in fetch.providers):
             fetch.providers = [p for p in fetch.providers if p not in silent]
         for peer in silent:

@@ -243,3 +243,32 @@ def test_when_every_provider_is_silent_they_are_asked_again_not_dropped() -> Non
     again = h.drain()
     assert h.done == [] and again and {p for p, _ in again} == {QUITTER}
     assert {i for _, i in again} == {i for _, i in first}
+
+
+def test_a_chunk_that_arrives_after_its_request_timed_out_charges_nobody() -> None:
+    """Under load an honest provider's chunk can come after `chunk_timeout_s`, once the request went to
+    another provider: it is dropped without a charge (it used to cost an honest trainer a penalty point per
+    chunk, and a ban), and the fetch completes from the other provider."""
+    h = Harness()
+    h.engine.fetch(REF, [HONEST, QUITTER], "test", WAITER)
+    pending = h.drain()
+    slow = [(p, i) for p, i in pending if p == QUITTER]
+    assert slow
+    for peer, index in [(p, i) for p, i in pending if p == HONEST]:
+        h.answer(peer, index)  # HONEST answers at once; QUITTER is slow
+    pending = [(p, i) for p, i in h.drain() if p == HONEST]
+    h.now += h.engine.config.chunk_timeout_s + 1.0
+    h.event(ev.TimerDue)  # QUITTER's requests time out and go to HONEST
+    pending += h.drain()
+    for peer, index in slow:
+        h.answer(peer, index)  # the slow answers, late
+    pending += h.drain()
+    while pending and not h.commits:
+        peer, index = pending.pop(0)
+        if h.engine._fetches[REF.digest].in_flight.get(index) == peer:  # still asked (a late answer may have done)
+            h.answer(peer, index)
+        pending += h.drain()
+    assert h.engine.peers[QUITTER].penalty == 0 and h.engine.rejected_by_reason["unsolicited-chunk"] == 0
+    assert h.stored == Counter(range(N_CHUNKS)) and h.commits == 1
+    h.answer(LIAR, slow[0][1])  # a chunk from a peer never asked for it is unsolicited, as before
+    assert h.engine.rejected_by_reason["unsolicited-chunk"] == 1 and h.engine.peers[LIAR].penalty == 1
