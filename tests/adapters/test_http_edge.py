@@ -413,7 +413,7 @@ def test_lease_table_is_computed_once_per_head(world, monkeypatch):
     calls = []
     real = edge_view.leases_of
     monkeypatch.setattr(edge_view, "leases_of",
-                        lambda head, manifest: calls.append(head.window) or real(head, manifest))
+                        lambda head, manifest, window=None: calls.append(head.window) or real(head, manifest, window))
     trainer = leaseholder(view)
     for _ in range(5):
         assert fetch(server.url + f"/v1/leases/{trainer.peer_id.to_text()}")[0] == 200
