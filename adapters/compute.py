@@ -176,6 +176,7 @@ class ComputeExecutor:
         # Error-feedback residual per trainer (its peer id; None when the task names none), across windows.
         self.residuals: dict[PeerId | None, np_codecs.ErrorFeedback] = {}
         self._params: tuple[bytes, dict[str, np.ndarray]] | None = None  # `load_params`
+        self._start: tuple[Any, dict[str, np.ndarray]] | None = None  # `start_params`
         self._scratch: dict[str, np.ndarray] | None = None  # `_applied`
 
     def _residual_path(self, author: PeerId | None) -> Path | None:
@@ -215,6 +216,29 @@ class ComputeExecutor:
             self._params = None  # drop the old one before reading the next
             self._params = (ref.digest, self.load(ref))
         return self._params[1]
+
+    def start_params(self, spec: dict[str, Any]) -> dict[str, np.ndarray]:
+        """The params a training, a loss check or an audit starts from: `spec["params"]` (`load_params`), or
+        with ``spec["start"]`` (`core.audit.start_args`, an overlapped update with a prior; spec/protocol.md
+        §5.2) ``params - scale * outer_state - decode(prior delta)``: per element in float64, in that order,
+        rounded once to the params' dtype, into a buffer this executor reuses. The last one is kept, as
+        `load_params` keeps its params (a screen's loss check and audit start from the same point)."""
+        params = self.load_params(spec["params"])
+        start = spec.get("start")
+        if not start:
+            return params
+        state_ref = start.get("outer_state")
+        key = (spec["params"].digest, start["prior"].digest, None if state_ref is None else state_ref.digest,
+               float(start["scale"]))
+        if self._start is not None and self._start[0] == key:
+            return self._start[1]
+        prior = self._decode(self.load(start["prior"]))
+        state = None if state_ref is None else self.load(state_ref)
+        buffers = self._start[1] if self._start is not None else {}
+        self._start = None
+        out = eager_start(params, state, prior, float(start["scale"]), out=buffers)
+        self._start = (key, out)
+        return out
 
     def _streams(self) -> bool:
         """Whether tasks read and write stored tensors block by block (issue 20): the numpy backend over an
@@ -284,10 +308,10 @@ class ComputeExecutor:
         are committed in a `Trajectory` artifact: result ``trajectory`` (its ref) and ``committed`` (every
         artifact the trainer must serve: checkpoints 1..S, the residual, the trajectory)."""
         inner_steps, segments = int(args.get("inner_steps", 0)), int(args.get("segments", 0))
-        if not segments and self._streams_train():
+        if not segments and self._streams_train() and not args.get("start"):
             with ExitStack() as stack:
                 return self._train_streamed(args, inner_steps, stack)
-        params = self.load_params(args["params"])
+        params = self.start_params(args)
         checkpoints: list[ArtifactRef] = []
         if segments:
             def keep(j: int, state: dict[str, np.ndarray]) -> None:
@@ -386,7 +410,7 @@ class ComputeExecutor:
         if not schema_matches(delta, self.manifest.schema):
             ok, reason, norm = False, "schema", float("nan")
         elif isinstance(encoded, StoredTensors):  # the none codec, streamed: one read for all of it
-            base = None if loss_check is None else self.load_params(loss_check["params"])
+            base = None if loss_check is None else self.start_params(loss_check)
             applied = None if base is None else self._scratch_for(base)
             stats, digest = screen_stored(encoded, base=base, applied=applied, threads=self.compute.threads)
             ok, reason, norm = self._verdict(stats)
@@ -423,7 +447,7 @@ class ComputeExecutor:
         `applied_params`: ``base - delta`` already computed into this executor's buffer (`screen_stored`)."""
         batch = loss_check_batch([i for s in check["shards"] for i in self.shards[s]], int(check["samples"]),
                                  int(check["seed"]))
-        params = self.load_params(check["params"])
+        params = self.start_params(check)
         if applied_params is None:
             applied_params = self._applied(params, delta, -1.0)
         applied = float(self.workload.loss(applied_params, batch))
@@ -513,7 +537,7 @@ class ComputeExecutor:
         ``audit["min_cosine"]``; an honest update on the same platform reproduces bit for bit, and on
         another platform stays within floating-point drift of 1.
         """
-        expected, _ = self._train(self.load_params(audit["params"]), audit["shards"], int(audit["seed"]),
+        expected, _ = self._train(self.start_params(audit), audit["shards"], int(audit["seed"]),
                                   int(audit["inner_steps"]), audit.get("window"))
         if self.manifest.codec != "none":
             encoded, _ = np_codecs.encode(self.manifest.codec, expected, fraction=self.manifest.codec_fraction)
@@ -602,7 +626,7 @@ class ComputeExecutor:
           the committed residual under error feedback), bit for bit;
         - ``segment``: the replay from `start` does not reach `stop` (`_moved_alike`).
         """
-        base = self.load_params(audit["params"])
+        base = self.start_params(audit)
         stop = self._checkpoint(segment["stop"], None, stack)
         final = stop if segment["final"] == segment["stop"] else self._checkpoint(segment["final"], stop, stack)
         if stop is None or final is None:
@@ -703,6 +727,26 @@ class ComputeExecutor:
 
 MIN_SCREEN_COHORT = 3
 """Fewer candidates than this are never cohort outliers (spec/protocol.md §6): two have their mean as median."""
+
+
+def eager_start(params: dict[str, np.ndarray], state: dict[str, np.ndarray] | None, prior: dict[str, np.ndarray],
+                scale: float, *, out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """Where an overlapped update with a prior starts (spec/protocol.md §5.2): ``params - scale * state - prior``
+    per element in float64, in that order (the state's term left out when `state` is None), rounded once to each
+    tensor's dtype. Tensors of `out` of the right shape and dtype are written in place (and returned); the others
+    are allocated. Same names, shapes and dtypes in, as the manifest's schema fixes them."""
+    result: dict[str, np.ndarray] = {}
+    for name, p in params.items():
+        x = p.astype(np.float64)
+        if state is not None:
+            x -= scale * state[name].astype(np.float64)
+        x -= prior[name].astype(np.float64)
+        buf = None if out is None else out.get(name)
+        if buf is None or buf.shape != p.shape or buf.dtype != p.dtype:
+            buf = np.empty_like(p)
+        np.copyto(buf, x, casting="unsafe")
+        result[name] = buf
+    return result
 
 
 def norm_spread(norms: Sequence[float], median_norm: float) -> float:

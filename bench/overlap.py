@@ -16,9 +16,10 @@ An in-process loop (no node processes), the same in both modes but for the base:
   window])`` stands in for the head the protocol draws it from (head w-1-overlap). Both modes draw the same
   leases and the same training seeds (``seed * 100_003 + window * 101 + trainer``), so the runs differ only by
   the base each update is trained from;
-- each trainer: ``workload.train(base, its leased samples, seed)`` as the executor calls it (with the
+- each trainer: ``workload.train(start, its leased samples, seed)`` (start: the base, or the eager start)
+  as the executor calls it (with the
   manifest's ``inner_steps`` H and the global step ``(window - 1) * H`` when H > 0; H = 0, the manifest's
-  default, leaves the workload's own local epochs); pseudo-gradient = base params - trained params;
+  default, leaves the workload's own local epochs); pseudo-gradient = start params - trained params;
 - the validators' reduction: `peerloom.adapters.compute.NumpyCompute` (the executor's ``reduce`` task calls its
   ``aggregate`` and ``outer``): the cohort (trainer order, weights = leased sample counts) aggregated by the
   rule, then the outer optimizer steps the *current* head (window w-1) with the parent head's momentum;
@@ -35,6 +36,11 @@ Prints progress to stderr and one JSON object on its last line: ``{"trainers", "
 "outer_overlap1", "seeds", "results": [{"workload", "metric", "windows", "inner_steps", "target", "runs": [{"seed",
 "overlap0": {"final", "best", "curve"}, "overlap1": {...}, "difference": {"final", "best"}}], "median":
 {...}, "met"}], "wall_s"}``. ``--plot PATH`` draws both curves per workload (PNG).
+With ``--start eager`` (the default: what the protocol does, spec/protocol.md §5.2) an update one window
+ahead starts from its base moved by the part of the next outer step every cohort shares and by its trainer's
+own pseudo-gradient of the window before (`peerloom.adapters.compute.eager_start`, the executor's own
+function); ``--start base`` trains it from the base itself (the plain delayed step, which oscillates at the
+DiLoCo defaults).
 ``--overlap1-outer LR,MOMENTUM`` runs ``overlap = 1`` with another outer lr and momentum, against ``overlap =
 0`` at the defaults in the same run (the smaller step that delayed updates need; Kale et al. 2025).
 """
@@ -52,7 +58,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from peerloom.adapters.compute import NumpyCompute
+from peerloom.adapters.compute import NumpyCompute, eager_start
 from peerloom.backends.registry import build_workload
 from peerloom.core.objects import DILOCO_MOMENTUM
 from peerloom.experiment import Experiment
@@ -85,7 +91,8 @@ def leases(seed: int, window: int, trainers: int, num_shards: int) -> list[list[
 
 
 def run(workload: Any, shards: list[list[int]], *, overlap: int, windows: int, trainers: int, seed: int,
-        inner_steps: int, rule: str, outer: dict[str, Any], label: str = "") -> list[dict[str, float]]:
+        inner_steps: int, rule: str, outer: dict[str, Any], label: str = "", eager: bool = True
+        ) -> list[dict[str, float]]:
     """Train `windows` windows with manifest ``overlap`` = `overlap` (0 or 1); returns the test metrics of the
     head after each window, genesis first (``windows + 1`` dicts of ``workload.evaluate``)."""
     compute = NumpyCompute()
@@ -93,23 +100,35 @@ def run(workload: Any, shards: list[list[int]], *, overlap: int, windows: int, t
     heads = [workload.initial_params(seed)]  # heads[k] = head of window k (0 = genesis); the last 2 kept
     first = 0  # window number of heads[0]
     state = None  # the outer optimizer's momentum, carried by each head
+    states: list[Any] = [None]  # states[k]: the momentum of heads[k]
+    previous: dict[int, dict[str, np.ndarray]] = {}  # trainer -> its pseudo-gradient of the window before
+    scale = outer["lr"] * outer["momentum"] ** 2
     curve = [workload.evaluate(heads[0])]
     for w in range(1, windows + 1):
+        lag = w - 1 - max(0, w - 1 - overlap)
         base = heads[max(0, w - 1 - overlap) - first]
-        deltas, weights = [], []
+        base_state = states[max(0, w - 1 - overlap) - first]
+        deltas, weights, mine = [], [], {}
         for i, lease in enumerate(leases(seed, w, trainers, len(shards))):
             indices = [k for s in lease for k in shards[s]]
+            start = base
+            if eager and lag == 1 and i in previous:  # the protocol's eager start (spec/protocol.md §5.2)
+                start = eager_start(base, base_state, previous[i], scale)
             options: dict[str, Any] = {"inner_steps": inner_steps} if inner_steps else {}
             if takes_step:
                 options["step"] = (w - 1) * inner_steps
-            delta, _ = workload.train(base, indices, seed * 100_003 + w * 101 + i, **options)
+            delta, _ = workload.train(start, indices, seed * 100_003 + w * 101 + i, **options)
             deltas.append(delta)
+            mine[i] = delta
             weights.append(len(indices))
+        previous = mine
         centre = compute.aggregate(rule, deltas, weights)
         params, state = compute.outer(outer["name"], heads[-1], centre, state, outer["lr"], outer["momentum"])
         heads.append(params)
+        states.append(state)
         if len(heads) > 2:
             heads.pop(0)
+            states.pop(0)
             first += 1
         curve.append(workload.evaluate(params))
         print(f"  {label} overlap {overlap} window {w}: " + ", ".join(f"{k} {v:.4f}" for k, v in curve[-1].items()
@@ -136,9 +155,11 @@ def summarize(metric: str, curve: list[dict[str, float]]) -> dict[str, Any]:
 
 
 def bench_workload(name: str, seeds: list[int], windows: int, trainers: int, inner_steps: int, rule: str,
-                   outer: dict[str, Any], threads: int, outer1: dict[str, Any] | None = None) -> dict[str, Any]:
+                   outer: dict[str, Any], threads: int, outer1: dict[str, Any] | None = None,
+                   eager: bool = True) -> dict[str, Any]:
     """Both modes for every seed on workload `name`: the ``results`` entry of the module docstring.
-    `outer1`: the outer optimizer of the ``overlap = 1`` runs, if not `outer`."""
+    `outer1`: the outer optimizer of the ``overlap = 1`` runs, if not `outer`; `eager`: the protocol's eager
+    start (else every update starts from its base)."""
     metric = metric_of(name)
     runs = []
     for seed in seeds:
@@ -148,7 +169,7 @@ def bench_workload(name: str, seeds: list[int], windows: int, trainers: int, inn
         for overlap in (0, 1):
             curve = run(workload, shards, overlap=overlap, windows=windows, trainers=trainers, seed=seed,
                         inner_steps=inner_steps, rule=rule, outer=outer1 if overlap and outer1 else outer,
-                        label=f"{name} seed {seed}")
+                        label=f"{name} seed {seed}", eager=eager)
             row[f"overlap{overlap}"] = summarize(metric, curve)
         row["difference"] = {k: difference(metric, row["overlap0"][k], row["overlap1"][k]) for k in ("final", "best")}
         print(f"{name} seed {seed}: {metric} final {row['overlap0']['final']:.4f} -> {row['overlap1']['final']:.4f} "
@@ -210,6 +231,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--overlap1-outer", default=None, metavar="LR,MOMENTUM",
                         help="run overlap 1 at this outer lr and momentum instead, against overlap 0 at --outer-lr "
                              "and --momentum (a retuned outer optimizer for delayed updates)")
+    parser.add_argument("--start", default="eager", choices=("eager", "base"),
+                        help="where an overlapped update starts: the protocol's eager start (default) or its base")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of a torch workload")
     parser.add_argument("--plot", default=None, help="write the curves as a PNG here")
     args = parser.parse_args(argv)
@@ -227,8 +250,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         outer1 = {**OUTER, "lr": lr, "momentum": momentum}
     start = time.perf_counter()
     results = [bench_workload(name, seeds, args.windows or WINDOWS[name], args.trainers, args.inner_steps, RULE,
-                              outer, args.threads, outer1) for name in names]
-    report = {"trainers": args.trainers, "shards": 2 * args.trainers, "rule": RULE, "outer": outer,
+                              outer, args.threads, outer1, args.start == "eager") for name in names]
+    report = {"trainers": args.trainers, "shards": 2 * args.trainers, "rule": RULE, "outer": outer, "start": args.start,
               "outer_overlap1": outer1 or outer,
               "seeds": seeds, "results": results, "wall_s": round(time.perf_counter() - start, 1)}
     if args.plot:

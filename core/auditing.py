@@ -101,6 +101,7 @@ class _Run:
     base: Head
     segment: int | None
     window: int  # of the head that selected it
+    prior: ArtifactRef | None = None  # the delta an overlapped update's start subtracts (spec/protocol.md §5.2)
     plan: dict[str, ArtifactRef | None] = attrs.Factory(dict)
     waiting: set[bytes] = attrs.Factory(set)
     stalled: list[FetchTrajectory | FetchCheckpoint] = attrs.Factory(list)  # failed fetches to try again
@@ -158,7 +159,8 @@ class SampledAudits:
             e.stats["audits_started"] += 1
             segment = audit_segment(head.id, update_id, m.audit_segments) if m.audit_segments else None
             run = self.running[update_id] = _Run(envelope=entry.envelope, announcement=entry.announcement,
-                                                 base=entry.base, segment=segment, window=head.window)
+                                                 base=entry.base, prior=entry.prior_delta, segment=segment,
+                                                 window=head.window)
             if segment is None:
                 self._replay(update_id, head.window, run)
             else:
@@ -244,7 +246,7 @@ class SampledAudits:
         """Start the ``audit`` task: the whole training, or the run's segment from its checkpoints."""
         e, m = self.engine, self.engine.manifest
         args: dict[str, object] = {"delta": run.announcement.delta,
-                                   "audit": audit_args(m, run.base, run.envelope.signer, run.announcement)}
+                                   "audit": audit_args(m, run.base, run.envelope.signer, run.announcement, run.prior)}
         if run.segment is not None:
             bounds = segment_bounds(m.inner_steps, m.audit_segments)
             args["segment"] = {**run.plan, "from": bounds[run.segment], "to": bounds[run.segment + 1]}

@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from .audit import loss_batch_seed, train_seed
+from .audit import loss_batch_seed, start_args, train_seed
 from .encoding import decode
 from .envelope import MAX_BODY_BYTES, SignedEnvelope
 from .errors import DecodeError, VerificationError
 from .fsm import Table, step
 from .identity import PeerId
 from .leases import claims_of, lease_weight, leases_of
-from .objects import PROTOCOL_VERSION, Head, Manifest, UpdateAnnouncement
+from .objects import PROTOCOL_VERSION, ArtifactRef, Head, Manifest, UpdateAnnouncement
 from .pending import Done, Failed, Outcome
 
 if TYPE_CHECKING:
@@ -56,6 +56,7 @@ class Entry:
     envelope: SignedEnvelope
     announcement: UpdateAnnouncement
     base: Head  # the certified head the update names as its base: the window's parent, or older (§5.2)
+    prior_delta: ArtifactRef | None = None  # the delta of the update's `prior`, which its start subtracts (§5.2)
     state: str = "announced"
     reason: str = ""
 
@@ -131,12 +132,17 @@ def screen_needs_base(manifest: Manifest) -> bool:
     return (manifest.audit and not manifest.audit_rate) or manifest.loss_check_samples > 0
 
 
-def audit_args(manifest: Manifest, base: Head, author: PeerId, ann: UpdateAnnouncement) -> dict[str, Any]:
+def audit_args(manifest: Manifest, base: Head, author: PeerId, ann: UpdateAnnouncement,
+               prior_delta: ArtifactRef | None = None) -> dict[str, Any]:
     """The ``audit`` arguments of a recomputation of `author`'s update `ann` trained on `base` (core/audit.py):
-    the training exactly as the author had to run it (its window fixes the global step, spec/protocol.md §5.1), and
-    the cosine it must reach."""
-    return {"params": base.params, "shards": ann.shards, "seed": train_seed(ann.base, ann.window, ann.shards, author),
+    the training exactly as the author had to run it (its window fixes the global step, spec/protocol.md §5.1; an
+    overlapped update with a prior starts from `start_args`, §5.2), and the cosine it must reach."""
+    args = {"params": base.params, "shards": ann.shards, "seed": train_seed(ann.base, ann.window, ann.shards, author),
             "window": ann.window, "inner_steps": manifest.inner_steps, "min_cosine": manifest.audit_min_cosine}
+    start = start_args(manifest, base, prior_delta)
+    if start is not None:
+        args["start"] = start
+    return args
 
 
 def resume_collector(engine: Engine, collector: Collector | None, work: CollectorWork, outcome: Outcome) -> None:
@@ -249,6 +255,8 @@ class Collector:
             e.rejected_by_reason["late"] += 1
         elif ann.base not in self.bases:
             e.reject(sender, "wrong-base")
+        elif ann.prior is not None and not self._prior_known(sender, author, ann):
+            pass  # refused (and counted) by `_prior_known`
         elif (ann.trajectory is not None) != (e.manifest.audit_segments > 0):
             e.reject(sender, "bad-trajectory", "segment audits need one, and only they")
         elif author in self.quarantined:
@@ -267,7 +275,9 @@ class Collector:
             if self.entries[slot].envelope.id != envelope.id:
                 e.reject(sender, "duplicate-update", str(author))
         else:
-            entry = Entry(envelope=envelope, announcement=ann, base=self.bases[ann.base])
+            prior = None if ann.prior is None else e.recent_updates[ann.prior][1].delta
+            entry = Entry(envelope=envelope, announcement=ann, base=self.bases[ann.base], prior_delta=prior)
+            e.recent_updates[envelope.id] = (author, ann)
             self.entries[slot] = entry
             self.by_id[envelope.id] = entry
             if ann.claim is not None:
@@ -278,15 +288,48 @@ class Collector:
             if first != author or (seen is not None and seen < window):
                 self._move(entry, "replay", "screen-replay")
                 return
-            if screen_needs_base(e.manifest):
-                # The inline audit re-runs training from the base head's params, and the loss check evaluates
-                # them: a validator that adopted that head from others' certificate may not hold them yet. The
-                # author trained on them, so it can serve.
-                providers = [author, sender, *e.peers_with("validator"), *e.peers_with("reducer")]
-                e.fetch(entry.base.params, providers, self.owner,
-                        FetchAuditParams(window=window, slot=slot, sender=sender))
-            else:
-                e.fetch(ann.delta, [author, sender], self.owner, FetchDelta(window=window, slot=slot))
+            self._fetch_inputs(entry, sender)
+
+    def _prior_known(self, sender: PeerId, author: PeerId, ann: UpdateAnnouncement) -> bool:
+        """Whether an update's `prior` is what overlapped windows allow (spec/protocol.md §5.2): only with a base
+        one window older than the parent, the author's own update of the window before (else ``bad-prior``,
+        charged), certified in the parent's cohort and known here (else dropped uncharged, ``prior-uncertified``
+        or ``prior-unknown``: an honest trainer cannot know the parent's cohort when it starts)."""
+        e = self.engine
+        known = e.recent_updates.get(ann.prior) if ann.prior is not None else None
+        if self.bases[ann.base].window != self.window - 2 or \
+                (known is not None and (known[0] != author or known[1].window != self.window - 1)):
+            e.reject(sender, "bad-prior")
+            return False
+        if ann.prior not in self.head.cohort:
+            e.rejected_by_reason["prior-uncertified"] += 1
+            return False
+        if known is None:
+            e.rejected_by_reason["prior-unknown"] += 1
+            return False
+        return True
+
+    def _inputs(self, entry: Entry) -> list[ArtifactRef]:
+        """What the update's screen reads besides its delta and this node lacks: the params of its base (and
+        where its start needs them, the base's momentum and its prior's delta) for an inline audit or the loss
+        check (`screen_needs_base`)."""
+        if not screen_needs_base(self.engine.manifest):
+            return []
+        start = start_args(self.engine.manifest, entry.base, entry.prior_delta) or {}
+        refs = [entry.base.params, start.get("outer_state"), start.get("prior")]
+        return [r for r in refs if r is not None and not self.engine.is_stored(r.digest)]
+
+    def _fetch_inputs(self, entry: Entry, sender: PeerId) -> None:
+        """Fetch what the update's screen needs, one artifact after another, then its delta. A validator that
+        adopted the base from others' certificate may lack its params; the author trained on them (and on its
+        prior), so it can serve them."""
+        e, author, window, slot = self.engine, entry.envelope.signer, self.window, entry.slot
+        missing = self._inputs(entry)
+        if missing:
+            providers = [author, sender, *e.peers_with("validator"), *e.peers_with("reducer")]
+            e.fetch(missing[0], providers, self.owner, FetchAuditParams(window=window, slot=slot, sender=sender))
+        else:
+            e.fetch(entry.announcement.delta, [author, sender], self.owner, FetchDelta(window=window, slot=slot))
 
     def retry(self, update_id: bytes, providers: list[PeerId]) -> bool:
         """Fetch (from `providers`, then the author) and screen again an update rejected here for a transient
@@ -343,9 +386,12 @@ class Collector:
             args["loss_check"] = {"params": entry.base.params, "shards": ann.shards,
                                   "seed": loss_batch_seed(entry.envelope.id),
                                   "samples": manifest.loss_check_samples, "min_drop": manifest.loss_min_drop}
+            start = start_args(manifest, entry.base, entry.prior_delta)
+            if start is not None:
+                args["loss_check"]["start"] = start
         if manifest.audit and not manifest.audit_rate:
             # Re-run the author's training exactly as it had to run it (core/audit.py).
-            args["audit"] = audit_args(manifest, entry.base, entry.envelope.signer, ann)
+            args["audit"] = audit_args(manifest, entry.base, entry.envelope.signer, ann, entry.prior_delta)
         self.engine.run_task("screen", args, self.owner, Screen(window=window, slot=slot))
 
     def resume(self, work: Screen | FetchDelta | FetchAuditParams, outcome: Outcome) -> None:
@@ -361,8 +407,7 @@ class Collector:
             case FetchAuditParams(), Done():
                 entry = self.entries.get(work.slot)
                 if entry is not None:
-                    self.engine.fetch(entry.announcement.delta, [entry.envelope.signer, work.sender], self.owner,
-                                      FetchDelta(window=work.window, slot=work.slot))
+                    self._fetch_inputs(entry, work.sender)
             case FetchAuditParams(), Failed(reason=reason):
                 self._fetch_failed(work.window, work.slot, f"params-{reason}")
             case Screen(), Done(result=result):

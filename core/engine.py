@@ -60,7 +60,7 @@ from .messages import (
     decode_message,
     encode_message,
 )
-from .objects import MAX_OVERLAP, ArtifactRef, Head, QuorumCertificate, Revision
+from .objects import MAX_OVERLAP, ArtifactRef, Head, QuorumCertificate, Revision, UpdateAnnouncement
 from .pending import Done, Failed, Outcome, Pending, PendingState
 from .roles import Role
 
@@ -238,6 +238,9 @@ class Engine:
         self._superseded: dict[bytes, dict[int, PeerId]] = {}
         self._tasks: dict[str, Pending] = {}  # task id -> what its owner does with the result
         self.seen_deltas: dict[bytes, int] = {}  # accepted delta digest -> window (replay screening)
+        # update id -> (author, announcement) of what this node's collectors took in the last windows: an
+        # overlapped update names its author's previous one as its `prior` (spec/protocol.md §5.2)
+        self.recent_updates: dict[bytes, tuple[PeerId, UpdateAnnouncement]] = {}
         records = dict(records or {})
         self.records = records
         # chain sync (spec/protocol.md §8): chain-gets out, peer -> (first, last); at most `chain_parallel`
@@ -620,6 +623,7 @@ class Engine:
         from .collector import REPLAY_WINDOWS
         horizon = self.head.window + 1 - REPLAY_WINDOWS
         self.seen_deltas = {d: w for d, w in self.seen_deltas.items() if w >= horizon}
+        self.recent_updates = {u: x for u, x in self.recent_updates.items() if x[1].window >= self.head.window}
         stop = self.config.stop_after_window
         if stop is not None and self.head.window >= stop:
             self.log("finished", window=self.head.window)

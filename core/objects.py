@@ -43,7 +43,7 @@ ERROR_FEEDBACK_CODECS = ("topk", "sign")
 # an `AdmissionCertificate` signed by the manifest's `admission_authority`.
 ADMISSION_POLICIES = ("open", "certificate")
 # Screening reasons of cohort-relative outliers (the reduce task's cohort screening).
-MAX_OVERLAP = 2  # the largest `overlap`: how many windows an update's base may lag its window's parent
+MAX_OVERLAP = 1  # the largest `overlap`: how many windows an update's base may lag its window's parent
 MAX_NORM_MADS = 64  # the largest `norm_mads`: the power of a cohort's spread is a product of that many floats
 OUTLIER_REASONS = frozenset({"screen-norm-outlier", "screen-cosine"})
 # DiLoCo outer Nesterov momentum default (Douillard et al., arXiv 2311.08105); FedAvg has none.
@@ -759,7 +759,10 @@ class UpdateAnnouncement:
     `claim` names the leaseholder whose expired lease this update claims as next-ranked trainer (None for
     an update on the author's own lease; the key is then absent from the encoding). `trajectory` (under
     segment audits, else None and absent) is the artifact of the author's `Trajectory`: its committed
-    training checkpoints and error-feedback residual (spec/protocol.md §6.3).
+    training checkpoints and error-feedback residual (spec/protocol.md §6.3). `prior` (overlapped windows
+    only, else None and absent) is the id of the author's own update of window `window - 1`, certified in
+    the window's parent and missing from the older `base`: training started from the base moved by it
+    (`core.audit.start_args`, spec/protocol.md §5.2).
     """
 
     KIND: ClassVar[str] = "update"
@@ -773,6 +776,7 @@ class UpdateAnnouncement:
     train_loss: float
     claim: PeerId | None = None
     trajectory: ArtifactRef | None = None
+    prior: bytes | None = None
 
     def to_cbor(self) -> dict[str, Any]:
         body = {"revision": self.revision, "window": self.window, "base": self.base, "shards": list(self.shards),
@@ -781,12 +785,14 @@ class UpdateAnnouncement:
             body["claim"] = self.claim.to_bytes()
         if self.trajectory is not None:
             body["trajectory"] = self.trajectory.to_cbor()
+        if self.prior is not None:
+            body["prior"] = self.prior
         return body
 
     @classmethod
     def from_cbor(cls, obj: Any) -> UpdateAnnouncement:
         keys = frozenset({"revision", "window", "base", "shards", "delta", "delta_digest", "train_loss"})
-        optional = {"claim", "trajectory"} & set(obj) if isinstance(obj, dict) else set()
+        optional = {"claim", "trajectory", "prior"} & set(obj) if isinstance(obj, dict) else set()
         body = f.exact_keys(obj, keys | optional, "update")
         shards = f.array(body, "shards", max_len=MAX_SHARDS)
         if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shards) or \
@@ -796,7 +802,8 @@ class UpdateAnnouncement:
                    shards=tuple(shards), delta=ArtifactRef.from_cbor(body["delta"]),
                    delta_digest=f.cid(body, "delta_digest"), train_loss=f.number(body, "train_loss"),
                    claim=f.peer(body, "claim") if "claim" in body else None,
-                   trajectory=ArtifactRef.from_cbor(body["trajectory"]) if "trajectory" in body else None)
+                   trajectory=ArtifactRef.from_cbor(body["trajectory"]) if "trajectory" in body else None,
+                   prior=f.cid(body, "prior") if "prior" in body else None)
 
 
 @attrs.frozen(kw_only=True)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from .audit import AUDIT_WINDOWS, audit_segment, audit_selected, train_seed
+from .audit import AUDIT_WINDOWS, audit_segment, audit_selected, start_args, train_seed
 from .envelope import SignedEnvelope
 from .fsm import Table, step
 from .identity import PeerId
@@ -105,6 +105,23 @@ class FetchParams:
 
     window: int
     holder: PeerId | None = None
+    prior: bytes = b""  # the attempt: the id of its prior (§5.2), b"" for none
+
+
+@attrs.frozen(kw_only=True)
+class FetchState:
+    """The base head's DiLoCo momentum is being fetched to start `window` from it moved by our prior (§5.2)."""
+
+    window: int
+    prior: bytes = b""
+
+
+def _announcement(envelope: SignedEnvelope) -> UpdateAnnouncement:
+    return UpdateAnnouncement.from_cbor(envelope.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
+
+
+def _prior_of(envelope: SignedEnvelope) -> bytes | None:
+    return _announcement(envelope).prior
 
 
 @attrs.frozen(kw_only=True)
@@ -113,6 +130,7 @@ class Train:
 
     window: int
     holder: PeerId | None = None
+    prior: bytes = b""  # the attempt: the id of its prior (§5.2), b"" for none
 
 
 @attrs.frozen(kw_only=True)
@@ -135,6 +153,9 @@ class TrainerRole(RoleBase):
         self.window = -1  # the window trained (or to train) now; the open one unless windows overlap
         self.head: Head | None = None  # the latest certified head
         self.base: Head | None = None  # the head `window` is trained from (`head`, or older with overlap)
+        # with overlap, our own update of the window before `window` that `base` lacks: training starts from the
+        # base moved by it (spec/protocol.md §5.2)
+        self.prior: SignedEnvelope | None = None
         self.shards: tuple[int, ...] = ()
         # Durable announcements of windows not yet closed, by window: the open one is sent (and sent again
         # to servers that connect), a later one (overlap) waits until its window opens.
@@ -202,6 +223,7 @@ class TrainerRole(RoleBase):
             self._retire_commitments(head)
         self.head = head
         self.published = {w: env for w, env in self.published.items() if w > head.window}
+        self._drop_uncertified_prior(head)
         if self.window <= head.window or self.state in ("idle", "announced"):
             # the window in flight closed (its results are dropped as stale), or nothing is in flight
             self.state, self.window, self.base, self.shards = "idle", head.window + 1, head, ()
@@ -228,6 +250,21 @@ class TrainerRole(RoleBase):
         if self.state == "idle":
             self._next()
 
+    def _drop_uncertified_prior(self, head: Head) -> None:
+        """`head` opens the window we train (or announced) with a prior it did not certify: validators would
+        drop that update (``prior-uncertified``), so we train the window again from `head` itself."""
+        e, window = self.engine, head.window + 1
+        held = self.published.get(window)
+        prior = _prior_of(held) if held is not None else (self.prior.id if self.prior is not None and
+                                                           self.window == window else None)
+        if prior is None or prior in head.cohort:
+            return
+        e.log("prior-uncertified", window=window)
+        self.published.pop(window, None)
+        self.done = min(self.done, window - 1)
+        if self.window == window:
+            self.state, self.prior = "idle", None
+
     def _next(self) -> None:
         """Start the next window this trainer holds a lease in, from the latest certified head: the open
         window, or with overlap k one of the k after it (spec/protocol.md §5.2), reannouncing instead an
@@ -243,6 +280,8 @@ class TrainerRole(RoleBase):
                 self.done = window
                 continue
             self.window, self.base, self.shards = window, head, shards
+            # one window ahead of the head: start from it moved by our own update it lacks, if we made one
+            self.prior = self.published.get(window - 1) if window - 1 > head.window else None
             if self._reclaim(window):
                 continue
             e.log("lease", window=window, shards=list(shards))
@@ -262,7 +301,8 @@ class TrainerRole(RoleBase):
         envelope = SignedEnvelope.from_bytes(old)
         ann = UpdateAnnouncement.from_cbor(envelope.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
         bases = {h.id for h in map(e.head_at, e.base_windows(window)) if h is not None}
-        if ann.base not in bases or not e.is_stored(ann.delta.digest):
+        if ann.base not in bases or not e.is_stored(ann.delta.digest) or \
+                (ann.prior is not None and window == self.current and ann.prior not in self.head.cohort):
             return False
         if self.state == "idle":
             self._step("reclaim")
@@ -282,15 +322,25 @@ class TrainerRole(RoleBase):
             return
         self._step("lease")
         window = self.window
-        e.fetch(head.params, providers, "trainer", FetchParams(window=window))
+        e.fetch(head.params, providers, "trainer", FetchParams(window=window, prior=self._attempt()))
 
     def resume(self, work: Any, outcome: Outcome) -> None:
         """Go on with work of ours the engine held (a task, fetch or write) once it ended with `outcome`."""
+        if isinstance(work, (FetchParams, FetchState, Train)) and work.prior != self._attempt() and \
+                getattr(work, "holder", None) is None:
+            if isinstance(work, Train) and isinstance(outcome, Done) and outcome.result is not None:
+                self.engine.note_stored(outcome.result["delta"])
+            self.engine.log("stale-result", window=work.window)  # a window started again without its prior
+            return
         match work, outcome:
             case FetchParams(holder=None), Done():
                 self._params_stored(work.window)
             case FetchParams(holder=None), Failed(reason=reason):
                 self._fetch_failed(work.window, reason)
+            case FetchState(), Done():
+                self._params_stored(work.window)
+            case FetchState(), Failed(reason=reason):
+                self._fetch_failed(work.window, f"state-{reason}")
             case FetchParams(holder=PeerId() as holder), Done():
                 self._claim_params(work.window, holder)
             case FetchParams(holder=PeerId() as holder), Failed():
@@ -366,16 +416,34 @@ class TrainerRole(RoleBase):
             for v in validators:
                 e.send(v, Signed(envelope=join))
 
+    def _attempt(self) -> bytes:
+        """Which attempt at `window` runs: its prior's id (§5.2), or b"" without one."""
+        return b"" if self.prior is None else self.prior.id
+
+    def _start(self) -> dict[str, Any] | None:
+        """The ``start`` argument of our training (`core.audit.start_args`): None without a prior."""
+        prior = None if self.prior is None else _announcement(self.prior).delta
+        assert self.base is not None
+        return start_args(self.engine.manifest, self.base, prior)
+
     def _params_stored(self, window: int) -> None:
         if window != self.window or self.state != "fetching" or self.base is None:
             return
-        self._step("params-stored")
         e = self.engine
+        state = (self._start() or {}).get("outer_state")
+        if state is not None and not e.is_stored(state.digest):  # the base's momentum, which the start needs
+            providers = sorted(self.head_sources) + e.peers_with("validator") + e.peers_with("reducer")
+            e.fetch(state, providers, "trainer", FetchState(window=window, prior=self._attempt()))
+            return
+        self._step("params-stored")
         args = {"params": self.base.params, "shards": self.shards,
                 "seed": train_seed(self.base.id, window, self.shards, e.me),
                 "window": window, "inner_steps": e.manifest.inner_steps, "author": e.me,
                 "segments": e.manifest.audit_segments}
-        e.run_task("train", args, "trainer", Train(window=window))
+        start = self._start()
+        if start is not None:
+            args["start"] = start
+        e.run_task("train", args, "trainer", Train(window=window, prior=self._attempt()))
 
     def _fetch_failed(self, window: int, reason: str) -> None:
         if window == self.window and self.state == "fetching":
@@ -396,7 +464,8 @@ class TrainerRole(RoleBase):
         self._step("trained")
         ann = UpdateAnnouncement(revision=e.revision.id, window=window, base=self.base.id, shards=self.shards,
                                  delta=delta, delta_digest=result["delta_digest"],
-                                 train_loss=float(result["train_loss"]), trajectory=result.get("trajectory"))
+                                 train_loss=float(result["train_loss"]), trajectory=result.get("trajectory"),
+                                 prior=None if self.prior is None else self.prior.id)
         envelope = seal(e.identity, ann)
         self._commit(window, envelope, result)
         e.persist_then(claim_key(window), envelope.to_bytes(), "trainer",

@@ -131,3 +131,81 @@ def test_base_older_than_the_overlap_is_wrong_base():
                                        delta=delta_of(t), delta_digest=delta_of(t).digest, train_loss=0.5))
     v.deliver(t, Signed(envelope=stale))
     assert v.engine.rejected_by_reason["wrong-base"] == 1
+
+
+def test_eager_starts_are_recomputed_by_audits_and_the_loss_check(tmp_path, workload):
+    """An update one window ahead names its author's previous update as `prior` and trains from the base moved
+    by it (spec/protocol.md §5.2); validators replay that start in the inline audit and the loss check, so
+    every honest update passes both, and the chain verifies."""
+    cluster = build(tmp_path, workload, trainers=2, window_s=5.0, overlap=1, audit=True, loss_check_samples=16,
+                    outer_optimizer="diloco", outer_lr=0.7)
+    assert cluster.run_until(lambda c: head_window(c) >= 4, max_time=120.0)
+    v = cluster.nodes["validator"]
+    chain = [(h, c) for _, h, c in v.heads]
+    verify_chain(cluster.revision, chain)
+    assert check_rules(cluster.revision, chain)
+    cohort = {u for h, _ in chain for u in h.cohort}
+    priors = [(w, ann) for name in ("t0", "t1") for w, ann in announcements(cluster, name).items()
+              if ann.prior is not None]
+    assert priors, "no update started from its prior"
+    certified = [ann for w, ann in priors if w <= chain[-1][0].window]
+    assert all(ann.prior in cohort for ann in certified)  # a prior is always a certified update
+    for reason in ("screen-audit", "screen-loss", "bad-prior"):
+        assert v.engine.rejected_by_reason[reason] == 0, reason
+    assert not any(h.skipped for h, _ in chain)
+
+
+def test_start_params_follow_the_eager_rule_and_the_audit_checks_the_start(tmp_path):
+    """`ComputeExecutor.start_params` is ``params - scale * outer_state - decode(prior)`` in float64, rounded
+    once (spec/protocol.md §5.2); an update trained from the plain base while naming a prior fails the audit,
+    one trained from the start passes."""
+    import numpy as np
+
+    from peerloom.adapters.compute import ComputeExecutor
+    from peerloom.adapters.storage import ArtifactStore
+    from peerloom.backends.numpy.tensors import to_safetensors
+    from peerloom.core.audit import start_args, train_seed
+
+    workload, shards = build_workload("digits-numpy", SEED, N_SHARDS)
+    params = workload.initial_params(SEED)
+    rev = make_revision(schema=tuple((k, "float32", v.shape) for k, v in params.items()))
+    manifest = attrs.evolve(rev.manifest, audit=True, outer_optimizer="diloco", outer_lr=0.7, outer_momentum=0.9,
+                            overlap=1)
+    ex = ComputeExecutor(ArtifactStore(tmp_path, chunk_size=1 << 16), manifest, workload, shards)
+    params_ref = ex.store.put(to_safetensors(params))
+    rng = np.random.default_rng(0)
+    state = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params.items()}
+    state_ref = ex.store.put(to_safetensors(state))
+    seed = train_seed(b"\x12\x20" + bytes(32), 3, (2,), ident(7).peer_id)
+    prior = ex.run("train", {"params": params_ref, "shards": (1,), "seed": seed, "inner_steps": 0})
+    base = attrs.evolve(rev.genesis(), params=params_ref, outer_state=state_ref)
+    start = start_args(manifest, base, prior["delta"])
+    assert start is not None and start["scale"] == pytest.approx(0.7 * 0.81)
+    got = ex.start_params({"params": params_ref, "start": start})
+    prior_tensors = ex.load(prior["delta"])
+    for name, p in params.items():
+        want = (p.astype(np.float64) - start["scale"] * state[name].astype(np.float64)
+                - prior_tensors[name].astype(np.float64)).astype(np.float32)
+        assert np.array_equal(got[name], want)
+    assert start_args(manifest, base, None) is None  # no prior: the base itself
+    audit = {"params": params_ref, "start": start, "shards": (2,), "seed": seed, "inner_steps": 0, "min_cosine": 0.99}
+    eager = ex.run("train", {"params": params_ref, "start": start, "shards": (2,), "seed": seed, "inner_steps": 0})
+    plain = ex.run("train", {"params": params_ref, "shards": (2,), "seed": seed, "inner_steps": 0})
+    assert ex.run("screen", {"delta": eager["delta"], "delta_digest": eager["delta_digest"], "audit": audit})["ok"]
+    lazy = ex.run("screen", {"delta": plain["delta"], "delta_digest": plain["delta_digest"], "audit": audit})
+    assert lazy["ok"] is False and lazy["reason"] == "audit"
+
+
+def test_a_prior_on_an_update_trained_from_the_parent_is_bad_prior():
+    v = overlapped()
+    t = v.trainers[0]
+    genesis = v.engine.head
+    shards = leases_of(genesis, v.revision.manifest, 1)[t.peer_id]
+    v.signed(t, UpdateAnnouncement(revision=v.revision.id, window=1, base=genesis.id, shards=shards,
+                                   delta=delta_of(t), delta_digest=delta_of(t).digest, train_loss=0.5,
+                                   prior=content_id(b"some update")))
+    assert v.engine.rejected_by_reason["bad-prior"] == 1 and v.engine.peers[t.peer_id].penalty == 1
+    assert t.peer_id not in v.role.collector.entries
+    decoded = UpdateAnnouncement.from_cbor(v.announcement(t).open(UpdateAnnouncement.KIND,
+                                                                    PROTOCOL_VERSION))
+    assert decoded.prior is None and "prior" not in decoded.to_cbor()  # absent unless set
