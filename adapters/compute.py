@@ -736,15 +736,27 @@ def eager_start(params: dict[str, np.ndarray], state: dict[str, np.ndarray] | No
     tensor's dtype. Tensors of `out` of the right shape and dtype are written in place (and returned); the others
     are allocated. Same names, shapes and dtypes in, as the manifest's schema fixes them."""
     result: dict[str, np.ndarray] = {}
+    block = 1 << 20  # elements per float64 pass: a model-sized float64 temporary would be twice the model
+    x = np.empty(block, dtype=np.float64)
+    y = np.empty(block, dtype=np.float64)
     for name, p in params.items():
-        x = p.astype(np.float64)
-        if state is not None:
-            x -= scale * state[name].astype(np.float64)
-        x -= prior[name].astype(np.float64)
         buf = None if out is None else out.get(name)
         if buf is None or buf.shape != p.shape or buf.dtype != p.dtype:
             buf = np.empty_like(p)
-        np.copyto(buf, x, casting="unsafe")
+        flat_p, flat_out = np.ravel(p), buf.reshape(-1)
+        flat_prior = np.ravel(prior[name])
+        flat_state = None if state is None else np.ravel(state[name])
+        for i in range(0, flat_p.size, block):
+            n = min(block, flat_p.size - i)
+            xs, ys = x[:n], y[:n]
+            np.copyto(xs, flat_p[i:i + n], casting="unsafe")
+            if flat_state is not None:
+                np.copyto(ys, flat_state[i:i + n], casting="unsafe")
+                ys *= scale
+                xs -= ys
+            np.copyto(ys, flat_prior[i:i + n], casting="unsafe")
+            xs -= ys
+            np.copyto(flat_out[i:i + n], xs, casting="unsafe")
         result[name] = buf
     return result
 

@@ -109,6 +109,13 @@ class FetchParams:
 
 
 @attrs.frozen(kw_only=True)
+class Prefetch:
+    """The params (or momentum) of the head of `window` are fetched ahead of the window that starts from them."""
+
+    window: int
+
+
+@attrs.frozen(kw_only=True)
 class FetchState:
     """The base head's DiLoCo momentum is being fetched to start `window` from it moved by our prior (§5.2)."""
 
@@ -249,6 +256,17 @@ class TrainerRole(RoleBase):
             e.broadcast(Signed(envelope=opened), roles=("validator", "reducer"))
         if self.state == "idle":
             self._next()
+        elif e.manifest.overlap:
+            self._prefetch(head)
+
+    def _prefetch(self, head: Head) -> None:
+        """While a window ahead trains, fetch what the next one starts from: `head`'s params and momentum, so
+        the next window does not wait for them (overlapped windows only)."""
+        e = self.engine
+        providers = sorted(self.head_sources) + e.peers_with("validator") + e.peers_with("reducer")
+        for ref in (head.params, head.outer_state):
+            if ref is not None and not e.is_stored(ref.digest) and providers:
+                e.fetch(ref, providers, "trainer", Prefetch(window=head.window))
 
     def _drop_uncertified_prior(self, head: Head) -> None:
         """`head` opens the window we train (or announced) with a prior it did not certify: validators would
@@ -337,6 +355,8 @@ class TrainerRole(RoleBase):
                 self._params_stored(work.window)
             case FetchParams(holder=None), Failed(reason=reason):
                 self._fetch_failed(work.window, reason)
+            case Prefetch(), _:
+                pass  # ready for the next window, or fetched again when it starts
             case FetchState(), Done():
                 self._params_stored(work.window)
             case FetchState(), Failed(reason=reason):
