@@ -291,7 +291,7 @@ def run_fleet(params: int, *, windows: int, trainers: int, validators: int, out:
     os.environ[PARAMS_ENV] = str(params)  # the nodes build the workload from these (`flat_factory`)
     os.environ[TRAIN_S_ENV] = repr(float(train_s))
     manifest_options = dict(VERIFICATION[verification]) | ({"overlap": overlap} if overlap > 0 else {})
-    directory = out / f"p{params}-{verification}"
+    directory = out / f"p{params}-{verification}-overlap{overlap}"
     shutil.rmtree(directory, ignore_errors=True)
     # Collection time: generous, so a slow machine never closes a window early (a window closes as soon as
     # every lease has reported, so this does not add to the measured time).
@@ -462,17 +462,19 @@ def main() -> None:
                              "sampled (loss check, sampled segment audits), or both, one fleet each")
     parser.add_argument("--train-s", type=float, default=0.0,
                         help="seconds of idle wait per train task, standing in for GPU training (default 0)")
-    parser.add_argument("--overlap", type=int, default=0,
-                        help="manifest `overlap` (overlapped windows; written only when > 0)")
+    parser.add_argument("--overlap", default="0",
+                        help="manifest `overlap` (overlapped windows; written only when > 0); comma-separated "
+                             "values run one fleet each, e.g. 0,1 for today's figure beside the overlapped one")
     parser.add_argument("--gloo-worker", nargs=5, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.gloo_worker:
         _gloo_worker(*args.gloo_worker)
         return
-    if args.train_s < 0 or args.overlap < 0:
+    overlaps = [int(v) for v in args.overlap.split(",")]
+    if args.train_s < 0 or min(overlaps) < 0:
         parser.error("--train-s and --overlap must not be negative")
-    if args.overlap > 0:
-        check_overlap(args.overlap)  # before the baseline: a tree without the field stops at once
+    if max(overlaps) > 0:
+        check_overlap(max(overlaps))  # before the baseline: a tree without the field stops at once
     sizes = [1_000_000] if args.quick else [int(float(p)) for p in args.params.split(",")]
     windows = 3 if args.quick else args.windows
     out = args.out or Path(tempfile.mkdtemp(prefix="peerloom-bench-window-"))
@@ -483,10 +485,10 @@ def main() -> None:
         modes = tuple(VERIFICATION) if args.verification == "both" else (args.verification,)
         for params in sizes:
             baseline = gloo_baseline(world, params, 3 if args.quick else args.baseline_repeats)
-            for mode in modes:
+            for mode, overlap in ((m, o) for m in modes for o in overlaps):
                 result = run_fleet(params, windows=windows, trainers=args.trainers, validators=args.validators,
                                    out=out, keep=args.out is not None, verification=mode,
-                                   train_s=args.train_s, overlap=args.overlap)
+                                   train_s=args.train_s, overlap=overlap)
                 result["verification"] = mode
                 result["baseline_s"] = round(baseline, 4)
                 result["ratio"] = round(result["overhead_s"] / baseline, 2) if baseline > 0 else None

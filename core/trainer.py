@@ -344,8 +344,9 @@ class TrainerRole(RoleBase):
 
     def resume(self, work: Any, outcome: Outcome) -> None:
         """Go on with work of ours the engine held (a task, fetch or write) once it ended with `outcome`."""
-        if isinstance(work, (FetchParams, FetchState, Train)) and work.prior != self._attempt() and \
-                getattr(work, "holder", None) is None:
+        attempt = (_prior_of(work.envelope) or b"") if isinstance(work, Announce) else getattr(work, "prior", None)
+        if isinstance(work, (FetchParams, FetchState, Train, Announce)) and getattr(work, "holder", None) is None \
+                and work.window == self.window and attempt != self._attempt():
             if isinstance(work, Train) and isinstance(outcome, Done) and outcome.result is not None:
                 self.engine.note_stored(outcome.result["delta"])
             self.engine.log("stale-result", window=work.window)  # a window started again without its prior
