@@ -327,7 +327,8 @@ class ArtifactStore:
         for meta in self._artifacts.glob("*" + VOLATILE_REF):
             self._keep_volatile(meta)
         for path in self._artifacts.iterdir():
-            if not path.name.startswith(".") and not path.suffix and not path.with_suffix(DURABLE_REF).exists():
+            if not path.name.startswith(".") and not path.suffix and not path.with_suffix(DURABLE_REF).exists() \
+                    and not path.with_suffix(VOLATILE_REF).exists():
                 path.unlink()  # renamed into place, crashed before its ref was written: not visible, drop it
 
     def _keep_volatile(self, meta: Path) -> None:
@@ -348,9 +349,12 @@ class ArtifactStore:
             finally:
                 os.close(fd)
             if whole:
-                _fsync_dir(self._artifacts)
-                atomic_write(path.with_suffix(DURABLE_REF), encode(ref.to_cbor()))
                 self._refs[ref.digest] = ref
+                try:
+                    _fsync_dir(self._artifacts)
+                    atomic_write(path.with_suffix(DURABLE_REF), encode(ref.to_cbor()))
+                except OSError:
+                    return  # a full disk (or a failing one): it stays volatile, checked again at the next start
         meta.unlink(missing_ok=True)
         if ref is None or ref.digest not in self._refs:
             path.unlink(missing_ok=True)

@@ -242,6 +242,33 @@ def test_a_non_durable_commit_skips_fsync_and_is_hashed_again_and_made_durable_a
     assert list((tmp_path / "artifacts").iterdir()) == []
 
 
+def test_a_non_durable_artifact_stays_volatile_when_the_disk_is_full_at_the_next_open(tmp_path, monkeypatch):
+    """Making a volatile artifact durable at open writes its ref: on a full disk that fails, and the store still
+    opens (a node restarted on a full disk must stay up, spec/design.md §6) with the artifact whole and still
+    volatile, to be checked again at the next open."""
+    import errno
+
+    store = ArtifactStore(tmp_path, chunk_size=10)
+    data = os.urandom(35)
+    ref = _fetch(store, data, 10)
+    store.commit(ref, durable=False)
+    store.close()
+    import peerloom.adapters.storage as storage
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "no space left on device")
+
+    monkeypatch.setattr(storage, "atomic_write", full)
+    again = ArtifactStore(tmp_path, chunk_size=10)
+    name = ref.digest[2:].hex()
+    assert again.get(ref.digest) == data
+    assert sorted(p.name for p in (tmp_path / "artifacts").iterdir()) == [name, f"{name}.vref"]
+    monkeypatch.undo()
+    again.close()
+    assert ArtifactStore(tmp_path, chunk_size=10).get(ref.digest) == data
+    assert (tmp_path / "artifacts" / f"{name}.ref").exists()
+
+
 @pytest.mark.parametrize("damage", ["zeros", "short", "missing", "torn-ref", "empty-ref"])
 def test_a_non_durable_artifact_a_crash_tore_is_deleted_at_the_next_open(tmp_path, damage):
     """After a power loss a file stored without fsync can be full of zeros at its full (preallocated) size,

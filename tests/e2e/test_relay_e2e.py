@@ -35,9 +35,9 @@ def run_tampering_relay(port: int, key: Path, count_file: Path) -> None:
     from tests.adapters.test_relay import TamperingRelay
 
     class Counting(TamperingRelay):
-        async def _splice(self, a, b) -> None:
+        async def _splice(self, a, b, *rest) -> None:
             count_file.write_text(str(self.circuits_total))
-            await super()._splice(a, b)
+            await super()._splice(a, b, *rest)
 
     async def main() -> None:
         await Counting().serve(TcpTransport(), f"/ip4/127.0.0.1/tcp/{port}", load_identity(key))
