@@ -873,6 +873,8 @@ class Engine:
         state.chain_timeouts = 0  # it answers (an empty reply too): not silent
         self._chain_silent.pop(peer, None)
         verified = self._take_segment(peer, *wanted, message.entries)
+        self.log("chain-entries", peer=str(peer), first=wanted[0], entries=len(message.entries),
+                 verified=verified or 0, seconds=round(self.now - state.chain_asked_at, 3))
         if verified == 0:
             state.chain_lacks = wanted[0]
         elif verified:
@@ -980,6 +982,7 @@ class Engine:
             self._chain_requests[peer] = (lo, hi)
             self._chain_live[peer] = self.now + self.config.chain_request_timeout_s
             self.send(peer, ChainRequest(from_window=lo, to_window=hi))
+            self.log("chain-get", peer=str(peer), first=lo, last=hi, proven=self.peers[peer].head_proven >= lo)
         self._arm_chain_timer()
         target = self._sync_target
         if ahead and not willing and not self._chain_live and target is not None and lo < target[0].window:
