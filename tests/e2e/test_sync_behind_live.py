@@ -33,8 +33,8 @@ pytestmark = pytest.mark.slow
 LIARS = 10
 BEHIND = 80  # windows: two chain-gets of 64
 CATCH_UP_S = 5.0
-WINDOW_S = 0.2  # short windows and round timeouts, so that 80 windows without validator 4 (a round lost
-AGREEMENT_TIMEOUT_S = 0.5  # whenever it is the proposer) pass in well under a minute on a loaded machine
+WINDOW_S = 0.1  # short windows and round timeouts, so that 80 windows without validator 4 (a round lost
+AGREEMENT_TIMEOUT_S = 0.3  # whenever it is the proposer) pass in well under a minute on a loaded machine
 
 
 def head_window(node) -> int:
