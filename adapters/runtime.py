@@ -173,6 +173,7 @@ class RuntimeOptions:
     # Retention (`EngineConfig.keep_windows`, spec/protocol.md §8.1): stored artifacts are deleted this many
     # heads after the window they served, the current head's kept; 0 (the default) keeps every artifact.
     keep_windows: int = DEFAULT_KEEP_WINDOWS
+    agreement_timeout_s: float = 2.0  # `EngineConfig.agreement_timeout_s`: Tendermint's base round timeout
     # Connection limits (an adapters.limits.Limits; spec/transport.md §13), shared by every listener and the
     # HTTP edge. None: the defaults, with max_connections / max_connections_per_ip as the peer caps.
     limits: Any = None
@@ -229,7 +230,8 @@ class NodeRuntime:
         self.on_chain_entry = on_chain_entry  # each certified head once durable in the store (see module doc)
         config = EngineConfig(roles=frozenset(roles), revision=revision, capacity=capacity,
                               max_message_bytes=options.max_message_bytes, stop_after_window=stop_after_window,
-                              admission=admission, keep_windows=options.keep_windows)
+                              admission=admission, keep_windows=options.keep_windows,
+                              agreement_timeout_s=options.agreement_timeout_s)
         self.engine = Engine(config, identity, random.Random(), stored=store.refs(), records=store.records())
         self._events_path = events_path
         self._events_file = open(events_path, "a", buffering=1) if events_path else None

@@ -73,6 +73,9 @@ SERVE_MIN_COST_BYTES = 64 << 10  # what a served request costs the per-peer buck
 SERVER_ROLES = frozenset({"validator", "reducer"})
 MAX_SERVED_PEERS = 4096  # peers whose bytes served in this window are tracked at once (spec/protocol.md §8.2)
 CHAIN_BACKOFF_MAX_DOUBLINGS = 6  # a peer that never answers is asked again at most every 2^6 chain-get timeouts
+CHAIN_SILENT_LIMIT = 2  # chain-gets in a row a peer leaves unanswered before it is hung up on (§8)
+MAX_CHAIN_SILENT = 1024  # peers hung up on for silence whose back-off outlives a reconnect (oldest forgotten)
+MAX_PROOFS = 256  # hello certificates verified lately, not verified again (oldest forgotten)
 
 
 def chain_key(window: int) -> str:
@@ -161,6 +164,7 @@ class PeerState:
     chain_served: int = 0  # chain entries it sent us that verified (such peers are asked first)
     chain_timeouts: int = 0  # chain-gets in a row it left unanswered past their deadline
     chain_backoff_until: float = float("-inf")  # not asked for chain entries again before this time
+    head_proven: int = 0  # the highest window whose quorum certificate it sent us and we verified
 
 
 @attrs.frozen(kw_only=True)
@@ -252,6 +256,10 @@ class Engine:
         self._sync_claim = 0
         self._chain_live: dict[PeerId, float] = {}  # the live chain-gets: peer -> deadline
         self._chain_source: PeerId | None = None  # who sent the last segment that verified
+        # peers hung up on after `CHAIN_SILENT_LIMIT` unanswered chain-gets: peer -> (unanswered, back-off end),
+        # restored when they reconnect, so a reconnect does not buy a liar a fresh turn
+        self._chain_silent: dict[PeerId, tuple[int, float]] = {}
+        self._proofs: dict[bytes, None] = {}  # encodings of hello certificates that verified (`_check_proof`)
         self._contiguous = 0  # windows 1.._contiguous are all held (archive, or the current head)
         self._adopting = 0  # the highest window handed to `adopt` (promoted once its record is durable)
         self.head, self.certificate = self.revision.genesis(), QuorumCertificate(
@@ -303,11 +311,14 @@ class Engine:
             case ev.TimerDue():
                 self._fire_timers()
             case ev.PeerConnected():
-                self.peers[event.peer] = PeerState(chunk_tokens=float(self.config.serve_bytes_burst),
-                                                   tokens_at=self.now)
+                state = self.peers[event.peer] = PeerState(chunk_tokens=float(self.config.serve_bytes_burst),
+                                                           tokens_at=self.now)
+                if event.peer in self._chain_silent:
+                    state.chain_timeouts, state.chain_backoff_until = self._chain_silent[event.peer]
                 self._listening.pop(event.peer, None)
                 self.send(event.peer, Hello(revision=self.revision.id, roles=tuple(sorted(self.config.roles)),
-                                            head_window=self.head.window, listen=self.config.listen_address))
+                                            head_window=self.head.window, listen=self.config.listen_address,
+                                            certificate=self.certificate if self.head.window > 0 else None))
             case ev.PeerDisconnected():
                 self._drop_peer(event.peer)
             case ev.Submit():
@@ -657,6 +668,10 @@ class Engine:
                     self.reject(peer, "wrong-revision")
                     self.emit(fx.HangUp(peer=peer, reason="wrong-revision"))
                     return
+                if message.certificate is not None and message.head_window >= self._sync_floor():
+                    # evidence for the claimed head: checked only when we might ask this peer for windows
+                    self._check_proof(message.certificate)
+                    state.head_proven = message.head_window
                 state.roles, state.greeted, state.listen = message.roles, True, message.listen
                 state.head_window, state.chain_lacks = message.head_window, None
                 if message.listen is None:
@@ -674,6 +689,7 @@ class Engine:
                 if message.head.window <= max(self.head.window, self._adopting):
                     return
                 self.verify_certified(message.head, message.certificate)
+                state.head_proven = max(state.head_proven, message.head.window)
                 if self.config.keeps_chain and message.head.window > max(self.head.window, self._adopting) + 1:
                     # We missed windows (a restart, a partition): fetch and verify them first, then adopt.
                     target = self._sync_target
@@ -693,6 +709,7 @@ class Engine:
                 if parent == self.head.id:
                     head = message.head_after(self.head)
                     self.verify_certified(head, message.certificate)
+                    state.head_proven = max(state.head_proven, window)
                     self.adopt(head, message.certificate)
                     for role in self.roles:
                         role.on_head_source(peer, head)
@@ -703,13 +720,20 @@ class Engine:
                     # links to the windows before it when they arrive, `_take_segment`)
                     head = message.head_after(target[0])
                     self.verify_certified(head, message.certificate)
+                    state.head_proven = max(state.head_proven, window)
                     if chain_key(target[0].window) not in self.records:
                         self.persist_then(chain_key(target[0].window), encode_chain_entry(target[0], target[1]),
                                           "engine", Archive(window=target[0].window))
                     self._sync_target = (head, message.certificate, peer)
                 else:
                     # We missed a head: the chain segment up to this one carries whole heads (and rosters);
-                    # its last entry is adopted once every link verifies.
+                    # its last entry is adopted once every link verifies. Its certificate is checked first
+                    # (for this header, in this window, a quorum's votes): sync goes only as far as evidence.
+                    cert = message.certificate
+                    if cert.head != message.head_id or cert.window != window:
+                        raise VerificationError("wrong-head", "certificate is for another head")
+                    self._check_proof(cert)
+                    state.head_proven = max(state.head_proven, window)
                     self._sync_claim = max(self._sync_claim, window)
                 self._sync()
             case ChainRequest():
@@ -850,13 +874,17 @@ class Engine:
             self.reject(peer, "unsolicited-chain")
             return
         self._chain_live.pop(peer, None)
+        state.chain_timeouts = 0  # it answers (an empty reply too): not silent
+        self._chain_silent.pop(peer, None)
         verified = self._take_segment(peer, *wanted, message.entries)
+        self.log("chain-entries", peer=str(peer), first=wanted[0], entries=len(message.entries),
+                 verified=verified or 0, seconds=round(self.now - state.chain_asked_at, 3))
         if verified == 0:
             state.chain_lacks = wanted[0]
         elif verified:
             self._chain_source = peer
             state.chain_served += verified
-            state.chain_timeouts, state.chain_backoff_until = 0, float("-inf")
+            state.chain_backoff_until = float("-inf")
         self._sync()
 
     def _take_segment(self, peer: PeerId, first: int, last: int,
@@ -927,20 +955,21 @@ class Engine:
         `chain_parallel` chain-gets live at once. Missing: holes below our head, the windows before a
         verified head we learnt of (the sync target), and those up to a next-head we could not link. Peers
         asked: greeted, claiming that window, not lacking it, not asked already, not backing off after
-        unanswered chain-gets; in order: those whose entries verified before, the manifest's validators,
-        asked longest ago, peer id. What a peer claims (its roles, how high its head is) never puts it
-        first: a claim costs nothing, so liars would take every turn."""
+        unanswered chain-gets; in order: those whose entries verified before, the manifest's validators, those
+        that showed us a verified quorum certificate of a head that reaches the window, asked longest ago,
+        peer id. What a peer claims (its roles, how high its head is) never puts it first: a claim costs
+        nothing, so liars would take every turn."""
         self._advance()
         if len(self._chain_live) >= self.config.chain_parallel:
             return
         base = max(self.head.window, self._adopting)
+        lo = self._sync_floor()
         if self.config.keeps_chain:
-            lo = self._held_through() + 1
             goal = max(base - 1, self._sync_claim)
             if self._sync_target is not None:
                 goal = max(goal, self._sync_target[0].window - 1)
         else:
-            lo, goal = base + 1, self._sync_claim
+            goal = self._sync_claim
         if lo > goal:
             return
         hi = lo
@@ -949,7 +978,7 @@ class Engine:
         ahead = [(p, s) for p, s in self.peers.items() if s.greeted and s.head_window >= lo]
         willing = [(p, s) for p, s in ahead if s.chain_lacks != lo]
         validators = self.revision.manifest.validators
-        candidates = sorted((s.chain_served == 0, p not in validators, s.chain_asked_at, p)
+        candidates = sorted((s.chain_served == 0, p not in validators, s.head_proven < lo, s.chain_asked_at, p)
                             for p, s in willing if p not in self._chain_live and s.chain_backoff_until <= self.now)
         while candidates and len(self._chain_live) < self.config.chain_parallel:
             peer = candidates.pop(0)[-1]
@@ -957,6 +986,7 @@ class Engine:
             self._chain_requests[peer] = (lo, hi)
             self._chain_live[peer] = self.now + self.config.chain_request_timeout_s
             self.send(peer, ChainRequest(from_window=lo, to_window=hi))
+            self.log("chain-get", peer=str(peer), first=lo, last=hi, proven=self.peers[peer].head_proven >= lo)
         self._arm_chain_timer()
         target = self._sync_target
         if ahead and not willing and not self._chain_live and target is not None and lo < target[0].window:
@@ -965,6 +995,25 @@ class Engine:
             self.log("chain-gap", first=lo, head_window=target[0].window)
             self._sync_target = None
             self._adopt_from(target[0], target[1], target[2])
+
+    def _sync_floor(self) -> int:
+        """The lowest window chain sync may want: the first one missing from the archive (the window after our
+        head for a node that keeps no chain). Peers whose heads are below it are never asked."""
+        if self.config.keeps_chain:
+            return self._held_through() + 1
+        return max(self.head.window, self._adopting) + 1
+
+    def _check_proof(self, cert: QuorumCertificate) -> None:
+        """Verify a hello's certificate (a quorum of the manifest's validators precommitted its head id in its
+        window); raise VerificationError if it does not. The last `MAX_PROOFS` that verified are not
+        verified again: every honest peer sends the fleet's head's one certificate."""
+        key = encode(cert.to_cbor())
+        if key in self._proofs or cert == self.certificate:
+            return
+        cert.verify_votes(self.revision)
+        self._proofs[key] = None
+        if len(self._proofs) > MAX_PROOFS:
+            del self._proofs[next(iter(self._proofs))]
 
     def _arm_chain_timer(self) -> None:
         """One timer for chain sync: the earliest live chain-get's deadline, or the earliest end of a peer's
@@ -1022,6 +1071,16 @@ class Engine:
                 doublings = min(state.chain_timeouts, CHAIN_BACKOFF_MAX_DOUBLINGS)
                 state.chain_backoff_until = self.now + self.config.chain_request_timeout_s * 2**doublings
                 self.stats["chain_timeouts"] += 1
+                if state.chain_timeouts >= CHAIN_SILENT_LIMIT:
+                    # It claims a head it does not serve: drop it (an honest server answers every chain-get,
+                    # if only with no entries). Not charged: a slow honest peer redials and is asked again.
+                    self._chain_silent.pop(peer, None)
+                    self._chain_silent[peer] = (state.chain_timeouts, state.chain_backoff_until)
+                    if len(self._chain_silent) > MAX_CHAIN_SILENT:
+                        del self._chain_silent[next(iter(self._chain_silent))]
+                    self.log("chain-silent", peer=str(peer), unanswered=state.chain_timeouts,
+                             claimed=state.head_window)
+                    self.emit(fx.HangUp(peer=peer, reason="chain-silent"))
         self._sync()
 
     def _window_served(self, peer: PeerId, length: int) -> dict[bytes, int] | None:

@@ -113,25 +113,29 @@ def format_peer_address(kind: str, host: str, port: int) -> str:
 class Hello:
     """First message on every connection: which revision, which roles, how far the sender's chain is, and
     optionally the address the sender accepts connections on (`listen`, for peer exchange; any form of
-    `parse_peer_address`)."""
+    `parse_peer_address`) and the quorum certificate of its head (`certificate`, evidence for
+    `head_window`: spec/protocol.md §8; absent at genesis and from senders that do not send it)."""
 
     KIND = "hello"
     revision: bytes
     roles: tuple[str, ...]
     head_window: int
     listen: str | None = None
+    certificate: QuorumCertificate | None = None
 
     def body(self) -> Any:
         body = {"revision": self.revision, "roles": list(self.roles), "head_window": self.head_window}
         if self.listen is not None:
             body["listen"] = self.listen
+        if self.certificate is not None:
+            body["certificate"] = self.certificate.to_cbor()
         return body
 
     @classmethod
     def parse(cls, body: Any) -> Hello:
         keys = frozenset({"revision", "roles", "head_window"})
-        if isinstance(body, dict) and "listen" in body:
-            keys |= {"listen"}
+        if isinstance(body, dict):
+            keys |= {k for k in ("listen", "certificate") if k in body}
         b = f.exact_keys(body, keys, "hello")
         roles = f.array(b, "roles", max_len=8)
         if not all(isinstance(r, str) and r in ROLES for r in roles):
@@ -140,8 +144,14 @@ class Hello:
         if "listen" in b:
             listen = f.text(b, "listen", max_len=MAX_PEER_ADDRESS_BYTES)
             parse_peer_address(listen)
-        return cls(revision=f.cid(b, "revision"), roles=tuple(roles), head_window=f.uint(b, "head_window"),
-                   listen=listen)
+        head_window = f.uint(b, "head_window")
+        certificate = None
+        if "certificate" in b:
+            certificate = QuorumCertificate.from_cbor(b["certificate"])
+            if certificate.window != head_window:
+                raise DecodeError("bad-field", "hello certificate is for another window than head_window")
+        return cls(revision=f.cid(b, "revision"), roles=tuple(roles), head_window=head_window, listen=listen,
+                   certificate=certificate)
 
 
 @attrs.frozen(kw_only=True)

@@ -709,11 +709,17 @@ class QuorumCertificate:
 
     def verify(self, revision: Revision, head: Head) -> None:
         """Raise VerificationError unless this certifies `head` under `revision`'s validator set and quorum."""
-        m = revision.manifest
         if head.revision != revision.id:
             raise VerificationError("wrong-revision", "head names another revision")
         if self.head != head.id or self.window != head.window:
             raise VerificationError("wrong-head", "certificate is for another head")
+        self.verify_votes(revision)
+
+    def verify_votes(self, revision: Revision) -> None:
+        """Raise VerificationError unless a quorum of `revision`'s validators precommitted head id `self.head`
+        in window `self.window`: evidence that such a head was certified, without the head itself (a
+        `hello`'s certificate, spec/protocol.md §8)."""
+        m = revision.manifest
         signers = [p for p, _ in self.votes]
         if signers != sorted(set(signers)):
             raise VerificationError("bad-certificate", "signers must be sorted and distinct")

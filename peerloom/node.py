@@ -36,6 +36,9 @@ Config keys (TOML)::
                                        # windows' worth however long the run (at 100M parameters a small
                                        # fleet stores ~5 GB per window). Default 0: keep every artifact (any
                                        # head's weights can be exported)
+    agreement_timeout_s = 2.0          # optional, validators: Tendermint's base timeout in seconds (a round
+                                       # without a proposal or a quorum moves on after it, growing with the
+                                       # round; spec/agreement.md). Default 2.0
     audit_worker = true                # optional, validators under sampled audits: run the audits on a second
                                        # worker thread with a workload instance of its own, beside the screens
                                        # and reductions (spec/protocol.md §6.3 "Scheduling"; one more model
@@ -182,7 +185,7 @@ KEYS: dict[str, tuple[type, ...]] = {
     "leave_on_exit": (bool,), "leave_grace_s": (float, int), "device": (str,), "compute": (str,),
     "compute_threads": (int,),
     "pool": (dict,), "transport": (dict, list), "relay": (dict,), "keep_windows": (int,), "limits": (dict,),
-    "audit_worker": (bool,),
+    "audit_worker": (bool,), "agreement_timeout_s": (float, int),
 }
 RELAY_KEYS: dict[str, tuple[type, ...]] = {
     "enabled": (bool,), "listen": (str,), "via": (list,), "only": (bool,), "reservation_s": (float, int),
@@ -267,6 +270,8 @@ def _check(config: dict[str, Any]) -> None:
             raise ConfigError(f"{key} must be at least 1, got {config[key]}")
     if not 1 <= config.get("compute_threads", 1) <= MAX_THREADS:
         raise ConfigError(f"compute_threads must be in [1, {MAX_THREADS}], got {config['compute_threads']}")
+    if config.get("agreement_timeout_s", 1.0) <= 0:
+        raise ConfigError(f"agreement_timeout_s must be positive, got {config['agreement_timeout_s']}")
     if config.get("keep_windows", 0) < 0:
         raise ConfigError(f"keep_windows must be 0 (keep every artifact) or more, got {config['keep_windows']}")
     try:
@@ -706,7 +711,9 @@ def build_runtime(config: dict[str, Any], config_path: Path | None = None, *,
                              relay_listen=relay_listen, relay_limits=relay_limits,
                              relay_only=bool(config.get("relay", {}).get("only", False)),
                              keep_windows=int(config.get("keep_windows", DEFAULT_KEEP_WINDOWS)),
-                             limits=limits_settings(config))
+                             limits=limits_settings(config),
+                             **({"agreement_timeout_s": float(config["agreement_timeout_s"])}
+                                if "agreement_timeout_s" in config else {}))
     # The store's chain directory: one file per certified head the node holds, kept as they become durable.
     chain_dir = Path(config["store"]) / "chain"
     try:  # on a full disk the node still starts, in the disk-full state (spec/transport.md §15)

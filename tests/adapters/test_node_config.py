@@ -43,6 +43,8 @@ def test_relative_paths_resolve_next_to_config(tmp_path):
     ("capacity = 0\n", "capacity must be at least 1"),
     ("keep_windows = -1\n", "keep_windows must be 0 (keep every artifact) or more, got -1"),
     ("keep_windows = \"2\"\n", "keep_windows"),
+    ("agreement_timeout_s = 0\n", "agreement_timeout_s must be positive, got 0"),
+    ('agreement_timeout_s = "1"\n', "agreement_timeout_s"),
     ('capacity = "2"\n', "capacity must be an integer, got '2'"),
     ('lisen = "127.0.0.1:1"\n', "lisen: unknown key (did you mean 'listen'?); valid keys: admission,"),
     ('log_format = "xml"\n', "log_format"),
@@ -180,5 +182,20 @@ def test_validators_under_sampled_audits_get_an_audit_worker(tmp_path, roles, ex
         if audits is not None:
             assert audits.store is runtime.executor.store
             assert isinstance(audits.workload, _Counted) and audits.workload is not runtime.executor.workload
+    finally:
+        runtime.close()
+
+
+@pytest.mark.parametrize(("extra", "timeout_s"), [("", 2.0), ("agreement_timeout_s = 0.5\n", 0.5)])
+def test_agreement_timeout_reaches_the_engine(tmp_path, extra, timeout_s):
+    from peerloom.core.objects import Revision
+
+    authority = ident(200)
+    revision = Revision.verify(make_revision().manifest.seal(authority), authority.peer_id)
+    (tmp_path / "m").write_bytes(revision.envelope.to_bytes())
+    text = _config(tmp_path, 'workload = "tests.adapters.test_node_config:make_counted_workload"\n' + extra)
+    runtime = build_runtime(load_config(text))
+    try:
+        assert runtime.engine.config.agreement_timeout_s == timeout_s
     finally:
         runtime.close()

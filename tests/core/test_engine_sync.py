@@ -2,14 +2,17 @@
 quorum certificate verifies and the windows it skipped are fetched, every link and certificate verified,
 and archived; it refuses a forged chain - charged to whoever sent it. A peer that lacks the windows, is
 silent or goes away is replaced by another; when every peer ahead lacks them, the node adopts the head
-anyway and fills the hole from the next peer that has it (issue 16 item 5: no holes after a crash)."""
+anyway and fills the hole from the next peer that has it (no holes after a crash). Sync goes by verified
+evidence: a peer that showed the certificate of its head is asked before one that only claims a head,
+a claim without a verified certificate never sets how far sync goes, and a peer that claims a head and
+leaves chain-gets unanswered is hung up on."""
 
 import random
 
 from peerloom.core import effects as fx
 from peerloom.core import events as ev
 from peerloom.core.chain import decode_chain_entry, encode_chain_entry, verify_chain
-from peerloom.core.engine import HEAD_RECORD, Engine, EngineConfig, chain_key
+from peerloom.core.engine import CHAIN_SILENT_LIMIT, HEAD_RECORD, Engine, EngineConfig, chain_key
 from peerloom.core.messages import (
     CertifiedHead,
     ChainEntries,
@@ -53,6 +56,7 @@ class Node:
                              random.Random(0), records=records)
         self.sent = []
         self.logs = []
+        self.hangups = []
         self.now = 0.0
         self.engine.handle(ev.Start(now=0.0))
         self.drain()
@@ -65,10 +69,12 @@ class Node:
                 self.sent.append((effect.peer, decode_message(effect.data, max_bytes=1 << 24)))
             elif isinstance(effect, fx.Log):
                 self.logs.append(effect.event)
+            elif isinstance(effect, fx.HangUp):
+                self.hangups.append((effect.peer, effect.reason))
 
-    def connect(self, peer, head_window, roles=("reducer",)):
+    def connect(self, peer, head_window, roles=("reducer",), certificate=None):
         self.engine.handle(ev.PeerConnected(now=self.now, peer=peer.peer_id))
-        self.deliver(peer, Hello(revision=REV.id, roles=roles, head_window=head_window))
+        self.deliver(peer, Hello(revision=REV.id, roles=roles, head_window=head_window, certificate=certificate))
 
     def disconnect(self, peer):
         self.engine.handle(ev.PeerDisconnected(now=self.now, peer=peer.peer_id))
@@ -315,3 +321,139 @@ def test_the_manifests_validators_are_asked_before_peers_that_only_claim_the_rol
     node.deliver(VALS[3], CertifiedHead(head=chain[5][0], certificate=chain[5][1]))
     asked, request = _asked(node, ident(200), ident(201), ident(202), VALS[3])
     assert asked is VALS[3] and request == ChainRequest(from_window=1, to_window=5)
+
+
+def test_a_hello_carries_the_certificate_of_the_senders_head_once_past_genesis():
+    chain = real_chain(3)
+    fresh = Node()
+    fresh.connect(SEED, head_window=0)
+    hello = [m for p, m in fresh.sent if isinstance(m, Hello)][-1]
+    assert hello.head_window == 0 and hello.certificate is None  # absent when unused: old peers interoperate
+    node = Node(records=previous_life(chain, (1, 2, 3), head=3))
+    node.connect(SEED, head_window=0)
+    hello = [m for p, m in node.sent if isinstance(m, Hello)][-1]
+    assert hello.head_window == 3 and hello.certificate == chain[2][1]
+
+
+def test_a_peer_that_proves_its_head_in_its_hello_is_asked_before_peers_that_only_claim_one():
+    """Liars are greeted first and claim a far higher head; an honest stranger greets last with the
+    certificate of its head. The stranger is asked, and the node reaches the tip with no chain-get timeout.
+    Without the certificate the same stranger is asked only after liars with lower peer ids."""
+    chain = real_chain(6)
+    liars = [ident(200 + i) for i in range(6)]
+    honest = max((SEED, STRANGER), key=lambda p: p.peer_id)
+    assert any(liar.peer_id < honest.peer_id for liar in liars)  # order by peer id alone would pick a liar
+    for proof in (None, chain[5][1]):
+        node = Node(chain_parallel=1)
+        for liar in liars:
+            node.connect(liar, head_window=10**12, roles=("validator",))
+        node.connect(honest, head_window=6, certificate=proof)
+        assert node.engine.peers[honest.peer_id].head_proven == (6 if proof else 0)
+        node.engine._sync_target = (chain[5][0], chain[5][1], liars[0].peer_id)  # the head, told by anyone
+        node.engine._sync()
+        node.drain()
+        if proof is None:
+            assert not node.requests(honest)
+            continue
+        assert node.requests(honest) == [ChainRequest(from_window=1, to_window=5)]
+        _serve_honestly(node, honest, chain)
+        assert node.engine.head == chain[5][0] and not any(node.requests(liar) for liar in liars)
+
+
+def test_a_head_the_peer_sent_and_that_verified_is_proof_too():
+    chain = real_chain(6)
+    node = Node(chain_parallel=1)
+    liars = [ident(200 + i) for i in range(4)]
+    for liar in liars:
+        node.connect(liar, head_window=10**12)
+    node.connect(STRANGER, head_window=6)  # an old peer: no certificate in its hello
+    node.deliver(STRANGER, CertifiedHead(head=chain[5][0], certificate=chain[5][1]))
+    assert node.requests(STRANGER) == [ChainRequest(from_window=1, to_window=5)]
+    assert not any(node.requests(liar) for liar in liars)
+
+
+def test_a_forged_hello_certificate_is_refused_and_charged_and_the_peer_not_greeted():
+    chain = real_chain(6)
+    head = chain[5][0]
+    node = Node()
+    for peer, cert, reason in [
+        (ident(200), certify(REV, head, FAKES), "not-a-validator"),
+        (ident(201), certify(REV, head, VALS[:2]), "no-quorum"),
+        (ident(202), certify(REV, head, VALS[:3], step="prevote"), "bad-signature"),
+    ]:
+        node.connect(peer, head_window=6, certificate=cert)
+        assert node.engine.rejected_by_reason[reason] == 1
+        assert node.engine.peers[peer.peer_id].penalty == 1 and not node.engine.peers[peer.peer_id].greeted
+    # a certificate for another window than the hello's head_window does not even decode
+    node.engine.handle(ev.PeerConnected(now=node.now, peer=ident(203).peer_id))
+    node.deliver(ident(203), Hello(revision=REV.id, roles=("trainer",), head_window=7, certificate=chain[5][1]))
+    assert node.engine.rejected_by_reason["decode-bad-field"] == 1
+
+
+def test_a_hello_certificate_is_checked_once_and_only_when_the_peer_could_be_asked():
+    chain = real_chain(6)
+    node = Node(records=previous_life(chain, range(1, 7), head=6))
+    calls = []
+    verify = QuorumCertificate.verify_votes
+    QuorumCertificate.verify_votes = lambda self, revision: (calls.append(self.window), verify(self, revision))[1]
+    try:
+        node.connect(SEED, head_window=6, certificate=chain[5][1])  # not ahead of us: not checked
+        later = real_chain(8)
+        node.connect(STRANGER, head_window=8, certificate=later[7][1])
+        node.connect(ident(52), head_window=8, certificate=later[7][1])  # the same certificate: checked once
+    finally:
+        QuorumCertificate.verify_votes = verify
+    assert calls == [8]
+    assert node.engine.peers[ident(52).peer_id].head_proven == 8
+
+
+def test_a_next_head_that_does_not_link_sets_no_sync_goal_unless_its_certificate_verifies():
+    chain = real_chain(6)
+    node = Node(records=previous_life(chain, (1, 2), head=2))
+    head6, cert6 = chain[5]
+    forged = NextHead.of(head6, chain[4][0], certify(REV, head6, FAKES))
+    node.connect(SEED, head_window=2)
+    node.deliver(SEED, forged)
+    assert node.engine.rejected_by_reason["not-a-validator"] == 1 and not node.requests(SEED)
+    other = NextHead.of(head6, chain[4][0], chain[4][1])  # a real certificate, of another head
+    node.deliver(SEED, other)
+    assert node.engine.rejected_by_reason["wrong-head"] == 1 and not node.requests(SEED)
+    node.deliver(SEED, NextHead.of(head6, chain[4][0], cert6))
+    assert node.requests(SEED) == [ChainRequest(from_window=3, to_window=6)]
+    assert node.engine.peers[SEED.peer_id].head_proven == 6
+
+
+def test_a_peer_that_claims_a_head_and_leaves_chain_gets_unanswered_is_hung_up_on_and_stays_backed_off():
+    """Not charged (a slow honest peer redials), but a reconnect does not buy it a fresh turn; an honest
+    peer that answers, if only with no entries, is never hung up on."""
+    chain = real_chain(6)
+    node = Node(chain_parallel=1)
+    liar = ident(200)
+    node.connect(liar, head_window=10**12, roles=("validator",))
+    node.connect(SEED, head_window=6)
+    node.engine._sync_target = (chain[5][0], chain[5][1], SEED.peer_id)
+    node.engine.peers[SEED.peer_id].chain_lacks = 1  # only the liar is willing
+    node.engine._sync()
+    node.drain()
+    timeout = node.engine.config.chain_request_timeout_s
+    now = 0.0
+    while len(node.requests(liar)) < CHAIN_SILENT_LIMIT or not node.hangups:
+        now += 0.5
+        node.tick(now)
+        assert now < 60 * timeout
+    assert node.hangups == [(liar.peer_id, "chain-silent")] and len(node.requests(liar)) == CHAIN_SILENT_LIMIT
+    assert node.engine.peers[liar.peer_id].penalty == 0 and not node.engine.rejected_by_reason
+    node.disconnect(liar)
+    node.connect(liar, head_window=10**12, roles=("validator",))
+    node.tick(now + 0.5)
+    assert len(node.requests(liar)) == CHAIN_SILENT_LIMIT  # still backing off after its reconnect
+    node.engine.peers[SEED.peer_id].chain_lacks = None
+    node.engine._sync()
+    node.drain()
+    for _ in range(CHAIN_SILENT_LIMIT + 1):
+        node.deliver(SEED, ChainEntries(entries=()))
+        node.engine.peers[SEED.peer_id].chain_lacks = None
+        node.engine._sync()
+        node.drain()
+    assert len(node.requests(SEED)) == CHAIN_SILENT_LIMIT + 2 and not node.engine.rejected_by_reason
+    assert all(peer != SEED.peer_id for peer, _ in node.hangups)

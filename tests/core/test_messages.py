@@ -17,16 +17,21 @@ from peerloom.core.messages import (
     encode_message,
     parse_address,
 )
+from peerloom.core.objects import QuorumCertificate
 from tests.helpers import ident
 
 MAX = 16 << 20
 CID = b"\x12\x20" + b"\x07" * 32
 P1, P2 = ident(1).peer_id.to_bytes(), ident(2).peer_id.to_bytes()
+QC3 = QuorumCertificate(head=CID, window=3, round=1, votes=((ident(1).peer_id, b"\x01" * 64),
+                                                           (ident(2).peer_id, b"\x02" * 64)))
 
 
 @pytest.mark.parametrize("message", [
     Hello(revision=CID, roles=("trainer",), head_window=3),
     Hello(revision=CID, roles=("trainer",), head_window=3, listen="127.0.0.1:4001"),
+    Hello(revision=CID, roles=("validator",), head_window=3, certificate=QC3),
+    Hello(revision=CID, roles=("trainer",), head_window=3, listen="127.0.0.1:4001", certificate=QC3),
     PeerExchange(peers=((ident(1).peer_id, "127.0.0.1:4001"), (ident(2).peer_id, "[::1]:9"))),
     PeerExchange(peers=()),
     ChunkRequest(artifact=CID, index=2),
@@ -43,6 +48,10 @@ def test_round_trip(message):
     (["chunk-get", {"artifact": CID, "index": -1}], "bad-field"),
     (["hello", {"revision": CID, "roles": [], "head_window": 0, "listen": "0.0.0.0:1"}], "bad-field"),
     (["hello", {"revision": CID, "roles": [], "head_window": 0, "listen": None}], "bad-field"),
+    (["hello", {"revision": CID, "roles": [], "head_window": 4, "certificate": QC3.to_cbor()}], "bad-field"),
+    (["hello", {"revision": CID, "roles": [], "head_window": 3, "certificate": None}], "bad-type"),
+    (["hello", {"revision": CID, "roles": [], "head_window": 3,
+                "certificate": {**QC3.to_cbor(), "votes": [[P1, b"short"]]}}], "bad-field"),
     (["peers", {"peers": [[P1, "127.0.0.1:1"]] * (MAX_PEER_ENTRIES + 1)}], "bad-field"),
     (["peers", {"peers": [[P1, "127.0.0.1:1"], [P1, "127.0.0.1:2"]]}], "bad-field"),  # duplicate peer
     (["peers", {"peers": [[P1, "127.0.0.1:1"], [P2, "127.0.0.1:1"]]}], "bad-field"),  # duplicate address
@@ -91,6 +100,24 @@ def test_structured_garbage_only_raises_decode_error(kind, value):
         decode_message(encode([kind, value]), max_bytes=MAX)
     except DecodeError:
         pass
+
+
+certificates = st.fixed_dictionaries({"head": st.just(CID) | leaf, "window": st.integers(-1, 4),
+                                      "round": st.integers(-1, 2), "votes": st.lists(
+                                          st.lists(st.just(P1) | st.binary(max_size=70), max_size=3), max_size=3)},
+                                     optional={"x": leaf}) | body
+
+
+@given(certificates, st.integers(0, 4))
+def test_a_hello_certificate_only_raises_decode_error(certificate, head_window):
+    """A hello that is valid but for its `certificate` (spec/wire.md `message-hello`)."""
+    data = encode(["hello", {"revision": CID, "roles": ["trainer"], "head_window": head_window,
+                             "certificate": certificate}])
+    try:
+        hello = decode_message(data, max_bytes=MAX)
+    except DecodeError:
+        return
+    assert hello.certificate is not None and hello.certificate.window == head_window
 
 
 @pytest.mark.parametrize("text,expected", [

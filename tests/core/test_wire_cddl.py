@@ -244,6 +244,8 @@ def instances() -> list[tuple[str, bytes, int]]:
         ("message", encode_message(Hello(revision=revision.id, roles=("trainer", "validator"), head_window=7)), 0),
         ("message", encode_message(Hello(revision=revision.id, roles=("reducer",), head_window=0,
                                          listen="127.0.0.1:4001")), 0),
+        ("message", encode_message(Hello(revision=revision.id, roles=("validator",), head_window=1,
+                                         listen="127.0.0.1:4001", certificate=cert)), 0),
         ("message", encode_message(Hello(revision=revision.id, roles=("trainer",), head_window=0,  # via a relay
                                          listen=f"/ip4/127.0.0.1/tcp/7/p2p-circuit/{trainer.peer_id.to_text()}")), 0),
         ("message", encode_message(PeerExchange(peers=((trainer.peer_id, "127.0.0.1:4001"),
@@ -306,6 +308,7 @@ def _hello(**changes: Any) -> bytes:
     ("message", _hello(roles=["king"])),                       # unknown role
     ("message", _hello(head_window=-1)),                       # negative where u63
     ("message", _hello(revision=b"short")),                    # cid of the wrong size
+    ("message", _hello(head_window=1, certificate={"head": content_id(b"h"), "window": 1, "round": 0})),
     ("listen-address", encode("127.0.0.1:1" + "0" * 54)),      # over 64 bytes
     ("listen-address", encode("memory://r/p2p-circuit/12D3KooW" + "1" * 45)),  # not a peer id's length
     ("message", encode(["peers", {"peers": [[b"\0" * 38, 4001]]}])),               # address not text
