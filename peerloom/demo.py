@@ -482,6 +482,8 @@ def _run_demo(*, profile: str, out: Path, seed: int, kill_trainer_at: int | None
                                  " not in the genesis roster")
             time.sleep(0.1)
     finally:
+        for node in nodes:  # started as the signal came, before `launch` recorded it: stopped all the same
+            node.process = node.process or fleet.processes.get(node.name)
         _stop(nodes)
 
     return _finish(out, profile, seed, p, nodes, revision, baseline, started, rule, workload_name)
