@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -263,3 +264,13 @@ def test_sigterm_stops_the_demo_and_every_node_it_started(tmp_path):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+    # nor any node it started after printing those pids (a late joiner started as the signal came)
+    left = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "peerloom node" in text and str(tmp_path / "demo") in text:
+            left.append(text)
+    assert not left, left
