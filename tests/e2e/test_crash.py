@@ -5,17 +5,17 @@ issue 7). A trainer SIGKILLed and restarted fills in every window it missed (iss
 Fleet: two validators (quorum 2, so every window needs the victim's votes) and two trainers, each a
 `peerloom node` OS process on 127.0.0.1. validator-1 is killed a random 0-1 s or 2.5-4 s after it is up
 (its first life runs until it has voted in two windows), its store is checked from this process, and it is
-started again from the same disk. validator-1's lives are forked from a fork server that imported peerloom
-once (tests/node_zygote.py): real processes and real SIGKILLs, without paying the interpreter start-up on
-every restart. Double votes are looked for in three places: the victim's own vote log across all its lives,
-its database (one row per slot, matching the log), and the surviving validator, which rejects any
-equivocation it receives with reason ``equivocation``.
+started again from the same disk. Every node's lives are forked from a fork server that imported peerloom
+once (tests/node_zygote.py, as `Node.start` does): real processes and real SIGKILLs, without paying the
+interpreter start-up on every restart. Double votes are looked for in three places: the victim's own vote
+log across all its lives, its database (one row per slot, matching the log), and the surviving validator,
+which rejects any equivocation it receives with reason ``equivocation``.
 """
 
 from __future__ import annotations
 
-import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -59,22 +59,11 @@ def test_sigkill_validator_repeatedly_keeps_store_consistent_and_never_double_vo
     nodes = make_fleet(tmp_path, validators=2, trainers=2, quorum=2, window_s=1.0)
     victim, witness = nodes[0], nodes[1]
     started = time.monotonic()
-    zygote = subprocess.Popen([sys.executable, "-m", "tests.node_zygote"], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
-
-    def command(line: str) -> str:
-        assert zygote.stdin is not None and zygote.stdout is not None
-        zygote.stdin.write(line + "\n")
-        zygote.stdin.flush()
-        return zygote.stdout.readline().strip()
-
     try:
-        for node in nodes[1:]:
+        for node in nodes:
             node.start()
-        for node in nodes[1:]:
+        for node in nodes:
             node.wait_port()
-        command(f"start {victim.config_path}")
-        victim.wait_port()
         deadline = time.monotonic() + 20.0  # first life: let the fleet get going (votes in flight)
         while time.monotonic() < deadline and len({e["window"] for e in victim.events() if e["event"] == "vote"}) < 2:
             time.sleep(0.05)
@@ -82,20 +71,17 @@ def test_sigkill_validator_repeatedly_keeps_store_consistent_and_never_double_vo
         for _ in range(ITERATIONS):
             # Short lives hit start-up and resume; long ones outlive the window deadline (a nil prevote).
             time.sleep(rng.uniform(0.0, 1.0) if rng.random() < 0.5 else rng.uniform(2.5, 4.0))
-            assert command("kill").startswith("killed")
+            victim.kill()
+            assert victim.process is not None and victim.process.returncode == -signal.SIGKILL
             votes = _check_store(victim.directory / "store")
             for slot, envelope in all_votes.items():  # nothing a previous life signed was lost
                 assert votes[slot] == envelope, slot
             all_votes = votes
-            (victim.directory / "port").unlink()
-            command(f"start {victim.config_path}")
+            victim.start()
             victim.wait_port()
         time.sleep(1.0)
     finally:
-        if zygote.poll() is None:
-            command("quit")
-            zygote.wait(timeout=15)
-        for node in nodes[1:]:
+        for node in nodes:
             node.stop()
     elapsed = time.monotonic() - started
 
