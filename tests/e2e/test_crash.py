@@ -14,6 +14,8 @@ which rejects any equivocation it receives with reason ``equivocation``.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import signal
 import subprocess
@@ -108,21 +110,34 @@ _WRITER = """
 import hashlib, os, sys
 from peerloom.adapters.storage import ArtifactStore
 from peerloom.core.objects import make_artifact_ref
-store = ArtifactStore(sys.argv[1], chunk_size=4096)
-n = int(sys.argv[2])
-print("ready", flush=True)
-while True:
-    n += 1
-    data = hashlib.sha256(str(n).encode()).digest() * (1 + n % 2000)  # up to 64 KB, often several chunks
-    if n % 3:
-        store.put(data)
-    else:  # a chunked fetch: chunks at their offsets, then verify-and-commit
-        ref = make_artifact_ref(data, 4096)
-        for i in reversed(range(ref.num_chunks)):
-            store.write_chunk(ref, i, data[i * 4096:(i + 1) * 4096])
-        store.commit(ref)
-    store.put_record(f"vote/{n}/0/prevote", hashlib.sha256(data).digest())
-    store.put_record("head", str(n).encode())
+
+def write(n):
+    store = ArtifactStore(sys.argv[1], chunk_size=4096)
+    print("ready", os.getpid(), flush=True)
+    while True:
+        n += 1
+        data = hashlib.sha256(str(n).encode()).digest() * (1 + n % 2000)  # up to 64 KB, often several chunks
+        if n % 3:
+            store.put(data)
+        else:  # a chunked fetch: chunks at their offsets, then verify-and-commit
+            ref = make_artifact_ref(data, 4096)
+            for i in reversed(range(ref.num_chunks)):
+                store.write_chunk(ref, i, data[i * 4096:(i + 1) * 4096])
+            store.commit(ref)
+        store.put_record(f"vote/{n}/0/prevote", hashlib.sha256(data).digest())
+        store.put_record("head", str(n).encode())
+
+# One writer process per input line (the last vote it may assume written), forked from this one so that the
+# imports are paid once; it opens the store itself, and this process never does.
+for line in sys.stdin:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            write(int(line))
+        finally:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    print("ended", os.waitstatus_to_exitcode(status), flush=True)
 """
 
 
@@ -137,26 +152,39 @@ def test_sigkill_during_store_writes_leaves_no_torn_artifact_or_record(tmp_path)
     script.write_text(_WRITER)
     store_dir = tmp_path / "store"
     last = 0
-    for _ in range(ITERATIONS):
-        proc = subprocess.Popen([sys.executable, str(script), str(store_dir), str(last)], stdout=subprocess.PIPE,
-                                text=True)
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        time.sleep(rng.uniform(0.0, 0.3))
-        proc.kill()
-        proc.wait()
-        store = ArtifactStore(store_dir, chunk_size=4096)
-        assert store.check() == []  # every visible artifact is whole and matches its digest
-        records = store.records()
-        head = int(records.get("head", b"0"))
-        votes = {int(k.split("/")[1]): v for k, v in records.items() if k.startswith("vote/")}
-        for n, value in votes.items():
-            data = hashlib.sha256(str(n).encode()).digest() * (1 + n % 2000)
-            assert value == hashlib.sha256(data).digest()
-            assert store.has(make_artifact_ref(data, 4096).digest)  # its artifact was durable before it
-        assert max(votes, default=0) - head in (0, 1)  # records commit in order: head n only after vote n
-        assert sorted(votes) == list(range(1, len(votes) + 1))  # nothing committed was lost
-        last = max(votes, default=0)
-        store.close()
+    server = subprocess.Popen([sys.executable, str(script), str(store_dir)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert server.stdin is not None and server.stdout is not None
+    pid = None
+    try:
+        for _ in range(ITERATIONS):
+            server.stdin.write(f"{last}\n")
+            server.stdin.flush()
+            ready, pid = server.stdout.readline().split()
+            assert ready == "ready"
+            time.sleep(rng.uniform(0.0, 0.3))
+            os.kill(int(pid), signal.SIGKILL)
+            assert server.stdout.readline().split() == ["ended", str(-signal.SIGKILL)]
+            pid = None
+            store = ArtifactStore(store_dir, chunk_size=4096)
+            assert store.check() == []  # every visible artifact is whole and matches its digest
+            records = store.records()
+            head = int(records.get("head", b"0"))
+            votes = {int(k.split("/")[1]): v for k, v in records.items() if k.startswith("vote/")}
+            for n, value in votes.items():
+                data = hashlib.sha256(str(n).encode()).digest() * (1 + n % 2000)
+                assert value == hashlib.sha256(data).digest()
+                assert store.has(make_artifact_ref(data, 4096).digest)  # its artifact was durable before it
+            assert max(votes, default=0) - head in (0, 1)  # records commit in order: head n only after vote n
+            assert sorted(votes) == list(range(1, len(votes) + 1))  # nothing committed was lost
+            last = max(votes, default=0)
+            store.close()
+    finally:
+        if pid is not None:  # a failed check left a writer running
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        server.stdin.close()
+        server.wait(timeout=30)
     assert last > ITERATIONS  # the writer made progress between kills
 
 
