@@ -19,6 +19,8 @@ The client side is `Zygote` (a `subprocess.Popen`-like `ForkedProcess` per child
 from __future__ import annotations
 
 import atexit
+import contextlib
+import importlib
 import json
 import os
 import select
@@ -27,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -140,19 +143,44 @@ class Zygote:
                 self.process.wait()
 
 
-_shared: Zygote | None = None
+_shared: dict[tuple[tuple[str, str], ...], Zygote] = {}
 _shared_lock = threading.Lock()
 
 
-def shared() -> Zygote:
-    """The test session's fork server, started on first use (its own environment: this process's at that
-    moment, with PYTHONHASHSEED=0 like every node; each child gets the environment of its `start`)."""
-    global _shared
+def shared(**env: str) -> Zygote:
+    """The test session's fork server for `env` (variables its interpreter starts with, on top of this
+    process's environment and PYTHONHASHSEED=0 like every node), started on first use. Start-up variables
+    matter where a module reads them once at import (OMP_NUM_THREADS for OpenBLAS); PEERLOOM_ZYGOTE_PRELOAD
+    names modules to import before forking (``torch``). Each child gets the environment of its `start`."""
+    key = tuple(sorted(env.items()))
     with _shared_lock:
-        if _shared is None or _shared._gone or _shared.process.poll() is not None:
-            _shared = Zygote(env={**os.environ, "PYTHONHASHSEED": "0"})
-            atexit.register(_shared.close)
-        return _shared
+        zygote = _shared.get(key)
+        if zygote is None or zygote._gone or zygote.process.poll() is not None:
+            zygote = _shared[key] = Zygote(env={**os.environ, "PYTHONHASHSEED": "0", **env})
+            atexit.register(zygote.close)
+        return zygote
+
+
+@contextlib.contextmanager
+def forked_popen(**env: str) -> Iterator[None]:
+    """Inside the block, `subprocess.Popen(["python", "-m", "peerloom", "node", ...], stdout=<a file>, ...)` (what
+    `peerloom.experiment.Fleet.start` runs for each node) forks the node from `shared(**env)` instead, with
+    the environment and the log file it was given; any other Popen runs as usual."""
+    real = subprocess.Popen
+
+    def popen(args: Any, *rest: Any, **kwargs: Any) -> Any:
+        stdout = kwargs.get("stdout")
+        if (not rest and isinstance(args, list) and args[:4] == [sys.executable, "-m", "peerloom", "node"]
+                and hasattr(stdout, "name") and kwargs.get("stderr") == subprocess.STDOUT
+                and set(kwargs) <= {"stdout", "stderr", "env", "cwd"}):
+            return shared(**env).start(args[3:], log=Path(stdout.name), env=kwargs.get("env"), cwd=kwargs.get("cwd"))
+        return real(args, *rest, **kwargs)
+
+    subprocess.Popen = popen  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        subprocess.Popen = real  # type: ignore[misc]
 
 
 # --- the server ------------------------------------------------------------------------------------------
@@ -177,6 +205,13 @@ def _child(request: dict[str, Any], wake: tuple[int, int]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        if os.environ.get("PYTHONUNBUFFERED"):
+            sys.stdout.reconfigure(write_through=True)  # type: ignore[union-attr]
+            sys.stderr.reconfigure(write_through=True)  # type: ignore[union-attr]
+        # sys.path as `python -m` builds it: the working directory first, then PYTHONPATH's entries
+        sys.path[0] = os.getcwd()
+        extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+        sys.path[1:1] = extra
         from peerloom import cli
 
         sys.argv = [str(Path(cli.__file__).with_name("__main__.py")), *request["argv"]]
@@ -220,6 +255,8 @@ def main() -> None:
     from tests.node_cluster import numpy_digits
 
     numpy_digits(0, 1)  # warm the dataset and sklearn imports before forking
+    for module in filter(None, os.environ.get("PEERLOOM_ZYGOTE_PRELOAD", "").split(",")):
+        importlib.import_module(module)
 
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
