@@ -20,6 +20,10 @@ from peerloom.adapters.storage import ArtifactStore, atomic_write
 from peerloom.backends.numpy.tensors import schema_of, tensor_digest, to_safetensors
 from peerloom.core.identity import Identity
 from peerloom.core.objects import Manifest, Revision
+from tests import node_zygote
+
+# PEERLOOM_TEST_FRESH_NODES=1: every `Node.start` runs a fresh interpreter instead of forking from the fork server.
+FRESH_INTERPRETERS = os.environ.get("PEERLOOM_TEST_FRESH_NODES", "") not in ("", "0")
 
 
 def numpy_digits(seed: int, num_shards: int) -> tuple[Any, list[list[int]]]:
@@ -46,7 +50,7 @@ class Node:
     directory: Path
     port: int = 0
     config: dict[str, Any] = field(default_factory=dict)
-    process: subprocess.Popen[bytes] | None = None
+    process: subprocess.Popen[bytes] | node_zygote.ForkedProcess | None = None
 
     @property
     def config_path(self) -> Path:
@@ -57,11 +61,19 @@ class Node:
         self.config_path.write_text(tomli_w.dumps(self.config))
         return self.config_path
 
-    def start(self) -> None:
+    def start(self, *, fresh_interpreter: bool = FRESH_INTERPRETERS) -> None:
+        """Start `peerloom node --config <node.toml>`, output appended to node.log: forked from the session's
+        fork server (tests/node_zygote.py: a real process running the real command line, without the seconds
+        of imports a fresh interpreter pays), or with `fresh_interpreter` as `python -m peerloom node`."""
         (self.directory / "port").unlink(missing_ok=True)
+        argv = ["node", "--config", str(self.config_path)]
+        env = {**os.environ, "PYTHONHASHSEED": "0"}
+        if not fresh_interpreter:
+            self.process = node_zygote.shared().start(argv, log=self.directory / "node.log", env=env)
+            return
         log = open(self.directory / "node.log", "ab")
-        self.process = subprocess.Popen([sys.executable, "-m", "peerloom", "node", "--config", str(self.config_path)],
-                                        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONHASHSEED": "0"})
+        self.process = subprocess.Popen([sys.executable, "-m", "peerloom", *argv], stdout=log,
+                                        stderr=subprocess.STDOUT, env=env)
         log.close()
 
     def wait_port(self, timeout_s: float = 30.0) -> int:

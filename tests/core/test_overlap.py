@@ -62,10 +62,19 @@ def test_lease_window():
     assert leases_of(genesis, m, 1) != leases_of(genesis, m, 2) or len(genesis.roster) < 2
 
 
-def test_overlapped_fleet_trains_ahead_on_older_bases_and_its_chain_verifies(tmp_path, workload):
-    cluster = build(tmp_path, workload, trainers=2, window_s=5.0, overlap=1)
+@pytest.fixture(scope="module")
+def overlapped_fleet(tmp_path_factory, workload):
+    """One overlapped fleet (2 trainers, window 5 s, overlap 1) run until the validator holds window 5, shared
+    by the tests below that only read it (a simulated run is deterministic: its first windows are those of
+    a shorter run): (cluster, whether it got there within 120 s of virtual time)."""
+    cluster = build(tmp_path_factory.mktemp("overlap"), workload, trainers=2, window_s=5.0, overlap=1)
+    return cluster, cluster.run_until(lambda c: head_window(c) >= 5, max_time=120.0)
+
+
+def test_overlapped_fleet_trains_ahead_on_older_bases_and_its_chain_verifies(overlapped_fleet):
+    cluster, reached = overlapped_fleet
     m = cluster.revision.manifest
-    assert cluster.run_until(lambda c: head_window(c) >= 5, max_time=120.0)
+    assert reached
     v = cluster.nodes["validator"]
     chain = [(h, c) for _, h, c in v.heads]
     verify_chain(cluster.revision, chain)
@@ -89,11 +98,14 @@ def test_overlapped_fleet_trains_ahead_on_older_bases_and_its_chain_verifies(tmp
     assert chain[-1][0].metrics["test_accuracy"] > 0.5
 
 
-def test_overlapped_trainer_starts_the_next_window_before_the_head(tmp_path, workload):
-    cluster = build(tmp_path, workload, trainers=2, window_s=5.0, overlap=1)
-    assert cluster.run_until(lambda c: head_window(c) >= 3, max_time=90.0)
-    heads = {f["window"]: t for t, n, e, f in cluster.logs if n == "t0" and e == "head"}
-    leases = [(t, f["window"]) for t, n, e, f in cluster.logs if n == "t0" and e == "lease"]
+def test_overlapped_trainer_starts_the_next_window_before_the_head(overlapped_fleet):
+    cluster, _ = overlapped_fleet
+    # the run up to the validator's head of window 3, within 90 s of virtual time
+    reached = [t for t, h, _ in cluster.nodes["validator"].heads if h.window >= 3]
+    assert reached and reached[0] <= 90.0
+    logs = [(t, n, e, f) for t, n, e, f in cluster.logs if t <= reached[0]]
+    heads = {f["window"]: t for t, n, e, f in logs if n == "t0" and e == "head"}
+    leases = [(t, f["window"]) for t, n, e, f in logs if n == "t0" and e == "lease"]
     # t0 took a lease of window w before it held the head of window w - 1 (the window's parent)
     assert any(heads.get(w - 1, float("inf")) > t for t, w in leases if w >= 2)
 

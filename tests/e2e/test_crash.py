@@ -5,17 +5,19 @@ issue 7). A trainer SIGKILLed and restarted fills in every window it missed (iss
 Fleet: two validators (quorum 2, so every window needs the victim's votes) and two trainers, each a
 `peerloom node` OS process on 127.0.0.1. validator-1 is killed a random 0-1 s or 2.5-4 s after it is up
 (its first life runs until it has voted in two windows), its store is checked from this process, and it is
-started again from the same disk. validator-1's lives are forked from a fork server that imported peerloom
-once (tests/node_zygote.py): real processes and real SIGKILLs, without paying the interpreter start-up on
-every restart. Double votes are looked for in three places: the victim's own vote log across all its lives,
-its database (one row per slot, matching the log), and the surviving validator, which rejects any
-equivocation it receives with reason ``equivocation``.
+started again from the same disk. Every node's lives are forked from a fork server that imported peerloom
+once (tests/node_zygote.py, as `Node.start` does): real processes and real SIGKILLs, without paying the
+interpreter start-up on every restart. Double votes are looked for in three places: the victim's own vote
+log across all its lives, its database (one row per slot, matching the log), and the surviving validator,
+which rejects any equivocation it receives with reason ``equivocation``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -59,22 +61,11 @@ def test_sigkill_validator_repeatedly_keeps_store_consistent_and_never_double_vo
     nodes = make_fleet(tmp_path, validators=2, trainers=2, quorum=2, window_s=1.0)
     victim, witness = nodes[0], nodes[1]
     started = time.monotonic()
-    zygote = subprocess.Popen([sys.executable, "-m", "tests.node_zygote"], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
-
-    def command(line: str) -> str:
-        assert zygote.stdin is not None and zygote.stdout is not None
-        zygote.stdin.write(line + "\n")
-        zygote.stdin.flush()
-        return zygote.stdout.readline().strip()
-
     try:
-        for node in nodes[1:]:
+        for node in nodes:
             node.start()
-        for node in nodes[1:]:
+        for node in nodes:
             node.wait_port()
-        command(f"start {victim.config_path}")
-        victim.wait_port()
         deadline = time.monotonic() + 20.0  # first life: let the fleet get going (votes in flight)
         while time.monotonic() < deadline and len({e["window"] for e in victim.events() if e["event"] == "vote"}) < 2:
             time.sleep(0.05)
@@ -82,20 +73,17 @@ def test_sigkill_validator_repeatedly_keeps_store_consistent_and_never_double_vo
         for _ in range(ITERATIONS):
             # Short lives hit start-up and resume; long ones outlive the window deadline (a nil prevote).
             time.sleep(rng.uniform(0.0, 1.0) if rng.random() < 0.5 else rng.uniform(2.5, 4.0))
-            assert command("kill").startswith("killed")
+            victim.kill()
+            assert victim.process is not None and victim.process.returncode == -signal.SIGKILL
             votes = _check_store(victim.directory / "store")
             for slot, envelope in all_votes.items():  # nothing a previous life signed was lost
                 assert votes[slot] == envelope, slot
             all_votes = votes
-            (victim.directory / "port").unlink()
-            command(f"start {victim.config_path}")
+            victim.start()
             victim.wait_port()
         time.sleep(1.0)
     finally:
-        if zygote.poll() is None:
-            command("quit")
-            zygote.wait(timeout=15)
-        for node in nodes[1:]:
+        for node in nodes:
             node.stop()
     elapsed = time.monotonic() - started
 
@@ -122,21 +110,34 @@ _WRITER = """
 import hashlib, os, sys
 from peerloom.adapters.storage import ArtifactStore
 from peerloom.core.objects import make_artifact_ref
-store = ArtifactStore(sys.argv[1], chunk_size=4096)
-n = int(sys.argv[2])
-print("ready", flush=True)
-while True:
-    n += 1
-    data = hashlib.sha256(str(n).encode()).digest() * (1 + n % 2000)  # up to 64 KB, often several chunks
-    if n % 3:
-        store.put(data)
-    else:  # a chunked fetch: chunks at their offsets, then verify-and-commit
-        ref = make_artifact_ref(data, 4096)
-        for i in reversed(range(ref.num_chunks)):
-            store.write_chunk(ref, i, data[i * 4096:(i + 1) * 4096])
-        store.commit(ref)
-    store.put_record(f"vote/{n}/0/prevote", hashlib.sha256(data).digest())
-    store.put_record("head", str(n).encode())
+
+def write(n):
+    store = ArtifactStore(sys.argv[1], chunk_size=4096)
+    print("ready", os.getpid(), flush=True)
+    while True:
+        n += 1
+        data = hashlib.sha256(str(n).encode()).digest() * (1 + n % 2000)  # up to 64 KB, often several chunks
+        if n % 3:
+            store.put(data)
+        else:  # a chunked fetch: chunks at their offsets, then verify-and-commit
+            ref = make_artifact_ref(data, 4096)
+            for i in reversed(range(ref.num_chunks)):
+                store.write_chunk(ref, i, data[i * 4096:(i + 1) * 4096])
+            store.commit(ref)
+        store.put_record(f"vote/{n}/0/prevote", hashlib.sha256(data).digest())
+        store.put_record("head", str(n).encode())
+
+# One writer process per input line (the last vote it may assume written), forked from this one so that the
+# imports are paid once; it opens the store itself, and this process never does.
+for line in sys.stdin:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            write(int(line))
+        finally:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    print("ended", os.waitstatus_to_exitcode(status), flush=True)
 """
 
 
@@ -151,26 +152,39 @@ def test_sigkill_during_store_writes_leaves_no_torn_artifact_or_record(tmp_path)
     script.write_text(_WRITER)
     store_dir = tmp_path / "store"
     last = 0
-    for _ in range(ITERATIONS):
-        proc = subprocess.Popen([sys.executable, str(script), str(store_dir), str(last)], stdout=subprocess.PIPE,
-                                text=True)
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        time.sleep(rng.uniform(0.0, 0.3))
-        proc.kill()
-        proc.wait()
-        store = ArtifactStore(store_dir, chunk_size=4096)
-        assert store.check() == []  # every visible artifact is whole and matches its digest
-        records = store.records()
-        head = int(records.get("head", b"0"))
-        votes = {int(k.split("/")[1]): v for k, v in records.items() if k.startswith("vote/")}
-        for n, value in votes.items():
-            data = hashlib.sha256(str(n).encode()).digest() * (1 + n % 2000)
-            assert value == hashlib.sha256(data).digest()
-            assert store.has(make_artifact_ref(data, 4096).digest)  # its artifact was durable before it
-        assert max(votes, default=0) - head in (0, 1)  # records commit in order: head n only after vote n
-        assert sorted(votes) == list(range(1, len(votes) + 1))  # nothing committed was lost
-        last = max(votes, default=0)
-        store.close()
+    server = subprocess.Popen([sys.executable, str(script), str(store_dir)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert server.stdin is not None and server.stdout is not None
+    pid = None
+    try:
+        for _ in range(ITERATIONS):
+            server.stdin.write(f"{last}\n")
+            server.stdin.flush()
+            ready, pid = server.stdout.readline().split()
+            assert ready == "ready"
+            time.sleep(rng.uniform(0.0, 0.3))
+            os.kill(int(pid), signal.SIGKILL)
+            assert server.stdout.readline().split() == ["ended", str(-signal.SIGKILL)]
+            pid = None
+            store = ArtifactStore(store_dir, chunk_size=4096)
+            assert store.check() == []  # every visible artifact is whole and matches its digest
+            records = store.records()
+            head = int(records.get("head", b"0"))
+            votes = {int(k.split("/")[1]): v for k, v in records.items() if k.startswith("vote/")}
+            for n, value in votes.items():
+                data = hashlib.sha256(str(n).encode()).digest() * (1 + n % 2000)
+                assert value == hashlib.sha256(data).digest()
+                assert store.has(make_artifact_ref(data, 4096).digest)  # its artifact was durable before it
+            assert max(votes, default=0) - head in (0, 1)  # records commit in order: head n only after vote n
+            assert sorted(votes) == list(range(1, len(votes) + 1))  # nothing committed was lost
+            last = max(votes, default=0)
+            store.close()
+    finally:
+        if pid is not None:  # a failed check left a writer running
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        server.stdin.close()
+        server.wait(timeout=30)
     assert last > ITERATIONS  # the writer made progress between kills
 
 

@@ -10,6 +10,7 @@ Run as ``python -m tests.e2e.test_relay_e2e PORT KEYFILE COUNTFILE`` it is the t
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -66,6 +67,7 @@ def test_a_trainer_behind_a_nat_trains_through_a_relay_and_survives_a_tampering_
         bad = subprocess.Popen([sys.executable, "-m", "tests.e2e.test_relay_e2e", str(bad_port), str(bad_key),
                                 str(count_file)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
+        _wait_listening(bad_port, bad, tmp_path / "bad-relay.log")  # up before trainer-2 dials it
         run_fleet(nodes)
         assert bad.poll() is None, (tmp_path / "bad-relay.log").read_text()[-3000:]
     finally:
@@ -84,6 +86,20 @@ def test_a_trainer_behind_a_nat_trains_through_a_relay_and_survives_a_tampering_
     for validator in (validator_1, validator_2):
         check_chain(validator)
     assert any(len(h.cohort) == 2 for h in chain(validator_1)), "trainer-2's update was never certified"
+
+
+def _wait_listening(port: int, process: subprocess.Popen[bytes], log: Path, timeout_s: float = 60.0) -> None:
+    """Wait until `process` accepts TCP connections on 127.0.0.1:`port` (a bare connection, closed at once:
+    no handshake, no circuit)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert process.poll() is None, log.read_text()[-3000:]
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline, f"nothing listens on {port}: {log.read_text()[-3000:]}"
+            time.sleep(0.05)
 
 
 def run_fleet(nodes: list[Node], windows: int = 3) -> None:
