@@ -2,7 +2,8 @@
 scale, against a gloo ``all_reduce`` + ``broadcast`` of the same parameters; one JSON object on the last line.
 
     python bench/window.py [--params 1000000,10000000] [--windows 5] [--trainers 2] [--validators 1]
-                           [--verification inline|sampled|both] [--train-s S] [--overlap N] [--quick] [--out DIR]
+                           [--verification inline|sampled|sampled-whole|both] [--train-s S] [--overlap N]
+                           [--quick] [--out DIR]
 
 For each parameter count P the benchmark writes an experiment (`peerloom.experiment.Experiment`: the demo's
 protocol settings, centered clipping, DiLoCo with 4 inner steps, 1 MiB chunks; ``--verification`` picks
@@ -256,6 +257,9 @@ VERIFICATION = {
     # The loss check on every update; after each head, three in four of its updates (and of those the loss
     # check rejected) audited on one of 4 segments.
     "sampled": {"loss_check_samples": 64, "audit_rate": 0.75, "audit_segments": 4},
+    # The same without committed segments: a sampled audit replays the whole training, and trainers write
+    # no checkpoints (what a fleet whose trainers should stay busy training runs: spec/protocol.md §6.2).
+    "sampled-whole": {"loss_check_samples": 64, "audit_rate": 0.75},
 }
 INNER_STEPS = 4  # the flat workload's steps per window, in both settings
 
@@ -459,7 +463,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1M parameters, 3 windows")
     parser.add_argument("--verification", default="inline", choices=(*VERIFICATION, "both"),
                         help="audits: inline (every update replayed by every validator and the reducer), "
-                             "sampled (loss check, sampled segment audits), or both, one fleet each")
+                             "sampled (loss check, sampled segment audits), sampled-whole (loss check, sampled "
+                             "whole replays: trainers write no checkpoints), or both (inline and sampled)")
     parser.add_argument("--train-s", type=float, default=0.0,
                         help="seconds of idle wait per train task, standing in for GPU training (default 0)")
     parser.add_argument("--overlap", default="0",
@@ -482,7 +487,7 @@ def main() -> None:
     world = args.validators + 1 + args.trainers
     results = []
     try:
-        modes = tuple(VERIFICATION) if args.verification == "both" else (args.verification,)
+        modes = ("inline", "sampled") if args.verification == "both" else (args.verification,)
         for params in sizes:
             baseline = gloo_baseline(world, params, 3 if args.quick else args.baseline_repeats)
             for mode, overlap in ((m, o) for m in modes for o in overlaps):
