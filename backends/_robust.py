@@ -36,6 +36,7 @@ product is exact and therefore the same everywhere (`quantized_gram`).
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Protocol, TypeVar
@@ -165,6 +166,23 @@ class Workspace:
         if rows == 0:
             return buf[:n] if self._sizes[k][0] == 0 else buf[0, :n]
         return buf[:rows, :n]
+
+
+_local = threading.local()
+
+
+def thread_workspace(ops: Any, threads: int = 1) -> Workspace:
+    """This thread's reusable buffers for kernels of the backend `ops` on `threads` threads (a `Workspace`, its
+    helper threads with their own buffers; one per calling thread, backend and thread count). ValueError
+    unless ``1 <= threads <= MAX_THREADS``."""
+    spaces = getattr(_local, "spaces", None)
+    if spaces is None:
+        spaces = _local.spaces = {}
+    key = (id(ops), threads)  # each backend's ops is one module-level object
+    ws = spaces.get(key)
+    if ws is None:
+        ws = spaces[key] = Workspace(ops, threads)
+    return ws
 
 
 def flats(ops: Ops, members: Sequence[dict[str, Any]], schema: Schema) -> dict[str, list[Any]]:

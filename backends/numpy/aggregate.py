@@ -166,16 +166,9 @@ def check_schema(members: Sequence[TensorDict], what: str) -> Schema:
 
 
 def workspace(threads: int = 1) -> _robust.Workspace:
-    """This thread's reusable buffers for kernels on `threads` threads (`peerloom.backends._robust.Workspace`,
-    its helper threads with their own buffers; one workspace per calling thread and thread count). ValueError
-    unless ``1 <= threads <= _robust.MAX_THREADS``."""
-    spaces = getattr(_local, "spaces", None)
-    if spaces is None:
-        spaces = _local.spaces = {}
-    ws = spaces.get(threads)
-    if ws is None:
-        ws = spaces[threads] = _robust.Workspace(NUMPY_OPS, threads)
-    return ws
+    """This thread's reusable buffers for kernels on `threads` threads (`peerloom.backends._robust.thread_workspace`).
+    ValueError unless ``1 <= threads <= _robust.MAX_THREADS``."""
+    return _robust.thread_workspace(NUMPY_OPS, threads)
 
 
 def aggregate(rule: str, deltas: Sequence[TensorDict], weights: Sequence[int], *, threads: int = 1,

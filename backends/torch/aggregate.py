@@ -8,7 +8,6 @@ breakdown points and costs); both run `peerloom.backends._robust` with their own
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -136,20 +135,12 @@ class TorchOps:
 
 
 TORCH_OPS = TorchOps()
-_local = threading.local()
 
 
 def workspace(threads: int = 1) -> _robust.Workspace:
-    """This thread's reusable buffers for kernels on `threads` threads (`peerloom.backends._robust.Workspace`,
-    its helper threads with their own buffers; one workspace per calling thread and thread count). ValueError
-    unless ``1 <= threads <= _robust.MAX_THREADS``."""
-    spaces = getattr(_local, "spaces", None)
-    if spaces is None:
-        spaces = _local.spaces = {}
-    ws = spaces.get(threads)
-    if ws is None:
-        ws = spaces[threads] = _robust.Workspace(TORCH_OPS, threads)
-    return ws
+    """This thread's reusable buffers for kernels on `threads` threads (`peerloom.backends._robust.thread_workspace`).
+    ValueError unless ``1 <= threads <= _robust.MAX_THREADS``."""
+    return _robust.thread_workspace(TORCH_OPS, threads)
 
 
 @torch.no_grad()
