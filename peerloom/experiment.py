@@ -383,7 +383,9 @@ class Fleet:
         for node in sorted(chosen, key=lambda n: n["role"] != "trainer"):
             directory = self.node_dir(node["name"])
             (directory / "port").unlink(missing_ok=True)
-            with open(directory / "node.log", "ab") as log:
+            # A stop signal between the process starting and its being recorded would leave it running,
+            # unknown to whoever stops the fleet: the signal waits until it is recorded.
+            with open(directory / "node.log", "ab") as log, signals_deferred():
                 self.processes[node["name"]] = subprocess.Popen(
                     [sys.executable, "-m", "peerloom", "node", "--config", str(directory / "node.toml"), *stop],
                     stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -655,6 +657,18 @@ def signals_interrupt() -> Iterator[None]:
 
     with _handlers(interrupt):
         yield
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM held here (in the main thread) and delivered again when the block ends, to whatever
+    handles them there, if one came: for a step that must not be cut in the middle, such as starting a process
+    and recording it."""
+    came: list[int] = []
+    with _handlers(lambda signum, frame: came.append(signum)):
+        yield
+    for signum in dict.fromkeys(came):
+        signal.raise_signal(signum)
 
 
 @contextlib.contextmanager
