@@ -162,7 +162,7 @@ class Collector:
     pending work (`CollectorWork`), which it passes on to `resume`.
 
     The window's leases are drawn from its lease head, `head` itself unless the manifest overlaps windows;
-    an update may name as its base any certified head of `engine.base_windows(window)` (spec/protocol.md
+    an update may name as its base any certified head of `engine.base_heads(window)` (spec/protocol.md
     §5.2). A node that does not hold the lease head (it jumped windows, `chain-gap`) has no leases this
     window: every update is `no-lease` here, and the head is decided by the validators that hold it."""
 
@@ -177,11 +177,7 @@ class Collector:
         self.leases = {} if lease_head is None else leases_of(lease_head, engine.manifest, self.window)
         self.claims = {} if lease_head is None else claims_of(lease_head, engine.manifest, self.window)
         # base head id -> head: the parent and, with overlap, the heads before it that this node holds
-        self.bases: dict[bytes, Head] = {head.id: head}
-        for window in engine.base_windows(self.window):
-            older = engine.head_at(window) if window != head.window else head
-            if older is not None:
-                self.bases[older.id] = older
+        self.bases = {head.id: head, **engine.base_heads(self.window)}
         self.entries: dict[Slot, Entry] = {}
         self.by_id: dict[bytes, Entry] = {}
         self.claims_on: dict[PeerId, list[Entry]] = {}  # leaseholder -> claims on its lease

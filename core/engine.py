@@ -838,10 +838,11 @@ class Engine:
         head = self.lease_head(window)
         return {} if head is None else leases_of(head, self.manifest, window)
 
-    def base_windows(self, window: int) -> range:
-        """The windows whose certified heads an update of `window` may name as its base: its parent and up to
-        `overlap` windows before it (spec/protocol.md §5.2)."""
-        return range(max(0, window - 1 - self.manifest.overlap), window)
+    def base_heads(self, window: int) -> dict[bytes, Head]:
+        """The certified heads an update of `window` may name as its base, by id, of those this node holds: its
+        parent and up to `overlap` windows before it (spec/protocol.md §5.2)."""
+        heads = (self.head_at(w) for w in range(max(0, window - 1 - self.manifest.overlap), window))
+        return {h.id: h for h in heads if h is not None}
 
     def chain_entry(self, window: int) -> tuple[Head, QuorumCertificate] | None:
         """The certified head of `window` if this node holds it (genesis, archive or current head)."""

@@ -317,9 +317,8 @@ class TrainerRole(RoleBase):
         if old is None:
             return False
         envelope = SignedEnvelope.from_bytes(old)
-        ann = UpdateAnnouncement.from_cbor(envelope.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
-        bases = {h.id for h in map(e.head_at, e.base_windows(window)) if h is not None}
-        if ann.base not in bases or not e.is_stored(ann.delta.digest) or \
+        ann = _announcement(envelope)
+        if ann.base not in e.base_heads(window) or not e.is_stored(ann.delta.digest) or \
                 (ann.prior is not None and window == self.current and ann.prior not in self.head.cohort):
             return False
         if self.state == "idle":
