@@ -30,6 +30,7 @@ from .objects import (
     check_admission,
     check_revocation,
 )
+from .privacy import next_private
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -80,6 +81,7 @@ class Admission:
         self.engine = engine
         self.head: Head | None = None  # the parent of the window being collected
         self.joins: dict[PeerId, int] = {}
+        self.private_joins: set[PeerId] = set()  # joiners whose held join declares private data (§10)
         self.admitted: dict[PeerId, int] = {}
         self.leaves: dict[PeerId, int] = {}
         self.withdrawn: dict[PeerId, int] = {}
@@ -141,6 +143,8 @@ class Admission:
         join = JoinRequest.from_cbor(envelope.open(JoinRequest.KIND, PROTOCOL_VERSION))
         if join.revision != e.revision.id:
             raise VerificationError("wrong-revision", "join")
+        if join.private and not e.manifest.private_data:
+            raise VerificationError("private-not-admitted", "the manifest admits no private-data trainers")
         if self.head is None or join.window < self.window or join.window > self.window + WINDOWS_AHEAD:
             e.stats["stale_joins"] += 1  # an old join (a replay cannot re-roster a trainer that left)
             return False
@@ -179,6 +183,10 @@ class Admission:
                 # proposal that adds the joiner to the roster is not refused as an unknown join.
                 e.broadcast(Signed(envelope=envelope), roles=("validator",))
         self.joins[signer] = capacity
+        if join.private:
+            self.private_joins.add(signer)
+        else:
+            self.private_joins.discard(signer)
         self.hear(signer, self.window)
         return True
 
@@ -394,7 +402,18 @@ class Admission:
         if head.unproven != next_unproven(parent, leases, head.roster, cohort,
                                           None if head.skipped else delivered):
             return "unproven-mismatch"
+        if head.private != self.next_private(parent, head.roster):
+            if head.private and not e.manifest.private_data:
+                return "private-mismatch"
+            # A new member's flag is the one of the join held here: a trainer that sent validators joins that
+            # differ makes this view-dependent, so a head a quorum backs is not refused for it.
+            if not backed():
+                return "private-mismatch"
         return ""
+
+    def next_private(self, parent: Head, roster: tuple[tuple[PeerId, int], ...]) -> tuple[PeerId, ...]:
+        """The `private` list of the head after `parent` with `roster`, by the joins held here (§10)."""
+        return next_private(parent, roster, self.private_joins & self.joins.keys())
 
     def revocation_fault(self, head: Head, parent: Head) -> str:
         """``bad-revocation`` unless every revocation `head` carries is the admission authority's, for this

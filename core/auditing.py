@@ -153,6 +153,8 @@ class SampledAudits:
             if not audit_selected(head.id, update_id, m.audit_rate):
                 continue
             entry = collector.by_id.get(update_id)
+            if entry is not None and entry.envelope.signer in collector.head.private_peers:
+                continue  # nobody else holds a private-data trainer's samples (spec/protocol.md §10)
             if entry is None:  # a head we adopted with an update we never screened: others audit it
                 e.stats["audits_unavailable"] += 1
                 continue
@@ -340,6 +342,7 @@ class SampledAudits:
             except (DecodeError, VerificationError):
                 return "bad-audit"
             if update.signer in parent.quarantined or update.signer in authors or \
+                    update.signer in parent.private_peers or \
                     not head.window - AUDIT_WINDOWS <= ann.window < head.window:
                 return "bad-audit"
             ids.append(update.id)

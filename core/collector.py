@@ -31,6 +31,7 @@ from .identity import PeerId
 from .leases import claims_of, lease_weight, leases_of
 from .objects import PROTOCOL_VERSION, ArtifactRef, Head, Manifest, UpdateAnnouncement
 from .pending import Done, Failed, Outcome
+from .privacy import budget_fault
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -257,6 +258,8 @@ class Collector:
             e.reject(sender, "bad-trajectory", "segment audits need one, and only they")
         elif author in self.quarantined:
             e.reject(sender, "quarantined")
+        elif fault := budget_fault(e.manifest, self.head, author, ann.privacy_steps, e.config.accountant):
+            e.reject(sender, fault)  # spec/protocol.md §10: no spend declared, or past the author's budget
         elif ann.claim is None and author not in self.leases:
             e.reject(sender, "no-lease")
         elif ann.claim is None and ann.shards != self.leases[author]:
@@ -385,8 +388,9 @@ class Collector:
             start = start_args(manifest, entry.base, entry.prior_delta)
             if start is not None:
                 args["loss_check"]["start"] = start
-        if manifest.audit and not manifest.audit_rate:
-            # Re-run the author's training exactly as it had to run it (core/audit.py).
+        if manifest.audit and not manifest.audit_rate and entry.envelope.signer not in self.head.private_peers:
+            # Re-run the author's training exactly as it had to run it (core/audit.py); nobody else holds a
+            # private-data trainer's samples (spec/protocol.md §10).
             args["audit"] = audit_args(manifest, entry.base, entry.envelope.signer, ann, entry.prior_delta)
         self.engine.run_task("screen", args, self.owner, Screen(window=window, slot=slot))
 

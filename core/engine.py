@@ -62,6 +62,7 @@ from .messages import (
 )
 from .objects import MAX_OVERLAP, ArtifactRef, Head, QuorumCertificate, Revision, UpdateAnnouncement
 from .pending import Done, Failed, Outcome, Pending, PendingState
+from .privacy import Accountant
 from .roles import Role
 
 if TYPE_CHECKING:
@@ -134,6 +135,11 @@ class EngineConfig:
     # A decode memo shared by the engines of one simulator process (a broadcast is decoded once); None in
     # a real node.
     decode_memo: DecodeMemo | None = attrs.field(default=None, eq=False, repr=False)
+    # Private data and differential privacy (spec/protocol.md §10): `private_data` makes a trainer declare, in
+    # its join, that it trains on data only it holds; `accountant` computes the privacy ledger's epsilon and
+    # is required when the manifest has `privacy` (the node passes `peerloom.privacy.epsilon`).
+    private_data: bool = False
+    accountant: Accountant | None = attrs.field(default=None, eq=False, repr=False)
 
     @property
     def keeps_chain(self) -> bool:
@@ -144,6 +150,12 @@ class EngineConfig:
             raise LocalProtocolError(f"roles must be a non-empty subset of {ROLES}")
         if self.capacity < 1:
             raise LocalProtocolError("capacity must be positive")
+        manifest = self.revision.manifest
+        if manifest.privacy is not None and self.accountant is None:
+            raise LocalProtocolError("the manifest has privacy: an accountant is required (EngineConfig.accountant)")
+        if self.private_data and not manifest.private_data:
+            raise LocalProtocolError("this node declares private data, but the manifest admits no private-data "
+                                     "trainers (private_data)")
 
 
 @attrs.define

@@ -125,6 +125,7 @@ def make_artifact_ref(data: bytes | memoryview, chunk_size: int) -> ArtifactRef:
 
 TensorSpec = tuple[str, str, tuple[int, ...]]
 RosterEntry = tuple[PeerId, int]
+PrivacyRecord = tuple[PeerId, int, float]  # a head's privacy ledger entry: (peer, DP-SGD steps, epsilon)
 
 
 def roster_to_cbor(roster: Sequence[RosterEntry]) -> list[list[Any]]:
@@ -146,6 +147,43 @@ def roster_from_cbor(body: dict[str, Any], key: str, max_capacity: int) -> tuple
 def _strictly_ascending(items: Sequence[Any]) -> bool:
     """Sorted without duplicates, in one linear pass (rosters hold thousands of peers)."""
     return all(a < b for a, b in itertools.pairwise(items))
+
+
+@attrs.frozen(kw_only=True)
+class PrivacyParams:
+    """The DP-SGD parameters a manifest fixes for every trainer (spec/protocol.md §10; Abadi et al. 2016,
+    arXiv 1607.00133): each inner step Poisson-samples the leased samples with probability `sample_rate`,
+    clips each per-sample gradient to L2 norm `max_grad_norm`, and adds Gaussian noise of standard deviation
+    `noise_multiplier` x `max_grad_norm` to their sum. Validators account each trainer's privacy loss with
+    the RDP accountant at `delta` and refuse an update that would take it past `epsilon_budget` over the
+    revision (`privacy-budget`). All values are floats; DecodeError for one out of range."""
+
+    noise_multiplier: float
+    max_grad_norm: float
+    delta: float
+    sample_rate: float
+    epsilon_budget: float
+
+    def __attrs_post_init__(self) -> None:
+        for ok, name, rule in ((0.0 < self.noise_multiplier < 1e6, "noise_multiplier", "in (0, 1e6)"),
+                               (0.0 < self.max_grad_norm < 1e6, "max_grad_norm", "in (0, 1e6)"),
+                               (0.0 < self.delta < 1.0, "delta", "in (0, 1)"),
+                               (0.0 < self.sample_rate <= 1.0, "sample_rate", "in (0, 1]"),
+                               (0.0 < self.epsilon_budget < 1e6, "epsilon_budget", "in (0, 1e6)")):
+            if not ok:  # NaN fails every comparison, so it lands here too
+                raise DecodeError("bad-field", f"privacy {name} must be {rule}, got {getattr(self, name)!r}")
+
+    def to_cbor(self) -> dict[str, Any]:
+        return {"noise_multiplier": self.noise_multiplier, "max_grad_norm": self.max_grad_norm,
+                "delta": self.delta, "sample_rate": self.sample_rate, "epsilon_budget": self.epsilon_budget}
+
+    @classmethod
+    def from_cbor(cls, obj: Any) -> PrivacyParams:
+        body = f.exact_keys(obj, _PRIVACY_KEYS, "privacy")
+        return cls(**{key: f.number(body, key) for key in _PRIVACY_KEYS})
+
+
+_PRIVACY_KEYS = frozenset({"noise_multiplier", "max_grad_norm", "delta", "sample_rate", "epsilon_budget"})
 
 
 def byzantine_quorum(n: int) -> int:
@@ -247,6 +285,13 @@ class Manifest:
     # published w; the leases of window w are drawn from the head of window w - 1 - overlap. 0 (absent from
     # the encoding): every update is trained from the window's parent.
     overlap: int = 0
+    # Private data and differential privacy (spec/protocol.md §10): with `private_data`, trainers that train
+    # on data only they hold may join (their join says `private`; the head lists them in `private`); their
+    # updates get no recomputation audit. With `privacy`, every trainer trains with DP-SGD under these
+    # parameters, announces its steps, and heads keep each trainer's privacy ledger. False / None (absent
+    # from the encoding): neither.
+    private_data: bool = False
+    privacy: PrivacyParams | None = None
 
     def __attrs_post_init__(self) -> None:
         n = len(self.validators)
@@ -306,6 +351,10 @@ class Manifest:
             # Next-ranked claims fill a lease within its window's first `lease_s` seconds; an overlapped
             # trainer trains a window before it opens, so the two do not combine.
             raise DecodeError("bad-field", f"overlap must be in 0..{MAX_OVERLAP}, and 0 with lease_s > 0")
+        if self.privacy is not None and (not self.inner_steps or self.audit_segments):
+            # The accountant counts DP-SGD steps, so a window's must be fixed (H); a segment audit would
+            # resume DP-SGD mid-window from a committed state, which the DP workload does not support.
+            raise DecodeError("bad-field", "privacy needs inner_steps > 0 and no audit_segments")
 
     def to_cbor(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -344,6 +393,10 @@ class Manifest:
             body["norm_mads"] = self.norm_mads
         if self.overlap:
             body["overlap"] = self.overlap
+        if self.private_data:
+            body["private_data"] = True
+        if self.privacy is not None:
+            body["privacy"] = self.privacy.to_cbor()
         return body
 
     @classmethod
@@ -359,14 +412,16 @@ class Manifest:
         loss_min_drop = f.number(body, "loss_min_drop") if "loss_min_drop" in body else 0.0
         norm_mads = f.uint(body, "norm_mads", maximum=MAX_NORM_MADS) if "norm_mads" in body else 0
         overlap = f.uint(body, "overlap", maximum=MAX_OVERLAP) if "overlap" in body else 0
+        private_data = f.boolean(body, "private_data") if "private_data" in body else False
+        privacy = PrivacyParams.from_cbor(body["privacy"]) if "privacy" in body else None
         if ("idle_windows" in body and idle_windows == 0) or ("unproven_share" in body and unproven_share == 1.0) \
                 or ("max_joins" in body and max_joins == 0) or ("audit_rate" in body and audit_rate == 0.0) \
                 or ("audit_segments" in body and audit_segments == 0) \
                 or ("loss_check_samples" in body and loss_check_samples == 0) \
                 or ("loss_min_drop" in body and loss_min_drop == 0.0) or ("norm_mads" in body and norm_mads == 0) \
-                or ("overlap" in body and overlap == 0):
+                or ("overlap" in body and overlap == 0) or ("private_data" in body and not private_data):
             raise DecodeError("bad-field", "idle_windows, unproven_share, max_joins, audit_rate, loss_check_samples, "
-                                           "loss_min_drop, norm_mads and overlap are absent when off")
+                                           "loss_min_drop, norm_mads, overlap and private_data are absent when off")
         schema = []
         for item in f.array(body, "schema", max_len=MAX_TENSORS):
             if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
@@ -402,7 +457,8 @@ class Manifest:
             admission_authority=None if body["admission_authority"] is None else f.peer(body, "admission_authority"),
             idle_windows=idle_windows, unproven_share=unproven_share, max_joins=max_joins,
             audit_rate=audit_rate, loss_check_samples=loss_check_samples, loss_min_drop=loss_min_drop,
-            audit_segments=audit_segments, norm_mads=norm_mads, overlap=overlap,
+            audit_segments=audit_segments, norm_mads=norm_mads, overlap=overlap, private_data=private_data,
+            privacy=privacy,
         )
 
     def seal(self, authority: Identity) -> SignedEnvelope:
@@ -418,7 +474,8 @@ _MANIFEST_KEYS = frozenset({
     "admission", "admission_authority",
 })
 _MANIFEST_OPTIONAL = frozenset({"idle_windows", "unproven_share", "max_joins", "audit_rate", "loss_check_samples",
-                                "loss_min_drop", "audit_segments", "norm_mads", "overlap"})  # present only when not off
+                                "loss_min_drop", "audit_segments", "norm_mads", "overlap", "private_data",
+                                "privacy"})  # present only when not off
 
 
 @attrs.frozen(kw_only=True)
@@ -505,6 +562,12 @@ class Head:
     cohort (spec/protocol.md §4.1); they hold a bounded share of the leases. Every field is derived
     deterministically from the parent and the window's inputs (`core/quarantine.py`), so every validator
     recomputes the same head.
+    `private` lists (sorted, absent when empty) the rostered trainers whose join declared private data
+    (spec/protocol.md §10): their updates get no recomputation audit. `privacy` (manifests with `privacy`;
+    sorted by peer, absent when empty) is the privacy ledger: (peer, DP-SGD steps, epsilon) for every trainer
+    that has had an update certified in this revision, epsilon being the RDP accountant's at the manifest's
+    parameters for that many steps, rounded to 1e-9 (`core/privacy.py`). It keeps trainers that left, so a
+    trainer's budget spans the revision.
     """
 
     revision: bytes
@@ -527,6 +590,8 @@ class Head:
     unproven: tuple[PeerId, ...] = ()
     revoked: tuple[SignedEnvelope, ...] = ()
     audits: tuple[AuditEvidence, ...] = ()
+    private: tuple[PeerId, ...] = ()
+    privacy: tuple[PrivacyRecord, ...] = ()
 
     @functools.cached_property
     def revoked_peers(self) -> frozenset[PeerId]:
@@ -560,6 +625,8 @@ class Head:
             **({"unproven": [p.to_bytes() for p in self.unproven]} if self.unproven else {}),
             **({"revoked": [r.to_cbor() for r in self.revoked]} if self.revoked else {}),
             **({"audits": [[v.to_cbor() for v in verdicts] for verdicts in self.audits]} if self.audits else {}),
+            **({"private": [p.to_bytes() for p in self.private]} if self.private else {}),
+            **({"privacy": [[p.to_bytes(), steps, eps] for p, steps, eps in self.privacy]} if self.privacy else {}),
         }
 
     def to_cbor(self) -> dict[str, Any]:
@@ -599,6 +666,11 @@ class Head:
         return content_id(encode(self.header_cbor()))
 
     @functools.cached_property
+    def private_peers(self) -> frozenset[PeerId]:
+        """The peers of `private` as a set: trainers whose updates get no recomputation audit (§10)."""
+        return frozenset(self.private)
+
+    @functools.cached_property
     def roster_peers(self) -> frozenset[PeerId]:
         """The peers of `roster` as a set (computed once per instance)."""
         return frozenset(p for p, _ in self.roster)
@@ -607,7 +679,8 @@ class Head:
 _HEADER_KEYS = frozenset({"revision", "parent", "window", "skipped", "params", "params_digest", "cohort",
                           "roster_digest", "quarantine", "metrics", "strikes", "rejected", "evidence", "outer_state",
                           "outer_state_digest", "left"})
-_HEADER_OPTIONAL = frozenset({"expired", "unproven", "revoked", "audits"})  # present only when not empty
+# present only when not empty
+_HEADER_OPTIONAL = frozenset({"expired", "unproven", "revoked", "audits", "private", "privacy"})
 _HEAD_KEYS = _HEADER_KEYS | {"roster"}
 
 
@@ -663,6 +736,11 @@ def head_fields(obj: Any) -> dict[str, Any]:
         audits.append(tuple(SignedEnvelope.from_cbor(v) for v in item))
     if "audits" in body and not audits:
         raise DecodeError("bad-field", "audits is absent when empty")
+    private = tuple(f.peer({"p": p}, "p") for p in f.array(body, "private", max_len=MAX_ROSTER)) \
+        if "private" in body else ()
+    if ("private" in body and not private) or not _strictly_ascending(private):
+        raise DecodeError("bad-field", "private must be sorted distinct peer ids, absent when empty")
+    privacy = _privacy_records(body) if "privacy" in body else ()
     return dict(
         revision=f.cid(body, "revision"), parent=f.optional_cid(body, "parent"),
         window=f.uint(body, "window"), skipped=f.boolean(body, "skipped"),
@@ -673,8 +751,24 @@ def head_fields(obj: Any) -> dict[str, Any]:
         strikes=_peer_records(body, "strikes", 3), rejected=tuple(rejected), evidence=tuple(evidence),
         outer_state=None if state is None else ArtifactRef.from_cbor(state),
         outer_state_digest=f.optional_cid(body, "outer_state_digest"), left=left, expired=expired,
-        unproven=unproven, revoked=revoked, audits=tuple(audits),
+        unproven=unproven, revoked=revoked, audits=tuple(audits), private=private, privacy=privacy,
     )
+
+
+def _privacy_records(body: dict[str, Any]) -> tuple[PrivacyRecord, ...]:
+    """A head's privacy ledger: non-empty [peer, steps, epsilon] entries sorted by peer, epsilon finite >= 0."""
+    out = []
+    for item in f.array(body, "privacy", max_len=MAX_ROSTER):
+        if not (isinstance(item, list) and len(item) == 3):
+            raise DecodeError("bad-field", "privacy entries are [peer, steps, epsilon]")
+        rec = {"peer": item[0], "steps": item[1], "epsilon": item[2]}
+        epsilon = f.number(rec, "epsilon")
+        if not 0.0 <= epsilon < float("inf"):
+            raise DecodeError("bad-field", "privacy epsilon must be finite and >= 0")
+        out.append((f.peer(rec, "peer"), f.uint(rec, "steps", maximum=1 << 40), epsilon))
+    if not out or not _strictly_ascending([r[0] for r in out]):
+        raise DecodeError("bad-field", "privacy must be sorted by peer id without duplicates, absent when empty")
+    return tuple(out)
 
 
 VOTE_KIND = "vote"
@@ -768,7 +862,9 @@ class UpdateAnnouncement:
     training checkpoints and error-feedback residual (spec/protocol.md §6.3). `prior` (overlapped windows
     only, else None and absent) is the id of the author's own update of window `window - 1`, certified in
     the window's parent and missing from the older `base`: training started from the base moved by it
-    (`core.audit.start_args`, spec/protocol.md §5.2).
+    (`core.audit.start_args`, spec/protocol.md §5.2). `privacy_steps` (manifests with `privacy` only, else None
+    and absent) is the trainer's privacy spend for the window: the DP-SGD steps it took at the manifest's
+    parameters, which must be the manifest's `inner_steps` (spec/protocol.md §10).
     """
 
     KIND: ClassVar[str] = "update"
@@ -783,6 +879,7 @@ class UpdateAnnouncement:
     claim: PeerId | None = None
     trajectory: ArtifactRef | None = None
     prior: bytes | None = None
+    privacy_steps: int | None = None
 
     def to_cbor(self) -> dict[str, Any]:
         body = {"revision": self.revision, "window": self.window, "base": self.base, "shards": list(self.shards),
@@ -793,12 +890,14 @@ class UpdateAnnouncement:
             body["trajectory"] = self.trajectory.to_cbor()
         if self.prior is not None:
             body["prior"] = self.prior
+        if self.privacy_steps is not None:
+            body["privacy_steps"] = self.privacy_steps
         return body
 
     @classmethod
     def from_cbor(cls, obj: Any) -> UpdateAnnouncement:
         keys = frozenset({"revision", "window", "base", "shards", "delta", "delta_digest", "train_loss"})
-        optional = {"claim", "trajectory", "prior"} & set(obj) if isinstance(obj, dict) else set()
+        optional = {"claim", "trajectory", "prior", "privacy_steps"} & set(obj) if isinstance(obj, dict) else set()
         body = f.exact_keys(obj, keys | optional, "update")
         shards = f.array(body, "shards", max_len=MAX_SHARDS)
         if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shards) or \
@@ -809,7 +908,8 @@ class UpdateAnnouncement:
                    delta_digest=f.cid(body, "delta_digest"), train_loss=f.number(body, "train_loss"),
                    claim=f.peer(body, "claim") if "claim" in body else None,
                    trajectory=ArtifactRef.from_cbor(body["trajectory"]) if "trajectory" in body else None,
-                   prior=f.cid(body, "prior") if "prior" in body else None)
+                   prior=f.cid(body, "prior") if "prior" in body else None,
+                   privacy_steps=f.uint(body, "privacy_steps", maximum=1 << 24) if "privacy_steps" in body else None)
 
 
 @attrs.frozen(kw_only=True)
@@ -959,7 +1059,9 @@ class JoinRequest:
     validators take a join for their current window or up to 2 ahead, so an old join replayed after the
     trainer left has no effect (spec/protocol.md §5). `admission` is its admission certificate envelope
     (`AdmissionCertificate`), needed when the manifest's admission policy is "certificate"; the key is
-    absent from the encoding when None.
+    absent from the encoding when None. `private` says the trainer trains on data only it holds
+    (spec/protocol.md §10; present, as true, only when set): validators take it only under a manifest with
+    `private_data`, and the head lists the trainer in `private`.
     """
 
     KIND: ClassVar[str] = "join"
@@ -968,21 +1070,28 @@ class JoinRequest:
     window: int
     capacity: int
     admission: SignedEnvelope | None = None
+    private: bool = False
 
     def to_cbor(self) -> dict[str, Any]:
         body: dict[str, Any] = {"revision": self.revision, "window": self.window, "capacity": self.capacity}
         if self.admission is not None:
             body["admission"] = self.admission.to_cbor()
+        if self.private:
+            body["private"] = True
         return body
 
     @classmethod
     def from_cbor(cls, obj: Any) -> JoinRequest:
         keys = frozenset({"revision", "window", "capacity"})
-        body = f.exact_keys(obj, keys | {"admission"} if isinstance(obj, dict) and "admission" in obj else keys,
-                            "join")
+        optional = {"admission", "private"} & set(obj) if isinstance(obj, dict) else set()
+        body = f.exact_keys(obj, keys | optional, "join")
+        private = f.boolean(body, "private") if "private" in body else False
+        if "private" in body and not private:
+            raise DecodeError("bad-field", "join: private is absent when false")
         return cls(revision=f.cid(body, "revision"), window=f.uint(body, "window"),
                    capacity=f.uint(body, "capacity", maximum=1 << 16),
-                   admission=SignedEnvelope.from_cbor(body["admission"]) if "admission" in body else None)
+                   admission=SignedEnvelope.from_cbor(body["admission"]) if "admission" in body else None,
+                   private=private)
 
 
 @attrs.frozen(kw_only=True)

@@ -16,7 +16,7 @@ Recomputation runs as compute tasks (``reduce``, then ``evaluate``); the work in
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -34,11 +34,13 @@ from .objects import (
     ArtifactRef,
     AuditEvidence,
     Head,
+    PrivacyRecord,
     ReductionProposal,
     UpdateAnnouncement,
     revocation_peers,
 )
 from .pending import Failed, Outcome
+from .privacy import budget_fault, next_ledger
 from .quarantine import STRIKE_REASONS, check_evidence, next_records
 
 if TYPE_CHECKING:
@@ -216,7 +218,8 @@ class Screening:
                     roster=roster, quarantine=quarantine, revoked=revoked,
                     metrics=parent.metrics, strikes=strikes, evidence=evidence, outer_state=parent.outer_state,
                     outer_state_digest=parent.outer_state_digest, left=left, expired=expired,
-                    unproven=next_unproven(parent, {}, roster, frozenset(), None), audits=audits)
+                    unproven=next_unproven(parent, {}, roster, frozenset(), None), audits=audits,
+                    private=admission.next_private(parent, roster), privacy=parent.privacy)
 
     def make_head(self, result: dict[str, Any], rejected: tuple[SignedEnvelope, ...], evidence: Evidence,
                   audits: tuple[AuditEvidence, ...] = ()) -> Head:
@@ -228,6 +231,7 @@ class Screening:
         quarantine, strikes = next_records(parent, window, (u.signer for u in rejected),
                                            quarantined_now(evidence, audits), e.manifest)
         kept = set(result["kept"])
+        entries = [c.entry_for(u) for u in result["candidates"]]
         proven = frozenset(u.signer for u in result["candidates"] if u.id in kept)
         left = admission.departures(parent)
         delivered = proven | {u.signer for u in rejected}
@@ -241,7 +245,22 @@ class Screening:
                     metrics=result["metrics"], strikes=strikes, rejected=tuple(sorted(u.id for u in rejected)),
                     evidence=evidence, outer_state=result["outer_state"],
                     outer_state_digest=result["outer_state_digest"], left=left, expired=expired,
-                    unproven=next_unproven(parent, c.leases, roster, proven, delivered), audits=audits)
+                    unproven=next_unproven(parent, c.leases, roster, proven, delivered), audits=audits,
+                    private=admission.next_private(parent, roster),
+                    privacy=self.next_ledger(parent, [(x.envelope.signer, x.announcement) for x in entries
+                                                      if x is not None and x.envelope.id in kept]))
+
+    def next_ledger(self, parent: Head,
+                    cohort: Iterable[tuple[PeerId, UpdateAnnouncement]]) -> tuple[PrivacyRecord, ...]:
+        """The privacy ledger of the head after `parent` with `cohort` ((author, announcement) of each
+        cohort update): `parent`'s, unless the manifest has `privacy` (spec/protocol.md §10)."""
+        e = self.engine
+        params = e.manifest.privacy
+        if params is None:
+            return parent.privacy
+        spends = {signer: ann.privacy_steps or 0 for signer, ann in cohort}
+        assert e.config.accountant is not None
+        return next_ledger(parent, spends, params, e.config.accountant)
 
     # --- recomputation: reduce, then evaluate -----------------------------------------------------
 
@@ -317,7 +336,7 @@ class Screening:
         if c is None:
             return False
         reason = self.structural_fault(head, updates)
-        if reason in ("expired-heard", "join-withdrawn"):
+        if reason in ("expired-heard", "join-withdrawn", "private-mismatch"):
             # Not cached: refused only while this validator's own view differs and no quorum backs the head
             # (spec/agreement.md §6, view-dependent validity).
             if head.id not in self.refused_expiry:
@@ -381,7 +400,8 @@ class Screening:
             return fault
         if head.skipped:
             if updates or head.cohort or head.rejected or head.params != parent.params or \
-                    head.metrics != parent.metrics or head.outer_state != parent.outer_state:
+                    head.metrics != parent.metrics or head.outer_state != parent.outer_state or \
+                    head.privacy != parent.privacy:
                 return "bad-skip"
             return ""
         ids = tuple(u.id for u in cohort)
@@ -408,6 +428,11 @@ class Screening:
             return "cohort-too-small"
         if {u.signer for u in cohort} & parent.quarantined:
             return "cohort-quarantined"
+        if any(budget_fault(e.manifest, parent, u.signer, anns[u.id].privacy_steps, e.config.accountant)
+               for u in cohort):
+            return "cohort-privacy-budget"
+        if head.privacy != self.next_ledger(parent, [(u.signer, anns[u.id]) for u in cohort]):
+            return "privacy-mismatch"
         return ""
 
     def advance(self, check: Check) -> None:

@@ -39,6 +39,7 @@ from .objects import (
     seal,
 )
 from .pending import Done, Failed, Outcome
+from .privacy import ledger_epsilon, spent_steps
 from .roles import RoleBase
 
 if TYPE_CHECKING:
@@ -297,6 +298,9 @@ class TrainerRole(RoleBase):
             if not shards:
                 self.done = window
                 continue
+            if self._budget_spent(window):
+                self.done = window
+                continue
             self.window, self.base, self.shards = window, head, shards
             # one window ahead of the head: start from it moved by our own update it lacks, if we made one
             self.prior = self.published.get(window - 1) if window - 1 > head.window else None
@@ -308,6 +312,26 @@ class TrainerRole(RoleBase):
         if self.state == "idle":
             self._step("no-lease")
             self.window, self.base, self.shards = self.current, head, ()
+
+    def _budget_spent(self, window: int) -> bool:
+        """Under a manifest with `privacy`, whether training `window` would take this trainer past its epsilon
+        budget (spec/protocol.md §10): its steps in the head's ledger, those of an update of ours the head
+        lacks (overlap), and this window's. Then it trains no more and leaves the roster: validators would
+        refuse the update (``privacy-budget``), and the head's ledger shows why."""
+        e, head = self.engine, self.head
+        params = e.manifest.privacy
+        if params is None or head is None:
+            return False
+        assert e.config.accountant is not None
+        uncertified = sum(1 for w in self.published if head.window < w < window)
+        steps = spent_steps(head, e.me) + (uncertified + 1) * e.manifest.inner_steps
+        if ledger_epsilon(e.config.accountant, params, steps) <= params.epsilon_budget:
+            return False
+        if self.membership == "member":
+            e.log("privacy-budget-spent", window=window, epsilon=ledger_epsilon(
+                e.config.accountant, params, spent_steps(head, e.me)), budget=params.epsilon_budget)
+            self.set_membership(False)
+        return True
 
     def _reclaim(self, window: int) -> bool:
         """A restarted trainer's durable announcement for `window` (its delta still stored, its base a head
@@ -432,9 +456,16 @@ class TrainerRole(RoleBase):
         if validators:
             self.joined_window = self.current
             join = seal(e.identity, JoinRequest(revision=e.revision.id, window=self.current,
-                                                capacity=e.config.capacity, admission=e.config.admission))
+                                                capacity=e.config.capacity, admission=e.config.admission,
+                                                private=e.config.private_data))
             for v in validators:
                 e.send(v, Signed(envelope=join))
+
+    def _privacy_steps(self) -> int | None:
+        """The DP-SGD steps an update of ours spends (spec/protocol.md §10): the manifest's inner steps under
+        `privacy`, else None."""
+        m = self.engine.manifest
+        return None if m.privacy is None else m.inner_steps
 
     def _attempt(self) -> bytes:
         """Which attempt at `window` runs: its prior's id (§5.2), or b"" without one."""
@@ -485,7 +516,8 @@ class TrainerRole(RoleBase):
         ann = UpdateAnnouncement(revision=e.revision.id, window=window, base=self.base.id, shards=self.shards,
                                  delta=delta, delta_digest=result["delta_digest"],
                                  train_loss=float(result["train_loss"]), trajectory=result.get("trajectory"),
-                                 prior=None if self.prior is None else self.prior.id)
+                                 prior=None if self.prior is None else self.prior.id,
+                                 privacy_steps=self._privacy_steps())
         envelope = seal(e.identity, ann)
         self._commit(window, envelope, result)
         e.persist_then(claim_key(window), envelope.to_bytes(), "trainer",
@@ -590,7 +622,7 @@ class TrainerRole(RoleBase):
         envelope = seal(e.identity, UpdateAnnouncement(
             revision=e.revision.id, window=window, base=self.head.id, shards=self.claims[holder],
             delta=result["delta"], delta_digest=result["delta_digest"], train_loss=float(result["train_loss"]),
-            claim=holder, trajectory=result.get("trajectory")))
+            claim=holder, trajectory=result.get("trajectory"), privacy_steps=self._privacy_steps()))
         self._commit(window, envelope, result)
         e.persist_then(claim_key(window, holder), envelope.to_bytes(), "trainer",
                        Announce(window=window, envelope=envelope, train_loss=float(result["train_loss"]),

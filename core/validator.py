@@ -113,7 +113,8 @@ class ValidatorRole(RoleBase):
         evidence not yet in a certified head, who was heard when, and the first window it saw."""
         a = self.admission
         return {
-            "joins": [[p.to_bytes(), c] for p, c in sorted(a.joins.items())],
+            # [peer, capacity], or [peer, capacity, true] for a join that declares private data (§10)
+            "joins": [[p.to_bytes(), c, *([True] if p in a.private_joins else [])] for p, c in sorted(a.joins.items())],
             "admitted": [[p.to_bytes(), c] for p, c in sorted(a.admitted.items())],
             "leaves": [[p.to_bytes(), w] for p, w in sorted(a.leaves.items())],
             "evidence": [[x.to_cbor(), y.to_cbor()] for _, (x, y) in sorted(self.voting.evidence.items())],
@@ -124,7 +125,8 @@ class ValidatorRole(RoleBase):
     def restore_durable_state(self, state: dict[str, Any]) -> None:
         """Take back `durable_state()` (decoded). Raises DecodeError/VerificationError for a bad one."""
         a = self.admission
-        a.joins = {PeerId.from_bytes(p): c for p, c in state["joins"]}
+        a.joins = {PeerId.from_bytes(p): c for p, c, *_ in state["joins"]}
+        a.private_joins = {PeerId.from_bytes(p) for p, _, *private in state["joins"] if private == [True]}
         a.admitted = {PeerId.from_bytes(p): c for p, c in state["admitted"]}
         a.leaves = {PeerId.from_bytes(p): w for p, w in state["leaves"]}
         for x, y in state["evidence"]:

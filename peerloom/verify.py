@@ -94,12 +94,66 @@ def check_rules(revision: Revision, entries: Sequence[tuple[Head, QuorumCertific
                 not set(head.left) | set(head.expired) <= dropped <= set(head.left) | set(head.expired) | revoked:
             raise VerificationError("roster-shrunk", f"{where}: {len(dropped)} trainer(s) dropped, "
                                                      f"{len(head.left)} left, {len(head.expired)} expired")
+        check_private(revision, head, previous)
+        check_ledger(revision, head, previous)
         previous = head
+    ledger = f" and the privacy ledger of {len(previous.privacy)} trainer(s) (epsilon recomputed, budget " \
+             f"{m.privacy.epsilon_budget:g} at delta {m.privacy.delta:g})" if m.privacy is not None else ""
     return [f"cohort and roster rules hold for {len(entries)} heads (cohort >= {m.min_updates}, "
             f"capacity <= {m.max_capacity}, roster shrinks only by signed leaves, expiry and revocations, "
-            f"joins bounded and unproven)"] + \
+            f"joins bounded and unproven){ledger}"] + \
         ([f"{audits} failed sampled audit(s): verdicts signed, updates certified and selected, authors "
           f"quarantined"] if audits else [])
+
+
+def check_private(revision: Revision, head: Head, previous: Head) -> None:
+    """The head's `private` list (spec/protocol.md §10): rostered peers only, none unless the manifest
+    admits private data, and a trainer that stays in the roster keeps its flag. Raises VerificationError
+    (``private-mismatch``)."""
+    private, before = set(head.private), previous.roster_peers
+    if not private <= head.roster_peers or (private and not revision.manifest.private_data) or \
+            any((p in private) != (p in previous.private_peers) for p in head.roster_peers & before):
+        raise VerificationError("private-mismatch", f"window {head.window}: private lists peers outside the "
+                                                    "roster, without private_data, or changes a member's flag")
+
+
+def check_ledger(revision: Revision, head: Head, previous: Head,
+                 accountant: Callable[[float, float, int, float], float] | None = None) -> None:
+    """The head's privacy ledger (spec/protocol.md §10), recomputed from the previous head's: under a
+    manifest without `privacy` it is empty; else no entry goes away or shrinks, every cohort update spent
+    the manifest's `inner_steps` H (the chain names cohort updates, not their authors, so: the entries' steps
+    grow by H per cohort update in all, each by a multiple of H, only for trainers of the previous roster),
+    every epsilon is the accountant's for its steps (`peerloom.privacy.accountant`, Opacus's RDP accountant)
+    and none is over the budget. Raises VerificationError (``privacy-mismatch``, ``privacy-budget``)."""
+    m, where = revision.manifest, f"window {head.window}"
+    params = m.privacy
+    if params is None:
+        if head.privacy:
+            raise VerificationError("privacy-mismatch", f"{where}: a privacy ledger in a revision without privacy")
+        return
+    from peerloom.core.privacy import ledger_epsilon
+
+    if accountant is None:
+        from peerloom.privacy import accountant
+    before = {p: steps for p, steps, _ in previous.privacy}
+    grown = 0
+    for peer, steps, epsilon in head.privacy:
+        spent = steps - before.pop(peer, 0)
+        if spent < 0 or spent % m.inner_steps or (spent and peer not in previous.roster_peers):
+            raise VerificationError("privacy-mismatch", f"{where}: {peer} spent {spent} steps, not a multiple "
+                                                        f"of inner_steps {m.inner_steps} as a rostered trainer")
+        grown += spent
+        if spent and epsilon != ledger_epsilon(accountant, params, steps):
+            raise VerificationError("privacy-mismatch", f"{where}: {peer}'s epsilon {epsilon} is not the "
+                                                        f"accountant's {ledger_epsilon(accountant, params, steps)} "
+                                                        f"for {steps} steps")
+        if epsilon > params.epsilon_budget:
+            raise VerificationError("privacy-budget", f"{where}: {peer}'s epsilon {epsilon} is over the budget "
+                                                      f"{params.epsilon_budget}")
+    if before or grown != m.inner_steps * len(head.cohort):
+        raise VerificationError("privacy-mismatch", f"{where}: the ledger grew by {grown} steps for "
+                                                    f"{len(head.cohort)} cohort updates of {m.inner_steps}, or "
+                                                    "lost an entry")
 
 
 def check_audits(revision: Revision, head: Head, previous: Head, by_window: dict[int, Head]) -> int:
@@ -135,6 +189,8 @@ def check_audits(revision: Revision, head: Head, previous: Head, by_window: dict
                 ann.base not in bases or not audit_selected(certified.id, update.id, m.audit_rate):
             raise VerificationError("bad-audit", f"{where}: update of window {ann.window} was not trained on "
                                                  "a base its window allows and selected for audit")
+        if update.signer in (parent or revision.genesis()).private_peers:
+            raise VerificationError("bad-audit", f"{where}: {update.signer} trains on private data: no audit")
         if update.signer in previous.quarantined or update.signer in authors or \
                 release.get(update.signer, 0) < head.window + 1 + m.quarantine_windows:
             raise VerificationError("bad-audit", f"{where}: {update.signer} must be quarantined once, by this head")
