@@ -42,8 +42,9 @@ class Lone:
 
     def __init__(self, *, trainers: int = 2, me: Identity = VALIDATOR, validators: tuple[Identity, ...] | None = None,
                  quorum: int = 1, hold_persists: bool = False, manifest: dict[str, Any] | None = None,
-                 **revision: Any) -> None:
-        """`revision`: keywords of `helpers.make_revision`; `manifest`: other manifest fields to set."""
+                 config: dict[str, Any] | None = None, **revision: Any) -> None:
+        """`revision`: keywords of `helpers.make_revision`; `manifest`: other manifest fields to set;
+        `config`: other `EngineConfig` fields."""
         self.trainers = [ident(10 + i) for i in range(trainers)]
         rev = make_revision(validators=validators or (me,), quorum=quorum, trainers=self.trainers,
                             genesis=GENESIS, chunk_size=4096, **revision)
@@ -53,7 +54,7 @@ class Lone:
         self.revision = rev
         self.me = me
         stored = [make_artifact_ref(GENESIS, 4096), *(delta_of(t) for t in self.trainers)]
-        self.config = EngineConfig(roles={"validator"}, revision=self.revision)
+        self.config = EngineConfig(roles={"validator"}, revision=self.revision, **(config or {}))
         self.engine = Engine(self.config, me, random.Random(0), stored=stored)
         self.hold_persists = hold_persists
         self.now = 0.0
@@ -128,13 +129,14 @@ class Lone:
     def deliver(self, peer: Identity, message: Message) -> None:
         self.handle(ev.MessageReceived(now=self.now, peer=peer.peer_id, data=encode_message(message)))
 
-    def announcement(self, trainer: Identity, *, train_loss: float = 0.5) -> Any:
+    def announcement(self, trainer: Identity, *, train_loss: float = 0.5, **fields: Any) -> Any:
+        """`trainer`'s signed update for the current window; `fields`: other `UpdateAnnouncement` fields."""
         head = self.engine.head
         delta = delta_of(trainer)
         return seal(trainer, UpdateAnnouncement(
             revision=self.revision.id, window=head.window + 1, base=head.id,
             shards=leases_of(head, self.revision.manifest)[trainer.peer_id], delta=delta,
-            delta_digest=delta.digest, train_loss=train_loss))
+            delta_digest=delta.digest, train_loss=train_loss, **fields))
 
     def announce(self, trainer: Identity, **kw: Any) -> None:
         """`trainer` sends its update for the current window; the screen task it causes is not answered."""
