@@ -80,8 +80,8 @@ def test_dp_validates_its_fields():
             DP(**{"noise_multiplier": 1.0, "max_grad_norm": 1.0, "delta": 1e-5, **change})
 
 
-@pytest.mark.parametrize(("sigma", "q", "steps", "delta"),
-                         [(1.0, 0.01, 100, 1e-5), (0.7, 0.25, 37, 1e-6), (2.5, 1.0, 5, 1e-3), (1.1, 0.004, 10_000, 1e-5)])
+@pytest.mark.parametrize(("sigma", "q", "steps", "delta"), [
+    (1.0, 0.01, 100, 1e-5), (0.7, 0.25, 37, 1e-6), (2.5, 1.0, 5, 1e-3), (1.1, 0.004, 10_000, 1e-5)])
 def test_epsilon_is_opacus_rdp_accountant(sigma, q, steps, delta):
     accountant = RDPAccountant()
     accountant.history = [(sigma, q, steps)]
