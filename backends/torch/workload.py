@@ -635,8 +635,8 @@ class TorchWorkload:
         with `seed`, kept in lease order), computes per-sample gradients (``GradSampleModule``), clips each to
         L2 norm C over all parameters, sums them, adds N(0, (sigma C)^2) per coordinate drawn from a second
         ``torch.Generator`` on the training device seeded with `dp_noise_seed` (seed) — independent of the
-        sampling stream, replayed from the same seed — and divides by the expected batch size (``batch_size``,
-        or ``q * n`` when ``sample_rate`` is given; ``DPOptimizer``, ``loss_reduction="mean"``); then the inner
+        sampling stream, replayed from the same seed — and divides by the expected batch size q n (exactly
+        ``min(batch_size, n)`` without ``sample_rate``; ``DPOptimizer``, ``loss_reduction="mean"``); then the inner
         optimizer's step and the scheduler's, as above. An empty batch still takes a step (the noise alone), as
         the accounting assumes. So the same (params, indices, seed, privacy, kept optimizer state) gives the same
         bytes in one process, noise included, and a validator's recomputation audit checks the clipping and the
