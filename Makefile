@@ -46,7 +46,7 @@ fuzz-live: $(VENV)/.dev-installed
 # Refresh every lock from pyproject.toml: dev first, then each smaller set constrained to dev's versions.
 lock: $(VENV)/.dev-installed
 	$(LOCK) --extra dev -o requirements/dev.lock
-	for set in node torch demo hf auth; do $(LOCK) --extra $$set -c requirements/dev.lock -o requirements/$$set.lock; done
+	for set in node torch demo hf auth dp; do $(LOCK) --extra $$set -c requirements/dev.lock -o requirements/$$set.lock; done
 
 clean:
 	rm -rf $(VENV) peerloom-demo peerloom-fuzz-live .pytest_cache .hypothesis

@@ -83,6 +83,12 @@ attack                  what the attacker does (parameters, defaults)
 ``lazy-1-in-5``         ``lazy`` in the train calls ``k`` (counted from 0) with ``k % period == phase``
                         (``period=5``, ``phase=0``: calls 0, 5, 10, ...; `is_lazy_call`), honest in
                         every other call; ``divisor`` as ``lazy``
+``dp-skip-noise``       a DP-SGD trainer (a workload with ``privacy``, issue 32) that skips the noise:
+                        trains with the same Poisson batches and per-sample clipping but noise
+                        multiplier 0 (no parameters), and reports the metrics an honest DP call
+                        reports (``privacy_steps`` included), claiming privacy its update lacks.
+                        Without privacy on the workload it trains honestly. A recomputation audit,
+                        whose replay draws the noise from the seed, sees cosine far below 0.99
 ======================= ==========================================================================
 
 Raises ValueError for an unknown attack, bad parameter values or references whose schema differs from
@@ -112,13 +118,14 @@ ATTACKS = (
     "free-rider-noise",
 )
 
-TRAINING_ATTACKS = ("lazy", "replayer", "lazy-1-in-5")
+TRAINING_ATTACKS = ("lazy", "replayer", "lazy-1-in-5", "dp-skip-noise")
 """Attacks that change how the attacker calls ``train`` (table above); `craft_update` does not take them."""
 
 TRAINING_PARAMS: dict[str, frozenset[str]] = {
     "lazy": frozenset({"divisor"}),
     "replayer": frozenset({"age", "rel"}),
     "lazy-1-in-5": frozenset({"divisor", "period", "phase"}),
+    "dp-skip-noise": frozenset(),
 }
 """The parameters each training attack takes (`check_training_params`)."""
 

@@ -9,8 +9,8 @@ trained on slices of the attacker's own lease (`local_references`), and ``free-r
 direction with the honest norm (it has no cohort mean to aim its cosine at).
 
 The training-level attacks (`peerloom.backends.attacks.TRAINING_ATTACKS`: ``lazy``, ``replayer``,
-``lazy-1-in-5``) call the wrapped workload's ``train`` differently instead of rewriting its result; see
-`ByzantineWorkload.train` and the table in `peerloom.backends.attacks`.
+``lazy-1-in-5``, ``dp-skip-noise``) call the wrapped workload's ``train`` differently instead of rewriting its
+result; see `ByzantineWorkload.train` and the table in `peerloom.backends.attacks`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 
 from peerloom.backends.attacks import (
@@ -72,6 +73,11 @@ class ByzantineWorkload:
       cosine ~1 to the original); earlier calls send the honest delta.
     * ``lazy-1-in-5``: ``lazy`` in the calls ``k`` (counted from 0 over this wrapper's life) with
       ``k % 5 == 0`` (parameters ``period=5``, ``phase=0``: calls 0, 5, 10, ...), honest in the others.
+    * ``dp-skip-noise``: when the wrapped workload trains with DP-SGD (its ``privacy``, a
+      `peerloom.backends.privacy.DP` with ``noise_multiplier > 0``), trains once with the same privacy but
+      ``noise_multiplier=0`` (same seed: same Poisson batches and clipping, no noise) and sends that delta
+      with that call's metrics (the same keys and ``privacy_steps`` as an honest call); the workload's
+      privacy is put back afterwards. Honest otherwise (nothing to skip).
 
     H for ``lazy`` is the call's ``inner_steps`` option, else the wrapped workload's ``inner_steps``
     attribute (the bundled workloads train that many steps when the option is absent), else the workload
@@ -79,7 +85,7 @@ class ByzantineWorkload:
     extra honest call advances the kept optimizer state like any other call.
 
     `calls` counts `train` calls; `last_action` says what the last one sent: ``"honest"``, ``"lazy"``,
-    ``"replay"`` or ``"crafted"`` (a `craft_update` attack).
+    ``"replay"``, ``"no-noise"`` or ``"crafted"`` (a `craft_update` attack).
     """
 
     def __init__(self, inner: Any, attack: str, *, params: dict[str, Any] | None = None, seed: int = 0) -> None:
@@ -133,6 +139,8 @@ class ByzantineWorkload:
             self.attack == "lazy-1-in-5" and is_lazy_call(call, self.params["period"], self.params["phase"]))
         if lazy_now and options.get("checkpoints"):
             return self._lazy_committed(params, indices, seed, options)
+        if self.attack == "dp-skip-noise":
+            return self._skip_noise(params, indices, seed, options)
         delta, metrics = self.inner.train(params, indices, seed, **options)
         honest = _copy(delta)
         if self.attack == "replayer":
@@ -153,6 +161,20 @@ class ByzantineWorkload:
         self.last_action = "lazy"
         return scale_to_norm(_copy(lazy), global_norm(honest)), metrics
 
+    def _skip_noise(self, params: dict[str, np.ndarray], indices: Sequence[int], seed: int,
+                    options: dict[str, Any]) -> tuple[dict, dict]:
+        """``dp-skip-noise``: the wrapped workload's DP-SGD with noise multiplier 0, or its honest training."""
+        dp = getattr(self.inner, "privacy", None)
+        if dp is None or dp.noise_multiplier == 0:
+            self.last_action = "honest"
+            return self.inner.train(params, indices, seed, **options)
+        self.inner.with_privacy(attrs.evolve(dp, noise_multiplier=0.0))
+        try:
+            delta, metrics = self.inner.train(params, indices, seed, **options)
+        finally:
+            self.inner.with_privacy(dp)
+        self.last_action = "no-noise"
+        return _copy(delta), metrics
 
     def _lazy_committed(self, params: dict[str, np.ndarray], indices: Sequence[int], seed: int,
                         options: dict[str, Any]) -> tuple[dict, dict]:

@@ -104,12 +104,12 @@ class ModelAttack(Behaviour):
 
 
 class TrainingAttack(Behaviour):
-    """A trainer running one of `attacks.TRAINING_ATTACKS` (``lazy``, ``replayer``, ``lazy-1-in-5``; table in
-    `peerloom.backends.attacks`): its compute executor's workload is wrapped in a `ByzantineWorkload`, so the
-    executor's ``train`` task gets the attacker's delta and stores and digests it like an honest one. Each
-    train task leaves an ``adversary`` trace line with the wrapper's call number and what it sent
-    (``honest``, ``lazy`` or ``replay``). Calls are counted over the node's life (restarts included), one
-    per train task."""
+    """A trainer running one of `attacks.TRAINING_ATTACKS` (``lazy``, ``replayer``, ``lazy-1-in-5``,
+    ``dp-skip-noise``; table in `peerloom.backends.attacks`): its compute executor's workload is wrapped in a
+    `ByzantineWorkload`, so the executor's ``train`` task gets the attacker's delta and stores and digests it
+    like an honest one. Each train task leaves an ``adversary`` trace line with the wrapper's call number and
+    what it sent (``honest``, ``lazy``, ``replay`` or ``no-noise``). Calls are counted over the node's life
+    (restarts included), one per train task."""
 
     byzantine = True
 

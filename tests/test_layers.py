@@ -18,7 +18,8 @@ STDLIB = set(sys.stdlib_module_names)
 RULES = {
     "core": ({"attrs", "cbor2", "nacl"}, {"core"},
              {"socket", "asyncio", "threading", "multiprocessing", "secrets", "subprocess", "selectors"}),
-    "backends": ({"numpy", "torch", "safetensors", "sklearn", "attrs"}, {"core", "backends"},
+    # opacus (the [dp] extra): DP-SGD and its accountant, imported inside the functions that use it.
+    "backends": ({"numpy", "torch", "safetensors", "sklearn", "attrs", "opacus"}, {"core", "backends"},
                  {"socket", "asyncio"}),
     # Adapters talk to the outside world through well-kept libraries: cryptography's ChaCha20-Poly1305 for
     # Noise, aiohttp for the HTTP edge, prometheus-client for metrics, zeroconf for LAN discovery, PyJWT for

@@ -28,6 +28,11 @@ Segment audits: ``train(..., checkpoints=S, on_checkpoint=cb)`` hands ``cb`` the
 replays any range of steps from such a state bit for bit (same platform), so a validator can recompute one
 committed segment instead of the whole run (`TorchWorkload.resume` lists the state's names).
 
+Differential privacy (issue 32): with ``privacy`` (`peerloom.privacy.DP`, or `TorchWorkload.with_privacy`)
+`train` runs DP-SGD through Opacus: Poisson-sampled batches, per-sample clipping and Gaussian noise from a
+generator seeded from the training seed, so its bytes replay like plain training's (`TorchWorkload.train`);
+`TorchWorkload.privacy_steps` counts the steps the privacy accountant (`peerloom.privacy.epsilon`) charges.
+
 Evaluation runs on the CPU in float32 unless ``eval_on_device``: validators compare each other's head
 metrics within ``METRIC_TOLERANCE`` (1e-4, spec/agreement.md), and a GPU's arithmetic (TF32 convolutions,
 other kernels, bf16) can differ from a CPU's by more than that, so validators on different devices would
@@ -37,6 +42,7 @@ refuse each other's heads.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 import warnings
@@ -50,6 +56,7 @@ from torch.utils.data import Dataset, Subset, TensorDataset, default_collate
 
 from peerloom.backends.devices import resolve_device
 from peerloom.backends.numpy.tensors import Schema, TensorDict, schema_of
+from peerloom.backends.privacy import DP, privacy_sample_rate, privacy_steps, require_opacus
 
 ModelFactory = Callable[[], nn.Module]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -69,6 +76,17 @@ _STATE_VERSION = 1
 """``version`` of a checkpoint's ``train_state.meta`` (`TorchWorkload.train`)."""
 _MAX_META_BYTES = 1 << 24
 """Largest ``train_state.meta`` `TorchWorkload.resume` decodes (16 MiB of JSON)."""
+_NO_DP_SEGMENTS = ("segment audits do not support DP-SGD (checkpoints / resume with privacy set): "
+                   "audit a DP trainer by recomputing its whole train call")
+_DP_NOISE_DOMAIN = b"peerloom/dp-sgd/noise/"
+"""Prefix of the hash that turns a training seed into the DP-SGD noise generator's seed (`dp_noise_seed`)."""
+
+
+def dp_noise_seed(seed: int) -> int:
+    """The seed of DP-SGD's noise generator for the training seed `seed`: the first 8 bytes (little-endian) of
+    ``sha256(b"peerloom/dp-sgd/noise/" + decimal seed)``, so the noise stream is independent of the batch
+    sampling stream (a ``torch.Generator`` seeded with `seed` itself) while both replay from `seed`."""
+    return int.from_bytes(hashlib.sha256(_DP_NOISE_DOMAIN + str(int(seed)).encode()).digest()[:8], "little")
 
 
 def set_num_threads(n: int = 1) -> None:
@@ -248,6 +266,9 @@ class TorchWorkload:
         eval_on_device: evaluate on the device too (under bf16 autocast if ``bf16``). Default False: `evaluate`
             runs a CPU float32 copy of the model, so validators on any devices agree on a head's metrics
             (module docstring); set it only when every validator of the revision uses the same device kind.
+        privacy: a `peerloom.backends.privacy.DP` (``peerloom.privacy.DP``): `train` runs DP-SGD (see there);
+            `with_privacy` sets or clears it later (a node does, from the manifest). Refused (`with_privacy`):
+            with a ``train_loader``, ``bf16``, ``clip_grad_norm`` or a model Opacus cannot train per sample.
 
     Params are the floating-point entries of the model's ``state_dict`` (parameters and float buffers,
     which must all be float32); integer buffers (e.g. BatchNorm's ``num_batches_tracked``) stay local.
@@ -281,6 +302,7 @@ class TorchWorkload:
         eval_loader: EvalLoaderFactory | None = None,
         device: str = "cpu",
         eval_on_device: bool = False,
+        privacy: DP | None = None,
     ) -> None:
         if batch_size < 1 or local_epochs < 1 or eval_batch_size < 1:
             raise ValueError("batch_size, local_epochs and eval_batch_size must be >= 1")
@@ -336,6 +358,8 @@ class TorchWorkload:
                                if not t.is_floating_point()}
         if device != "cpu":
             self.to_device(device)
+        self.privacy: DP | None = None
+        self.with_privacy(privacy)
 
     @staticmethod
     def _state_tensors(model: nn.Module, device: torch.device | None = None) -> dict[str, torch.Tensor]:
@@ -345,6 +369,51 @@ class TorchWorkload:
             if tensor.dtype != torch.float32 or tensor.device.type != device.type:
                 raise ValueError(f"state {name!r} is {tensor.dtype} on {tensor.device}; need float32 on {device}")
         return {n: t.detach() for n, t in sorted(state.items())}
+
+    def with_privacy(self, dp: DP | None) -> None:
+        """Train with DP-SGD under `dp` from now on (None: plain training again); `train` documents what it runs.
+
+        Raises `peerloom.backends.privacy.PrivacyUnavailable` (an ImportError, one line naming ``pip install
+        'peerloom[dp]'``) without opacus, TypeError for a `dp` that is not a `DP`, and ValueError in one line for
+        what DP-SGD cannot train: a model Opacus refuses (``opacus.validators.ModuleValidator.validate``, e.g.
+        BatchNorm, whose outputs mix a batch's samples), a ``train_loader`` (its batches cannot be Poisson-sampled
+        per sample), ``bf16`` or ``clip_grad_norm`` (DP-SGD clips per sample to ``max_grad_norm`` instead). On
+        an error the workload keeps the privacy it had."""
+        if dp is None:
+            self.privacy = None
+            return
+        if not isinstance(dp, DP):
+            raise TypeError(f"privacy must be a peerloom.privacy.DP or None, got {type(dp).__name__}")
+        require_opacus()
+        from opacus.validators import ModuleValidator
+
+        if self.train_loader is not None:
+            raise ValueError("DP-SGD cannot use a train_loader: it Poisson-samples the leased samples itself")
+        if self.bf16:
+            raise ValueError("DP-SGD does not support bf16 autocast here: train DP workloads in float32")
+        if self.clip_grad_norm is not None:
+            raise ValueError("DP-SGD clips each sample's gradient to DP.max_grad_norm: drop clip_grad_norm")
+        errors = ModuleValidator.validate(self.model, strict=False)
+        if errors:
+            reasons = "; ".join(" ".join(str(e).split()) for e in errors)
+            raise ValueError(f"model cannot be trained with DP-SGD: {reasons}")
+        self.privacy = dp
+
+    def privacy_sample_rate(self, num_samples: int) -> float:
+        """q, the Poisson sampling rate of DP-SGD over a lease of `num_samples` samples: ``privacy.sample_rate``,
+        else ``min(1, batch_size / num_samples)``. ValueError without privacy or for ``num_samples < 1``."""
+        if self.privacy is None:
+            raise ValueError("this workload trains without privacy (with_privacy sets it)")
+        return privacy_sample_rate(self.privacy, num_samples, self.batch_size)
+
+    def privacy_steps(self, num_samples: int, inner_steps: int | None = None) -> int:
+        """The DP-SGD steps one `train` call over `num_samples` leased samples takes (what accounting counts):
+        `inner_steps` (argument, else the workload's), else ``local_epochs * ceil(1 / q)`` with q
+        `privacy_sample_rate`. ValueError without privacy, for ``num_samples < 1`` or ``inner_steps < 1``."""
+        steps = self.inner_steps if inner_steps is None else inner_steps
+        if steps is not None and steps < 1:
+            raise ValueError(f"inner_steps must be >= 1, got {steps}")
+        return privacy_steps(self.privacy_sample_rate(num_samples), steps, self.local_epochs)
 
     def to_device(self, device: str) -> TorchWorkload:
         """Train and evaluate on `device` from now on (``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"mps"``, ``"auto"``;
@@ -557,6 +626,24 @@ class TorchWorkload:
         schema; DiLoCo sign convention, arXiv 2311.08105, so the outer step is ``params - lr * mean(delta)``)
         and ``{"train_loss": sample-weighted mean loss of the last pass (inner steps: of the batches since the
         last reshuffle), "samples": len(indices)}``.
+
+        With ``privacy`` (a `DP`: sigma, C, q) it runs DP-SGD instead (Abadi et al. 2016, arXiv:1607.00133,
+        Algorithm 1, through Opacus, arXiv:2109.12298). Steps: `inner_steps` (argument, else the workload's)
+        when set, else ``epochs * ceil(1 / q)`` (`privacy_steps`); q is ``privacy.sample_rate``, else
+        ``min(1, batch_size / n)`` for a lease of n samples. Each step Poisson-samples the lease (each index
+        independently with probability q: ``torch.rand(n, generator) < q`` with the training generator, seeded
+        with `seed`, kept in lease order), computes per-sample gradients (``GradSampleModule``), clips each to
+        L2 norm C over all parameters, sums them, adds N(0, (sigma C)^2) per coordinate drawn from a second
+        ``torch.Generator`` on the training device seeded with `dp_noise_seed` (seed) — independent of the
+        sampling stream, replayed from the same seed — and divides by the expected batch size q n (exactly
+        ``min(batch_size, n)`` without ``sample_rate``; ``DPOptimizer``, ``loss_reduction="mean"``); then the inner
+        optimizer's step and the scheduler's, as above. An empty batch still takes a step (the noise alone), as
+        the accounting assumes. So the same (params, indices, seed, privacy, kept optimizer state) gives the same
+        bytes in one process, noise included, and a validator's recomputation audit checks the clipping and the
+        noise. Metrics gain ``"privacy_steps"`` (the steps taken); ``train_loss`` averages the batches of the
+        last ``ceil(1 / q)`` steps (NaN if the whole call sampled nothing). ``keep_optimizer_state`` works as
+        without privacy (the kept state is post-processing of noised gradients). Segment audits do not support
+        DP-SGD: ``checkpoints`` (and `resume`) raise ValueError with privacy set.
         Raises ValueError for an empty lease, out-of-range indices, params of the wrong schema or checkpoints
         that cannot be taken (also: optimizer state that is not tensors and Python scalars).
         """
@@ -564,6 +651,10 @@ class TorchWorkload:
         n_epochs = self.local_epochs if epochs is None else epochs
         if n_epochs < 1 or (steps is not None and steps < 1):
             raise ValueError(f"epochs and inner_steps must be >= 1, got {n_epochs}, {steps}")
+        if self.privacy is not None:
+            if checkpoints:
+                raise ValueError(_NO_DP_SEGMENTS)
+            return self._train_private(params, self._lease_index(indices), seed, steps, n_epochs, state_key, step)
         bounds: dict[int, int] = {}
         if checkpoints:
             if steps is None or not 1 <= checkpoints <= steps or self.keep_optimizer_state:
@@ -577,15 +668,7 @@ class TorchWorkload:
             self._reset_buffers()
         model = self.model
         model.train()
-        optimizer = self.optimizer_factory(model.parameters())
-        kept = self.keep_optimizer_state and state_key in self._saved_schedulers
-        scheduler = self._scheduler(optimizer, 0 if kept else step)
-        if self.keep_optimizer_state:
-            # The scheduler first: building one writes the learning rate that the saved state then restores.
-            if (saved := self._saved_optimizers.get(state_key)) is not None:
-                optimizer.load_state_dict(saved)
-            if scheduler is not None and (saved := self._saved_schedulers.get(state_key)) is not None:
-                scheduler.load_state_dict(saved)
+        optimizer, scheduler = self._inner_optimizer(state_key, step)
         generator = torch.Generator().manual_seed(seed)
         loss_sum, seen = 0.0, 0
         current: list[Any] = [0, None]  # a train_loader's current pass: (steps done at its start, RNG state then)
@@ -607,12 +690,90 @@ class TorchWorkload:
                     rng = self._rng_states()
                     on_checkpoint(bounds[done], self._training_state(optimizer, done, current))  # type: ignore[misc]
                     self._set_rng_states(rng)  # whatever the callback drew, training draws as without it
+        self._keep_optimizer(state_key, optimizer, scheduler)
+        return self._delta(params), {"train_loss": loss_sum / seen, "samples": len(index)}
+
+    def _train_private(self, params: TensorDict, index: torch.Tensor, seed: int, steps: int | None, epochs: int,
+                       state_key: Any, step: int) -> tuple[TensorDict, dict[str, float | int]]:
+        """`train` with DP-SGD (Abadi et al. 2016, arXiv:1607.00133, Algorithm 1) through Opacus's
+        ``GradSampleModule`` and ``DPOptimizer``; see `train`."""
+        dp = self.privacy
+        assert dp is not None
+        require_opacus()
+        from opacus import GradSampleModule
+        from opacus.optimizers import DPOptimizer
+
+        n = len(index)
+        rate = privacy_sample_rate(dp, n, self.batch_size)
+        expected = min(self.batch_size, n) if dp.sample_rate is None else rate * n
+        total = privacy_steps(rate, steps, epochs)
+        per_pass = math.ceil(1.0 / rate)  # steps whose batches hold n samples on average: train_loss's window
+        self._load(params)
+        model = self.model
+        model.train()
+        optimizer, scheduler = self._inner_optimizer(state_key, step)
+        sampler = torch.Generator().manual_seed(seed)
+        noise = torch.Generator(device=self.device).manual_seed(dp_noise_seed(seed))
+        wrapped = GradSampleModule(model, loss_reduction="mean")
+        loss_sum, seen, call_sum, call_seen = 0.0, 0, 0.0, 0
+        try:
+            private = DPOptimizer(optimizer, noise_multiplier=dp.noise_multiplier, max_grad_norm=dp.max_grad_norm,
+                                  expected_batch_size=expected, loss_reduction="mean", generator=noise)
+            with self._forked_rng():
+                torch.manual_seed(seed)
+                for k in range(total):
+                    if k % per_pass == 0:
+                        loss_sum, seen = 0.0, 0
+                    batch = index[torch.rand(n, generator=sampler) < rate]
+                    private.zero_grad(set_to_none=True)
+                    if len(batch):
+                        inputs, targets = self._train_batch(batch)
+                        inputs, targets = _move(inputs, self.device), _move(targets, self.device)
+                        loss = self.loss_fn(wrapped(inputs), targets)
+                        with warnings.catch_warnings():  # Opacus's hooks on a first layer whose input needs no grad
+                            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                            loss.backward()
+                        value, count = float(loss.detach()), _batch_len(targets)
+                        loss_sum, seen = loss_sum + value * count, seen + count
+                        call_sum, call_seen = call_sum + value * count, call_seen + count
+                    else:  # an empty Poisson batch still takes a step: the noise alone, as the accounting assumes
+                        for p in private.params:
+                            p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+                    private.step()
+                    if scheduler is not None:
+                        scheduler.step()
+        finally:
+            wrapped.to_standard_module()  # removes Opacus's hooks and per-sample attributes from the model
+        self._keep_optimizer(state_key, optimizer, scheduler)
+        if seen == 0:
+            loss_sum, seen = call_sum, call_seen
+        train_loss = loss_sum / seen if seen else math.nan
+        return self._delta(params), {"train_loss": train_loss, "samples": n, "privacy_steps": total}
+
+    def _inner_optimizer(self, state_key: Any, step: int) -> tuple[torch.optim.Optimizer, Any]:
+        """`train`'s inner optimizer and scheduler: fresh from the factories, the scheduler at global step `step`,
+        or, with ``keep_optimizer_state``, restored from what `_keep_optimizer` saved for `state_key`."""
+        optimizer = self.optimizer_factory(self.model.parameters())
+        kept = self.keep_optimizer_state and state_key in self._saved_schedulers
+        scheduler = self._scheduler(optimizer, 0 if kept else step)
+        if self.keep_optimizer_state:
+            # The scheduler first: building one writes the learning rate that the saved state then restores.
+            if (saved := self._saved_optimizers.get(state_key)) is not None:
+                optimizer.load_state_dict(saved)
+            if scheduler is not None and (saved := self._saved_schedulers.get(state_key)) is not None:
+                scheduler.load_state_dict(saved)
+        return optimizer, scheduler
+
+    def _keep_optimizer(self, state_key: Any, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+        """With ``keep_optimizer_state``, save the optimizer's and scheduler's state for `state_key`'s next call."""
         if self.keep_optimizer_state:
             self._saved_optimizers[state_key] = copy.deepcopy(optimizer.state_dict())
             if scheduler is not None:
                 self._saved_schedulers[state_key] = copy.deepcopy(scheduler.state_dict())
-        delta = {name: np.subtract(params[name], self._host(name), dtype=np.float32) for name in self._state}
-        return delta, {"train_loss": loss_sum / seen, "samples": len(index)}
+
+    def _delta(self, params: TensorDict) -> TensorDict:
+        """``params - working params`` (the pseudo-gradient), float32 numpy on the CPU."""
+        return {name: np.subtract(params[name], self._host(name), dtype=np.float32) for name in self._state}
 
     def _scheduler(self, optimizer: torch.optim.Optimizer, steps: int) -> Any:
         """A fresh ``scheduler_factory`` scheduler on the fresh `optimizer`, stepped `steps` times (None without
@@ -691,8 +852,11 @@ class TorchWorkload:
         iterated from the first pass and its batches before `start` fetched and dropped, its current pass started
         under ``rng.pass_*``). Raises ValueError for bounds outside ``0 <= start < stop <= inner_steps``, a state
         of another layout (missing or extra names, wrong step count or schema, malformed meta, a pass start the
-        loader's passes do not have), a negative `step`, or bad indices.
+        loader's passes do not have), a negative `step`, or bad indices; and for any call with ``privacy`` set
+        (segment audits do not support DP-SGD: `train`).
         """
+        if self.privacy is not None:
+            raise ValueError(_NO_DP_SEGMENTS)
         if not 0 <= start < stop <= inner_steps:
             raise ValueError(f"need 0 <= start < stop <= inner_steps, got {start}, {stop}, {inner_steps}")
         index = self._lease_index(indices)
@@ -1054,6 +1218,7 @@ def torch_workload(
     device: str = "cpu",
     eval_on_device: bool = False,
     num_threads: int | None = None,
+    privacy: DP | None = None,
 ) -> TorchWorkload:
     """A workload from the user's own torch objects (issue 17): `TorchWorkload` with keyword names.
 
@@ -1063,13 +1228,15 @@ def torch_workload(
     ``eval_data``: map-style ``torch.utils.data.Dataset`` s of ``(input, target)`` items (or ``(x, y)``
     tuples); a lease's shard ``s`` trains on the items ``shards[s]`` where the factory returns ``shards =
     shards_for(len(train_data), num_shards, seed)``. The rest: `TorchWorkload`'s arguments (``scheduler`` is
-    its ``scheduler_factory``: ``optimizer -> LR scheduler``, at the run's global step in every window).
-    Raises ValueError/TypeError for bad arguments and DeviceError for an absent device.
+    its ``scheduler_factory``: ``optimizer -> LR scheduler``, at the run's global step in every window;
+    ``privacy``: a `peerloom.privacy.DP` to train with DP-SGD, see `TorchWorkload.train`).
+    Raises ValueError/TypeError for bad arguments, DeviceError for an absent device and
+    `peerloom.privacy.PrivacyUnavailable` for ``privacy`` without opacus.
     """
     return TorchWorkload(
         model, optimizer, loss, train_data, eval_data, batch_size=batch_size, local_epochs=local_epochs,
         inner_steps=inner_steps, keep_optimizer_state=keep_optimizer_state, eval_batch_size=eval_batch_size,
         num_threads=num_threads, scheduler_factory=scheduler, clip_grad_norm=clip_grad_norm, bf16=bf16,
         metrics=metrics, collate_fn=collate_fn, train_loader=train_loader, eval_loader=eval_loader, device=device,
-        eval_on_device=eval_on_device,
+        eval_on_device=eval_on_device, privacy=privacy,
     )

@@ -47,7 +47,7 @@ def same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
 
 def test_names_are_new_and_separate():
     assert "free-rider-noise" in ATTACKS
-    assert TRAINING_ATTACKS == ("lazy", "replayer", "lazy-1-in-5")
+    assert TRAINING_ATTACKS == ("lazy", "replayer", "lazy-1-in-5", "dp-skip-noise")
     assert not set(TRAINING_ATTACKS) & set(ATTACKS)
     with pytest.raises(ValueError, match="unknown attack"):
         craft_update("lazy", *cohort()[:1], [], np.random.default_rng(0))
