@@ -35,6 +35,7 @@ from typing import Any
 import attrs
 import trio
 
+from peerloom.backends.privacy import privacy_accountant
 from peerloom.core import effects as fx
 from peerloom.core import events as ev
 from peerloom.core.chain import decode_chain_entry
@@ -218,7 +219,8 @@ class NodeRuntime:
                  capacity: int = 1, stop_after_window: int | None = None,
                  on_head: Callable[[Head, QuorumCertificate], None] | None = None,
                  admission: SignedEnvelope | None = None,
-                 on_chain_entry: Callable[[Head, QuorumCertificate], None] | None = None) -> None:
+                 on_chain_entry: Callable[[Head, QuorumCertificate], None] | None = None,
+                 private_data: bool = False) -> None:
         self.name = name
         self.identity = identity
         self.store = store
@@ -231,7 +233,8 @@ class NodeRuntime:
         config = EngineConfig(roles=frozenset(roles), revision=revision, capacity=capacity,
                               max_message_bytes=options.max_message_bytes, stop_after_window=stop_after_window,
                               admission=admission, keep_windows=options.keep_windows,
-                              agreement_timeout_s=options.agreement_timeout_s)
+                              agreement_timeout_s=options.agreement_timeout_s, private_data=private_data,
+                              accountant=privacy_accountant(revision.manifest))
         self.engine = Engine(config, identity, random.Random(), stored=store.refs(), records=store.records())
         self._events_path = events_path
         self._events_file = open(events_path, "a", buffering=1) if events_path else None

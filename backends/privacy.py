@@ -20,11 +20,15 @@ and `require_opacus` turns its absence into `PrivacyUnavailable` with a one-line
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import attrs
+
+from peerloom.core.objects import Manifest, PrivacyParams
 
 INSTALL_HINT = "differential privacy needs opacus: pip install 'peerloom[dp]'"
 
@@ -126,6 +130,30 @@ def epsilon(*, noise_multiplier: float, sample_rate: float, steps: int, delta: f
     accountant = RDPAccountant()
     accountant.history = [(float(noise_multiplier), float(sample_rate), int(steps))]
     return float(accountant.get_epsilon(delta=float(delta)))
+
+
+@functools.lru_cache(maxsize=4096)
+def accountant(noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> float:
+    """`epsilon` with positional arguments, memoised: the ``core.privacy.Accountant`` a node injects
+    (`EngineConfig.accountant`) and `peerloom verify` uses for the privacy ledger (spec/protocol.md §10).
+    Same errors as `epsilon`."""
+    return epsilon(noise_multiplier=noise_multiplier, sample_rate=sample_rate, steps=steps, delta=delta)
+
+
+def privacy_accountant(manifest: Manifest) -> Callable[[float, float, int, float], float] | None:
+    """What a node gives its engine as `EngineConfig.accountant` for `manifest`: `accountant` when the manifest
+    has `privacy`, else None. Raises `PrivacyUnavailable` (one line naming the ``[dp]`` extra) for a privacy
+    manifest without opacus, so a node fails at start rather than at its first head."""
+    if manifest.privacy is None:
+        return None
+    require_opacus()
+    return accountant
+
+
+def dp_of(params: PrivacyParams) -> DP:
+    """The `DP` a workload trains with under a manifest's `privacy` (its sigma, C, delta and fixed q)."""
+    return DP(noise_multiplier=params.noise_multiplier, max_grad_norm=params.max_grad_norm, delta=params.delta,
+              sample_rate=params.sample_rate)
 
 
 def noise_multiplier_for(*, epsilon: float, delta: float, sample_rate: float, steps: int) -> float:

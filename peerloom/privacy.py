@@ -9,6 +9,9 @@ name                        what
                             ``TorchWorkload.with_privacy``
 `epsilon`                   ``(noise_multiplier, sample_rate, steps, delta) -> epsilon``: Opacus's RDP
                             accountant (Mironov 2017; Mironov, Talwar, Zhang 2019)
+`accountant`                `epsilon` with positional arguments, memoised: the ``core.privacy.Accountant`` a
+                            node gives its engine and `peerloom verify` checks the ledger with (§10)
+`dp_of`                     the `DP` of a manifest's ``privacy`` (``PrivacyParams``)
 `noise_multiplier_for`      ``(epsilon, delta, sample_rate, steps) -> sigma``: the noise a budget needs
 `PrivacyUnavailable`        the ImportError raised without opacus: "differential privacy needs opacus:
                             pip install 'peerloom[dp]'"
@@ -25,9 +28,12 @@ from peerloom.backends.privacy import (
     DP,
     INSTALL_HINT,
     PrivacyUnavailable,
+    accountant,
+    dp_of,
     epsilon,
     noise_multiplier_for,
     require_opacus,
 )
 
-__all__ = ["DP", "INSTALL_HINT", "PrivacyUnavailable", "epsilon", "noise_multiplier_for", "require_opacus"]
+__all__ = ["DP", "INSTALL_HINT", "PrivacyUnavailable", "accountant", "dp_of", "epsilon", "noise_multiplier_for",
+           "require_opacus"]

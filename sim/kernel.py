@@ -29,6 +29,7 @@ import attrs
 
 from peerloom.adapters.compute import ComputeExecutor
 from peerloom.adapters.host import chunk_message, drain, stored_event
+from peerloom.backends.privacy import privacy_accountant
 from peerloom.core import effects as fx
 from peerloom.core import events as ev
 from peerloom.core.engine import Engine, EngineConfig
@@ -231,8 +232,9 @@ class Simulation:
 
     def boot(self, name: str) -> None:
         node = self.nodes[name]
+        options = {"accountant": privacy_accountant(self.manifest), **self.engine_options}
         config = EngineConfig(roles=node.roles, revision=self.revision, capacity=node.capacity,
-                              decode_memo=self.decode_memo, **self.engine_options)
+                              decode_memo=self.decode_memo, **options)
         rng = random.Random(derive_seed(self.seed, f"engine/{name}/{node.incarnation}"))
         factory = node.engine_factory or Engine
         node.engine = factory(config, node.identity, rng, stored=node.disk.refs(), records=node.disk.records())
