@@ -216,3 +216,36 @@ def test_a_private_join_needs_a_manifest_that_admits_private_data_and_is_recorde
             assert head.private == (joiner.peer_id,) and joiner.peer_id in head.roster_peers
             again = v.restarted(70.0)  # the flag of a held join survives a restart (engine snapshot)
             assert joiner.peer_id in again.role.admission.private_joins
+
+
+# --- a simulated fleet (tests/core/test_engine_pair.py's cluster) ---------------------------------------
+
+def test_trainers_stop_at_their_budget_leave_and_the_chain_shows_why(tmp_path):
+    """Each trainer may afford exactly two windows: it trains two, then leaves the roster with a signed leave
+    instead of training a third (validators would refuse it, `privacy-budget`); the ledger records two
+    windows' steps at an epsilon within the budget, and `check_rules` (peerloom verify) recomputes it with
+    Opacus's accountant."""
+    from peerloom.backends.privacy import accountant as rdp
+    from peerloom.backends.registry import build_workload
+    from peerloom.verify import check_rules
+    from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
+
+    h = 2
+    params = PrivacyParams(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5, sample_rate=0.1,
+                           epsilon_budget=1.0)
+    two, three = (rdp(1.0, 0.1, k * h, 1e-5) for k in (2, 3))
+    params = attrs.evolve(params, epsilon_budget=(two + three) / 2)
+    workload = build_workload("digits-mlp", SEED, N_SHARDS)
+    cluster = build(tmp_path, workload, trainers=2, window_s=5.0, privacy=params, inner_steps=h,
+                    idle_windows=0)
+    assert cluster.run_until(lambda c: head_window(c) >= 4, max_time=200.0)
+    chain = [(head, cert) for _, head, cert in cluster.nodes["validator"].heads]
+    assert check_rules(cluster.revision, chain)
+    last = chain[-1][0]
+    trainers = {cluster.nodes[f"t{i}"].identity.peer_id for i in range(2)}
+    assert {p: s for p, s, _ in last.privacy} == {p: 2 * h for p in trainers}
+    assert all(e == round(two, 9) <= params.epsilon_budget for _, _, e in last.privacy)
+    left = {p for head, _ in chain for p in head.left}
+    assert left == trainers and not last.roster
+    spent = [f for t, n, e, f in cluster.logs if e == "privacy-budget-spent"]
+    assert len(spent) == 2
