@@ -12,6 +12,8 @@ name                        what
 `accountant`                `epsilon` with positional arguments, memoised: the ``core.privacy.Accountant`` a
                             node gives its engine and `peerloom verify` checks the ledger with (§10)
 `dp_of`                     the `DP` of a manifest's ``privacy`` (``PrivacyParams``)
+`privacy_accountant`        ``manifest -> accountant | None``: what a node's engine gets (None without privacy;
+                            `PrivacyUnavailable` for a privacy manifest without opacus)
 `noise_multiplier_for`      ``(epsilon, delta, sample_rate, steps) -> sigma``: the noise a budget needs
 `PrivacyUnavailable`        the ImportError raised without opacus: "differential privacy needs opacus:
                             pip install 'peerloom[dp]'"
@@ -32,8 +34,9 @@ from peerloom.backends.privacy import (
     dp_of,
     epsilon,
     noise_multiplier_for,
+    privacy_accountant,
     require_opacus,
 )
 
 __all__ = ["DP", "INSTALL_HINT", "PrivacyUnavailable", "accountant", "dp_of", "epsilon", "noise_multiplier_for",
-           "require_opacus"]
+           "privacy_accountant", "require_opacus"]

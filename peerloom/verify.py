@@ -134,7 +134,13 @@ def check_ledger(revision: Revision, head: Head, previous: Head,
     from peerloom.core.privacy import ledger_epsilon
 
     if accountant is None:
-        from peerloom.privacy import accountant
+        from peerloom.privacy import PrivacyUnavailable, privacy_accountant
+
+        try:
+            accountant = privacy_accountant(m)
+        except PrivacyUnavailable as exc:  # the chain cannot be checked here, which is not a verdict on it
+            raise VerificationError("privacy-unavailable", str(exc)) from None
+        assert accountant is not None
     before = {p: steps for p, steps, _ in previous.privacy}
     grown = 0
     for peer, steps, epsilon in head.privacy:
