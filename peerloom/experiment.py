@@ -111,7 +111,7 @@ class Experiment:
     base_port: int = attrs.field(default=7100, validator=attrs.validators.in_((0, *range(1025, 65000))))
     late_joiners: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     windows: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
-    manifest_options: dict[str, Any] = attrs.field(factory=dict, converter=dict)
+    manifest_options: dict[str, Any] = attrs.field(factory=dict, converter=lambda v: _manifest_options(v))
     node_options: dict[str, dict[str, Any]] = attrs.field(factory=dict, converter=dict)
 
     @node_options.validator
@@ -167,6 +167,9 @@ class Experiment:
             raise FileExistsError(17, "holds an experiment already; an experiment is never overwritten", str(root))
         workload, shards = build_node_workload({"workload": self.workload}, self.workload, self.seed,
                                                self.num_shards)
+        if self.manifest_options.get("privacy") is not None and not hasattr(workload, "with_privacy"):
+            raise ExperimentError(f"workload {self.workload!r} cannot train with DP-SGD (--dp-epsilon, manifest "
+                                  "privacy): differential privacy needs a torch workload")
         params = workload.initial_params(self.seed)
         genesis = to_safetensors(params)
         root.mkdir(parents=True, exist_ok=True)
@@ -219,6 +222,17 @@ class Experiment:
             layout["pythonpath"] = str(source)  # where `up` finds the workload module, whatever its cwd
         (root / LAYOUT_FILE).write_text(tomli_w.dumps(layout))
         return root
+
+
+def _manifest_options(value: Any) -> dict[str, Any]:
+    """`Experiment.manifest_options` as a dict, its ``privacy`` as `PrivacyParams` (experiment.toml holds it as
+    a table of its fields)."""
+    from peerloom.core.objects import PrivacyParams
+
+    options = dict(value)
+    if isinstance(options.get("privacy"), dict):
+        options["privacy"] = PrivacyParams(**options["privacy"])
+    return options
 
 
 def chain_node_dir(path: Path) -> Path | None:
@@ -459,6 +473,8 @@ def _plain(value: Any) -> Any:
     """A manifest value as TOML holds it (tuples as lists, peer ids as text)."""
     if isinstance(value, tuple | list):
         return [_plain(v) for v in value]
+    if hasattr(value, "to_cbor") and attrs.has(type(value)):  # a manifest sub-table (privacy)
+        return value.to_cbor()
     return value.to_text() if hasattr(value, "to_text") else value
 
 
@@ -744,6 +760,18 @@ def add_parsers(subparsers: Any) -> None:
     init.add_argument("--overlap", type=int, default=0, choices=(0, 1, 2),
                       help="trainers start the next window as soon as they have published one, training from a "
                            "head up to this many windows older, applied one window late (spec/protocol.md §5.2)")
+    # Differential privacy (spec/protocol.md §10): every trainer trains with DP-SGD, the chain keeps its epsilon.
+    init.add_argument("--dp-epsilon", type=float, default=None, metavar="BUDGET",
+                      help="train with DP-SGD: each trainer's epsilon budget over the revision (needs "
+                           "--inner-steps, --dp-sample-rate and a torch workload; the [dp] extra)")
+    init.add_argument("--dp-noise-multiplier", type=float, default=None, metavar="SIGMA",
+                      help="DP-SGD's noise multiplier (default: the smallest that fits --dp-epsilon over --windows "
+                           "x --inner-steps steps)")
+    init.add_argument("--dp-max-grad-norm", type=float, default=None, metavar="C",
+                      help="DP-SGD's per-sample gradient clipping norm (default 1.0)")
+    init.add_argument("--dp-delta", type=float, default=None, help="the delta of (epsilon, delta)-DP (default 1e-5)")
+    init.add_argument("--dp-sample-rate", type=float, default=None, metavar="Q",
+                      help="DP-SGD's Poisson sampling rate: each leased sample's chance to be in a step's batch")
     init.add_argument("--base-port", type=int, default=7100, help="first TCP port of the local fleet")
     up = subparsers.add_parser("up", help="start an experiment's fleet as local processes (Ctrl-C stops it)")
     up.add_argument("directory", type=Path)
@@ -796,9 +824,57 @@ def _experiment_from(args: Any) -> Experiment:
                                                ("audit_segments", args.audit_segments),
                                                ("loss_check_samples", args.loss_check),
                                                ("overlap", args.overlap)) if v},
+                          **_privacy_option(args),
                           **{k: v for k, v in (("norm_ratio", args.norm_ratio), ("norm_mads", args.norm_mads),
                                                 ("min_cosine", args.min_cosine))
                              if v is not None}})
+
+
+DP_OPTIONS = ("dp_epsilon", "dp_noise_multiplier", "dp_max_grad_norm", "dp_delta", "dp_sample_rate")
+
+
+def _privacy_option(args: Any) -> dict[str, Any]:
+    """``{"privacy": PrivacyParams}`` from `init`'s ``--dp-*`` options (spec/protocol.md §10), ``{}`` without
+    them. Without ``--dp-noise-multiplier``, sigma is the smallest whose ``windows x inner_steps`` DP-SGD steps
+    fit the budget (`peerloom.privacy.noise_multiplier_for`). ValueError (one line) for a ``--dp-*`` option
+    without ``--dp-epsilon``, no ``--inner-steps``, no ``--dp-sample-rate``, no sigma and no ``--windows``, a
+    value out of range, or no opacus (naming ``pip install 'peerloom[dp]'``)."""
+    import warnings
+
+    from peerloom.core.errors import DecodeError
+    from peerloom.core.objects import PrivacyParams
+    from peerloom.privacy import PrivacyUnavailable, noise_multiplier_for, require_opacus
+
+    given = [f"--{name.replace('_', '-')}" for name in DP_OPTIONS if getattr(args, name, None) is not None]
+    if not given:
+        return {}
+    if args.dp_epsilon is None:
+        raise ValueError(f"{', '.join(given)}: DP-SGD needs --dp-epsilon BUDGET (each trainer's epsilon budget)")
+    if not args.inner_steps:
+        raise ValueError("--dp-epsilon needs --inner-steps N > 0 (DP-SGD accounts a fixed number of steps per "
+                         "window)")
+    if args.dp_sample_rate is None:
+        raise ValueError("--dp-epsilon needs --dp-sample-rate Q (each leased sample's chance to be in a DP-SGD "
+                         "batch)")
+    delta = 1e-5 if args.dp_delta is None else args.dp_delta
+    clip = 1.0 if args.dp_max_grad_norm is None else args.dp_max_grad_norm
+    try:
+        require_opacus()
+        sigma = args.dp_noise_multiplier
+        if sigma is None:
+            if args.windows is None:
+                raise ValueError("--dp-epsilon without --dp-noise-multiplier needs --windows N (sigma is chosen so "
+                                 "that N x --inner-steps DP-SGD steps fit the budget); or give "
+                                 "--dp-noise-multiplier SIGMA")
+            with warnings.catch_warnings():  # opacus on orders at the edge of its range: not the user's concern
+                warnings.simplefilter("ignore")
+                sigma = noise_multiplier_for(epsilon=args.dp_epsilon, delta=delta, sample_rate=args.dp_sample_rate,
+                                             steps=args.windows * args.inner_steps)
+        return {"privacy": PrivacyParams(noise_multiplier=float(sigma), max_grad_norm=float(clip),
+                                         delta=float(delta), sample_rate=float(args.dp_sample_rate),
+                                         epsilon_budget=float(args.dp_epsilon))}
+    except (PrivacyUnavailable, DecodeError) as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _unused_ports(count: int) -> list[int]:
