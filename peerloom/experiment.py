@@ -603,14 +603,17 @@ def run_up(directory: Path, *, windows: int | None = None, echo: Callable[[str],
 
 
 def status_lines(directory: Path) -> list[str]:
-    """`peerloom status DIR`: one line per node (role, running or not, its latest head window), under it the
-    updates from it that the first validator rejected and its last failed task where it has any
-    (`node_problems`), and the latest certified head's metrics."""
+    """`peerloom status DIR`: one line per node (role, running or not, its latest head window; a trainer's
+    epsilon and private data where the manifest has them, `privacy_columns`), under it the updates from it
+    that the first validator rejected and its last failed task where it has any (`node_problems`), and the
+    latest certified head's metrics."""
     from peerloom.adapters.database import DB_NAME, Database
 
     fleet = Fleet.open(directory)
     lines = [f"{fleet.layout['experiment']['name']}: workload {fleet.layout['experiment']['workload']}, "
              f"dashboard {fleet.layout['dashboard']}"]
+    privacy = privacy_columns(fleet)
+    lines += privacy.pop("", [])
     problems = node_problems(fleet)
     for node in fleet.layout["nodes"]:
         directory_i = fleet.node_dir(node["name"])
@@ -626,7 +629,8 @@ def status_lines(directory: Path) -> list[str]:
             finally:
                 db.close()
         lines.append(f"  {node['name']:<14} {node['role']:<9} {'running' if running else 'stopped':<8} "
-                     f"head window {window:>4}  {node['listen']}")
+                     f"head window {window:>4}  " + "  ".join([f"{node['listen']:<21}", *privacy[node["name"]]]
+                                                             if privacy.get(node["name"]) else [node["listen"]]))
         health = problems.get(node["name"], {})
         if health.get("rejected"):
             lines.append(f"      updates rejected: {health['rejected']} (last: {health['last_rejection']})")
@@ -638,6 +642,57 @@ def status_lines(directory: Path) -> list[str]:
         lines.append(f"latest head: window {last[-1]['window']}, " +
                      ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items())))
     return lines
+
+
+def latest_head(fleet: Fleet) -> Any:
+    """The newest certified head in the first validator's store (the `Head`), or None before the first."""
+    from peerloom.adapters.database import DB_NAME, Database
+    from peerloom.core.chain import decode_chain_entry
+
+    first = next((n["name"] for n in fleet.layout["nodes"] if n["role"] == "validator"), None)
+    db_path = fleet.node_dir(first) / "store" / DB_NAME if first is not None else None
+    if db_path is None or not db_path.exists():
+        return None
+    db = Database(db_path)
+    try:
+        heads = db.heads(limit=1)
+    finally:
+        db.close()
+    return decode_chain_entry(heads[0][2])[0] if heads else None
+
+
+def privacy_columns(fleet: Fleet) -> dict[str, list[str]]:
+    """What `status` shows of private data and differential privacy (spec/protocol.md §10), from the signed
+    manifest and the latest certified head: under key ``""`` the lines below the title (the DP-SGD parameters
+    and the budget; which trainers hold private data; ledger entries of peers that are no node here), and
+    under each trainer's name the columns its line ends with (``epsilon E of BUDGET (S steps)``, ``private
+    data``). Empty for a manifest with neither."""
+    manifest = fleet.revision().manifest
+    if manifest.privacy is None and not manifest.private_data:
+        return {}
+    head = latest_head(fleet)
+    window = head.window if head is not None else 0
+    names = {n["peer"]: n["name"] for n in fleet.layout["nodes"] if n["role"] == "trainer"}
+    out: dict[str, list[str]] = {"": []}
+    if manifest.privacy is not None:
+        p = manifest.privacy
+        out[""].append(f"privacy: DP-SGD, epsilon budget {p.epsilon_budget:g} per trainer over the revision "
+                       f"(sigma {p.noise_multiplier:.4g}, clip {p.max_grad_norm:g}, q {p.sample_rate:g}, delta "
+                       f"{p.delta:g}); epsilon as of head window {window}")
+        ledger = {peer.to_text(): (steps, eps) for peer, steps, eps in (head.privacy if head is not None else ())}
+        for peer, name in names.items():
+            steps, eps = ledger.pop(peer, (0, 0.0))
+            out.setdefault(name, []).append(f"epsilon {eps:.3f} of {p.epsilon_budget:g} ({steps} steps)")
+        for peer, (steps, eps) in sorted(ledger.items()):  # trainers that joined from elsewhere
+            out[""].append(f"  peer {peer}  epsilon {eps:.3f} of {p.epsilon_budget:g} ({steps} steps)")
+    if manifest.private_data:
+        private = sorted(names.get(peer.to_text(), peer.to_text()) for peer in (head.private if head else ()))
+        out[""].append(f"private data: admitted; private trainers as of head window {window}: "
+                       f"{', '.join(private) or 'none'}")
+        for peer in head.private if head is not None else ():
+            if peer.to_text() in names:
+                out.setdefault(names[peer.to_text()], []).append("private data")
+    return out
 
 
 def node_problems(fleet: Fleet) -> dict[str, dict[str, Any]]:

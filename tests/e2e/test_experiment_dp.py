@@ -68,3 +68,48 @@ def test_init_dp_without_opacus_names_the_extra(tmp_path, capsys, monkeypatch):
     code, err = _init(capsys, str(tmp_path / "e"), "--workload", TORCH, "--inner-steps", "4", "--dp-epsilon", "8",
                       "--dp-sample-rate", "0.1", "--dp-noise-multiplier", "1")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "pip install 'peerloom[dp]'" in err, err
+
+
+def test_status_shows_each_trainers_epsilon_the_budget_and_private_trainers(tmp_path):
+    """`peerloom status` reads the privacy ledger of the first validator's newest head: each trainer's epsilon
+    and DP-SGD steps against the budget, a ledger entry of a peer that is no node here, and (with
+    private_data) which trainers hold private data."""
+    import attrs
+
+    from peerloom.adapters.database import DB_NAME, Database
+    from peerloom.adapters.keys import load_identity
+    from peerloom.core.chain import encode_chain_entry
+    from peerloom.core.identity import PeerId
+    from peerloom.core.objects import PrivacyParams
+    from peerloom.experiment import Experiment, status_lines
+    from tests.edge_fixtures import certify
+    from tests.helpers import ident
+
+    params = PrivacyParams(noise_multiplier=1.1, max_grad_norm=1.0, delta=1e-5, sample_rate=0.05, epsilon_budget=8.0)
+    root = Experiment(workload=TORCH, trainers=3, inner_steps=8, base_port=0,
+                      manifest_options={"privacy": params, "private_data": True}).write(tmp_path / "exp")
+    fleet = Fleet.open(root)
+    before = status_lines(root)
+    assert "privacy: DP-SGD, epsilon budget 8 per trainer over the revision (sigma 1.1, clip 1, q 0.05, " \
+           "delta 1e-05); epsilon as of head window 0" in before
+    assert all("epsilon 0.000 of 8 (0 steps)" in line for line in before if line.startswith("  trainer-"))
+
+    revision = fleet.revision()
+    peer = {n["name"]: PeerId.from_text(n["peer"]) for n in fleet.layout["nodes"]}
+    stranger = ident(40).peer_id
+    ledger = sorted([(peer["trainer-1"], 40, 1.5), (peer["trainer-2"], 16, 0.75), (stranger, 8, 0.5)])
+    head = attrs.evolve(revision.genesis(), window=5, privacy=tuple(ledger), private=(peer["trainer-2"],))
+    validator = load_identity(root / "nodes" / "validator-1" / "key")
+    db = Database(root / "nodes" / "validator-1" / "store" / DB_NAME)
+    db.put_record("chain/5", encode_chain_entry(head, certify(revision, head, (validator,))))
+    db.close()
+    lines = status_lines(root)
+    print("\n".join(lines))
+    row = {line.split()[0]: line for line in lines if line.startswith("  ") and len(line.split()) > 2}
+    assert row["trainer-1"].endswith("epsilon 1.500 of 8 (40 steps)")
+    assert row["trainer-2"].endswith("epsilon 0.750 of 8 (16 steps)  private data")
+    assert row["trainer-3"].endswith("epsilon 0.000 of 8 (0 steps)")
+    assert "epsilon" not in row["validator-1"] and "epsilon" not in row["reducer-1"]
+    assert f"  peer {stranger.to_text()}  epsilon 0.500 of 8 (8 steps)" in lines
+    assert "private data: admitted; private trainers as of head window 5: trainer-2" in lines
+    assert any(line.endswith("head window    5  " + fleet.layout["nodes"][0]["listen"]) for line in lines)
