@@ -1,13 +1,16 @@
 """The read-only dashboard page the HTTP edge serves at ``/`` (issue 7 §5).
 
 Plain HTML and inline JavaScript, no external resources (test and demo machines are offline): it reads
-``/v1/heads/latest``, ``/v1/chain``, ``/v1/history`` and ``/v1/peers``, draws the loss/accuracy curve as
-inline SVG, and refreshes on every ``head`` server-sent event (and every 5 s as a fallback).
+``/v1/heads/latest``, ``/v1/chain``, ``/v1/history``, ``/v1/peers`` and (once) ``/v1/manifest``, draws the
+loss/accuracy curve as inline SVG, and refreshes on every ``head`` server-sent event (and every 5 s as a fallback).
 
 Stable element ids for tests: ``#latest-window``, ``#chain-rows`` (one ``tr`` per head), ``#curve``
 (an SVG with one ``circle.acc`` / ``circle.loss`` per window that has the metric), ``#peer-rows`` (each peer's
-rejected input and the last rejection's reason), ``#last-error`` (the node's last failed task), ``#bytes``,
-``#status``.
+rejected input and the last rejection's reason; under a manifest with ``privacy`` each trainer's epsilon and
+DP-SGD steps from the latest head's ledger in ``td.epsilon``, and ``td.private`` "yes" for a trainer the head
+lists as private; a ledger entry of a peer the node does not know gets a row of its own), ``#privacy`` (the
+DP-SGD parameters and the per-trainer epsilon budget, or "off"; spec/protocol.md §10), ``#last-error`` (the
+node's last failed task), ``#bytes``, ``#status``.
 """
 
 DASHBOARD_HTML = r"""<!doctype html>
@@ -26,6 +29,7 @@ svg{background:#fff;border:1px solid #ddd} .acc{fill:#1f77b4} .loss{fill:#d62728
 <div>latest certified window: <b id="latest-window">-</b> &middot; head <code id="latest-id">-</code>
  &middot; <span id="status" class="muted">loading</span></div>
 <div>last error: <span id="last-error" class="muted">none</span></div>
+<div>differential privacy: <span id="privacy" class="muted">off</span></div>
 <div class="grid">
 <div><h2>Validation curve</h2>
 <svg id="curve" width="520" height="240" viewBox="0 0 520 240" role="img"
@@ -34,7 +38,7 @@ svg{background:#fff;border:1px solid #ddd} .acc{fill:#1f77b4} .loss{fill:#d62728
 <span style="color:#d62728">&#9679; loss (scaled to its max)</span></div></div>
 <div><h2>Bytes</h2><div id="bytes">-</div>
 <h2>Peers</h2><table><thead><tr><th>peer</th><th>roles</th><th>sent</th><th>received</th><th>rejected</th>
-<th>last rejection</th></tr></thead>
+<th>last rejection</th><th>&epsilon; (steps)</th><th>private data</th></tr></thead>
 <tbody id="peer-rows"></tbody></table></div>
 </div>
 <h2>Head chain</h2>
@@ -106,35 +110,64 @@ function drawChain(heads) {
     body.appendChild(tr);
   }
 }
-function drawPeers(info, windows) {
+function drawPrivacy(manifest, latest) {
+  const dp = manifest && manifest.privacy, span = document.getElementById("privacy");
+  const parts = [];
+  if (dp) parts.push("DP-SGD, \u03b5 budget " + dp.epsilon_budget + " per trainer over the revision (\u03c3 "
+    + String(+dp.noise_multiplier.toPrecision(4)) + ", clip " + dp.max_grad_norm + ", q "
+    + dp.sample_rate + ", \u03b4 " + dp.delta.toExponential() + "); \u03b5 as of window " + latest.window);
+  if (manifest && manifest.private_data) parts.push("private data admitted, private trainers: "
+    + (latest.private || []).length);
+  span.textContent = parts.length ? parts.join("; ") : "off";
+}
+function privacyCells(manifest, latest, peer, roles) {
+  const dp = manifest && manifest.privacy;
+  const entry = (latest.privacy || []).find(e => e.peer === peer);
+  const eps = !dp ? "" : entry ? entry.epsilon.toFixed(3) + " of " + dp.epsilon_budget + " (" + entry.steps + ")"
+    : roles.includes("trainer") ? "0.000 of " + dp.epsilon_budget + " (0)" : "";
+  return [el("td", {class: "epsilon"}, eps), el("td", {class: "private"},
+                                                   (latest.private || []).includes(peer) ? "yes" : "")];
+}
+function drawPeers(info, windows, latest, manifest) {
   document.getElementById("self").textContent = info.self;
   document.getElementById("last-error").textContent = info.last_error || "none";
   const body = document.getElementById("peer-rows");
   body.textContent = "";
   let sent = 0, recv = 0;
   for (const p of info.peers) {
-    const tr = el("tr", {});
+    const tr = el("tr", {"data-peer": p.peer});
     for (const c of [p.peer.slice(-8), p.roles.join(","), fmtBytes(p.bytes_sent), fmtBytes(p.bytes_received),
                      String(p.rejected), p.last_rejection])
       tr.appendChild(el("td", {}, c));
+    for (const td of privacyCells(manifest, latest, p.peer, p.roles)) tr.appendChild(td);
     body.appendChild(tr); sent += p.bytes_sent; recv += p.bytes_received;
+  }
+  const known = new Set(info.peers.map(p => p.peer));
+  for (const e of (manifest && manifest.privacy ? latest.privacy || [] : [])) {
+    if (known.has(e.peer)) continue;  // a trainer in the ledger this node does not know (left, or elsewhere)
+    const tr = el("tr", {"data-peer": e.peer});
+    for (const c of [e.peer.slice(-8), "trainer", "-", "-", "-", ""]) tr.appendChild(el("td", {}, c));
+    for (const td of privacyCells(manifest, latest, e.peer, ["trainer"])) tr.appendChild(td);
+    body.appendChild(tr);
   }
   const last = windows.length ? windows[windows.length - 1] : null;
   document.getElementById("bytes").textContent = last
     ? "node wire bytes: sent " + fmtBytes(last.bytes_sent) + ", received " + fmtBytes(last.bytes_received)
     : "per-peer total: sent " + fmtBytes(sent) + ", received " + fmtBytes(recv);
 }
-let busy = false;
+let busy = false, manifest = null;
 async function refresh() {
   if (busy) return; busy = true;
   try {
+    if (!manifest) manifest = await getJSON("/v1/manifest");  // signed once per revision: read once
     const [latest, heads, hist, peers] = await Promise.all([getJSON("/v1/heads/latest"), allHeads(),
       getJSON("/v1/history"), getJSON("/v1/peers")]);
     document.getElementById("latest-window").textContent = latest.window;
     document.getElementById("latest-id").textContent = short(latest.id);
     const windows = hist.windows.length ? hist.windows
       : heads.filter(h => h.window > 0).map(h => ({window: h.window, metrics: h.metrics}));
-    drawChain(heads); drawCurve(windows); drawPeers(peers, hist.windows);
+    drawChain(heads); drawCurve(windows); drawPeers(peers, hist.windows, latest, manifest);
+    drawPrivacy(manifest, latest);
     document.getElementById("status").textContent = "updated " + new Date().toLocaleTimeString();
   } catch (e) {
     document.getElementById("status").textContent = "error: " + e.message;

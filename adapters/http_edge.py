@@ -14,8 +14,11 @@ Endpoints (binary ids are lowercase hex of the 34-byte content id; peer ids are 
                             ``POST /v1/updates`` answers 503 ``disk-full``)
 ``GET /metrics``            200 Prometheus text exposition (the node's registry plus the edge's own counters)
 ``GET /openapi.json``       200 this API as OpenAPI 3.0
-``GET /v1/manifest``        200 the signed revision manifest (hex of the canonical SignedEnvelope)
-``GET /v1/heads/latest``    200 the latest certified head (canonical CBOR as hex + decoded summary)
+``GET /v1/manifest``        200 the signed revision manifest (hex of the canonical SignedEnvelope), with its
+                            ``privacy`` (DP-SGD's parameters and the epsilon budget, or null) and
+                            ``private_data`` decoded (spec/protocol.md §10)
+``GET /v1/heads/latest``    200 the latest certified head (canonical CBOR as hex + decoded summary: its
+                            ``privacy`` ledger as ``{peer, steps, epsilon}``, its ``private`` trainers, ...)
 ``GET /v1/heads/{id}``      200 / 400 malformed id / 404 unknown head
 ``GET /v1/chain``           200 page of heads, ``?from=<window>&limit=<1..256>``; 400 on bad parameters
 ``GET /v1/certificates/{id}``  200 / 400 / 404 (genesis has no certificate)
@@ -204,6 +207,8 @@ def head_json(entry: CertifiedEntry) -> dict[str, Any]:
         "rejected": [u.hex() for u in h.rejected],
         "evidence": [[a.signer.to_text(), b.signer.to_text()] for a, b in h.evidence],
         "left": [p.to_text() for p in h.left], "expired": [p.to_text() for p in h.expired], "metrics": dict(h.metrics),
+        "private": [p.to_text() for p in h.private],
+        "privacy": [{"peer": p.to_text(), "steps": steps, "epsilon": eps} for p, steps, eps in h.privacy],
         "cbor": h.to_bytes().hex(),
         "certificate": None if entry.certificate is None else certificate_json(entry.certificate),
     }
@@ -477,8 +482,11 @@ class HttpEdge:
 
     async def manifest(self, request: web.Request) -> web.Response:
         rev = self.view.revision
+        privacy = rev.manifest.privacy
         return web.json_response({"revision": rev.id.hex(), "authority": rev.authority.to_text(),
-                                  "envelope": rev.envelope.to_bytes().hex()})
+                                  "envelope": rev.envelope.to_bytes().hex(),
+                                  "privacy": None if privacy is None else privacy.to_cbor(),
+                                  "private_data": rev.manifest.private_data})
 
     async def latest(self, request: web.Request) -> web.Response:
         return web.json_response(head_json(self.view.latest()))
@@ -1060,6 +1068,11 @@ def openapi_document() -> dict[str, Any]:
             "evidence": {"type": "array", "items": {"type": "array", "items": {"type": "string"}}},
             "left": {"type": "array", "items": {"type": "string"}},
             "expired": {"type": "array", "items": {"type": "string"}},
+            "private": {"type": "array", "items": {"type": "string"}},
+            "privacy": {"type": "array", "items": {"type": "object", "required": ["peer", "steps", "epsilon"],
+                                                   "properties": {"peer": {"type": "string"},
+                                                                  "steps": {"type": "integer"},
+                                                                  "epsilon": {"type": "number"}}}},
             "metrics": {"type": "object", "additionalProperties": {"type": "number"}},
             "cbor": _HEX, "certificate": {"allOf": [{"$ref": "#/components/schemas/Certificate"}],
                                           "nullable": True}}},
@@ -1084,7 +1097,11 @@ def openapi_document() -> dict[str, Any]:
                 "bytes_sent": {"type": "integer"}, "bytes_received": {"type": "integer"},
                 "time": {"type": "number"}}}}}},
         "Manifest": {"type": "object", "required": ["revision", "authority", "envelope"], "properties": {
-            "revision": _CID, "authority": {"type": "string"}, "envelope": _HEX}},
+            "revision": _CID, "authority": {"type": "string"}, "envelope": _HEX,
+            "privacy": {"type": "object", "nullable": True, "properties": {
+                k: {"type": "number"} for k in ("noise_multiplier", "max_grad_norm", "delta", "sample_rate",
+                                                "epsilon_budget")}},
+            "private_data": {"type": "boolean"}}},
         "Health": {"type": "object", "required": ["status"], "properties": {
             "status": {"type": "string"}, "peer": {"type": "string"},
             "roles": {"type": "array", "items": {"type": "string"}}, "window": {"type": "integer"},

@@ -44,6 +44,7 @@ from peerloom.demo_report import (
     defence_verdict,
     head_audits,
     plot_report,
+    privacy_sections,
     read_events,
     verification_settings,
 )
@@ -549,6 +550,8 @@ def _finish(out: Path, profile: str, seed: int, p: Profile, nodes: list[NodeProc
         "bytes_on_wire": sum(details["bytes_by_role"].values()),
         "wall_s": round(time.monotonic() - started, 3),
         "verified": verified,
+        # Under a manifest with privacy / private_data: the budget and each trainer's epsilon (the last head's).
+        **privacy_sections(revision.manifest, final, {n.peer.to_text(): n.name for n in nodes}),
         "chain": details["chain"],
         "history": details["per_window"],
         "per_window": details["per_window"],

@@ -103,6 +103,28 @@ def verification_settings(manifest: Manifest) -> dict[str, Any]:
             "inner_steps": manifest.inner_steps}
 
 
+def privacy_sections(manifest: Manifest, head: Head, names: dict[str, str]) -> dict[str, Any]:
+    """``report.json``'s sections on private data and differential privacy (spec/protocol.md §10), from the
+    manifest and the last head; `names` maps peer id text to node name. ``privacy`` (only under a manifest
+    with `privacy`): the per-trainer ``epsilon_budget``, ``delta``, ``noise_multiplier`` (sigma),
+    ``max_grad_norm`` (C), ``sample_rate`` (q), the head's ``window`` and ``trainers``: each ledger entry's
+    ``name``, ``peer_id``, DP-SGD ``steps`` and ``epsilon`` (and ``private``). ``private_data`` (only under a
+    manifest with `private_data`): ``private``, the names of the trainers the head lists as private."""
+    sections: dict[str, Any] = {}
+    private = {p.to_text() for p in head.private}
+    if manifest.privacy is not None:
+        p = manifest.privacy
+        sections["privacy"] = {
+            "epsilon_budget": p.epsilon_budget, "delta": p.delta, "noise_multiplier": p.noise_multiplier,
+            "max_grad_norm": p.max_grad_norm, "sample_rate": p.sample_rate, "window": head.window,
+            "trainers": [{"name": names.get(peer.to_text(), peer.to_text()), "peer_id": peer.to_text(),
+                          "steps": steps, "epsilon": eps, "private": peer.to_text() in private}
+                         for peer, steps, eps in head.privacy]}
+    if manifest.private_data:
+        sections["private_data"] = {"window": head.window, "private": sorted(names.get(p, p) for p in private)}
+    return sections
+
+
 def build_report(*, nodes: Sequence[dict[str, Any]], entries: Sequence[tuple[Head, QuorumCertificate]],
                  observer: str) -> dict[str, Any]:
     """The per-node and per-window parts of ``report.json``.

@@ -111,7 +111,7 @@ class Experiment:
     base_port: int = attrs.field(default=7100, validator=attrs.validators.in_((0, *range(1025, 65000))))
     late_joiners: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     windows: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
-    manifest_options: dict[str, Any] = attrs.field(factory=dict, converter=dict)
+    manifest_options: dict[str, Any] = attrs.field(factory=dict, converter=lambda v: _manifest_options(v))
     node_options: dict[str, dict[str, Any]] = attrs.field(factory=dict, converter=dict)
 
     @node_options.validator
@@ -167,6 +167,9 @@ class Experiment:
             raise FileExistsError(17, "holds an experiment already; an experiment is never overwritten", str(root))
         workload, shards = build_node_workload({"workload": self.workload}, self.workload, self.seed,
                                                self.num_shards)
+        if self.manifest_options.get("privacy") is not None and not hasattr(workload, "with_privacy"):
+            raise ExperimentError(f"workload {self.workload!r} cannot train with DP-SGD (--dp-epsilon, manifest "
+                                  "privacy): differential privacy needs a torch workload")
         params = workload.initial_params(self.seed)
         genesis = to_safetensors(params)
         root.mkdir(parents=True, exist_ok=True)
@@ -219,6 +222,17 @@ class Experiment:
             layout["pythonpath"] = str(source)  # where `up` finds the workload module, whatever its cwd
         (root / LAYOUT_FILE).write_text(tomli_w.dumps(layout))
         return root
+
+
+def _manifest_options(value: Any) -> dict[str, Any]:
+    """`Experiment.manifest_options` as a dict, its ``privacy`` as `PrivacyParams` (experiment.toml holds it as
+    a table of its fields)."""
+    from peerloom.core.objects import PrivacyParams
+
+    options = dict(value)
+    if isinstance(options.get("privacy"), dict):
+        options["privacy"] = PrivacyParams(**options["privacy"])
+    return options
 
 
 def chain_node_dir(path: Path) -> Path | None:
@@ -459,6 +473,8 @@ def _plain(value: Any) -> Any:
     """A manifest value as TOML holds it (tuples as lists, peer ids as text)."""
     if isinstance(value, tuple | list):
         return [_plain(v) for v in value]
+    if hasattr(value, "to_cbor") and attrs.has(type(value)):  # a manifest sub-table (privacy)
+        return value.to_cbor()
     return value.to_text() if hasattr(value, "to_text") else value
 
 
@@ -587,14 +603,17 @@ def run_up(directory: Path, *, windows: int | None = None, echo: Callable[[str],
 
 
 def status_lines(directory: Path) -> list[str]:
-    """`peerloom status DIR`: one line per node (role, running or not, its latest head window), under it the
-    updates from it that the first validator rejected and its last failed task where it has any
-    (`node_problems`), and the latest certified head's metrics."""
+    """`peerloom status DIR`: one line per node (role, running or not, its latest head window; a trainer's
+    epsilon and private data where the manifest has them, `privacy_columns`), under it the updates from it
+    that the first validator rejected and its last failed task where it has any (`node_problems`), and the
+    latest certified head's metrics."""
     from peerloom.adapters.database import DB_NAME, Database
 
     fleet = Fleet.open(directory)
     lines = [f"{fleet.layout['experiment']['name']}: workload {fleet.layout['experiment']['workload']}, "
              f"dashboard {fleet.layout['dashboard']}"]
+    privacy = privacy_columns(fleet)
+    lines += privacy.pop("", [])
     problems = node_problems(fleet)
     for node in fleet.layout["nodes"]:
         directory_i = fleet.node_dir(node["name"])
@@ -610,7 +629,8 @@ def status_lines(directory: Path) -> list[str]:
             finally:
                 db.close()
         lines.append(f"  {node['name']:<14} {node['role']:<9} {'running' if running else 'stopped':<8} "
-                     f"head window {window:>4}  {node['listen']}")
+                     f"head window {window:>4}  " + "  ".join([f"{node['listen']:<21}", *privacy[node["name"]]]
+                                                             if privacy.get(node["name"]) else [node["listen"]]))
         health = problems.get(node["name"], {})
         if health.get("rejected"):
             lines.append(f"      updates rejected: {health['rejected']} (last: {health['last_rejection']})")
@@ -622,6 +642,57 @@ def status_lines(directory: Path) -> list[str]:
         lines.append(f"latest head: window {last[-1]['window']}, " +
                      ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items())))
     return lines
+
+
+def latest_head(fleet: Fleet) -> Any:
+    """The newest certified head in the first validator's store (the `Head`), or None before the first."""
+    from peerloom.adapters.database import DB_NAME, Database
+    from peerloom.core.chain import decode_chain_entry
+
+    first = next((n["name"] for n in fleet.layout["nodes"] if n["role"] == "validator"), None)
+    db_path = fleet.node_dir(first) / "store" / DB_NAME if first is not None else None
+    if db_path is None or not db_path.exists():
+        return None
+    db = Database(db_path)
+    try:
+        heads = db.heads(limit=1)
+    finally:
+        db.close()
+    return decode_chain_entry(heads[0][2])[0] if heads else None
+
+
+def privacy_columns(fleet: Fleet) -> dict[str, list[str]]:
+    """What `status` shows of private data and differential privacy (spec/protocol.md §10), from the signed
+    manifest and the latest certified head: under key ``""`` the lines below the title (the DP-SGD parameters
+    and the budget; which trainers hold private data; ledger entries of peers that are no node here), and
+    under each trainer's name the columns its line ends with (``epsilon E of BUDGET (S steps)``, ``private
+    data``). Empty for a manifest with neither."""
+    manifest = fleet.revision().manifest
+    if manifest.privacy is None and not manifest.private_data:
+        return {}
+    head = latest_head(fleet)
+    window = head.window if head is not None else 0
+    names = {n["peer"]: n["name"] for n in fleet.layout["nodes"] if n["role"] == "trainer"}
+    out: dict[str, list[str]] = {"": []}
+    if manifest.privacy is not None:
+        p = manifest.privacy
+        out[""].append(f"privacy: DP-SGD, epsilon budget {p.epsilon_budget:g} per trainer over the revision "
+                       f"(sigma {p.noise_multiplier:.4g}, clip {p.max_grad_norm:g}, q {p.sample_rate:g}, delta "
+                       f"{p.delta:g}); epsilon as of head window {window}")
+        ledger = {peer.to_text(): (steps, eps) for peer, steps, eps in (head.privacy if head is not None else ())}
+        for peer, name in names.items():
+            steps, eps = ledger.pop(peer, (0, 0.0))
+            out.setdefault(name, []).append(f"epsilon {eps:.3f} of {p.epsilon_budget:g} ({steps} steps)")
+        for peer, (steps, eps) in sorted(ledger.items()):  # trainers that joined from elsewhere
+            out[""].append(f"  peer {peer}  epsilon {eps:.3f} of {p.epsilon_budget:g} ({steps} steps)")
+    if manifest.private_data:
+        private = sorted(names.get(peer.to_text(), peer.to_text()) for peer in (head.private if head else ()))
+        out[""].append(f"private data: admitted; private trainers as of head window {window}: "
+                       f"{', '.join(private) or 'none'}")
+        for peer in head.private if head is not None else ():
+            if peer.to_text() in names:
+                out.setdefault(names[peer.to_text()], []).append("private data")
+    return out
 
 
 def node_problems(fleet: Fleet) -> dict[str, dict[str, Any]]:
@@ -744,6 +815,18 @@ def add_parsers(subparsers: Any) -> None:
     init.add_argument("--overlap", type=int, default=0, choices=(0, 1, 2),
                       help="trainers start the next window as soon as they have published one, training from a "
                            "head up to this many windows older, applied one window late (spec/protocol.md §5.2)")
+    # Differential privacy (spec/protocol.md §10): every trainer trains with DP-SGD, the chain keeps its epsilon.
+    init.add_argument("--dp-epsilon", type=float, default=None, metavar="BUDGET",
+                      help="train with DP-SGD: each trainer's epsilon budget over the revision (needs "
+                           "--inner-steps, --dp-sample-rate and a torch workload; the [dp] extra)")
+    init.add_argument("--dp-noise-multiplier", type=float, default=None, metavar="SIGMA",
+                      help="DP-SGD's noise multiplier (default: the smallest that fits --dp-epsilon over --windows "
+                           "x --inner-steps steps)")
+    init.add_argument("--dp-max-grad-norm", type=float, default=None, metavar="C",
+                      help="DP-SGD's per-sample gradient clipping norm (default 1.0)")
+    init.add_argument("--dp-delta", type=float, default=None, help="the delta of (epsilon, delta)-DP (default 1e-5)")
+    init.add_argument("--dp-sample-rate", type=float, default=None, metavar="Q",
+                      help="DP-SGD's Poisson sampling rate: each leased sample's chance to be in a step's batch")
     init.add_argument("--base-port", type=int, default=7100, help="first TCP port of the local fleet")
     up = subparsers.add_parser("up", help="start an experiment's fleet as local processes (Ctrl-C stops it)")
     up.add_argument("directory", type=Path)
@@ -796,9 +879,57 @@ def _experiment_from(args: Any) -> Experiment:
                                                ("audit_segments", args.audit_segments),
                                                ("loss_check_samples", args.loss_check),
                                                ("overlap", args.overlap)) if v},
+                          **_privacy_option(args),
                           **{k: v for k, v in (("norm_ratio", args.norm_ratio), ("norm_mads", args.norm_mads),
                                                 ("min_cosine", args.min_cosine))
                              if v is not None}})
+
+
+DP_OPTIONS = ("dp_epsilon", "dp_noise_multiplier", "dp_max_grad_norm", "dp_delta", "dp_sample_rate")
+
+
+def _privacy_option(args: Any) -> dict[str, Any]:
+    """``{"privacy": PrivacyParams}`` from `init`'s ``--dp-*`` options (spec/protocol.md §10), ``{}`` without
+    them. Without ``--dp-noise-multiplier``, sigma is the smallest whose ``windows x inner_steps`` DP-SGD steps
+    fit the budget (`peerloom.privacy.noise_multiplier_for`). ValueError (one line) for a ``--dp-*`` option
+    without ``--dp-epsilon``, no ``--inner-steps``, no ``--dp-sample-rate``, no sigma and no ``--windows``, a
+    value out of range, or no opacus (naming ``pip install 'peerloom[dp]'``)."""
+    import warnings
+
+    from peerloom.core.errors import DecodeError
+    from peerloom.core.objects import PrivacyParams
+    from peerloom.privacy import PrivacyUnavailable, noise_multiplier_for, require_opacus
+
+    given = [f"--{name.replace('_', '-')}" for name in DP_OPTIONS if getattr(args, name, None) is not None]
+    if not given:
+        return {}
+    if args.dp_epsilon is None:
+        raise ValueError(f"{', '.join(given)}: DP-SGD needs --dp-epsilon BUDGET (each trainer's epsilon budget)")
+    if not args.inner_steps:
+        raise ValueError("--dp-epsilon needs --inner-steps N > 0 (DP-SGD accounts a fixed number of steps per "
+                         "window)")
+    if args.dp_sample_rate is None:
+        raise ValueError("--dp-epsilon needs --dp-sample-rate Q (each leased sample's chance to be in a DP-SGD "
+                         "batch)")
+    delta = 1e-5 if args.dp_delta is None else args.dp_delta
+    clip = 1.0 if args.dp_max_grad_norm is None else args.dp_max_grad_norm
+    try:
+        require_opacus()
+        sigma = args.dp_noise_multiplier
+        if sigma is None:
+            if args.windows is None:
+                raise ValueError("--dp-epsilon without --dp-noise-multiplier needs --windows N (sigma is chosen so "
+                                 "that N x --inner-steps DP-SGD steps fit the budget); or give "
+                                 "--dp-noise-multiplier SIGMA")
+            with warnings.catch_warnings():  # opacus on orders at the edge of its range: not the user's concern
+                warnings.simplefilter("ignore")
+                sigma = noise_multiplier_for(epsilon=args.dp_epsilon, delta=delta, sample_rate=args.dp_sample_rate,
+                                             steps=args.windows * args.inner_steps)
+        return {"privacy": PrivacyParams(noise_multiplier=float(sigma), max_grad_norm=float(clip),
+                                         delta=float(delta), sample_rate=float(args.dp_sample_rate),
+                                         epsilon_budget=float(args.dp_epsilon))}
+    except (PrivacyUnavailable, DecodeError) as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _unused_ports(count: int) -> list[int]:

@@ -70,3 +70,28 @@ def advance(view: InMemoryEdgeView, n: int, *, records: bool = False) -> list[He
                      bytes_sent=1000 * w, bytes_received=1500 * w, time=1.0e9 + w)
         heads.append(head)
     return heads
+
+
+def make_privacy_view(tmp_path: Path) -> tuple[InMemoryEdgeView, Head]:
+    """A view of a revision with `privacy` (epsilon budget 8) and `private_data`, certified to window 1 with a
+    head whose ledger holds its two trainers (ident 10: 40 steps, epsilon 1.5; ident 11: 16 steps, 0.75,
+    private) and ident 12, a peer the view does not know (8 steps, 0.5)."""
+    from peerloom.core.objects import PrivacyParams
+
+    from .helpers import make_revision
+
+    trainers = (ident(10), ident(11))
+    plain = make_revision(validators=(VALIDATOR,), trainers=trainers)
+    manifest = attrs.evolve(plain.manifest, inner_steps=8, private_data=True,
+                            privacy=PrivacyParams(noise_multiplier=1.1, max_grad_norm=1.0, delta=1e-5,
+                                                  sample_rate=0.05, epsilon_budget=8.0))
+    revision = Revision.verify(manifest.seal(ident(200)), ident(200).peer_id)
+    view = make_view(tmp_path, revision=revision, trainers=trainers)
+    params = b"params of window 1 " * 100
+    view.put_artifact(params)
+    ledger = sorted([(ident(10).peer_id, 40, 1.5), (ident(11).peer_id, 16, 0.75), (ident(12).peer_id, 8, 0.5)])
+    head = attrs.evolve(next_head(revision, view.latest().head, params, accuracy=0.6, loss=1.0),
+                        privacy=tuple(ledger), private=(ident(11).peer_id,))
+    view.promote(head, certify(revision, head), accepted=2, rejected=0, bytes_sent=1000, bytes_received=1500,
+                 time=1.0e9 + 1)
+    return view, head

@@ -106,3 +106,42 @@ def test_dashboard_of_a_running_node_sees_the_chain_advance(tmp_path):
     finally:
         for node in nodes:
             node.stop()
+
+
+def test_dashboard_shows_each_trainers_epsilon_and_the_budget(tmp_path):
+    """Under a manifest with `privacy` the peers table gives each trainer's epsilon and DP-SGD steps from the
+    latest head's ledger (and a row for a ledger entry of a peer the node does not know), which trainers are
+    private, and `#privacy` the budget and DP-SGD's parameters; without it, `#privacy` says off."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    from tests.edge_fixtures import make_privacy_view
+
+    view, _ = make_privacy_view(tmp_path)
+    plain = make_view(tmp_path / "plain")
+    advance(plain, 1)
+    with EdgeServer(view) as server, EdgeServer(plain) as plain_server, sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        try:
+            page = browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(server.url + "/", wait_until="load")
+            sync_api.expect(page.locator("#peer-rows tr")).to_have_count(3, timeout=15_000)
+            sync_api.expect(page.locator("#privacy")).to_contain_text("budget 8 per trainer", timeout=15_000)
+            text = page.text_content("#privacy")
+            assert "\u03c3 1.1, clip 1, q 0.05, \u03b4 1e-5" in text and "as of window 1" in text, text
+            assert "private data admitted, private trainers: 1" in text
+
+            def cells(i):
+                row = page.locator(f"#peer-rows tr[data-peer='{i.peer_id.to_text()}']")
+                return row.locator("td.epsilon").inner_text(), row.locator("td.private").inner_text()
+
+            assert cells(ident(10)) == ("1.500 of 8 (40)", "")
+            assert cells(ident(11)) == ("0.750 of 8 (16)", "yes")
+            assert cells(ident(12)) == ("0.500 of 8 (8)", "")  # in the ledger, not a peer of this node
+            page.goto(plain_server.url + "/", wait_until="load")
+            sync_api.expect(page.locator("#peer-rows tr")).to_have_count(2, timeout=15_000)
+            assert page.text_content("#privacy") == "off"
+            assert page.locator("#peer-rows td.epsilon").first.inner_text() == ""
+            assert errors == []
+        finally:
+            browser.close()

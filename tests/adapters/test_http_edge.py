@@ -422,3 +422,31 @@ def test_lease_table_is_computed_once_per_head(world, monkeypatch):
     advance(view, 1)
     assert fetch(server.url + f"/v1/leases/{trainer.peer_id.to_text()}")[0] == 200
     assert calls == [5, 6]
+
+
+def test_privacy_ledger_and_budget_in_the_heads_and_manifest_json(tmp_path):
+    """A head's privacy ledger and private trainers, and the manifest's DP-SGD parameters and budget, as the
+    dashboard reads them (spec/protocol.md §10); null / empty without them."""
+    from tests.edge_fixtures import make_privacy_view
+
+    view, head = make_privacy_view(tmp_path)
+    with EdgeServer(view) as server:
+        latest = json.loads(fetch(server.url + "/v1/heads/latest")[2])
+        manifest = json.loads(fetch(server.url + "/v1/manifest")[2])
+    assert latest["privacy"] == [{"peer": p.to_text(), "steps": s, "epsilon": e} for p, s, e in head.privacy]
+    assert latest["private"] == [ident(11).peer_id.to_text()]
+    assert manifest["privacy"] == {"noise_multiplier": 1.1, "max_grad_norm": 1.0, "delta": 1e-5,
+                                   "sample_rate": 0.05, "epsilon_budget": 8.0}
+    assert manifest["private_data"] is True
+    schemas = openapi_document()["components"]["schemas"]
+    assert set(latest) <= set(schemas["Head"]["properties"]) and set(manifest) == set(schemas["Manifest"]["properties"])
+    assert set(latest["privacy"][0]) == set(schemas["Head"]["properties"]["privacy"]["items"]["properties"])
+    assert set(manifest["privacy"]) == set(schemas["Manifest"]["properties"]["privacy"]["properties"])
+
+    plain = make_view(tmp_path / "plain")
+    advance(plain, 1)
+    with EdgeServer(plain) as server:
+        latest = json.loads(fetch(server.url + "/v1/heads/latest")[2])
+        manifest = json.loads(fetch(server.url + "/v1/manifest")[2])
+    assert (latest["privacy"], latest["private"]) == ([], [])
+    assert (manifest["privacy"], manifest["private_data"]) == (None, False)

@@ -104,3 +104,36 @@ def test_report_names_the_trainer_a_head_carries_a_failed_audit_of(tmp_path):
                                  "verdicts": 1, "peer_id": author, "reasons": ["inconsistent"]}]
     assert report["audit_counters"] == {"audits_failed": 1, "audits_passed": 1, "audits_started": 2}
     assert report["per_window"][0]["failed_audits"] == 1
+
+
+def test_report_privacy_section_holds_the_budget_and_each_trainers_epsilon_from_the_last_head():
+    """``report.json``'s ``privacy``: the manifest's DP-SGD parameters and budget and the last head's ledger,
+    by node name (a peer that is no node keeps its peer id); ``private_data``: the private trainers; neither
+    for a manifest without them."""
+    import attrs
+
+    from peerloom.core.objects import PrivacyParams
+    from peerloom.demo_report import privacy_sections
+    from tests.helpers import ident, make_revision
+
+    revision = make_revision(trainers=(ident(10), ident(11)))
+    params = PrivacyParams(noise_multiplier=1.1, max_grad_norm=0.5, delta=1e-5, sample_rate=0.05, epsilon_budget=8.0)
+    manifest = attrs.evolve(revision.manifest, inner_steps=8, privacy=params, private_data=True)
+    a, b, c = ident(10).peer_id, ident(11).peer_id, ident(12).peer_id
+    ledger = tuple(sorted([(a, 40, 1.5), (b, 16, 0.75), (c, 8, 0.5)]))
+    head = attrs.evolve(revision.genesis(), window=5, privacy=ledger, private=(b,))
+    names = {a.to_text(): "trainer-1", b.to_text(): "trainer-2"}
+    sections = privacy_sections(manifest, head, names)
+    privacy = sections["privacy"]
+    assert {k: v for k, v in privacy.items() if k != "trainers"} == {
+        "epsilon_budget": 8.0, "delta": 1e-5, "noise_multiplier": 1.1, "max_grad_norm": 0.5, "sample_rate": 0.05,
+        "window": 5}
+    by_peer = {t["peer_id"]: t for t in privacy["trainers"]}
+    assert by_peer[a.to_text()] == {"name": "trainer-1", "peer_id": a.to_text(), "steps": 40, "epsilon": 1.5,
+                                    "private": False}
+    assert by_peer[b.to_text()]["private"] is True and by_peer[b.to_text()]["epsilon"] == 0.75
+    assert by_peer[c.to_text()]["name"] == c.to_text() and by_peer[c.to_text()]["steps"] == 8
+    assert sections["private_data"] == {"window": 5, "private": ["trainer-2"]}
+    json.dumps(sections)  # report.json holds it as is
+    assert privacy_sections(revision.manifest, head, names) == {}
+    assert set(privacy_sections(attrs.evolve(manifest, private_data=False), head, names)) == {"privacy"}
