@@ -22,10 +22,18 @@ Compute threads (node config key ``compute_threads``): the kernels of screening,
 step run on that many threads (`peerloom.backends._robust.Workspace`; default `default_compute_threads`,
 the machine's cores up to `peerloom.backends._robust.MAX_THREADS`; 1 runs them on the task's own thread).
 The bytes are the same on any count (spec/design.md §5 "Threads never change the bytes").
+
+Private-data trainers (spec/protocol.md §10; node config key ``data``): the node builds the executor with
+`shards` from `peerloom.backends.sharding.private_shards_for` (a lease is a sample count of the trainer's own
+data) and a `seed_key`, and every train task then trains with `private_seed` of the public train seed
+instead of the seed itself: noise and sampling drawn from a public seed could be recomputed by anyone
+(spec/privacy.md §1), and nobody replays a private update, so nothing needs to reproduce them.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
 import os
 from collections.abc import Sequence
@@ -160,16 +168,19 @@ class ComputeExecutor:
 
     `compute` picks the backend of screening statistics, aggregation and outer steps (``"numpy"`` or
     ``"torch"``, module docstring) and `compute_threads` how many threads their kernels run on (None:
-    `default_compute_threads`); training and evaluation are the workload's.
+    `default_compute_threads`); training and evaluation are the workload's. `shards` maps a shard number to
+    the workload's sample indices. `seed_key` (a private-data trainer's: its identity's private seed, 32
+    bytes) makes train tasks use `private_seed` (module docstring); None trains with the task's seed.
     """
 
     def __init__(self, store: ArtifactStore, manifest: Manifest, workload: Any,
                  shards: Sequence[Sequence[int]], *, state_dir: Path | None = None, compute: str = "numpy",
-                 compute_threads: int | None = None) -> None:
+                 compute_threads: int | None = None, seed_key: bytes | None = None) -> None:
         self.store = store
         self.manifest = manifest
         self.workload = workload
         self.shards = shards
+        self.seed_key = seed_key
         self.state_dir = state_dir
         self.compute = compute_backend(compute, default_compute_threads() if compute_threads is None
                                        else compute_threads)
@@ -301,6 +312,11 @@ class ComputeExecutor:
                 return self._audit_plan(args)
         raise ValueError(f"unknown task kind {kind!r}")
 
+    def train_seed(self, seed: int) -> int:
+        """The seed a train task passes to the workload: `seed` itself, or `private_seed` of it under the
+        executor's `seed_key` (a private-data trainer)."""
+        return int(seed) if self.seed_key is None else private_seed(self.seed_key, int(seed))
+
     def _train_task(self, args: dict[str, Any]) -> dict[str, Any]:
         """The ``train`` task: train, encode (error feedback for biased codecs), store the delta. With
         ``segments`` S > 0 (segment audits, spec/protocol.md §6.3) the workload's whole training state after
@@ -317,13 +333,15 @@ class ComputeExecutor:
             def keep(j: int, state: dict[str, np.ndarray]) -> None:
                 checkpoints.append(self._store_state(state, durable=False))
             indices = [i for s in args["shards"] for i in self.shards[s]]
-            delta, metrics = self.workload.train(params, indices, args["seed"], inner_steps=inner_steps,
+            delta, metrics = self.workload.train(params, indices, self.train_seed(args["seed"]),
+                                                 inner_steps=inner_steps,
                                                  checkpoints=segments, on_checkpoint=keep,
                                                  **self._global_step(args.get("window"), inner_steps))
             if len(checkpoints) != segments:
                 raise ValueError(f"the workload took {len(checkpoints)} checkpoints, not {segments}")
         else:
-            delta, metrics = self._train(params, args["shards"], args["seed"], inner_steps, args.get("window"))
+            delta, metrics = self._train(params, args["shards"], self.train_seed(args["seed"]), inner_steps,
+                                         args.get("window"))
         author = args.get("author")
         residual = None
         if segments and self.manifest.codec in ERROR_FEEDBACK_CODECS:
@@ -364,7 +382,7 @@ class ComputeExecutor:
         indices = [i for s in args["shards"] for i in self.shards[s]]
         options = {"inner_steps": inner_steps, **self._global_step(args.get("window"), inner_steps)} \
             if inner_steps > 0 else {}
-        _, metrics = self.workload.train(params, indices, args["seed"], sink=sink, **options)
+        _, metrics = self.workload.train(params, indices, self.train_seed(args["seed"]), sink=sink, **options)
         digest = writer.finish()
         return {"delta": artifact.commit(), "delta_digest": digest, "train_loss": float(metrics["train_loss"])}
 
@@ -818,6 +836,19 @@ def cohort_outliers(compute: NumpyCompute, deltas: Sequence[dict[str, Any]], nor
             outliers.append([i, "cosine", f"cosine {s['cosine']:.4g} to the cohort's coordinate-wise median, "
                                           f"below min_cosine {min_cosine:g}"])
     return outliers
+
+
+PRIVATE_SEED_CONTEXT = b"peerloom/private-seed/v1"
+
+
+def private_seed(key: bytes, seed: int) -> int:
+    """A private-data trainer's train seed (spec/protocol.md §10, spec/privacy.md §1): the first 8 bytes,
+    big-endian, of HMAC-SHA256 keyed with `key` (the trainer's identity private seed, 32 bytes) over
+    ``b"peerloom/private-seed/v1"`` followed by the public train seed `seed` as 8 bytes big-endian. Only the
+    key's holder can compute it, so the noise and batch sampling it draws are secret; a 64-bit int in
+    ``[0, 2**64)``. OverflowError for a `seed` outside ``[0, 2**64)``."""
+    message = PRIVATE_SEED_CONTEXT + int(seed).to_bytes(8, "big")
+    return int.from_bytes(hmac.new(key, message, hashlib.sha256).digest()[:8], "big")
 
 
 def loss_check_batch(lease: Sequence[int], samples: int, seed: int) -> list[int]:

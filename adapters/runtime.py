@@ -178,6 +178,9 @@ class RuntimeOptions:
     # Connection limits (an adapters.limits.Limits; spec/transport.md §13), shared by every listener and the
     # HTTP edge. None: the defaults, with max_connections / max_connections_per_ip as the peer caps.
     limits: Any = None
+    # Private data (`EngineConfig.private_data`, spec/protocol.md §10): this node's trainer trains on data only
+    # it holds and says so in its joins (node config key ``data``).
+    private_data: bool = False
 
 
 @attrs.define
@@ -219,8 +222,7 @@ class NodeRuntime:
                  capacity: int = 1, stop_after_window: int | None = None,
                  on_head: Callable[[Head, QuorumCertificate], None] | None = None,
                  admission: SignedEnvelope | None = None,
-                 on_chain_entry: Callable[[Head, QuorumCertificate], None] | None = None,
-                 private_data: bool = False) -> None:
+                 on_chain_entry: Callable[[Head, QuorumCertificate], None] | None = None) -> None:
         self.name = name
         self.identity = identity
         self.store = store
@@ -233,7 +235,7 @@ class NodeRuntime:
         config = EngineConfig(roles=frozenset(roles), revision=revision, capacity=capacity,
                               max_message_bytes=options.max_message_bytes, stop_after_window=stop_after_window,
                               admission=admission, keep_windows=options.keep_windows,
-                              agreement_timeout_s=options.agreement_timeout_s, private_data=private_data,
+                              agreement_timeout_s=options.agreement_timeout_s, private_data=options.private_data,
                               accountant=privacy_accountant(revision.manifest))
         self.engine = Engine(config, identity, random.Random(), stored=store.refs(), records=store.records())
         self._events_path = events_path

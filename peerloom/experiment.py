@@ -73,7 +73,11 @@ class Experiment:
     """What to train, by whom, and how (spec/protocol.md). Every field but `workload` has a default.
 
     `late_joiners` more trainers get keys and configs but are not in the genesis roster: they ask to join
-    when started (spec/protocol.md §5). `manifest_options` sets any other `Manifest` field (screening
+    when started (spec/protocol.md §5). `trainer_data` gives trainers data only they hold (spec/protocol.md
+    §10): trainer name -> path of an .npz of x and y (node config key ``data``; a relative path is relative
+    to the trainer's directory ``nodes/<name>/``); it sets the manifest's ``private_data``, and those
+    trainers are left out of the genesis roster, since a private-data trainer must join to be listed as one.
+    `manifest_options` sets any other `Manifest` field (screening
     thresholds, `lease_s`, `idle_windows`, ...; ValueError for an unknown or derived one);
     `node_options` adds keys to a node's config by node name (see `peerloom.node`: `behaviour`,
     `threads`, `device`, ...), checked when the node starts; a name that is not a node is a ValueError.
@@ -113,6 +117,18 @@ class Experiment:
     windows: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
     manifest_options: dict[str, Any] = attrs.field(factory=dict, converter=lambda v: _manifest_options(v))
     node_options: dict[str, dict[str, Any]] = attrs.field(factory=dict, converter=dict)
+    trainer_data: dict[str, str] = attrs.field(factory=dict, converter=dict)
+
+    @trainer_data.validator
+    def _check_trainer_data(self, attribute: attrs.Attribute, value: dict[str, str]) -> None:
+        trainers = [name for name, role in self.node_names() if role == "trainer"]
+        for name, path in sorted(value.items()):
+            if name not in trainers:
+                raise ValueError(f"trainer_data.{name}: no such trainer; trainers: {', '.join(trainers)}")
+            if not isinstance(path, str) or not path:
+                raise ValueError(f"trainer_data.{name} must be the path of an .npz file, got {path!r}")
+        if value and self.manifest_options.get("private_data") is False:
+            raise ValueError("trainer_data needs manifest_options.private_data (private-data trainers admitted)")
 
     @node_options.validator
     def _check_node_options(self, attribute: attrs.Attribute, value: dict[str, Any]) -> None:
@@ -197,8 +213,9 @@ class Experiment:
             outer_lr=self.outer_lr, inner_steps=self.inner_steps, codec=self.codec, audit=self.audit,
             chunk_size=self.chunk_size, genesis_params=make_artifact_ref(genesis, self.chunk_size),
             genesis_params_digest=tensor_digest(params),
-            roster=tuple(sorted((_peer(n), 1) for n in nodes if n["role"] == "trainer" and not n["late_joiner"])),
-            **self.manifest_options)
+            roster=tuple(sorted((_peer(n), 1) for n in nodes if n["role"] == "trainer" and not n["late_joiner"]
+                                and n["name"] not in self.trainer_data)),
+            **{**self.manifest_options, **({"private_data": True} if self.trainer_data else {})})
         atomic_write(root / "manifest.cbor", manifest.seal(authority).to_bytes())
         servers = [n for n in nodes if n["role"] != "trainer"]
         http = f"127.0.0.1:{http_port}"
@@ -213,6 +230,8 @@ class Experiment:
             }
             if node is nodes[0]:
                 config["http"] = {"enabled": True, "listen": http}
+            if node["name"] in self.trainer_data:
+                config["data"] = self.trainer_data[node["name"]]
             config.update(self.node_options.get(node["name"], {}))
             (root / "nodes" / node["name"] / "node.toml").write_text(tomli_w.dumps(config))
         layout = {"experiment": attrs.asdict(self, filter=lambda a, v: v is not None), "authority":
@@ -335,7 +354,9 @@ class Fleet:
             raise ExperimentError(f"{where}: {exc}") from None
         manifest = self.revision().manifest
         signed = {"name": manifest.experiment, "workload": manifest.workload, "seed": manifest.workload_seed,
-                  "trainers": len(manifest.roster), "validators": len(manifest.validators),
+                  "trainers": len(manifest.roster) + sum(1 for name in experiment.trainer_data
+                                                         if not self._late_joiner(name)),
+                  "validators": len(manifest.validators),
                   "shards": len(manifest.shards), "window_s": manifest.window_s,
                   "min_updates": manifest.min_updates, "aggregation": manifest.aggregation,
                   "outer_optimizer": manifest.outer_optimizer, "outer_lr": manifest.outer_lr,
@@ -356,6 +377,15 @@ class Fleet:
             if getattr(experiment, key) != value:
                 raise ExperimentError(f"{where}: {key} = {getattr(experiment, key)!r}, but `peerloom init` made "
                                       f"{value} (init a new directory to change them)")
+        if experiment.trainer_data and not manifest.private_data:
+            raise ExperimentError(f"{where}: trainer_data is set, but the signed manifest admits no private-data "
+                                  "trainers (private_data)")
+        for name, path in sorted(experiment.trainer_data.items()):
+            config_path = self.node_dir(name) / "node.toml"
+            config = tomllib.loads(config_path.read_text()) if config_path.is_file() else {}
+            if config.get("data") != path:
+                raise ExperimentError(f"{where}: trainer_data.{name} = {path!r}, but {config_path} has "
+                                      f"{config.get('data')!r}; nodes run their node.toml, so edit it there")
         for name, options in sorted(experiment.node_options.items()):
             config_path = self.node_dir(name) / "node.toml"
             config = tomllib.loads(config_path.read_text()) if config_path.is_file() else {}
@@ -364,6 +394,9 @@ class Fleet:
                     raise ExperimentError(f"{where}: node_options.{name}.{key} = {value!r}, but {config_path} "
                                           f"has {config.get(key)!r}; nodes run their node.toml, so edit it there")
         return experiment
+
+    def _late_joiner(self, name: str) -> bool:
+        return any(n["name"] == name and n.get("late_joiner") for n in self.layout.get("nodes", []))
 
     def head_window(self) -> int:
         """The newest certified window in any validator's store (0 before the first): where a restarted
@@ -827,6 +860,14 @@ def add_parsers(subparsers: Any) -> None:
     init.add_argument("--dp-delta", type=float, default=None, help="the delta of (epsilon, delta)-DP (default 1e-5)")
     init.add_argument("--dp-sample-rate", type=float, default=None, metavar="Q",
                       help="DP-SGD's Poisson sampling rate: each leased sample's chance to be in a step's batch")
+    init.add_argument("--private-data", action="store_true",
+                      help="admit trainers that train on data only they hold (manifest private_data; "
+                           "spec/protocol.md §10); give each its file with --data or the data key of its node.toml "
+                           "(it must then be a late joiner: a genesis-roster trainer never joins as private)")
+    init.add_argument("--data", action="append", default=[], metavar="TRAINER=PATH",
+                      help="trainer TRAINER (e.g. trainer-1) trains on the .npz file PATH (arrays x and y) that only "
+                           "it holds, and joins instead of being in the genesis roster; implies --private-data; "
+                           "repeat for each such trainer")
     init.add_argument("--base-port", type=int, default=7100, help="first TCP port of the local fleet")
     up = subparsers.add_parser("up", help="start an experiment's fleet as local processes (Ctrl-C stops it)")
     up.add_argument("directory", type=Path)
@@ -868,6 +909,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _trainer_data(items: list[str]) -> dict[str, str]:
+    """``--data TRAINER=PATH`` arguments as trainer name -> absolute path (the node reads it from its own
+    directory). ValueError for one without ``=``."""
+    out = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--data {item!r}: must be TRAINER=PATH, e.g. trainer-1=data/part1.npz")
+        out[name] = str(Path(path).resolve())
+    return out
+
+
 def _experiment_from(args: Any) -> Experiment:
     return Experiment(
         workload=args.workload, name=args.name, trainers=args.trainers, validators=args.validators,
@@ -875,10 +928,12 @@ def _experiment_from(args: Any) -> Experiment:
         min_updates=args.min_updates, aggregation=args.rule, outer_optimizer=args.optimizer,
         outer_lr=args.outer_lr, inner_steps=args.inner_steps, codec=args.codec,
         audit=args.audit or args.audit_rate > 0, base_port=args.base_port, windows=args.windows,
+        trainer_data=_trainer_data(args.data),
         manifest_options={**{k: v for k, v in (("audit_rate", args.audit_rate),
                                                ("audit_segments", args.audit_segments),
                                                ("loss_check_samples", args.loss_check),
-                                               ("overlap", args.overlap)) if v},
+                                               ("overlap", args.overlap),
+                                               ("private_data", args.private_data or bool(args.data))) if v},
                           **_privacy_option(args),
                           **{k: v for k, v in (("norm_ratio", args.norm_ratio), ("norm_mads", args.norm_mads),
                                                 ("min_cosine", args.min_cosine))

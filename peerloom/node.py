@@ -57,6 +57,14 @@ Config keys (TOML)::
                                        # join still pending), then shut down
     leave_grace_s = 30.0               # how long to wait for a head without this node before shutting
                                        # down anyway (seconds; a second signal stops at once)
+    data = "trainer-1/data.npz"        # optional, nodes whose only role is trainer: train on data only this
+                                       # node holds (spec/protocol.md §10), an .npz file with arrays x
+                                       # (float, [n, ...] as the workload's inputs) and y (int64 [n]); needs a
+                                       # manifest with private_data, and a trainer that joins (not one in the
+                                       # manifest's genesis roster). Its joins say private, its leases are
+                                       # sample counts of this data (`backends.sharding.private_shards_for`)
+                                       # and it trains with a secret seed (`adapters.compute.private_seed`);
+                                       # not with a trainer pool
 
     [http]                             # optional HTTP edge (aiohttp) for light peers and dashboards
     enabled = true
@@ -185,7 +193,7 @@ KEYS: dict[str, tuple[type, ...]] = {
     "leave_on_exit": (bool,), "leave_grace_s": (float, int), "device": (str,), "compute": (str,),
     "compute_threads": (int,),
     "pool": (dict,), "transport": (dict, list), "relay": (dict,), "keep_windows": (int,), "limits": (dict,),
-    "audit_worker": (bool,), "agreement_timeout_s": (float, int),
+    "audit_worker": (bool,), "agreement_timeout_s": (float, int), "data": (str,),
 }
 RELAY_KEYS: dict[str, tuple[type, ...]] = {
     "enabled": (bool,), "listen": (str,), "via": (list,), "only": (bool,), "reservation_s": (float, int),
@@ -225,7 +233,7 @@ def load_config(path: Path) -> dict[str, Any]:
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     base = path.parent
-    for key in ("key", "manifest", "store", "port_file", "events", "stats", "admission"):
+    for key in ("key", "manifest", "store", "port_file", "events", "stats", "admission", "data"):
         if key in config:
             config[key] = base / config[key]
     if "admission" in config:
@@ -241,7 +249,66 @@ def load_config(path: Path) -> dict[str, Any]:
             load_admission(Path(config["admission"]), revision, peer)
         except ConfigError as exc:
             raise ConfigError(f"{path}: {exc}") from None
+    if "data" in config:
+        try:
+            _check_private_data(config)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
     return config
+
+
+def _check_private_data(config: dict[str, Any]) -> None:
+    """The ``data`` key (spec/protocol.md §10): a readable .npz of x and y, a manifest with ``private_data``,
+    and a trainer that will join (one in the genesis roster never sends a join, so no head would list it as
+    private). ConfigError names the file and what is wrong."""
+    _, revision = _load_revision(config)
+    if not revision.manifest.private_data:
+        raise ConfigError(f"data: the manifest {config['manifest']} admits no private-data trainers (its "
+                          "private_data is off); remove data, or sign a manifest with private_data "
+                          "(`peerloom init --private-data`)")
+    key = Path(config["key"])
+    if key.exists():
+        try:
+            peer = load_identity(key).peer_id
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"key: {exc}") from None
+        if peer in revision.genesis().roster_peers:
+            raise ConfigError(f"data: this trainer ({peer.to_text()}) is in the manifest's genesis roster, so it "
+                              "never joins and no head lists it as private; a private-data trainer must join "
+                              "(leave it out of the roster: a late joiner)")
+    load_private_data(Path(config["data"]))
+
+
+def load_private_data(path: Path) -> tuple[Any, Any]:
+    """A private-data trainer's samples (config key ``data``): ``(x, y)`` from an .npz file holding exactly the
+    arrays ``x`` (floating point, ``[n, ...]``, returned as float32) and ``y`` (integer ``[n]``, returned as
+    int64), n >= 1. ConfigError (``data <path>: ...``) for a file that cannot be read or holds other arrays,
+    dtypes or shapes; the shapes are checked against the workload when the node builds it."""
+    import zipfile
+
+    import numpy as np
+
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            if not hasattr(npz, "files"):
+                raise ConfigError(f"data {path}: not an .npz file (a .npy holds one array; save x and y with "
+                                  "numpy.savez)")
+            if sorted(npz.files) != ["x", "y"]:
+                raise ConfigError(f"data {path}: must hold exactly the arrays x and y, holds "
+                                  f"{', '.join(sorted(npz.files)) or 'none'}")
+            x, y = npz["x"], npz["y"]
+    except OSError as exc:
+        raise ConfigError(f"data {path}: cannot read: {exc.strerror or exc}") from None
+    except (ValueError, zipfile.BadZipFile, EOFError) as exc:
+        raise ConfigError(f"data {path}: not an .npz file of numeric arrays: {exc}") from None
+    if not np.issubdtype(x.dtype, np.floating) or x.ndim < 2:
+        raise ConfigError(f"data {path}: x must be a floating-point array [n, ...], got {x.dtype} {list(x.shape)}")
+    if not np.issubdtype(y.dtype, np.integer) or y.ndim != 1:
+        raise ConfigError(f"data {path}: y must be an integer array [n], got {y.dtype} {list(y.shape)}")
+    if len(x) != len(y) or len(y) == 0:
+        raise ConfigError(f"data {path}: x and y must hold the same number n >= 1 of samples, got {len(x)} "
+                          f"and {len(y)}")
+    return x.astype(np.float32, copy=False), y.astype(np.int64, copy=False)
 
 
 def _check(config: dict[str, Any]) -> None:
@@ -304,6 +371,9 @@ def _check(config: dict[str, Any]) -> None:
             raise ConfigError(f"behaviour must be honest or one of {', '.join(known)}; got {config['behaviour']!r}")
         if config["behaviour"] != "honest" and roles != ["trainer"]:
             raise ConfigError("behaviour applies to nodes whose only role is trainer")
+    if "data" in config and roles != ["trainer"]:
+        raise ConfigError(f"data (private training data, spec/protocol.md §10) applies to nodes whose only role "
+                          f"is trainer: validators and reducers hold no private data; roles are {roles!r}")
     for key in ("admission", "leave_on_exit"):
         if key in config and "trainer" not in roles:
             raise ConfigError(f"{key} applies to nodes with the trainer role; roles are {roles!r}")
@@ -336,6 +406,8 @@ def _check_pool(config: dict[str, Any]) -> None:
         raise ConfigError("a trainer pool ([pool] or torchrun) needs the trainer role")
     if config.get("behaviour", "honest") != "honest":
         raise ConfigError("a trainer pool trains honestly: drop behaviour or the pool")
+    if "data" in config:
+        raise ConfigError("a trainer pool trains on the manifest's shared data: drop data or the pool")
     if importlib.util.find_spec("torch") is None:
         raise ConfigError("a trainer pool needs torch: pip install 'peerloom[torch]'")
 
@@ -494,9 +566,13 @@ def check_workload_schema(workload: Any, schema: Any, spec: str) -> None:
 
 def _node_workload(config: dict[str, Any], manifest: Manifest) -> tuple[Any, Any]:
     """(workload, shards) as this node runs them (`build_node_workload`, placed on the config's ``device``,
-    wrapped in its ``behaviour``), without a trainer pool."""
+    wrapped in its ``behaviour``), without a trainer pool. With ``data`` (a private-data trainer,
+    spec/protocol.md §10) the workload trains on that file's samples and shard s is `private_shards_for`'s
+    ``manifest.shards[s]`` indices of them."""
     workload, shards = build_node_workload(config, manifest.workload, manifest.workload_seed, len(manifest.shards))
     check_workload_schema(workload, manifest.schema, config.get("workload", manifest.workload))
+    if "data" in config:
+        workload, shards = private_workload(workload, manifest, Path(config["data"]))
     if "device" in config:  # else the workload stays where its factory put it (the CPU by default)
         place_workload(workload, config["device"])
     if config.get("behaviour", "honest") != "honest":
@@ -519,6 +595,24 @@ def apply_privacy(workload: Any, manifest: Manifest, name: str) -> None:
         workload.with_privacy(dp_of(manifest.privacy))
     except (PrivacyUnavailable, ValueError) as exc:
         raise ConfigError(f"workload {name!r}: {exc}") from None
+
+
+def private_workload(workload: Any, manifest: Manifest, path: Path) -> tuple[Any, list[list[int]]]:
+    """(`workload` training on the samples in `path`, the private shard map) for a private-data trainer
+    (config key ``data``; spec/protocol.md §10): ``workload.with_train_data(x, y)`` and
+    `private_shards_for` (manifest shard sizes, local length, ``workload_seed``). ConfigError naming the file
+    when the workload cannot train on local data or the arrays do not fit it."""
+    from peerloom.backends.sharding import private_shards_for
+
+    x, y = load_private_data(path)
+    if not hasattr(workload, "with_train_data"):
+        raise ConfigError(f"data {path}: the workload {type(workload).__name__} cannot train on local data (it "
+                          "has no with_train_data)")
+    try:
+        workload = workload.with_train_data(x, y)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"data {path}: does not fit the workload {type(workload).__name__}: {exc}") from None
+    return workload, private_shards_for(manifest.shards, len(y), manifest.workload_seed)
 
 
 def place_workload(workload: Any, device: str) -> Any:
@@ -699,9 +793,11 @@ def build_runtime(config: dict[str, Any], config_path: Path | None = None, *,
     if "torch" in sys.modules:  # only workloads that use torch pay for importing it
         sys.modules["torch"].set_num_threads(int(config.get("threads", 1)))
     workload = start_pool(config, workload, config_path)
+    private = "data" in config  # a private-data trainer (spec/protocol.md §10): a secret train seed
     executor = ComputeExecutor(store, manifest, workload, shards, state_dir=Path(config["store"]),
                                compute=config.get("compute", "numpy"),
-                               compute_threads=config.get("compute_threads"))
+                               compute_threads=config.get("compute_threads"),
+                               seed_key=identity.seed if private else None)
     audit_executor = None
     if "validator" in config["roles"] and manifest.audit and manifest.audit_rate > 0.0 and \
             config.get("audit_worker", True):
@@ -728,7 +824,7 @@ def build_runtime(config: dict[str, Any], config_path: Path | None = None, *,
                              relay_listen=relay_listen, relay_limits=relay_limits,
                              relay_only=bool(config.get("relay", {}).get("only", False)),
                              keep_windows=int(config.get("keep_windows", DEFAULT_KEEP_WINDOWS)),
-                             limits=limits_settings(config),
+                             limits=limits_settings(config), private_data=private,
                              **({"agreement_timeout_s": float(config["agreement_timeout_s"])}
                                 if "agreement_timeout_s" in config else {}))
     # The store's chain directory: one file per certified head the node holds, kept as they become durable.

@@ -159,6 +159,23 @@ class NumpyWorkload:
         other._saved = {}
         return other
 
+    def with_train_data(self, x: Any, y: Any) -> NumpyWorkload:
+        """A copy of this workload training on inputs `x` (float32 ``[n, sizes[0]]``) and labels `y` (int
+        ``[n]``) instead: a private-data trainer's own samples (spec/protocol.md §10; node config key
+        ``data``). Evaluation data and the model are unchanged; lease indices then name rows of `x`.
+        ValueError for other shapes, an empty dataset or labels outside ``[0, sizes[-1])``."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        y = np.ascontiguousarray(y, dtype=np.int64)
+        if x.ndim != 2 or x.shape[1] != self.sizes[0]:
+            raise ValueError(f"x must be [n, {self.sizes[0]}], got {list(x.shape)}")
+        if y.shape != (len(x),) or len(x) == 0:
+            raise ValueError(f"y must be [n] with n = len(x) = {len(x)} > 0, got {list(y.shape)}")
+        if y.min() < 0 or y.max() >= self.sizes[-1]:
+            raise ValueError(f"labels must be in [0, {self.sizes[-1]}), got {int(y.min())}..{int(y.max())}")
+        other = self.with_train_labels(self.y_train)
+        other.x_train, other.y_train = x, y
+        return other
+
     def schema(self) -> Schema:
         """``((name, "float32", shape), ...)`` of the params, sorted by name."""
         return self._schema

@@ -460,6 +460,25 @@ class TorchWorkload:
         other._saved_schedulers = {}
         return other
 
+    def with_train_data(self, x: Any, y: Any) -> TorchWorkload:
+        """A copy of this workload training on inputs `x` and targets `y` instead (a private-data trainer's own
+        samples, spec/protocol.md §10; node config key ``data``), sharing the model like `with_train_labels`;
+        evaluation data are unchanged and lease indices then name rows of `x`. `x` must have this workload's
+        per-sample input shape and dtype, `y` its target dtype and one row per sample. TypeError for a
+        workload whose training data are not two tensors; ValueError for other shapes or an empty dataset."""
+        if self.x_train is None or self.y_train is None:
+            raise TypeError("with_train_data needs training data given as (x, y) tensors")
+        inputs, targets = _as_tensor(x, self.x_train.dtype), _as_tensor(y, self.y_train.dtype)
+        if tuple(inputs.shape[1:]) != tuple(self.x_train.shape[1:]) or len(inputs) == 0:
+            raise ValueError(f"x must be [n, {', '.join(map(str, self.x_train.shape[1:]))}] with n > 0, "
+                             f"got {list(inputs.shape)}")
+        if tuple(targets.shape) != (len(inputs), *self.y_train.shape[1:]):
+            raise ValueError(f"y must be [{len(inputs)}{''.join(f', {d}' for d in self.y_train.shape[1:])}], "
+                             f"got {list(targets.shape)}")
+        other = self.with_train_labels(self.y_train)
+        other.x_train, other.y_train = inputs, targets
+        return other
+
     def reset_optimizer_state(self, state_key: Any = None) -> None:
         """Forget the kept inner optimizer (and scheduler) state of `state_key` (no-op if none)."""
         self._saved_optimizers.pop(state_key, None)

@@ -121,3 +121,22 @@ def test_proposal_adding_an_unadmitted_peer_is_invalid(tmp_path, digits):
     assert role.screening.structural_fault(attrs.evolve(added, unproven=()), ()) == "unproven-mismatch"
     more = attrs.evolve(skip, roster=tuple(sorted((*parent.roster, (newcomer, 2)))))
     assert role.screening.structural_fault(more, ()) == "roster-not-admitted"  # above the certified capacity
+
+
+@pytest.mark.parametrize("private_data", [False, True])
+def test_a_private_join_needs_a_manifest_that_admits_private_data(tmp_path, digits, private_data):
+    """spec/protocol.md §10: a join that declares private data is refused (``private-not-admitted``, charged to
+    the sender) unless the manifest has ``private_data``; under one that does it is held, flagged private."""
+    cluster = build(tmp_path, digits, trainers=2, private_data=private_data)
+    assert cluster.run_until(lambda c: head_window(c) >= 1, max_time=60.0)
+    role = next(r for r in cluster.nodes["validator"].engine.roles if isinstance(r, ValidatorRole))
+    joiner = ident(30)
+    join = seal(joiner, JoinRequest(revision=cluster.revision.id, window=role.admission.window, capacity=1,
+                                    private=True))
+    if not private_data:
+        with pytest.raises(VerificationError, match="private-not-admitted"):
+            role.admission.on_join(joiner.peer_id, join)
+        assert joiner.peer_id not in role.admission.joins
+    else:
+        assert role.admission.on_join(joiner.peer_id, join)
+        assert joiner.peer_id in role.admission.private_joins

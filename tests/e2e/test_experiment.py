@@ -322,3 +322,33 @@ def test_verify_and_export_point_from_an_experiment_never_run(tmp_path):
     root = Experiment(workload=WORKLOAD, trainers=1, base_port=0).write(tmp_path / "exp")
     for args in (["verify", str(root)], ["export", str(root), "--out", str(tmp_path / "m.safetensors")]):
         _one_line_exit_2(_peerloom(*args), "validator-1/store: holds no chain yet", f"peerloom up {root}")
+
+
+def test_init_private_data_admits_private_trainers_and_names_their_files(tmp_path):
+    """`init --private-data` sets the manifest's private_data; `--data TRAINER=PATH` gives that trainer its own
+    .npz (node config ``data``, spec/protocol.md §10) and leaves it out of the genesis roster (it must join to
+    be listed as private); `Fleet.check` accepts the directory, and every config loads."""
+    import tomllib
+
+    import numpy as np
+
+    from peerloom.node import load_config
+
+    np.savez(tmp_path / "part1.npz", x=np.zeros((10, 64), np.float32), y=np.zeros(10, np.int64))
+    out = _peerloom("init", str(tmp_path / "e"), "--workload", WORKLOAD, "--trainers", "2", "--data",
+                    f"trainer-1={tmp_path / 'part1.npz'}", "--base-port", "0")
+    assert out.returncode == 0, out.stderr
+    fleet = Fleet.open(tmp_path / "e")
+    manifest = fleet.revision().manifest
+    peers = {n["name"]: n["peer"] for n in fleet.layout["nodes"]}
+    assert manifest.private_data and [p.to_text() for p, _ in manifest.roster] == [peers["trainer-2"]]
+    config = tomllib.loads((tmp_path / "e" / "nodes" / "trainer-1" / "node.toml").read_text())
+    assert config["data"] == str(tmp_path / "part1.npz")
+    assert fleet.check().trainer_data == {"trainer-1": str(tmp_path / "part1.npz")}
+    for name in peers:
+        load_config(tmp_path / "e" / "nodes" / name / "node.toml")
+    plain = _peerloom("init", str(tmp_path / "p"), "--workload", WORKLOAD, "--private-data", "--base-port", "0")
+    assert plain.returncode == 0 and Fleet.open(tmp_path / "p").revision().manifest.private_data
+    bad = _peerloom("init", str(tmp_path / "f"), "--workload", WORKLOAD, "--data", "trainer-9=x.npz",
+                    "--base-port", "0")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "trainer_data.trainer-9" in bad.stderr
