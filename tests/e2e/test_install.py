@@ -1,4 +1,4 @@
-"""The wheel installs into a fresh virtual environment once per extra (base, torch, node, demo), at the
+"""The wheel installs into a fresh virtual environment once per extra (base, torch, node, demo, dp), at the
 lock's versions, and each extra's commands work there; a command whose extra is missing names it in one
 line with exit status 2 (issue 15)."""
 
@@ -77,7 +77,23 @@ def _common(bin_dir: Path, cwd: Path) -> None:
     (cwd / "node.toml").write_text('name = "n"\n')
 
 
-@pytest.mark.parametrize("extra", ["", "torch", "node", "demo"])
+DP_CHECK = """
+from peerloom.privacy import DP, epsilon
+from peerloom.workloads import torch_workload
+import torch
+eps = epsilon(noise_multiplier=1.0, sample_rate=0.01, steps=100, delta=1e-5)
+assert 1.0 < eps < 1.5, eps
+x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+w = torch_workload(model=lambda: torch.nn.Linear(4, 2), loss=torch.nn.functional.cross_entropy,
+                   optimizer=lambda p: torch.optim.SGD(p, lr=0.1), train_data=(x, y), eval_data=(x, y),
+                   batch_size=16, inner_steps=2,
+                   privacy=DP(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5, sample_rate=0.25))
+delta, metrics = w.train(w.initial_params(0), list(range(64)), seed=1)
+assert metrics["privacy_steps"] == 2
+"""
+
+
+@pytest.mark.parametrize("extra", ["", "torch", "node", "demo", "dp"])
 def test_each_extra_installs_alone_and_its_commands_work(tmp_path, wheel, constraints, extra):
     bin_dir = _venv(tmp_path, wheel, constraints, extra)
     _common(bin_dir, tmp_path)
@@ -90,6 +106,14 @@ def test_each_extra_installs_alone_and_its_commands_work(tmp_path, wheel, constr
         _names_extra(_peerloom(bin_dir, tmp_path, "demo", "--out", "demo-out"), "demo")
     if extra == "torch":
         subprocess.run([python, "-c", "import peerloom.backends.torch.aggregate"], check=True, cwd=tmp_path)
+    if extra == "dp":  # the accountant and a DP-SGD step, with nothing but the [dp] extra
+        subprocess.run([python, "-c", DP_CHECK], check=True, cwd=tmp_path)
+    if extra == "":  # without it, the accountant says which extra to install, in one line
+        out = subprocess.run([python, "-c", "from peerloom.privacy import epsilon\n"
+                              "epsilon(noise_multiplier=1.0, sample_rate=0.1, steps=1, delta=1e-5)"],
+                             capture_output=True, text=True, cwd=tmp_path)
+        assert out.returncode != 0 and "PrivacyUnavailable: differential privacy needs opacus: pip install " \
+            "'peerloom[dp]'" in out.stderr.strip().splitlines()[-1], out.stderr
     if extra in ("node", "demo"):
         # the node extra gets past imports to the config check
         out = _peerloom(bin_dir, tmp_path, "node", "--config", "node.toml")
