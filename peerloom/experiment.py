@@ -183,9 +183,16 @@ class Experiment:
             raise FileExistsError(17, "holds an experiment already; an experiment is never overwritten", str(root))
         workload, shards = build_node_workload({"workload": self.workload}, self.workload, self.seed,
                                                self.num_shards)
-        if self.manifest_options.get("privacy") is not None and not hasattr(workload, "with_privacy"):
-            raise ExperimentError(f"workload {self.workload!r} cannot train with DP-SGD (--dp-epsilon, manifest "
-                                  "privacy): differential privacy needs a torch workload")
+        privacy = _manifest_options(self.manifest_options).get("privacy")
+        if privacy is not None:
+            # Every node would refuse it at start: say so now, in one line (Opacus's reason for a layer it
+            # cannot train, a numpy workload, a missing [dp] extra; spec/protocol.md §10).
+            from peerloom.node import ConfigError, apply_privacy
+
+            try:
+                apply_privacy(workload, privacy, self.workload)
+            except ConfigError as exc:
+                raise ExperimentError(f"--dp-epsilon (manifest privacy): {exc}") from None
         params = workload.initial_params(self.seed)
         genesis = to_safetensors(params)
         root.mkdir(parents=True, exist_ok=True)

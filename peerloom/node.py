@@ -176,6 +176,7 @@ from peerloom.core.objects import (
     AdmissionCertificate,
     Head,
     Manifest,
+    PrivacyParams,
     QuorumCertificate,
     Revision,
     check_admission,
@@ -578,12 +579,12 @@ def _node_workload(config: dict[str, Any], manifest: Manifest) -> tuple[Any, Any
     if config.get("behaviour", "honest") != "honest":
         workload = wrap_workload(workload, config["behaviour"], seed=manifest.workload_seed)
     if manifest.privacy is not None:
-        apply_privacy(workload, manifest, config.get("workload", manifest.workload))
+        apply_privacy(workload, manifest.privacy, config.get("workload", manifest.workload))
     return workload, shards
 
 
-def apply_privacy(workload: Any, manifest: Manifest, name: str) -> None:
-    """Make `workload` train with DP-SGD under the manifest's `privacy` (spec/protocol.md §10): every role's,
+def apply_privacy(workload: Any, privacy: PrivacyParams, name: str) -> None:
+    """Make `workload` train with DP-SGD under a manifest's `privacy` (spec/protocol.md §10): every role's,
     since a validator's recomputation audit replays the noise. ConfigError in one line without opacus (the
     ``[dp]`` extra), for a workload that cannot train with DP-SGD (numpy workloads; a model Opacus refuses)."""
     from peerloom.backends.privacy import PrivacyUnavailable, dp_of
@@ -592,7 +593,7 @@ def apply_privacy(workload: Any, manifest: Manifest, name: str) -> None:
         raise ConfigError(f"workload {name!r} cannot train with DP-SGD (the manifest has privacy): DP-SGD needs a "
                           "torch workload")
     try:
-        workload.with_privacy(dp_of(manifest.privacy))
+        workload.with_privacy(dp_of(privacy))
     except (PrivacyUnavailable, ValueError) as exc:
         raise ConfigError(f"workload {name!r}: {exc}") from None
 

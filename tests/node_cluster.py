@@ -163,3 +163,20 @@ def make_fleet(root: Path, *, validators: int, trainers: int, quorum: int, windo
             node.config["stop_after_window"] = stop_after_window
         node.write_config()
     return nodes
+
+
+def batchnorm_digits(seed: int, num_shards: int) -> tuple[Any, list[list[int]]]:
+    """Workload factory (`workload = "tests.node_cluster:batchnorm_digits"`): a torch MLP on digits with a
+    BatchNorm layer, which DP-SGD cannot train (its outputs mix a batch's samples; Opacus refuses it)."""
+    import torch
+    from torch import nn
+
+    from peerloom.backends.datasets import load_digits_split, shard_indices
+    from peerloom.workloads import torch_workload
+
+    x, y, xt, yt = load_digits_split(seed)
+    workload = torch_workload(model=lambda: nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(),
+                                                           nn.Linear(32, 10)),
+                              loss=nn.functional.cross_entropy, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                              train_data=(x, y), eval_data=(xt, yt), batch_size=32)
+    return workload, shard_indices(len(x), num_shards, seed)

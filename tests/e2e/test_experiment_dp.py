@@ -56,6 +56,9 @@ def test_init_dp_chooses_sigma_from_the_budget_and_experiment_toml_round_trips(t
       "--dp-noise-multiplier", "1"], "sample_rate"),
     (["--workload", NUMPY, "--inner-steps", "4", "--dp-epsilon", "8", "--dp-sample-rate", "0.1",
       "--dp-noise-multiplier", "1"], "torch workload"),
+    # Opacus's own reason for a layer DP-SGD cannot train, in one line
+    (["--workload", "tests.node_cluster:batchnorm_digits", "--inner-steps", "4", "--dp-epsilon", "8",
+      "--dp-sample-rate", "0.1", "--dp-noise-multiplier", "1"], "BatchNorm"),
 ])
 def test_init_dp_errors_are_one_line(tmp_path, capsys, args, says):
     code, err = _init(capsys, str(tmp_path / "e"), *args)

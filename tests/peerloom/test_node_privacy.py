@@ -25,7 +25,7 @@ def test_without_opacus_a_privacy_manifest_fails_in_one_line_naming_the_extra(mo
     workload, _ = build_workload("mnist1d-mlp", 0, 4)
     monkeypatch.setitem(sys.modules, "opacus", None)
     with pytest.raises(ConfigError) as exc:
-        apply_privacy(workload, dp_manifest(), "mnist1d-mlp")
+        apply_privacy(workload, PARAMS, "mnist1d-mlp")
     message = str(exc.value)
     assert "pip install 'peerloom[dp]'" in message and "\n" not in message
     # `peerloom verify` cannot recompute the ledger either, and says why instead of a traceback
@@ -45,13 +45,13 @@ def test_a_numpy_workload_cannot_train_with_dp_sgd():
 
     workload, _ = build_workload("mnist1d-numpy", 0, 4)
     with pytest.raises(ConfigError, match="torch workload"):
-        apply_privacy(workload, dp_manifest(), "mnist1d-numpy")
+        apply_privacy(workload, PARAMS, "mnist1d-numpy")
 
 
 def test_every_role_of_a_privacy_manifest_trains_with_its_dp_parameters():
     from peerloom.backends.registry import build_workload
 
     workload, _ = build_workload("mnist1d-mlp", 0, 4)
-    apply_privacy(workload, dp_manifest(), "mnist1d-mlp")
+    apply_privacy(workload, PARAMS, "mnist1d-mlp")
     assert (workload.privacy.noise_multiplier, workload.privacy.max_grad_norm, workload.privacy.sample_rate) == (
         1.0, 1.0, 0.1)
