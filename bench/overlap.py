@@ -52,6 +52,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -91,10 +92,12 @@ def leases(seed: int, window: int, trainers: int, num_shards: int) -> list[list[
 
 
 def run(workload: Any, shards: list[list[int]], *, overlap: int, windows: int, trainers: int, seed: int,
-        inner_steps: int, rule: str, outer: dict[str, Any], label: str = "", eager: bool = True
-        ) -> list[dict[str, float]]:
+        inner_steps: int, rule: str, outer: dict[str, Any], label: str = "", eager: bool = True,
+        on_train: Callable[[float, dict[str, Any]], None] | None = None) -> list[dict[str, float]]:
     """Train `windows` windows with manifest ``overlap`` = `overlap` (0 or 1); returns the test metrics of the
-    head after each window, genesis first (``windows + 1`` dicts of ``workload.evaluate``)."""
+    head after each window, genesis first (``windows + 1`` dicts of ``workload.evaluate``). `on_train`, if
+    given, is called after every ``workload.train`` with its wall seconds and its metrics (bench/privacy.py's
+    throughput)."""
     compute = NumpyCompute()
     takes_step = getattr(type(workload), "TAKES_STEP", False) and inner_steps > 0
     heads = [workload.initial_params(seed)]  # heads[k] = head of window k (0 = genesis); the last 2 kept
@@ -117,7 +120,10 @@ def run(workload: Any, shards: list[list[int]], *, overlap: int, windows: int, t
             options: dict[str, Any] = {"inner_steps": inner_steps} if inner_steps else {}
             if takes_step:
                 options["step"] = (w - 1) * inner_steps
-            delta, _ = workload.train(start, indices, seed * 100_003 + w * 101 + i, **options)
+            began = time.perf_counter()
+            delta, metrics = workload.train(start, indices, seed * 100_003 + w * 101 + i, **options)
+            if on_train is not None:
+                on_train(time.perf_counter() - began, metrics)
             deltas.append(delta)
             mine[i] = delta
             weights.append(len(indices))
