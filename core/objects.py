@@ -292,6 +292,9 @@ class Manifest:
     # from the encoding): neither.
     private_data: bool = False
     privacy: PrivacyParams | None = None
+    # The trainers of the genesis `roster` that train on private data (sorted; needs `private_data`; absent
+    # when empty): the genesis head lists them in `private`, as a later head lists a joiner whose join says so.
+    private: tuple[PeerId, ...] = ()
 
     def __attrs_post_init__(self) -> None:
         n = len(self.validators)
@@ -351,6 +354,9 @@ class Manifest:
             # Next-ranked claims fill a lease within its window's first `lease_s` seconds; an overlapped
             # trainer trains a window before it opens, so the two do not combine.
             raise DecodeError("bad-field", f"overlap must be in 0..{MAX_OVERLAP}, and 0 with lease_s > 0")
+        if self.private and (not self.private_data or not _strictly_ascending(self.private)
+                             or not set(self.private) <= {p for p, _ in self.roster}):
+            raise DecodeError("bad-field", "private must be sorted distinct peers of the roster, with private_data")
         if self.privacy is not None and (not self.inner_steps or self.audit_segments):
             # The accountant counts DP-SGD steps, so a window's must be fixed (H); a segment audit would
             # resume DP-SGD mid-window from a committed state, which the DP workload does not support.
@@ -397,6 +403,8 @@ class Manifest:
             body["private_data"] = True
         if self.privacy is not None:
             body["privacy"] = self.privacy.to_cbor()
+        if self.private:
+            body["private"] = [p.to_bytes() for p in self.private]
         return body
 
     @classmethod
@@ -414,6 +422,10 @@ class Manifest:
         overlap = f.uint(body, "overlap", maximum=MAX_OVERLAP) if "overlap" in body else 0
         private_data = f.boolean(body, "private_data") if "private_data" in body else False
         privacy = PrivacyParams.from_cbor(body["privacy"]) if "privacy" in body else None
+        private = tuple(f.peer({"p": p}, "p") for p in f.array(body, "private", max_len=MAX_ROSTER)) \
+            if "private" in body else ()
+        if "private" in body and not private:
+            raise DecodeError("bad-field", "private is absent when empty")
         if ("idle_windows" in body and idle_windows == 0) or ("unproven_share" in body and unproven_share == 1.0) \
                 or ("max_joins" in body and max_joins == 0) or ("audit_rate" in body and audit_rate == 0.0) \
                 or ("audit_segments" in body and audit_segments == 0) \
@@ -458,7 +470,7 @@ class Manifest:
             idle_windows=idle_windows, unproven_share=unproven_share, max_joins=max_joins,
             audit_rate=audit_rate, loss_check_samples=loss_check_samples, loss_min_drop=loss_min_drop,
             audit_segments=audit_segments, norm_mads=norm_mads, overlap=overlap, private_data=private_data,
-            privacy=privacy,
+            privacy=privacy, private=private,
         )
 
     def seal(self, authority: Identity) -> SignedEnvelope:
@@ -475,7 +487,7 @@ _MANIFEST_KEYS = frozenset({
 })
 _MANIFEST_OPTIONAL = frozenset({"idle_windows", "unproven_share", "max_joins", "audit_rate", "loss_check_samples",
                                 "loss_min_drop", "audit_segments", "norm_mads", "overlap", "private_data",
-                                "privacy"})  # present only when not off
+                                "privacy", "private"})  # present only when not off
 
 
 @attrs.frozen(kw_only=True)
@@ -511,7 +523,7 @@ class Revision:
     def _genesis(self) -> Head:
         m = self.manifest
         return Head(revision=self.id, parent=None, window=0, skipped=False, params=m.genesis_params,
-                    params_digest=m.genesis_params_digest, cohort=(), roster=m.roster)
+                    params_digest=m.genesis_params_digest, cohort=(), roster=m.roster, private=m.private)
 
 
 # --- heads and certificates --------------------------------------------------------------------------

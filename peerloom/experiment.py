@@ -75,8 +75,8 @@ class Experiment:
     `late_joiners` more trainers get keys and configs but are not in the genesis roster: they ask to join
     when started (spec/protocol.md §5). `trainer_data` gives trainers data only they hold (spec/protocol.md
     §10): trainer name -> path of an .npz of x and y (node config key ``data``; a relative path is relative
-    to the trainer's directory ``nodes/<name>/``); it sets the manifest's ``private_data``, and those
-    trainers are left out of the genesis roster, since a private-data trainer must join to be listed as one.
+    to the trainer's directory ``nodes/<name>/``); it sets the manifest's ``private_data`` and lists those
+    trainers (of the genesis roster) in the manifest's ``private``, so the genesis head lists them as private.
     `manifest_options` sets any other `Manifest` field (screening
     thresholds, `lease_s`, `idle_windows`, ...; ValueError for an unknown or derived one);
     `node_options` adds keys to a node's config by node name (see `peerloom.node`: `behaviour`,
@@ -220,9 +220,10 @@ class Experiment:
             outer_lr=self.outer_lr, inner_steps=self.inner_steps, codec=self.codec, audit=self.audit,
             chunk_size=self.chunk_size, genesis_params=make_artifact_ref(genesis, self.chunk_size),
             genesis_params_digest=tensor_digest(params),
-            roster=tuple(sorted((_peer(n), 1) for n in nodes if n["role"] == "trainer" and not n["late_joiner"]
-                                and n["name"] not in self.trainer_data)),
-            **{**self.manifest_options, **({"private_data": True} if self.trainer_data else {})})
+            roster=tuple(sorted((_peer(n), 1) for n in nodes if n["role"] == "trainer" and not n["late_joiner"])),
+            **{**self.manifest_options, **({"private_data": True} if self.trainer_data else {}),
+               **({"private": tuple(sorted(_peer(n) for n in nodes if n["name"] in self.trainer_data
+                                           and not n["late_joiner"]))} if self.trainer_data else {})})
         atomic_write(root / "manifest.cbor", manifest.seal(authority).to_bytes())
         servers = [n for n in nodes if n["role"] != "trainer"]
         http = f"127.0.0.1:{http_port}"
@@ -361,8 +362,7 @@ class Fleet:
             raise ExperimentError(f"{where}: {exc}") from None
         manifest = self.revision().manifest
         signed = {"name": manifest.experiment, "workload": manifest.workload, "seed": manifest.workload_seed,
-                  "trainers": len(manifest.roster) + sum(1 for name in experiment.trainer_data
-                                                         if not self._late_joiner(name)),
+                  "trainers": len(manifest.roster),
                   "validators": len(manifest.validators),
                   "shards": len(manifest.shards), "window_s": manifest.window_s,
                   "min_updates": manifest.min_updates, "aggregation": manifest.aggregation,
@@ -387,6 +387,11 @@ class Fleet:
         if experiment.trainer_data and not manifest.private_data:
             raise ExperimentError(f"{where}: trainer_data is set, but the signed manifest admits no private-data "
                                   "trainers (private_data)")
+        named = {n["name"]: n["peer"] for n in nodes}
+        private = {named.get(name) for name in experiment.trainer_data if not self._late_joiner(name)}
+        if private != {p.to_text() for p in manifest.private}:
+            raise ExperimentError(f"{where}: trainer_data names other genesis-roster trainers than the signed "
+                                  "manifest's private list (init a new directory to change them)")
         for name, path in sorted(experiment.trainer_data.items()):
             config_path = self.node_dir(name) / "node.toml"
             config = tomllib.loads(config_path.read_text()) if config_path.is_file() else {}

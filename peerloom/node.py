@@ -260,8 +260,9 @@ def load_config(path: Path) -> dict[str, Any]:
 
 def _check_private_data(config: dict[str, Any]) -> None:
     """The ``data`` key (spec/protocol.md §10): a readable .npz of x and y, a manifest with ``private_data``,
-    and a trainer that will join (one in the genesis roster never sends a join, so no head would list it as
-    private). ConfigError names the file and what is wrong."""
+    and a trainer that joins or that the manifest lists as private in its genesis roster (one in the genesis
+    roster never sends a join, so only the manifest can make it private). ConfigError names the file and what
+    is wrong."""
     _, revision = _load_revision(config)
     if not revision.manifest.private_data:
         raise ConfigError(f"data: the manifest {config['manifest']} admits no private-data trainers (its "
@@ -273,10 +274,11 @@ def _check_private_data(config: dict[str, Any]) -> None:
             peer = load_identity(key).peer_id
         except (OSError, ValueError) as exc:
             raise ConfigError(f"key: {exc}") from None
-        if peer in revision.genesis().roster_peers:
-            raise ConfigError(f"data: this trainer ({peer.to_text()}) is in the manifest's genesis roster, so it "
-                              "never joins and no head lists it as private; a private-data trainer must join "
-                              "(leave it out of the roster: a late joiner)")
+        genesis = revision.genesis()
+        if peer in genesis.roster_peers and peer not in genesis.private_peers:
+            raise ConfigError(f"data: this trainer ({peer.to_text()}) is in the manifest's genesis roster but not "
+                              "in its private list, so no head lists it as private; sign a manifest that lists it "
+                              "(`peerloom init --data`), or leave it out of the roster (a late joiner)")
     load_private_data(Path(config["data"]))
 
 

@@ -1,21 +1,19 @@
-"""Issue 32's fleet, live (spec/protocol.md §10): real `peerloom node` processes over TCP+Noise on 127.0.0.1,
-started from an `Experiment` directory as `peerloom up` starts them, train mnist1d with DP-SGD.
+"""Issue 32's fleets, live (spec/protocol.md §10): real `peerloom node` processes over TCP+Noise on
+127.0.0.1, started from `Experiment` directories as `peerloom up` starts them, train mnist1d with DP-SGD under
+one `privacy` manifest each (sigma 1, C 1, q 0.1, delta 1e-5, H = 4 DP-SGD steps a window, a budget none
+reaches here). Two fleets run side by side, each 1 validator (inline audits: it replays every update it
+can) and 1 reducer:
 
-The fleet: 1 validator (inline audits: it replays every update it can), 1 reducer, and 4 trainers under one
-`privacy` manifest (sigma 1, C 1, q 0.1, delta 1e-5, H = 4 DP-SGD steps a window, a budget none reaches
-here):
-
-- ``trainer-1`` and ``trainer-2`` each hold their own part of a second MNIST-1D draw that no other peer can
-  load (`Experiment.trainer_data`, node config ``data``): they join as private, train DP-SGD on their own
-  samples with secret seeds, and nobody audits them;
-- ``trainer-3`` trains DP-SGD on the shared data: the validator replays its noise, and its updates pass;
-- ``trainer-4`` runs ``dp-skip-noise``: the same clipping without the noise. The replay with the noise
-  disagrees (cosine far below ``audit_min_cosine``), so its updates are struck and it is quarantined.
-
-Asserted: every window of the chain is certified (none skipped); both private trainers are in the heads'
-``private`` and their updates in cohorts; the ledger's epsilon of every trainer equals what Opacus's
-``RDPAccountant`` gives for its steps, to 1e-6; ``peerloom verify`` accepts the chain, recomputing every
-epsilon; ``trainer-4`` is quarantined and no one else is.
+- *private*: 3 trainers, each holding its own part of a second MNIST-1D draw that no other peer can load
+  (`Experiment.trainer_data`, node config ``data``): they join as private, train DP-SGD on their own
+  samples with secret seeds, and nobody audits them. Asserted: every window of the chain is certified (none
+  skipped), every trainer is in the heads' ``private`` and the ledger, each ledger epsilon equals what
+  Opacus's ``RDPAccountant`` gives for its steps to 1e-6, and ``peerloom verify`` accepts the chain,
+  recomputing every epsilon.
+- *audited*: 2 trainers on the shared data. ``trainer-1`` trains DP-SGD honestly: the validator's replay
+  reproduces its noise and its updates pass. ``trainer-2`` runs ``dp-skip-noise`` (the same clipping without
+  the noise): the replay with the noise disagrees (cosine far below ``audit_min_cosine``), so its updates
+  are struck and it is quarantined, and no one else is.
 """
 
 from __future__ import annotations
@@ -37,75 +35,108 @@ from tests.node_zygote import forked_popen
 pytestmark = pytest.mark.slow
 pytest.importorskip("opacus")
 
-PRIVATE = ("trainer-1", "trainer-2")
-PUBLIC, SKIPPER = "trainer-3", "trainer-4"
 H = 4
 PARAMS = PrivacyParams(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5, sample_rate=0.1, epsilon_budget=50.0)
-WINDOWS = 8  # certified heads the fleet runs for
-TIMEOUT_S = 240.0  # 7 processes with torch and opacus on 2 loaded cores
+PRIVATE = ("trainer-1", "trainer-2", "trainer-3")
+HONEST, SKIPPER = "trainer-1", "trainer-2"
+WINDOWS = 6  # certified heads each fleet runs for
+TIMEOUT_S = 240.0  # 11 processes with torch and opacus on 2 loaded cores
 
 
-def _experiment(root: Path) -> Experiment:
-    x, y = make_mnist1d(2000, seed=4321)  # another draw than the manifest's dataset: no other peer has it
+def _experiment(root: Path, name: str) -> Experiment:
+    nodes = ("validator-1", "reducer-1", *(f"trainer-{i}" for i in (1, 2, 3)))
+    options = {node: {"threads": 1} for node in nodes}
     data = {}
-    for i, name in enumerate(PRIVATE):
-        path = root / f"{name}.npz"
-        np.savez(path, x=x[i::2], y=y[i::2])
-        data[name] = str(path)
-    nodes = ("validator-1", "reducer-1", *PRIVATE, PUBLIC, SKIPPER)
-    options = {name: {"threads": 1} for name in nodes}
-    options[SKIPPER]["behaviour"] = "dp-skip-noise"
-    return Experiment(workload="mnist1d-mlp", name="dp", trainers=4, validators=1, reducers=1, shards=12,
-                      window_s=10.0, inner_steps=H, audit=True, aggregation="mean", outer_optimizer="fedavg",
-                      outer_lr=1.0, base_port=0, manifest_options={"privacy": PARAMS}, trainer_data=data,
-                      node_options=options)
+    if name == "private":
+        x, y = make_mnist1d(3000, seed=4321)  # another draw than the manifest's dataset: no other peer has it
+        for i, trainer in enumerate(PRIVATE):
+            path = root / f"{trainer}.npz"
+            np.savez(path, x=x[i::3], y=y[i::3])
+            data[trainer] = str(path)
+    else:
+        options[SKIPPER]["behaviour"] = "dp-skip-noise"
+    return Experiment(workload="mnist1d-mlp", name=name, trainers=3 if name == "private" else 2, validators=1,
+                      reducers=1, shards=12, window_s=10.0, inner_steps=H, audit=True, aggregation="mean",
+                      outer_optimizer="fedavg", outer_lr=1.0, base_port=0, manifest_options={"privacy": PARAMS},
+                      trainer_data=data, node_options={k: v for k, v in options.items()
+                                                       if k != "trainer-3" or name == "private"})
 
 
-def _run(fleet: Fleet) -> list[Head]:
+def _done(label: str, fleet: Fleet, heads: list[Head]) -> bool:
+    if label == "private":
+        return len(heads) >= WINDOWS and len(heads[-1].private) == len(PRIVATE)
+    return len(heads) >= WINDOWS and SKIPPER in _quarantined(fleet, heads)
+
+
+def _run(fleets: dict[str, Fleet]) -> None:
+    """Both fleets side by side, each stopped once `_done` (AssertionError when a node exits or time runs
+    out); node processes are forked from a fork server that has imported torch and opacus."""
+    running = dict(fleets)
     deadline = time.monotonic() + TIMEOUT_S
     env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "PEERLOOM_ZYGOTE_PRELOAD": "torch,opacus"}
     try:
-        with forked_popen(**env):
-            fleet.start()
-        while True:
-            heads = _heads(fleet)
-            if len(heads) >= WINDOWS and SKIPPER in _quarantined(fleet, heads):
-                return heads
-            exited = [name for name, p in fleet.processes.items() if p.poll() is not None]
-            assert not exited, f"{exited[0]} exited: {fleet.last_log_line(exited[0])}"
-            assert time.monotonic() < deadline, f"{len(heads)} heads after {TIMEOUT_S} s\n{_summary(fleet, heads)}"
+        for fleet in running.values():
+            with forked_popen(**env):
+                fleet.start()
+        while running:
+            for label, fleet in list(running.items()):
+                heads = _heads(fleet)
+                if _done(label, fleet, heads):
+                    _terminate(fleet)
+                    del running[label]
+                    continue
+                exited = [name for name, p in fleet.processes.items() if p.poll() is not None]
+                assert not exited, f"{label}: {exited[0]} exited: {fleet.last_log_line(exited[0])}"
+                assert time.monotonic() < deadline, \
+                    f"{label}: {len(heads)} heads after {TIMEOUT_S} s\n{_summary(fleet, heads)}"
             time.sleep(0.2)
     finally:
-        _terminate(fleet)
-        _stop(fleet)
+        for fleet in running.values():
+            _terminate(fleet)
+        for fleet in fleets.values():
+            _stop(fleet)
 
 
-def test_a_dp_fleet_with_private_trainers_certifies_every_window_and_catches_a_noise_skipper(tmp_path):
-    from opacus.accountants import RDPAccountant
-
-    fleet = Fleet.open(_experiment(tmp_path).write(tmp_path / "dp"))
-    _run(fleet)
+def _verified(fleet: Fleet) -> list[Head]:
+    """The chain of `fleet`'s validator, after `peerloom verify` accepted it (privacy ledger included)."""
     store = fleet.node_dir("validator-1") / "store"
     lines: list[str] = []
     assert run_verify(store, fleet.layout["authority"], echo=lines.append) == 0, "\n".join(lines)
     assert any("privacy ledger" in line for line in lines), "\n".join(lines)
-    _, entries = verified_chain(store, fleet.layout["authority"])
-    heads = [h for h, _ in entries]
-    report = _summary(fleet, heads)
-    print(report)
-    names = _names(fleet)
+    return [h for h, _ in verified_chain(store, fleet.layout["authority"])[1]]
 
+
+def test_dp_fleets_private_trainers_certify_every_window_and_a_noise_skipper_is_caught(tmp_path):
+    from opacus.accountants import RDPAccountant
+
+    fleets = {label: Fleet.open(_experiment(tmp_path, label).write(tmp_path / label))
+              for label in ("private", "audited")}
+    _run(fleets)
+
+    private = fleets["private"]
+    heads = _verified(private)
+    report = _summary(private, heads)
+    print(report)
+    names = _names(private)
     assert not any(h.skipped for h in heads), report  # every window certified
     last = heads[-1]
     assert {names[p.to_text()] for p in last.private} == set(PRIVATE), report
     ledger = {names[p.to_text()]: (steps, eps) for p, steps, eps in last.privacy}
-    assert set(PRIVATE) | {PUBLIC} <= set(ledger), report  # their updates made it into cohorts
+    assert set(ledger) == set(PRIVATE), report  # every private trainer's updates made it into cohorts
     for name, (steps, eps) in ledger.items():
         accountant = RDPAccountant()
         accountant.history = [(PARAMS.noise_multiplier, PARAMS.sample_rate, steps)]
         assert steps % H == 0 and abs(eps - accountant.get_epsilon(delta=PARAMS.delta)) <= 1e-6, (name, steps, eps)
-        assert eps <= PARAMS.epsilon_budget
-    assert _quarantined(fleet, heads) == {SKIPPER}, report
-    # the honest public DP trainer's replays (noise included) reproduced: audited every window, never struck
+        assert 0 < eps <= PARAMS.epsilon_budget
+    assert not any(h.strikes or h.quarantine for h in heads), report
+
+    audited = fleets["audited"]
+    heads = _verified(audited)
+    report = _summary(audited, heads)
+    print(report)
+    names = _names(audited)
+    assert _quarantined(audited, heads) == {SKIPPER}, report
+    # the honest DP trainer's replays (noise included) reproduced: audited every window, never struck
     assert {names[p.to_text()] for h in heads for p, _, _ in h.strikes} == {SKIPPER}, report
+    assert HONEST in {names[p.to_text()] for p, _, _ in heads[-1].privacy}, report

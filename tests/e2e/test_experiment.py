@@ -326,8 +326,9 @@ def test_verify_and_export_point_from_an_experiment_never_run(tmp_path):
 
 def test_init_private_data_admits_private_trainers_and_names_their_files(tmp_path):
     """`init --private-data` sets the manifest's private_data; `--data TRAINER=PATH` gives that trainer its own
-    .npz (node config ``data``, spec/protocol.md §10) and leaves it out of the genesis roster (it must join to
-    be listed as private); `Fleet.check` accepts the directory, and every config loads."""
+    .npz (node config ``data``, spec/protocol.md §10) and lists it in the manifest's `private` (it is in the
+    genesis roster, which never joins, so the manifest flags it); `Fleet.check` accepts the directory, and
+    every config loads."""
     import tomllib
 
     import numpy as np
@@ -341,7 +342,9 @@ def test_init_private_data_admits_private_trainers_and_names_their_files(tmp_pat
     fleet = Fleet.open(tmp_path / "e")
     manifest = fleet.revision().manifest
     peers = {n["name"]: n["peer"] for n in fleet.layout["nodes"]}
-    assert manifest.private_data and [p.to_text() for p, _ in manifest.roster] == [peers["trainer-2"]]
+    assert manifest.private_data and [p.to_text() for p in manifest.private] == [peers["trainer-1"]]
+    assert sorted(p.to_text() for p, _ in manifest.roster) == sorted([peers["trainer-1"], peers["trainer-2"]])
+    assert fleet.revision().genesis().private == manifest.private
     config = tomllib.loads((tmp_path / "e" / "nodes" / "trainer-1" / "node.toml").read_text())
     assert config["data"] == str(tmp_path / "part1.npz")
     assert fleet.check().trainer_data == {"trainer-1": str(tmp_path / "part1.npz")}
