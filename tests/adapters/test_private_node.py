@@ -108,7 +108,7 @@ def test_a_private_trainer_node_declares_private_data_and_trains_on_its_own(tmp_
     ({"roles": '["validator"]'}, "data (private training data, spec/protocol.md §10) applies to nodes whose only "
                                  "role is trainer"),
     ({"roles": '["trainer", "reducer"]'}, "applies to nodes whose only role is trainer"),
-    ({"roster": (ident(7),)}, "is in the manifest's genesis roster"),
+    ({"roster": (ident(7),)}, "is in the manifest's genesis roster but not in its private list"),
     ({"extra": "[pool]\nranks = 2\n"}, "drop data or the pool"),
     ({"npz": {"x": np.zeros((3, 2), np.float32)}}, "must hold exactly the arrays x and y, holds x"),
     ({"npz": {"x": np.zeros((3, 2), np.float32), "y": np.zeros(3), }}, "y must be an integer array [n]"),

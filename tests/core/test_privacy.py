@@ -249,3 +249,21 @@ def test_trainers_stop_at_their_budget_leave_and_the_chain_shows_why(tmp_path):
     assert left == trainers and not last.roster
     spent = [f for t, n, e, f in cluster.logs if e == "privacy-budget-spent"]
     assert len(spent) == 2
+
+
+def test_the_manifest_flags_private_trainers_of_its_genesis_roster():
+    """A genesis-roster trainer never joins: the manifest's `private` flags it, and the genesis head lists it."""
+    from peerloom.core.objects import Revision
+
+    a, b = ident(10).peer_id, ident(11).peer_id
+    manifest = attrs.evolve(private_revision(), private=(a,))
+    assert Manifest.from_cbor(manifest.to_cbor()) == manifest and manifest.to_cbor()["private"] == [a.to_bytes()]
+    assert "private" not in private_revision().to_cbor()
+    authority = ident(200)
+    revision = Revision.verify(manifest.seal(authority), authority.peer_id)
+    assert revision.genesis().private == (a,)
+    for bad in ({"private": (ident(12).peer_id,)}, {"private": (b, a)}, {"private": (a,), "private_data": False}):
+        with pytest.raises(DecodeError, match="private"):
+            attrs.evolve(private_revision(), **bad)
+    with pytest.raises(DecodeError):
+        Manifest.from_cbor({**private_revision().to_cbor(), "private": []})
