@@ -53,10 +53,14 @@ def _venv(tmp: Path, wheel: Path, constraints: Path, extra: str) -> Path:
     return env_dir / "bin"
 
 
+def _clean_env() -> dict[str, str]:
+    """This environment without what would make the fresh venv import another checkout of peerloom."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+
+
 def _peerloom(bin_dir: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    return subprocess.run([str(bin_dir / "peerloom"), *args], capture_output=True, text=True, cwd=cwd, env=env,
-                          timeout=300)
+    return subprocess.run([str(bin_dir / "peerloom"), *args], capture_output=True, text=True, cwd=cwd,
+                          env=_clean_env(), timeout=300)
 
 
 def _names_extra(out: subprocess.CompletedProcess[str], extra: str) -> None:
@@ -105,13 +109,14 @@ def test_each_extra_installs_alone_and_its_commands_work(tmp_path, wheel, constr
     if extra != "demo":
         _names_extra(_peerloom(bin_dir, tmp_path, "demo", "--out", "demo-out"), "demo")
     if extra == "torch":
-        subprocess.run([python, "-c", "import peerloom.backends.torch.aggregate"], check=True, cwd=tmp_path)
+        subprocess.run([python, "-c", "import peerloom.backends.torch.aggregate"], check=True, cwd=tmp_path,
+                       env=_clean_env())
     if extra == "dp":  # the accountant and a DP-SGD step, with nothing but the [dp] extra
-        subprocess.run([python, "-c", DP_CHECK], check=True, cwd=tmp_path)
+        subprocess.run([python, "-c", DP_CHECK], check=True, cwd=tmp_path, env=_clean_env())
     if extra == "":  # without it, the accountant says which extra to install, in one line
         out = subprocess.run([python, "-c", "from peerloom.privacy import epsilon\n"
                               "epsilon(noise_multiplier=1.0, sample_rate=0.1, steps=1, delta=1e-5)"],
-                             capture_output=True, text=True, cwd=tmp_path)
+                             capture_output=True, text=True, cwd=tmp_path, env=_clean_env())
         assert out.returncode != 0 and "PrivacyUnavailable: differential privacy needs opacus: pip install " \
             "'peerloom[dp]'" in out.stderr.strip().splitlines()[-1], out.stderr
     if extra in ("node", "demo"):
@@ -120,5 +125,5 @@ def test_each_extra_installs_alone_and_its_commands_work(tmp_path, wheel, constr
         assert out.returncode == 2 and "missing roles, key, manifest, authority, store" in out.stderr, out.stderr
     if extra == "demo":
         subprocess.run([python, "-c", "import peerloom.demo, sklearn, matplotlib, torch, trio"], check=True,
-                       cwd=tmp_path)
+                       cwd=tmp_path, env=_clean_env())
         assert _peerloom(bin_dir, tmp_path, "demo", "--help").returncode == 0
