@@ -1193,8 +1193,8 @@ class AuditFailure:
         return cls(revision=f.cid(body, "revision"), update=SignedEnvelope.from_cbor(body["update"]))
 
 
-Sealable = UpdateAnnouncement | JoinRequest | ReductionProposal | AdmissionCertificate | LeaveRequest | Heartbeat \
-    | AuditFailure
+Sealable = UpdateAnnouncement | JoinRequest | ReductionProposal | AdmissionCertificate | AdmissionRevocation \
+    | LeaveRequest | Heartbeat | AuditFailure
 
 
 def seal(identity: Identity, obj: Sealable | HeadProposal) -> SignedEnvelope:
