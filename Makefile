@@ -9,7 +9,7 @@ WHEELS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 LOCK := $(BIN)/uv pip compile pyproject.toml --generate-hashes --python-version 3.11 \
         --python-platform x86_64-manylinux_2_28 $(WHEELS) --quiet
 
-.PHONY: demo test lint fuzz fuzz-live lock clean
+.PHONY: demo test typecheck lint fuzz fuzz-live lock clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,19 @@ demo: $(VENV)/.demo-installed
 test: $(VENV)/.dev-installed
 	$(BIN)/python -m pytest -q
 	$(BIN)/ruff check .
+	$(TYPECHECK)
+
+# mypy ([tool.mypy] in pyproject.toml: strict on core/ and adapters/host.py) on the package as it installs. mypy
+# does not read [tool.setuptools] package-dir, so the recipe links the top-level folders into one `peerloom` tree
+# under .typecheck/ (with mypy's cache) and checks it from there; errors name peerloom/core/... for core/....
+define TYPECHECK
+rm -rf .typecheck/peerloom && mkdir -p .typecheck/peerloom
+ln -s $(CURDIR)/peerloom/*.py $(CURDIR)/core $(CURDIR)/adapters $(CURDIR)/backends $(CURDIR)/sim .typecheck/peerloom/
+cd .typecheck && $(abspath $(BIN))/python -m mypy --config-file $(CURDIR)/pyproject.toml --cache-dir cache -p peerloom
+endef
+
+typecheck: $(VENV)/.dev-installed
+	$(TYPECHECK)
 
 # Long Hypothesis run over every decoder fuzz test (by hand; not part of CI);
 # the example count is the "fuzz" profile in tests/conftest.py.
@@ -49,4 +62,4 @@ lock: $(VENV)/.dev-installed
 	for set in node torch demo hf auth dp; do $(LOCK) --extra $$set -c requirements/dev.lock -o requirements/$$set.lock; done
 
 clean:
-	rm -rf $(VENV) peerloom-demo peerloom-fuzz-live .pytest_cache .hypothesis
+	rm -rf $(VENV) peerloom-demo peerloom-fuzz-live .pytest_cache .hypothesis .typecheck

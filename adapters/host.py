@@ -5,9 +5,10 @@
 A host is anything with one method per effect (`Host`). `drain(engine, host)` pulls the engine's effects
 in order and `dispatch` hands each to the method named after it (``Send`` -> ``send``, ``HangUp`` ->
 ``hang_up``, ...). `dispatch` matches the `core.effects.Effect` union exhaustively and ends in
-`typing.assert_never`: a new effect that is not dispatched fails type checking here, and
-`tests/adapters/test_host.py` fails at run time. A host that cannot carry out an effect still implements its method
-and says there why it refuses it (e.g. the simulator feeds no `Submit`, so it awaits no `SubmitReply`).
+`typing.assert_never`: a new effect that is not dispatched fails type checking here (`make typecheck`, strict on this
+module; tests/adapters/test_host_exhaustive.py shows it), and `tests/adapters/test_host.py` fails at run time. A
+host that cannot carry out an effect still implements its method and says there why it refuses it (e.g. the
+simulator feeds no `Submit`, so it awaits no `SubmitReply`).
 
 What differs per host stays in the host: when `Persisted`, `ArtifactStored` and task results are fed
 back (at once, after a modelled delay, from a worker thread), how bytes reach a peer, and timers (every

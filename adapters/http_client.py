@@ -250,8 +250,12 @@ class LightTrainer:
             workload, shards = build_workload(manifest.workload, manifest.workload_seed, len(manifest.shards))
         from .compute import ComputeExecutor
 
-        self._tmp = None if workdir is not None else tempfile.TemporaryDirectory(prefix="peerloom-light-")
-        root = Path(workdir) if workdir is not None else Path(self._tmp.name)  # type: ignore[union-attr]
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="peerloom-light-")
+            root = Path(self._tmp.name)
+        else:
+            root = Path(workdir)
         self.store = ArtifactStore(root, chunk_size=manifest.chunk_size)
         self.executor = ComputeExecutor(self.store, manifest, workload, shards)
         self.last_window = -1

@@ -132,7 +132,7 @@ class HashFunction:
 
     def hash(self, data: bytes) -> bytes:
         """HASH(data) (§4.3): HASHLEN bytes."""
-        return self.constructor(data).digest()  # type: ignore[attr-defined]
+        return self.constructor(data).digest()  # type: ignore[attr-defined]  # a hashlib constructor (see HASHES)
 
     def hmac(self, key: bytes, data: bytes) -> bytes:
         """HMAC-HASH(key, data) (RFC 2104), with BLOCKLEN from the hash (64 or 128 bytes)."""
@@ -400,7 +400,7 @@ class HandshakeState:
             for token in pre:
                 if token != "s":
                     raise NoiseError("unsupported-protocol", f"pre-message token {token!r}")
-                self._ss.mix_hash(self._s_pub if is_ours else rs)  # type: ignore[arg-type]
+                self._ss.mix_hash(self._s_pub if is_ours else rs)  # type: ignore[arg-type]  # not None: checked above
 
     # -- queries --
 

@@ -124,7 +124,7 @@ def _extend_simulator(manifest_keys: dict[str, Any] | None = None) -> None:
         workload, shards = registry.build_workload(name, int(spec.get("seed", 0)), num_shards)
         return workload, shards, [len(s) for s in shards]
 
-    build_workload._detection_bench = True  # type: ignore[attr-defined]
+    build_workload._detection_bench = True  # type: ignore[attr-defined]  # a marker attribute on the function
     scenario_mod.build_workload = build_workload
 
 

@@ -120,7 +120,7 @@ def window_updates(workload: Any, flipped: Any, shards: list[list[int]], attack:
         if i not in byzantine:
             out[i] = honest_deltas[i]
             continue
-        name, kw = attack  # type: ignore[misc]
+        name, kw = attack  # type: ignore[misc]  # not None for a byzantine peer
         if name in ("alie", "ipm"):  # colluding attackers send one crafted update
             if crafted is None:
                 crafted = craft_update(name, honest_deltas[i], refs or [honest_deltas[i]], rng, **kw)
@@ -243,6 +243,7 @@ def run_defended_cell(workload: Any, flipped: Any, shards: list[list[int]],
         # (only for authors the parent does not quarantine)
         audits = [i for i in failed_audits if i not in excluded]
         before = dict(head.quarantine)
+        # the ignore: int ids stand in for peer ids
         quarantine, strikes = next_records(head, w, struck, audits, QUARANTINE)  # type: ignore[arg-type]
         for p, until in quarantine:
             if before.get(p) != until:
@@ -382,6 +383,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "default_rule": default,
         "cells": cells,
         "rule_params": {r: RULES[r] for r in rules},
+        # the ignore: table[a] is not None here
         "attack_params": {a: (None if table[a] is None else {"attack": table[a][0], **table[a][1]})  # type: ignore[index]
                           for a in attacks},
         "alie_z_max": alie_z(args.trainers, args.byzantine),

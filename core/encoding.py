@@ -13,7 +13,7 @@ hash function can change later without ambiguity.
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, TypeGuard
 
 import cbor2
 
@@ -84,6 +84,6 @@ def content_id(data: bytes | bytearray | memoryview) -> bytes:
     return SHA256_MULTIHASH_PREFIX + hashlib.sha256(data).digest()
 
 
-def is_content_id(value: object) -> bool:
+def is_content_id(value: object) -> TypeGuard[bytes]:
     return isinstance(value, bytes) and len(value) == CONTENT_ID_BYTES and value[:2] == SHA256_MULTIHASH_PREFIX
 

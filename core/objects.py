@@ -547,6 +547,10 @@ def _peer_records(body: dict[str, Any], key: str, width: int) -> tuple[Any, ...]
     return tuple(out)
 
 
+def _sorted_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
+    return dict(sorted(metrics.items()))
+
+
 @attrs.frozen(kw_only=True)
 class Head:
     """A block of the chain: the model after window `window` (spec/design.md §4, spec/protocol.md §2).
@@ -591,7 +595,7 @@ class Head:
     cohort: tuple[bytes, ...]
     roster: tuple[RosterEntry, ...]
     quarantine: tuple[QuarantineRecord, ...] = ()
-    metrics: Mapping[str, float] = attrs.field(factory=dict, converter=lambda m: dict(sorted(m.items())))
+    metrics: Mapping[str, float] = attrs.field(factory=dict, converter=_sorted_metrics)
     strikes: tuple[StrikeRecord, ...] = ()
     rejected: tuple[bytes, ...] = ()
     evidence: tuple[Evidence, ...] = ()
@@ -1201,8 +1205,8 @@ class AuditFailure:
         return cls(revision=f.cid(body, "revision"), update=SignedEnvelope.from_cbor(body["update"]))
 
 
-Sealable = UpdateAnnouncement | JoinRequest | ReductionProposal | AdmissionCertificate | LeaveRequest | Heartbeat \
-    | AuditFailure
+Sealable = UpdateAnnouncement | JoinRequest | ReductionProposal | AdmissionCertificate | AdmissionRevocation \
+    | LeaveRequest | Heartbeat | AuditFailure
 
 
 def seal(identity: Identity, obj: Sealable | HeadProposal) -> SignedEnvelope:

@@ -343,7 +343,8 @@ class TrainerRole(RoleBase):
         envelope = SignedEnvelope.from_bytes(old)
         ann = _announcement(envelope)
         if ann.base not in e.base_heads(window) or not e.is_stored(ann.delta.digest) or \
-                (ann.prior is not None and window == self.current and ann.prior not in self.head.cohort):
+                (ann.prior is not None and window == self.current and self.head is not None
+                 and ann.prior not in self.head.cohort):
             return False
         if self.state == "idle":
             self._step("reclaim")

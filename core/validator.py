@@ -252,7 +252,7 @@ class ValidatorRole(RoleBase):
 
     # --- messages ------------------------------------------------------------------------------------
 
-    def hold(self, peer: PeerId, envelope: SignedEnvelope, window: Any) -> bool:
+    def hold(self, peer: PeerId, envelope: SignedEnvelope, window: object) -> bool:
         """Hold messages for a window a little ahead of ours; True if the message was consumed here (held,
         dropped as too far ahead, or for an older window)."""
         if not isinstance(window, int) or window <= self.window:

@@ -45,7 +45,7 @@ def issue_admission(authority: Identity, revision: Revision, peer: PeerId, max_c
     return envelope
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("admit", help="sign an admission certificate for a trainer (manifest admission = "
                                      "\"certificate\")")
     p.add_argument("--authority-key", type=Path, required=True,

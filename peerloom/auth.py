@@ -137,7 +137,7 @@ def load_settings(path: Path) -> tuple[Any, str, int]:
     return settings, host, int(port)
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("auth", help="issue admission certificates to volunteers who log in with GitHub or OIDC")
     cmds = p.add_subparsers(dest="auth_command", required=True)
     serve = cmds.add_parser("serve", help="run the auth service (spec/auth.md)")

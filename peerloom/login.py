@@ -31,7 +31,7 @@ class LoginError(Exception):
     """The service refused the login (its error code and detail), or could not be reached."""
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("login", help="log in with GitHub or OIDC at an auth service and write this node's "
                                      "admission certificate")
     p.add_argument("--edge", required=True, metavar="URL", help="the auth service's base URL")

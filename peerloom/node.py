@@ -533,7 +533,7 @@ def _workload_factory(spec: str) -> Callable[[int, int], tuple[Any, Any]]:
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ConfigError(f"workload {spec!r}: {module_name} has no callable {attr!r}")
-    return factory  # type: ignore[no-any-return]
+    return factory
 
 
 def build_node_workload(config: dict[str, Any], manifest_workload: str, seed: int,

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from peerloom.sim.scenario import Result
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     p = subparsers.add_parser("sim", help="run a deterministic simulation of a scenario (TOML)")
     p.add_argument("scenario", type=Path, help=f"scenario file, or a shipped scenario's name: {', '.join(shipped())}")
     p.add_argument("--seed", type=int, default=0, help="master seed (network, churn, compute, adversaries)")

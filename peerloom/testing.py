@@ -37,7 +37,7 @@ from peerloom.simulate import shipped  # the names of the scenarios that ship wi
 try:
     from hypothesis import strategies as st
 except ModuleNotFoundError:  # the strategies below need it; everything else works without
-    st = None  # type: ignore[assignment]
+    st = None  # type: ignore[assignment]  # the module, or None where hypothesis is not installed
 
 __all__ = ["BEHAVIOURS", "Checkers", "Cluster", "ClusterNode", "Result", "ScenarioError", "Simulation",
            "adversary_mixes", "fault_schedules", "load_scenario", "make_behaviour", "run_scenario", "scenario",
@@ -141,11 +141,13 @@ class Cluster:
         sim = self._simulation(workload, shards)
         first, *more = sorted(roles)
         store = None if store_dir is None else _DurableStore(store_dir, chunk_size=self.revision.manifest.chunk_size)
+        # A _DurableStore (an ArtifactStore with SimDisk's methods) stands in for the SimDisk that add_node takes,
+        # and a SimDisk for the ArtifactStore that ComputeExecutor takes: each has the methods the other's user calls.
         node = sim.add_node(name, first, identity=identity, extra_roles=more, compute=compute,
-                            disk=store)  # type: ignore[arg-type]
+                            disk=store)  # type: ignore[arg-type]  # see above
         if workload is not sim.workload or shards is not sim.shards:
-            node.executor = ComputeExecutor(node.disk, self.revision.manifest, workload, shards,  # type: ignore[arg-type]
-                                            compute=compute)
+            node.executor = ComputeExecutor(
+                node.disk, self.revision.manifest, workload, shards, compute=compute)  # type: ignore[arg-type]  # see above
         self.nodes[name] = ClusterNode(node)
         return self.nodes[name]
 

@@ -180,7 +180,7 @@ def _handler(provider: FakeProvider) -> type[BaseHTTPRequestHandler]:
 
 
 @contextmanager
-def running_service(service: Any):  # type: ignore[no-untyped-def]
+def running_service(service: Any):  # type: ignore[no-untyped-def]  # yields the base URL (str)
     """Serve an `AuthService`'s app on 127.0.0.1 from a background thread; yields its base URL."""
     from aiohttp import web
 

@@ -61,6 +61,7 @@ class ForkedProcess:
         with self._zygote._changed:
             if not self._zygote._changed.wait_for(
                     lambda: self.pid in self._zygote._exits or self._zygote._gone, timeout):
+                # the ignore: timeout is a float here: wait_for returned False, so it timed out
                 raise subprocess.TimeoutExpired(self.args, timeout)  # type: ignore[arg-type]
         if self.pid not in self._zygote._exits:
             raise ZygoteError("the fork server ended before its child")
@@ -176,11 +177,11 @@ def forked_popen(**env: str) -> Iterator[None]:
             return shared(**env).start(args[3:], log=Path(stdout.name), env=kwargs.get("env"), cwd=kwargs.get("cwd"))
         return real(args, *rest, **kwargs)
 
-    subprocess.Popen = popen  # type: ignore[misc]
+    subprocess.Popen = popen  # type: ignore[misc]  # patches the class for this process
     try:
         yield
     finally:
-        subprocess.Popen = real  # type: ignore[misc]
+        subprocess.Popen = real  # type: ignore[misc]  # restores it
 
 
 # --- the server ------------------------------------------------------------------------------------------
@@ -206,8 +207,8 @@ def _child(request: dict[str, Any], wake: tuple[int, int]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         if os.environ.get("PYTHONUNBUFFERED"):
-            sys.stdout.reconfigure(write_through=True)  # type: ignore[union-attr]
-            sys.stderr.reconfigure(write_through=True)  # type: ignore[union-attr]
+            sys.stdout.reconfigure(write_through=True)  # type: ignore[union-attr]  # a TextIOWrapper here
+            sys.stderr.reconfigure(write_through=True)  # type: ignore[union-attr]  # as above
         # sys.path as `python -m` builds it: the working directory first, then PYTHONPATH's entries
         sys.path[0] = os.getcwd()
         extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]

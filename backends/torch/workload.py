@@ -435,7 +435,10 @@ class TorchWorkload:
     @property
     def num_train(self) -> int:
         """Number of training samples (valid lease indices are ``0 .. num_train - 1``)."""
-        return len(self.x_train) if self.x_train is not None else len(self.train_dataset)  # type: ignore[arg-type]
+        if self.x_train is not None:
+            return len(self.x_train)
+        assert self.train_dataset is not None  # set when x_train is None (__init__)
+        return len(self.train_dataset)
 
     @property
     def train_labels(self) -> np.ndarray:
@@ -530,12 +533,12 @@ class TorchWorkload:
 
     def _train_dataset(self) -> Dataset:
         if self.train_dataset is not None:
-            return self.train_dataset  # type: ignore[no-any-return]
-        return TensorDataset(self.x_train, self.y_train)  # type: ignore[arg-type]
+            return self.train_dataset
+        return TensorDataset(self.x_train, self.y_train)
 
     def _train_batch(self, batch: torch.Tensor) -> Batch:
         if self.x_train is not None:
-            return self.x_train[batch], self.y_train[batch]  # type: ignore[index]
+            return self.x_train[batch], self.y_train[batch]
         dataset = self.train_dataset
         return self.collate_fn([dataset[i] for i in batch.tolist()])  # type: ignore[index]
 
@@ -1163,11 +1166,12 @@ class TorchWorkload:
         size = self.eval_batch_size
         if self.x_eval is not None:
             for start in range(0, len(self.x_eval), size):
-                yield self.x_eval[start : start + size], self.y_eval[start : start + size]  # type: ignore[index]
+                yield self.x_eval[start : start + size], self.y_eval[start : start + size]
             return
         dataset = self.eval_dataset
-        for start in range(0, len(dataset), size):  # type: ignore[arg-type]
-            yield self.collate_fn([dataset[i] for i in range(start, min(start + size, len(dataset)))])  # type: ignore
+        assert dataset is not None  # set when x_eval is None (__init__)
+        for start in range(0, len(dataset), size):
+            yield self.collate_fn([dataset[i] for i in range(start, min(start + size, len(dataset)))])
 
     def _eval_model(self, params: TensorDict) -> tuple[nn.Module, torch.device, bool]:
         """(model holding `params`, its device, autocast on) for `evaluate`."""

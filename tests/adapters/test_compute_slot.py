@@ -100,13 +100,13 @@ def test_with_an_audit_worker_a_running_audit_never_delays_a_screen():
         out: dict[str, object] = {}
 
         async def submit(background: bool, fn: object) -> None:
-            out[fn.__name__] = (await slot.run(background, fn))[1]  # type: ignore[attr-defined]
+            out[fn.__name__] = (await slot.run(background, fn))[1]  # type: ignore[attr-defined]  # fn is a function
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(submit, True, audit)
             await trio.to_thread.run_sync(audit_started.acquire)  # the audit is running
             nursery.start_soon(submit, False, screen)
-        return out["audit"], out["screen"]  # type: ignore[return-value]
+        return out["audit"], out["screen"]  # type: ignore[return-value]  # both set above
 
     assert trio.run(main) == (True, "screen")
     assert order == ["screen", "audit"]

@@ -54,9 +54,9 @@ def test_light_trainer_over_http_contributes_to_certified_heads(tmp_path):
         assert "peerloom_updates_accepted_total" in metrics and "peerloom_head_lag_windows 0.0" in metrics
         assert re.search(r'peerloom_peer_bytes_total\{direction="sent",peer="12D3KooW\w+"\} [1-9]', metrics)
     finally:
-        validator.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
-        trainer.process.send_signal(signal.SIGINT)  # type: ignore[union-attr]
-        codes = [node.process.wait(timeout=20) for node in nodes]  # type: ignore[union-attr]
+        validator.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]  # started
+        trainer.process.send_signal(signal.SIGINT)  # type: ignore[union-attr]  # started
+        codes = [node.process.wait(timeout=20) for node in nodes]  # type: ignore[union-attr]  # started
     assert codes == [0, 0]
     for node in nodes:  # graceful: stats written at shutdown, the shutdown logged, the database closed cleanly
         stats = json.loads((node.directory / "stats.json").read_text())

@@ -28,6 +28,7 @@ class _NoCompute:
 async def running_node(tmp_path, *, revision=None, admission=None, **options):
     """A trainer NodeRuntime with no peers; it never holds params, so it never computes."""
     runtime = NodeRuntime(name="n", identity=TRAINER, revision=revision or make_revision(), roles={"trainer"},
+                          # the ignore: _NoCompute stands in for the executor
                           store=ArtifactStore(tmp_path / "store"), executor=_NoCompute(),  # type: ignore[arg-type]
                           options=RuntimeOptions(**options), admission=admission)
     async with trio.open_nursery() as nursery:

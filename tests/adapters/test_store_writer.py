@@ -69,7 +69,7 @@ def test_writes_of_each_artifact_are_applied_in_order_and_its_commit_after_the_l
         if isinstance(outcome.effect, fx.CommitArtifact):
             seen_at_commit[outcome.effect.ref.digest] = list(store.done)
 
-    writer = StoreWriter(store, on_done)  # type: ignore[arg-type]
+    writer = StoreWriter(store, on_done)  # type: ignore[arg-type]  # a stand-in store
     a, a_chunks = _chunks(bytes(range(256)) * 40, 1000)  # 11 chunks
     b, b_chunks = _chunks(b"b" * 5000, 1000)
     queued = []
@@ -108,7 +108,7 @@ def test_a_commit_runs_off_the_event_loop_and_its_outcome_comes_only_once_it_fin
     store = _Recording()
     store.gate.clear()  # the commit (an fsync, say) takes a while
     outcomes: list[Outcome] = []
-    writer = StoreWriter(store, outcomes.append)  # type: ignore[arg-type]
+    writer = StoreWriter(store, outcomes.append)  # type: ignore[arg-type]  # a stand-in store
     ref, chunks = _chunks(b"x" * 3000, 1000)
     ticks = 0
 
@@ -133,7 +133,7 @@ def test_a_commit_runs_off_the_event_loop_and_its_outcome_comes_only_once_it_fin
 def test_a_failed_write_loses_its_fetch_and_a_bad_commit_is_corrupt_while_other_artifacts_go_on():
     store = _Recording()
     outcomes: list[Outcome] = []
-    writer = StoreWriter(store, outcomes.append)  # type: ignore[arg-type]
+    writer = StoreWriter(store, outcomes.append)  # type: ignore[arg-type]  # a stand-in store
     lost, lost_chunks = _chunks(b"L" * 3000, 1000)
     bad, bad_chunks = _chunks(b"B" * 2000, 1000)
     good, good_chunks = _chunks(b"G" * 2000, 1000)
@@ -161,6 +161,7 @@ def test_a_failed_write_loses_its_fetch_and_a_bad_commit_is_corrupt_while_other_
 def test_room_waits_while_more_than_the_cap_is_queued():
     store = _Recording()
     store.gate.clear()
+    # the ignore: a stand-in store
     writer = StoreWriter(store, lambda outcome: None, max_queued_bytes=2500)  # type: ignore[arg-type]
     _, chunks = _chunks(b"r" * 4000, 1000)
     blocked_for = []

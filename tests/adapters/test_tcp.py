@@ -615,7 +615,7 @@ def test_control_message_waits_for_at_most_one_bulk_turn() -> None:
         conn = await connect(HOST, port, CLIENT, max_message_bytes=len(big))
         conn._stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)
         log = _WriteLog(conn._stream)
-        conn._stream = log  # type: ignore[assignment]
+        conn._stream = log  # type: ignore[assignment]  # a logging stand-in
         async with trio.open_nursery() as nursery:
             nursery.start_soon(conn.send_message, big)
             while not log.writing:

@@ -129,6 +129,7 @@ def test_quadratic_segments_replay() -> None:
     states = check_segments(workload, params, lease, 9, 12, 4)
     assert all(set(s) == {"x"} for s in states.values())  # plain SGD: the params are the whole state
     # H defaults to the workload's own step count (local_steps * epochs).
+    # the ignore: None asks for the default H
     delta, _, own = checkpointed(workload, params, lease, 9, None, 3, epochs=2)  # type: ignore[arg-type]
     assert same(delta, workload.train(params, lease, 9, epochs=2)[0])
     assert same(workload.resume(own[1], lease, 9, inner_steps=14, start=4, stop=14), own[3])

@@ -67,9 +67,9 @@ def test_dp_validates_its_fields():
     assert (dp.noise_multiplier, dp.max_grad_norm, dp.delta, dp.sample_rate) == (1.0, 2.0, 1e-5, 0.25)
     assert DP(noise_multiplier=0.0, max_grad_norm=1.0, delta=0.5).sample_rate is None
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
-        dp.noise_multiplier = 2.0  # type: ignore[misc]
+        dp.noise_multiplier = 2.0  # type: ignore[misc]  # frozen: the assignment must raise
     with pytest.raises(TypeError):
-        DP(1.0, 1.0, 1e-5)  # type: ignore[misc]
+        DP(1.0, 1.0, 1e-5)  # type: ignore[misc]  # keyword-only: must raise
     bad = [({"noise_multiplier": -0.1}, "noise_multiplier"), ({"noise_multiplier": math.inf}, "noise_multiplier"),
            ({"noise_multiplier": True}, "noise_multiplier"), ({"max_grad_norm": 0.0}, "max_grad_norm"),
            ({"max_grad_norm": math.nan}, "max_grad_norm"), ({"delta": 0.0}, "delta"), ({"delta": 1.0}, "delta"),
@@ -255,7 +255,7 @@ def test_torch_workload_takes_privacy_and_refuses_what_dp_sgd_cannot_train():
         with pytest.raises(ValueError, match=name):
             torch_workload(model=lambda: nn.Linear(3, 2), privacy=SIGMA, **kwargs, **extra)
     with pytest.raises(TypeError):
-        workload.with_privacy({"noise_multiplier": 1.0})  # type: ignore[arg-type]
+        workload.with_privacy({"noise_multiplier": 1.0})  # type: ignore[arg-type]  # the wrong type on purpose
     assert workload.privacy == SIGMA  # a refused change keeps what was set
 
 

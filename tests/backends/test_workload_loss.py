@@ -177,6 +177,7 @@ def test_wrappers_delegate_loss(numpy_digits: tuple[NumpyWorkload, list[list[int
     workload, shards = numpy_digits
     params = workload.initial_params(0)
     expected = workload.loss(params, shards[0])
+    # the ignore: no pool, which loss() never touches
     assert PoolWorkload(workload, pool=None).loss(params, shards[0]) == expected  # type: ignore[arg-type]
     assert ByzantineWorkload(workload, "sign-flip-scale").loss(params, shards[0]) == expected
 

@@ -14,6 +14,7 @@ from peerloom.core import effects, events
 
 def _classes(module: object) -> set[type]:
     return {obj for _, obj in inspect.getmembers(module, inspect.isclass)
+            # the ignore: `module` is a module (typed object)
             if obj.__module__ == module.__name__ and not obj.__name__.startswith("_")}  # type: ignore[attr-defined]
 
 

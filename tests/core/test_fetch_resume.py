@@ -39,7 +39,7 @@ def watch(engine: Engine, outcomes: list[str]) -> None:
         else:
             outcomes.append("done" if isinstance(outcome, Done) else outcome.reason)
 
-    engine._resume = record  # type: ignore[method-assign]
+    engine._resume = record  # type: ignore[method-assign]  # records the call
 
 
 class Harness:

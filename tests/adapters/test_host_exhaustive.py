@@ -1,0 +1,51 @@
+"""A missing effect case fails type checking (adapters/host.py, spec/design.md §2), shown with mypy itself.
+
+`Host` and `dispatch` are copied out of adapters/host.py twice, once as they are and once without the `Log`
+case, and mypy checks both against the real `core.effects`: the intact copy is clean, and the copy missing a
+case is an error at `assert_never`, naming the effect it forgot. (`make typecheck` checks host.py itself.)
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+HOST = ROOT / "adapters" / "host.py"
+HEADER = "from typing import Protocol, assert_never\n\nfrom peerloom.core import effects as fx\n\n\n"
+
+
+def dispatch_copy(drop: str | None = None) -> str:
+    """Source of a module holding host.py's `Host` and `dispatch`, without the case for effect `drop`."""
+    tree = ast.parse(HOST.read_text())
+    host = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Host")
+    dispatch = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "dispatch")
+    match = next(n for n in ast.walk(dispatch) if isinstance(n, ast.Match))
+    cases = [c for c in match.cases if not (isinstance(c.pattern, ast.MatchClass)
+                                             and ast.unparse(c.pattern.cls) == f"fx.{drop}")]
+    assert len(cases) == len(match.cases) - (drop is not None), f"host.py dispatches no fx.{drop}"
+    match.cases = cases
+    return HEADER + ast.unparse(host) + "\n\n\n" + ast.unparse(dispatch) + "\n"
+
+
+def test_dispatch_without_a_case_fails_mypy(tmp_path: Path) -> None:
+    # mypy cannot read package-dir (pyproject.toml), so `peerloom.core` is a link to core/ (as in `make typecheck`);
+    # an empty peerloom/__init__.py keeps the rest of the package out of this check.
+    (tmp_path / "peerloom").mkdir()
+    (tmp_path / "peerloom" / "__init__.py").write_text("")
+    (tmp_path / "peerloom" / "core").symlink_to(ROOT / "core", target_is_directory=True)
+    (tmp_path / "intact.py").write_text(dispatch_copy())
+    (tmp_path / "missing.py").write_text(dispatch_copy(drop="Log"))
+    run = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--follow-imports=silent", "--no-error-summary",
+         "--config-file", str(ROOT / "pyproject.toml"), "--cache-dir", str(tmp_path / "cache"),
+         "intact.py", "missing.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    errors = [line for line in run.stdout.splitlines() if ": error:" in line]
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert len(errors) == 1, run.stdout
+    assert errors[0].startswith("missing.py:")
+    assert '"assert_never" has incompatible type "Log"' in errors[0], errors[0]
