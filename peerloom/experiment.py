@@ -596,7 +596,7 @@ def _window_line(head: dict[str, Any]) -> str:
     return f"window {head['window']:>4}  {result}"
 
 
-def run_up(directory: Path, *, windows: int | None = None, echo: Callable[[str], None] = print) -> int:
+def run_up(directory: str | Path, *, windows: int | None = None, echo: Callable[[str], None] = print) -> int:
     """`peerloom up DIR`: start the fleet, print each window as it is certified with the trainers whose
     update was rejected or whose task failed in it (and a summary at exit), and stop cleanly on Ctrl-C or
     after `windows` more certified windows (None: experiment.toml's `windows`, the window to stop after, if
