@@ -79,8 +79,8 @@ def _server(seed: int, limits_kw: dict, conn) -> None:
     """Child process: serve the edge, report its port, then measure RSS between "start" and "stop"."""
     from prometheus_client import CollectorRegistry
 
-    from peerloom.adapters.edge_view import InMemoryEdgeView
     from peerloom.adapters.http_edge import EdgeLimits, EdgeServer
+    from peerloom.testing import InMemoryEdgeView
 
     revision, _ = _revision(seed)
     with tempfile.TemporaryDirectory(prefix="peerloom-upload-bench-") as tmp:

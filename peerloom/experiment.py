@@ -351,7 +351,7 @@ class Fleet:
         signed manifest, the nodes and their configs. ExperimentError names the first key that no longer
         matches (the settings are fixed at `init`; only `windows`, the stop criterion, may change), an
         unknown key (with the closest valid one) or a `node_options` entry its node's config lacks."""
-        from peerloom.core.tables import check_keys
+        from peerloom.core.config_checks import check_keys
 
         where = self.root / LAYOUT_FILE
         table = dict(self.layout.get("experiment", {}))
@@ -892,7 +892,7 @@ def add_parsers(subparsers: Any) -> None:
 
 def run(args: Any) -> int:
     if args.command == "init":
-        from peerloom.core.tables import TableError
+        from peerloom.core.config_checks import TableError
 
         if os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())  # a workload module next to the user, as `up` runs the nodes

@@ -17,12 +17,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from peerloom import light
-from peerloom.adapters.edge_view import InMemoryEdgeView
 from peerloom.adapters.http_client import EdgeClient
 from peerloom.adapters.http_edge import EdgeServer
 from peerloom.adapters.keys import generate_identity, save_identity
 from peerloom.core.identity import PeerId
 from peerloom.node import ConfigError, transport_listens
+from peerloom.testing import InMemoryEdgeView
 from tests.edge_fixtures import VALIDATOR
 from tests.helpers import make_revision
 from tests.node_cluster import free_port, make_fleet
