@@ -1,4 +1,4 @@
-"""What the HTTP edge reads from and hands to a running node (spec/design.md §6, issue 7).
+"""What the HTTP edge reads from and hands to a running node (spec/design.md §6).
 
 `EdgeView` is the one seam between `adapters.http_edge` (an aiohttp server on its own thread and asyncio
 loop) and the node runtime (trio). Every method is called from the edge's thread, so an implementation

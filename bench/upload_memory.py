@@ -1,4 +1,4 @@
-"""Upload memory benchmark (issue 16 item 4): N concurrent maximum-size uploads to an HTTP edge, and the
+"""Upload memory benchmark (spec/transport.md §5): N concurrent maximum-size uploads to an HTTP edge, and the
 edge process's peak RSS increase against the bound the edge documents; print one JSON object on the last
 line.
 

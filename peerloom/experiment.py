@@ -1,4 +1,4 @@
-"""Experiments as directories: the public way to set up a fleet (`peerloom init`, `up`, `status`; issue 17).
+"""Experiments as directories: the public way to set up a fleet (`peerloom init`, `up`, `status`).
 
 An `Experiment` names a workload, the roles and their counts, and the protocol's settings (aggregation rule,
 outer optimizer, codec, window), each with a default. `Experiment.write(DIR)` plays the experiment

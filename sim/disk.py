@@ -12,7 +12,7 @@ which a crash that loses unsynced writes drops too: the worst case of the real s
 again at start and deletes what is torn (spec/design.md §6, Storage).
 A crash "without its disk" wipes everything.
 
-Why this does not share code with `adapters/storage.py` (issue 18): the two implement one interface over
+Why this does not share code with `adapters/storage.py`: the two implement one interface over
 different media, files (temporary file, fsync, rename, open descriptors) here dicts with a modelled crash;
 what they have in common, making a ref and checking a digest, is already shared (`make_artifact_ref`,
 `content_id` in core).
