@@ -1,5 +1,5 @@
 """`peerloom light`: an ordinary trainer node that listens nowhere and dials a validator's HTTP transport
-(issue 18 item 2). Its updates reach certified heads over that transport, not through the edge's REST
+(spec/transport.md §10). Its updates reach certified heads over that transport, not through the edge's REST
 upload; the edge only serves the manifest and lists the transport addresses. Bad arguments, a manifest not
 signed by the authority and an unreachable edge exit 2 before any node starts."""
 

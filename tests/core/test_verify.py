@@ -1,4 +1,4 @@
-"""`peerloom verify PATH` over both forms of a chain (issue 16 item 5): a chain directory (manifest.cbor +
+"""`peerloom verify PATH` over both forms of a chain (spec/protocol.md §3): a chain directory (manifest.cbor +
 NNNNNN.cbor) and a node store (node.db, or a node directory with store/). A hole fails, naming the
 missing window; a store's chain directory must hold the same heads as its database, and a node repairs
 one a crash left behind (`fill_chain_dir`)."""
