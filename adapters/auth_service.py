@@ -1,5 +1,5 @@
 """The auth service: volunteers log in with GitHub or an OIDC provider and receive an admission certificate
-(issue 21, spec/auth.md). An aiohttp app; `peerloom auth serve` (peerloom/auth.py) runs it.
+(spec/auth.md). An aiohttp app; `peerloom auth serve` (peerloom/auth.py) runs it.
 
 The service holds the experiment's admission key (the manifest's ``admission_authority``) and drives the
 OAuth 2.0 device authorization grant (RFC 8628) itself, so provider tokens reach it straight from the

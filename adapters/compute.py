@@ -220,9 +220,9 @@ class ComputeExecutor:
         return safetensors_views(self.store.get(ref.digest))
 
     def load_params(self, ref: ArtifactRef) -> dict[str, np.ndarray]:
-        """`load` of a params artifact, kept until another is loaded (issue 20): a validator evaluates a head
-        and then audits every update of the next window against the same params, one read instead of one
-        per task. Content-addressed and read-only, so a kept copy is never stale."""
+        """`load` of a params artifact, kept until another is loaded (spec/design.md §5, Memory): a validator
+        evaluates a head and then audits every update of the next window against the same params, one read
+        instead of one per task. Content-addressed and read-only, so a kept copy is never stale."""
         if self._params is None or self._params[0] != ref.digest:
             self._params = None  # drop the old one before reading the next
             self._params = (ref.digest, self.load(ref))
@@ -252,8 +252,8 @@ class ComputeExecutor:
         return out
 
     def _streams(self) -> bool:
-        """Whether tasks read and write stored tensors block by block (issue 20): the numpy backend over an
-        `ArtifactStore` on disk (not the simulator's in-memory disk)."""
+        """Whether tasks read and write stored tensors block by block (spec/design.md §5, Memory): the numpy
+        backend over an `ArtifactStore` on disk (not the simulator's in-memory disk)."""
         return self.compute.streams and hasattr(self.store, "open_writer")
 
     def open(self, ref: ArtifactRef, stack: ExitStack) -> dict[str, Any]:
@@ -693,7 +693,7 @@ class ComputeExecutor:
         outer_state_digest, outliers ([[candidate index, reason, detail]]: the detail gives the numbers) and kept
         (candidate indices reduced).
 
-        Memory (issue 20): where the backend streams (`open`, `writer`), the params, the optimizer state and
+        Memory (spec/design.md §5): where the backend streams (`open`, `writer`), the params, the optimizer state and
         the deltas (``none`` codec) are read block by block from their files and the new params and state
         are written block by block into new artifacts, hashed on the way, so the task holds about one model
         size (the aggregate) whatever the cohort. Otherwise the inputs are views of their stored bytes,

@@ -1,4 +1,4 @@
-"""Zeroconf (mDNS / DNS-SD) discovery of peerloom nodes, service type ``_peerloom._tcp.local.`` (issue 7).
+"""Zeroconf (mDNS / DNS-SD) discovery of peerloom nodes, service type ``_peerloom._tcp.local.`` (spec/design.md §6).
 
 Each node advertises one service instance named by its peer id, whose SRV/A records point at its TCP+Noise
 listener, with TXT properties ``peer`` (peer id text) and ``rev`` (the revision id, hex) so nodes of other

@@ -1,4 +1,4 @@
-"""The read-only dashboard page the HTTP edge serves at ``/`` (issue 7 §5).
+"""The read-only dashboard page the HTTP edge serves at ``/`` (spec/design.md §6, HTTP edge).
 
 Plain HTML and inline JavaScript, no external resources (test and demo machines are offline): it reads
 ``/v1/heads/latest``, ``/v1/chain``, ``/v1/history``, ``/v1/peers`` and (once) ``/v1/manifest``, draws the

@@ -1,4 +1,4 @@
-"""What the HTTP edge reads from and hands to a running node (spec/design.md §6, issue 7).
+"""What the HTTP edge reads from and hands to a running node (spec/design.md §6).
 
 `EdgeView` is the one seam between `adapters.http_edge` (an aiohttp server on its own thread and asyncio
 loop) and the node runtime (trio). Every method is called from the edge's thread, so an implementation
@@ -11,8 +11,8 @@ Heads and certificates are returned as decoded objects; the edge serves their ca
 (`Head.to_bytes()`, `encode(certificate.to_cbor())`) so clients can verify them against the manifest.
 
 `NodeEdgeView` implements the protocol for a running node from a few callables the runtime supplies (see
-its docstring); `InMemoryEdgeView` is a complete, thread-safe fake for tests. Both pre-check submissions
-with `check_submission`, which mirrors the node's collector and uses its reason codes.
+its docstring); `peerloom.testing.InMemoryEdgeView` is a complete, thread-safe fake for tests. Both pre-check
+submissions with `check_submission`, which mirrors the node's collector and uses its reason codes.
 """
 
 from __future__ import annotations
@@ -233,7 +233,8 @@ def check_submission(revision: Revision, head: Head, envelope: bytes, artifact: 
 
 class ChainIndex:
     """Thread-safe index of certified heads, per-window statistics and head subscribers: the read side
-    shared by `InMemoryEdgeView` and `NodeEdgeView`. `promote` is called by whoever certifies heads."""
+    shared by `NodeEdgeView` and `peerloom.testing.InMemoryEdgeView`. `promote` is called by whoever
+    certifies heads."""
 
     def __init__(self, revision: Revision, entries: Iterable[tuple[Head, QuorumCertificate]] = ()) -> None:
         self._lock = threading.Lock()
@@ -341,7 +342,7 @@ class ChainIndex:
         return LeaseInfo(peer=peer, window=head.window + 1, base=head.id, shards=table.get(peer, ()))
 
 
-class _ViewIdentity:
+class ViewIdentity:
     """Who is serving: the `EdgeView` identity properties shared by both views (set by their __init__)."""
 
     _peer_id: PeerId
@@ -366,78 +367,7 @@ class _ViewIdentity:
         return self._registry
 
 
-class InMemoryEdgeView(ChainIndex, _ViewIdentity):
-    """A thread-safe in-memory `EdgeView` for tests: heads are added with `promote`, submissions are
-    checked with `check_submission` (as a node would) and recorded in `updates` / `joins` / `rejected`.
-    """
-
-    def __init__(self, *, identity_peer: PeerId, revision: Revision, registry: Any,
-                 roles: Iterable[str] = ("validator",), artifacts_dir: Path, addresses: Sequence[str] = ()) -> None:
-        super().__init__(revision)
-        self._addresses = tuple(addresses)
-        self._peer_id = identity_peer
-        self._roles = frozenset(roles)
-        self._revision = revision
-        self._registry = registry
-        self._dir = Path(artifacts_dir)
-        self._dir.mkdir(parents=True, exist_ok=True)
-        self._peers: list[PeerInfo] = []
-        self.updates: list[tuple[UpdateAnnouncement, SignedEnvelope]] = []
-        self.joins: list[tuple[PeerId, int]] = []
-        self.revocations: list[AdmissionRevocation] = []
-        self.rejected: list[str] = []
-
-    # --- test controls ----------------------------------------------------------------------------
-
-    def put_artifact(self, data: bytes, chunk_size: int | None = None) -> bytes:
-        """Store `data` and return its artifact id in `chunk_size` chunks (default: the manifest's)."""
-        digest = make_artifact_ref(data, chunk_size or self._revision.manifest.chunk_size).digest
-        (self._dir / digest.hex()).write_bytes(data)
-        return digest
-
-    def add_peer(self, info: PeerInfo) -> None:
-        with self._lock:
-            self._peers.append(info)
-
-    # --- EdgeView ---------------------------------------------------------------------------------
-
-    def artifact_path(self, digest: bytes) -> Path | None:
-        path = self._dir / digest.hex()
-        return path if path.exists() else None
-
-    def leases(self, peer: PeerId) -> LeaseInfo:
-        return self.lease_info(self._revision, peer)
-
-    def submit(self, envelope: bytes, artifact: bytes | None) -> SubmitResult:
-        try:
-            head, table = self.lease_table(self._revision)
-            env, obj = check_submission(self._revision, head, envelope, artifact, leases=table)
-        except (DecodeError, VerificationError) as exc:
-            with self._lock:
-                self.rejected.append(exc.reason)
-            return SubmitResult(accepted=False, reason=exc.reason)
-        if isinstance(obj, JoinRequest):
-            with self._lock:
-                self.joins.append((env.signer, obj.capacity))
-        elif isinstance(obj, AdmissionRevocation):
-            with self._lock:
-                self.revocations.append(obj)
-        else:
-            assert artifact is not None
-            self.put_artifact(artifact, obj.delta.chunk_size)
-            with self._lock:
-                self.updates.append((obj, env))
-        return SubmitResult(accepted=True, envelope_id=env.id)
-
-    def peers(self) -> Sequence[PeerInfo]:
-        with self._lock:
-            return list(self._peers)
-
-    def addresses(self) -> Sequence[str]:
-        return self._addresses
-
-
-class NodeEdgeView(ChainIndex, _ViewIdentity):
+class NodeEdgeView(ChainIndex, ViewIdentity):
     """The `EdgeView` of a running node: the runtime feeds it and supplies three callables.
 
     - The runtime calls `promote(head, certificate, accepted=..., rejected=..., bytes_sent=...,

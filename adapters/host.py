@@ -60,7 +60,7 @@ class Host(Protocol):
 
     def drop_artifacts(self, effect: fx.DropArtifacts) -> None:
         """Delete the stored artifacts the engine dropped (retention; `ArtifactStore.remove` does it for a
-        store, as `apply_storage_effect` shows)."""
+        store)."""
 
     def head_promoted(self, effect: fx.HeadPromoted) -> None:
         """A new certified head is canonical (notification)."""
@@ -141,25 +141,3 @@ def stored_event(store: ArtifactStore, effect: fx.CommitArtifact, now: float) ->
     except VerificationError:
         return ev.ArtifactCorrupt(now=now, ref=effect.ref)
     return ev.ArtifactStored(now=now, ref=effect.ref)
-
-
-def apply_storage_effect(store: ArtifactStore, effect: fx.Effect) -> bool:
-    """Execute Persist / StoreChunk / DropArtifacts against `store`; False for any other effect
-    (`CommitArtifact` goes through `stored_event`, which says whether the artifact was stored). For
-    hand-written loops in tests; hosts implement `Host` and use `drain`.
-
-    The caller feeds back `Persisted` (with its own clock) after this returns True for a Persist.
-    A Persist is committed to the node database (SQLite WAL, synchronous=FULL) before this returns, so the
-    messages the engine releases on `Persisted` are always sent after their record is durable (the engine's
-    persist_then contract). A conflicting vote raises DoubleVoteError: the node stops rather than equivocate.
-    """
-    match effect:
-        case fx.Persist():
-            store.put_record(effect.key, effect.record)
-        case fx.StoreChunk():
-            store.write_chunk(effect.ref, effect.index, effect.data)
-        case fx.DropArtifacts():
-            store.remove(effect.digests)
-        case _:
-            return False
-    return True

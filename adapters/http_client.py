@@ -1,4 +1,4 @@
-"""HTTP client adapter of a node's REST edge (`adapters.http_edge`; spec/design.md §6, issue 7).
+"""HTTP client adapter of a node's REST edge (`adapters.http_edge`; spec/design.md §6).
 
 `EdgeClient` speaks the edge's JSON/CBOR API (see `adapters.http_edge`) with the standard library's
 urllib, and trusts nothing it receives: the manifest must be signed by the expected authority, a head

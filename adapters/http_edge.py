@@ -1,5 +1,5 @@
 """The HTTP edge: an aiohttp server that serves a node's chain and artifacts to light peers and dashboards
-(spec/design.md §6, issue 7). Its OpenAPI 3 document is served at ``/openapi.json`` (built by `openapi_document`).
+(spec/design.md §6). Its OpenAPI 3 document is served at ``/openapi.json`` (built by `openapi_document`).
 
 It runs on its own thread with its own asyncio loop (the node runtime is trio) and talks to the node only
 through an `EdgeView`. It binds 127.0.0.1 by default.
@@ -38,7 +38,7 @@ Endpoints (binary ids are lowercase hex of the 34-byte content id; peer ids are 
                             `EdgeLimits.max_sse_clients` streams are open
 ==========================  ====================================================================================
 
-Posting, and what it may cost the node (issue 16 item 4). The edge decides from the request's headers alone,
+Posting, and what it may cost the node (spec/transport.md §5). The edge decides from the request's headers alone,
 before reading a byte of the body: 411 without a Content-Length, 413 above `EdgeLimits.max_upload_bytes`
 (`EdgeLimits.max_join_bytes` for joins), 415 for a content type other than application/cbor. Each of these
 answers carries ``Connection: close`` and ends the connection: the edge reads at most 64 KiB more of the

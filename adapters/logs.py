@@ -1,4 +1,4 @@
-"""Structured logs for nodes: JSON lines for machines, aligned text for people (issue 7 observability).
+"""Structured logs for nodes: JSON lines for machines, aligned text for people (spec/design.md §6).
 
 Every record may carry structured fields: ``log.info("vote", extra={"fields": {"window": 3}})``. The
 engine's `Log` effects arrive the same way (logger ``peerloom.engine``, message = the event name).

@@ -1,4 +1,4 @@
-"""Prometheus metrics of one node, fed from the engine's effects by the runtime (issue 7 observability).
+"""Prometheus metrics of one node, fed from the engine's effects by the runtime (spec/design.md §6).
 
 Each node owns a `prometheus_client.CollectorRegistry` (several nodes may share a process in tests); the
 HTTP edge exposes it at ``/metrics``. The runtime calls `on_effect` for every `HeadPromoted` and `Rejected`

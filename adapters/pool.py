@@ -1,5 +1,5 @@
 """Trainer pools: one peer identity trains on many processes or GPUs with torch.distributed
-(spec/pools.md; issue 19).
+(spec/pools.md).
 
 A pool is one torch.distributed process group — gloo on the CPU, nccl on CUDA — whose rank 0 is the
 ordinary `peerloom node` (identity key, connections, store) and whose other ranks are small workers that

@@ -25,12 +25,12 @@ trusted like any other, the rest are deleted (spec/design.md §6, Storage).
 An artifact is hashed once, chunk by chunk, when it enters the store: `put` and `open_writer` hash what
 they write, and a fetched artifact's chunks were each verified on arrival, so `commit` checks only that
 the ref names its chunks (`artifact_id`) and the size. Then it is trusted: `get` checks only the size, so
-a task does not hash its inputs again (issue 20: at 10M parameters the re-hash on every read was about a
-tenth of a reduce task). A damaged disk is `check()`'s to find (`peerloom inspect`). Chunk reads and
+a task does not hash its inputs again (spec/design.md §6, Storage; at 10M parameters the re-hash on every
+read was about a tenth of a reduce task). A damaged disk is `check()`'s to find (`peerloom inspect`). Chunk reads and
 writes keep one open file per artifact (`_Handles`) instead of opening one per chunk.
 
 `sim/disk.py` offers the same interface in memory for the simulator; the two share `make_artifact_ref` and
-`artifact_id` (core) and nothing else, since what remains is how each medium stores bytes (issue 18).
+`artifact_id` (core) and nothing else, since what remains is how each medium stores bytes.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _preallocate(fd: int, size: int) -> None:
-    """Reserve `size` bytes for a file about to be written (issue 20: 1 MiB chunk writes into a preallocated
+    """Reserve `size` bytes for a file about to be written (1 MiB chunk writes into a preallocated
     file took about two thirds of their time into a growing one, on ext4 here); a file system that cannot
     is left as is."""
     if size > 0 and hasattr(os, "posix_fallocate"):
@@ -244,7 +244,7 @@ def _ref_of_parts(parts: Sequence[bytes | memoryview], chunk_size: int) -> Artif
 
 class ArtifactWriter:
     """One artifact of `size` bytes written sequentially (`write`), hashed on the way, made visible by
-    `commit` like `ArtifactStore.put` (fsync, rename, directory fsync) or dropped by `abort` (issue 20: a
+    `commit` like `ArtifactStore.put` (fsync, rename, directory fsync) or dropped by `abort` (a
     reduction streams its outputs here block by block instead of building them in memory)."""
 
     def __init__(self, store: ArtifactStore, size: int) -> None:
@@ -384,7 +384,7 @@ class ArtifactStore:
 
     def put_parts(self, parts: Sequence[bytes | memoryview], *, durable: bool = True) -> ArtifactRef:
         """`put` of the concatenation of `parts`, which is never built: the pieces (e.g. an array's own
-        memory) are hashed and written one after the other (issue 20). Returns its ArtifactRef. With
+        memory) are hashed and written one after the other. Returns its ArtifactRef. With
         ``durable=False`` nothing is fsynced: for what is worth less than the fsync's time, such as a
         trainer's checkpoints (spec/protocol.md §6.3), which a crash only costs an audit."""
         ref = _ref_of_parts(parts, self.chunk_size)
@@ -459,7 +459,7 @@ class ArtifactStore:
     def commit(self, ref: ArtifactRef, *, durable: bool = True) -> None:
         """Make a fully fetched artifact visible, durably (fsync, rename, directory fsync). Its chunks were
         each verified against `ref` as they arrived (the engine's `chunk_ok`) and `ref.digest` names those
-        chunks (`artifact_id`), so the bytes are not hashed again (issue 20). VerificationError when the ref
+        chunks (`artifact_id`), so the bytes are not hashed again. VerificationError when the ref
         is not self-consistent or the file is not `ref.size` bytes. ``durable=False``
         (`core.effects.CommitArtifact.durable`) skips the fsyncs: the artifact is visible at once and hashed
         again when the store next opens (module docstring)."""

@@ -1,4 +1,4 @@
-"""Backend-neutral layout of the update codecs (spec/design.md §5, issue 5 item 2).
+"""Backend-neutral layout of the update codecs (spec/design.md §5).
 
 `peerloom.backends.numpy.codecs` and `peerloom.backends.torch.codecs` encode and decode the same way; this
 module holds what does not touch tensor data: the codec names, the encoded layout (key names, dtypes,

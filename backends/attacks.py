@@ -1,5 +1,5 @@
 """Byzantine trainer behaviours: the one shared definition used by the robustness bench, the simulator and
-the demo (issue 5, issue 6 "Adversaries", issue 8).
+the demo (spec/design.md §5, spec/simulator.md §6).
 
 Every model-level attack is a pure function of tensor dicts (``dict[str, np.ndarray]`` of float32 deltas,
 DiLoCo sign convention ``delta = params_before - params_after``, see `TorchWorkload.train`):
@@ -83,7 +83,7 @@ attack                  what the attacker does (parameters, defaults)
 ``lazy-1-in-5``         ``lazy`` in the train calls ``k`` (counted from 0) with ``k % period == phase``
                         (``period=5``, ``phase=0``: calls 0, 5, 10, ...; `is_lazy_call`), honest in
                         every other call; ``divisor`` as ``lazy``
-``dp-skip-noise``       a DP-SGD trainer (a workload with ``privacy``, issue 32) that skips the noise:
+``dp-skip-noise``       a DP-SGD trainer (a workload with ``privacy``, spec/protocol.md §10) that skips the noise:
                         trains with the same Poisson batches and per-sample clipping but noise
                         multiplier 0 (no parameters), and reports the metrics an honest DP call
                         reports (``privacy_steps`` included), claiming privacy its update lacks.

@@ -39,9 +39,10 @@ from peerloom.backends.attacks import (
     scale_to_norm,
 )
 
-# Attack parameters for the demo fleet (8 trainers, 2 of them Byzantine): ALIE's z from Baruch et al. for
-# n = 8, f = 2; sign-flip-scale at the ×10 the robustness table uses.
-DEMO_PARAMS: dict[str, dict[str, Any]] = {
+# The parameters of a crafted attack given none (a node's ``behaviour``, the simulator's adversaries, tests):
+# ALIE's z from Baruch et al. for n = 8, f = 2 (the demo's fleet: 8 trainers, 2 of them Byzantine);
+# sign-flip-scale and scaling at the ×10 the robustness table uses.
+ATTACK_DEFAULTS: dict[str, dict[str, Any]] = {
     "alie": {"z": alie_z(8, 2)},
     "sign-flip-scale": {"scale": 10.0},
     "scaling": {"scale": 10.0},
@@ -96,7 +97,7 @@ class ByzantineWorkload:
         if attack in TRAINING_ATTACKS:
             self.params = check_training_params(attack, {} if params is None else dict(params))
         else:
-            self.params = dict(DEMO_PARAMS.get(attack, {}) if params is None else params)
+            self.params = dict(ATTACK_DEFAULTS.get(attack, {}) if params is None else params)
         self.seed = seed
         self.calls = 0
         self.last_action = ""
@@ -221,7 +222,7 @@ class ByzantineWorkload:
 def wrap_workload(workload: Any, behaviour: str | None, *, seed: int = 0,
                   params: dict[str, Any] | None = None) -> Any:
     """`workload` itself for ``None``/``"honest"``, else a `ByzantineWorkload` playing `behaviour` (one of
-    `ATTACKS` or `TRAINING_ATTACKS`) with `params` (None: the attack's defaults, `DEMO_PARAMS` for some)."""
+    `ATTACKS` or `TRAINING_ATTACKS`) with `params` (None: the attack's defaults, `ATTACK_DEFAULTS` for some)."""
     if behaviour in (None, "honest"):
         return workload
     return ByzantineWorkload(workload, behaviour, params=params, seed=seed)

@@ -1,4 +1,5 @@
-"""Differential privacy for a trainer's leased data: DP-SGD's parameters and its privacy accountant (issue 32).
+"""Differential privacy for a trainer's leased data: DP-SGD's parameters and its privacy accountant
+(spec/protocol.md §10, spec/privacy.md).
 
 `DP` names what a DP-SGD run needs: the Gaussian noise multiplier sigma, the per-sample clipping norm C, the
 target delta and the Poisson sampling rate q. `TorchWorkload` runs DP-SGD with it (Abadi et al. 2016,

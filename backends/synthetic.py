@@ -1,4 +1,4 @@
-"""`QuadraticWorkload`: a noisy quadratic objective for large simulations (issue 5 item 6, issue 6 item 4).
+"""`QuadraticWorkload`: a noisy quadratic objective for large simulations (spec/simulator.md §9).
 
 The objective is ``f(x) = 1/2 sum_j a_j (x_j - x*_j)^2`` over one float32 tensor ``"x"`` of `dim` coordinates,
 with curvatures ``a_j`` log-uniform in ``[a_min, 1]`` and optimum ``x* ~ N(0, 1)`` drawn from the workload

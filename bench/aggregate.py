@@ -1,4 +1,4 @@
-"""Aggregation rules at scale: 16 updates x 4M float32, numpy and torch backends (issue 5).
+"""Aggregation rules at scale: 16 updates x 4M float32, numpy and torch backends (spec/design.md §5).
 
 Baseline, measured in the same run: the plain numpy mean of the cohort,
 ``np.mean(np.stack([d[name] for d in deltas]), axis=0)`` per tensor. Each figure is the median of

@@ -1,4 +1,4 @@
-"""Update codecs: compression ratio, encode/decode speed, and what they cost in accuracy (issue 5).
+"""Update codecs: compression ratio, encode/decode speed, and what they cost in accuracy (spec/design.md §5).
 
 Speed: one float32 tensor of `--size` elements (standard normal, seeded), every codec on the numpy and
 torch backends; GB/s = input float32 bytes / seconds, median of `--repeats` timed calls after a warm-up.
@@ -12,7 +12,7 @@ trains from the global params, encodes its pseudo-gradient (top-k and sign with 
 keeps its residual across windows), the reducer decodes every delta and takes the shard-size-weighted
 mean, and the outer step is SGD lr 1 (FedAvg). Same seeds for every codec, so `none` is the baseline.
 
-At scale (issue 20, `--scale-params`, default 100M float32 = 400 MB): the update a trainer sends each
+At scale (`--scale-params`, default 100M float32 = 400 MB): the update a trainer sends each
 window under fp32 (`none`), `int8` and `topk` with error feedback (the trainer's residual carried in, as
 the executor does it), on the numpy backend the nodes' executor uses: ``update_bytes`` (the safetensors
 artifact's size, what crosses the wire once per fetcher of the update: the validators and the reducer),

@@ -1,4 +1,4 @@
-"""Engine benchmark (issue 20): how many events per second one validator's pure-Python engine handles, and how
+"""Engine benchmark: how many events per second one validator's pure-Python engine handles, and how
 that scales with the cohort; one JSON object on the last line.
 
     python bench/engine.py [--trainers 10,100,1000] [--windows 4] [--validators 4] [--quick]

@@ -1,4 +1,5 @@
-"""SHA-256 (hashlib) against BLAKE3 (the `blake3` package) for chunk digests and artifact ids (issue 27).
+"""SHA-256 (hashlib) against BLAKE3 (the `blake3` package) for chunk digests and artifact ids
+(bench/README.md "Hashing").
 
 What the protocol hashes (spec/wire.md §5): every artifact in chunks of the revision's `chunk_size` (1 MiB
 at scale), each chunk on receipt, and the artifact id over the chunk digests; the tensor digest is one more

@@ -1,4 +1,4 @@
-"""Trainer pool scaling: the same lease trained by one process and by pools of N ranks (issue 19;
+"""Trainer pool scaling: the same lease trained by one process and by pools of N ranks (spec/pools.md;
 spec/pools.md).
 
 Workload: a seeded MLP (64 -> hidden -> hidden -> 10 classes, tanh) on seeded synthetic data, SGD with

@@ -1,4 +1,5 @@
-"""DP-SGD and learning (issue 32): accuracy and throughput of the same fleet with and without differential privacy.
+"""DP-SGD and learning (spec/protocol.md §10): accuracy and throughput of the same fleet with and without
+differential privacy.
 
 The fleet is bench/overlap.py's in-process loop (`overlap.run`, manifest ``overlap = 0``): ``--trainers`` K
 trainers, ``2 K`` shards, leases dealt per window from a seeded slot order, each trainer's
@@ -27,7 +28,7 @@ q x lease size) and clipping norm ``--clip`` C.
 Throughput: training samples per second of the trainers' ``train`` calls (every sample a forward and
 backward pass saw, counted at the loss, over the calls' wall time), and its ratio to ``no DP``.
 
-Target (issue 32): at epsilon = 8 the final test accuracy (median over ``--seeds``) at most 5 points below no
+Target: at epsilon = 8 the final test accuracy (median over ``--seeds``) at most 5 points below no
 DP's; judged on the best of ``--dp-lrs``, and the miss is reported in points otherwise.
 
 Prints progress to stderr and one JSON object on its last line: ``{"workload", "trainers", "shards",
@@ -60,7 +61,7 @@ from peerloom.privacy import DP, epsilon, noise_multiplier_for
 
 WORKLOAD = "mnist1d-mlp"
 DEFAULT_LR = float(inspect.signature(make_mnist1d_workload).parameters["lr"].default)  # its Adam lr (5e-3)
-TARGET_EPSILON, MAX_GAP = 8.0, 5.0  # issue 32: within 5 points of no DP at epsilon = 8
+TARGET_EPSILON, MAX_GAP = 8.0, 5.0  # within 5 points of no DP at epsilon = 8
 
 
 class CountingLoss:

@@ -1,4 +1,4 @@
-"""Robustness table: final accuracy (digits or mnist1d) for every (attack, aggregation rule) cell (issue 5).
+"""Robustness table: final accuracy (digits or mnist1d) for every (attack, aggregation rule) cell (spec/design.md §5).
 
 Setup: the bundled digits split, 10 trainers on seeded near-equal shards, 2 of them Byzantine (20%); an
 in-process FedAvg loop (not the networked engine): every window each honest trainer runs

@@ -1,4 +1,4 @@
-"""Simulator scale benchmark (issue 6): N simulated trainers, 7 validators, 2 reducers, W windows of the
+"""Simulator scale benchmark (spec/simulator.md §9): N simulated trainers, 7 validators, 2 reducers, W windows of the
 synthetic objective, real engines on the virtual clock, no trace.
 
 Prints one progress line per certified window, then one JSON object on the last line::

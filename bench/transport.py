@@ -1,4 +1,4 @@
-"""Transport benchmark (issues 3, 18): move an artifact between two processes on 127.0.0.1 over TCP+Noise,
+"""Transport benchmark (spec/transport.md §8): move an artifact between two processes on 127.0.0.1 over TCP+Noise,
 over the HTTP transport (a WebSocket carrying the same Noise stream, aiohttp on its own thread;
 spec/transport.md §10), and the same bytes over a plain TCP socket, in the same run; print one JSON object
 on the last line.

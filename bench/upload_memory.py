@@ -1,4 +1,4 @@
-"""Upload memory benchmark (issue 16 item 4): N concurrent maximum-size uploads to an HTTP edge, and the
+"""Upload memory benchmark (spec/transport.md §5): N concurrent maximum-size uploads to an HTTP edge, and the
 edge process's peak RSS increase against the bound the edge documents; print one JSON object on the last
 line.
 
@@ -79,8 +79,8 @@ def _server(seed: int, limits_kw: dict, conn) -> None:
     """Child process: serve the edge, report its port, then measure RSS between "start" and "stop"."""
     from prometheus_client import CollectorRegistry
 
-    from peerloom.adapters.edge_view import InMemoryEdgeView
     from peerloom.adapters.http_edge import EdgeLimits, EdgeServer
+    from peerloom.testing import InMemoryEdgeView
 
     revision, _ = _revision(seed)
     with tempfile.TemporaryDirectory(prefix="peerloom-upload-bench-") as tmp:

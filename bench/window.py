@@ -1,4 +1,4 @@
-"""Window benchmark (issue 20): what one window costs a fleet of real `peerloom node` processes at model
+"""Window benchmark: what one window costs a fleet of real `peerloom node` processes at model
 scale, against a gloo ``all_reduce`` + ``broadcast`` of the same parameters; one JSON object on the last line.
 
     python bench/window.py [--params 1000000,10000000] [--windows 5] [--trainers 2] [--validators 1]

@@ -109,7 +109,7 @@ def artifact_id(size: int, chunk_size: int, chunks: Sequence[bytes]) -> bytes:
     """The content id naming an artifact (spec/wire.md §5): the `cid` of the canonical CBOR of ``[size,
     chunk_size, [SHA-256 of each chunk]]``, one level of a Merkle tree over the chunks (as an IPFS CID
     names a node listing its children). Whoever holds a ref checks it without the bytes, and the bytes are
-    hashed once, chunk by chunk, whether they are stored or fetched (issue 20)."""
+    hashed once, chunk by chunk, whether they are stored or fetched (spec/design.md §6, Storage)."""
     return content_id(encode([size, chunk_size, list(chunks)]))
 
 

@@ -13,9 +13,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from peerloom import Experiment, run_up, shards_for, torch_workload
 from peerloom.backends.torch.charlm import VOCAB_SIZE, corpus_text, encode_text, sequence_cross_entropy, windows
-from peerloom.experiment import Experiment, run_up
-from peerloom.workloads import shards_for, torch_workload
 
 CONTEXT = 32
 

@@ -15,8 +15,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import peerloom
-from peerloom.experiment import Experiment, Fleet
-from peerloom.workloads import shards_for, torch_workload
+from peerloom import Experiment, Fleet, shards_for, torch_workload
 
 H, CLIP = 8, 1.0  # inner steps per window; gradient clipping (the workload does what the loop does)
 

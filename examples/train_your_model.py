@@ -11,9 +11,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from peerloom import load_head
-from peerloom.experiment import Experiment, run_up
-from peerloom.workloads import shards_for, torch_workload
+from peerloom import Experiment, load_head, run_up, shards_for, torch_workload
 
 
 def cnn():  # 8x8 images -> 10 classes

@@ -1,5 +1,5 @@
 """`peerloom auth serve|revoke|revocations`: the auth service that issues admission certificates to volunteers
-who log in with GitHub or an OIDC provider (issue 21, spec/auth.md; the app is `adapters.auth_service`).
+who log in with GitHub or an OIDC provider (spec/auth.md; the app is `adapters.auth_service`).
 
 An ``auth.toml`` (relative paths are relative to its directory)::
 

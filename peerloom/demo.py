@@ -104,7 +104,7 @@ class Profile:
 
 
 # `--rule mean` is the undefended baseline: the plain mean with outlier screening off, so the report
-# shows what the defences are worth (issue 8). Schema, finiteness and signature checks always stay on.
+# shows what the defences are worth (spec/design.md §8). Schema, finiteness and signature checks always stay on.
 UNDEFENDED_RULE = "mean"
 
 # The largest lease a trainer can hold (peerloom.experiment writes the manifest's max_capacity as 4).

@@ -32,7 +32,7 @@ CAUGHT_BY_REASON = {
     "screen-schema": "screening", "screen-non-finite": "screening", "screen-digest-mismatch": "screening",
 }
 
-# A final accuracy this many points below the centralized baseline counts as degraded (issue 8's bar).
+# A final accuracy this many points below the centralized baseline counts as degraded (spec/design.md §8).
 DEGRADED_POINTS = 2.0
 
 

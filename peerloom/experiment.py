@@ -1,4 +1,4 @@
-"""Experiments as directories: the public way to set up a fleet (`peerloom init`, `up`, `status`; issue 17).
+"""Experiments as directories: the public way to set up a fleet (`peerloom init`, `up`, `status`).
 
 An `Experiment` names a workload, the roles and their counts, and the protocol's settings (aggregation rule,
 outer optimizer, codec, window), each with a default. `Experiment.write(DIR)` plays the experiment
@@ -351,7 +351,7 @@ class Fleet:
         signed manifest, the nodes and their configs. ExperimentError names the first key that no longer
         matches (the settings are fixed at `init`; only `windows`, the stop criterion, may change), an
         unknown key (with the closest valid one) or a `node_options` entry its node's config lacks."""
-        from peerloom.core.tables import check_keys
+        from peerloom.core.config_checks import check_keys
 
         where = self.root / LAYOUT_FILE
         table = dict(self.layout.get("experiment", {}))
@@ -596,7 +596,7 @@ def _window_line(head: dict[str, Any]) -> str:
     return f"window {head['window']:>4}  {result}"
 
 
-def run_up(directory: Path, *, windows: int | None = None, echo: Callable[[str], None] = print) -> int:
+def run_up(directory: str | Path, *, windows: int | None = None, echo: Callable[[str], None] = print) -> int:
     """`peerloom up DIR`: start the fleet, print each window as it is certified with the trainers whose
     update was rejected or whose task failed in it (and a summary at exit), and stop cleanly on Ctrl-C or
     after `windows` more certified windows (None: experiment.toml's `windows`, the window to stop after, if
@@ -892,7 +892,7 @@ def add_parsers(subparsers: Any) -> None:
 
 def run(args: Any) -> int:
     if args.command == "init":
-        from peerloom.core.tables import TableError
+        from peerloom.core.config_checks import TableError
 
         if os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())  # a workload module next to the user, as `up` runs the nodes

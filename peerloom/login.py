@@ -1,5 +1,5 @@
 """`peerloom login --edge URL --provider github|oidc`: get an admission certificate from an auth service by
-logging in (issue 21, spec/auth.md §2; the service is `peerloom auth serve`).
+logging in (spec/auth.md §2; the service is `peerloom auth serve`).
 
 It asks the service to start a device-flow login for this node's peer id, prints that peer id (the key's
 fingerprint), the service's approval page, which shows the same key, and the provider's verification URL

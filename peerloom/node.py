@@ -168,6 +168,7 @@ from peerloom.adapters.transport import address_kind, canonical_address
 from peerloom.backends.behaviours import wrap_workload
 from peerloom.backends.devices import DeviceError, resolve_device
 from peerloom.core.chain import encode_chain_entry
+from peerloom.core.config_checks import TableError, check_keys, typed
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.errors import PeerloomError
 from peerloom.core.identity import PeerId
@@ -181,7 +182,6 @@ from peerloom.core.objects import (
     Revision,
     check_admission,
 )
-from peerloom.core.tables import TableError, check_keys, typed
 
 REQUIRED = ("name", "roles", "key", "manifest", "authority", "store")
 ROLES = frozenset({"trainer", "reducer", "validator"})

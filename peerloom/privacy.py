@@ -1,4 +1,5 @@
-"""Differential privacy for trainers' data (issue 32): DP-SGD's parameters and the privacy accountant.
+"""Differential privacy for trainers' data (spec/protocol.md §10, spec/privacy.md): DP-SGD's parameters and
+the privacy accountant.
 
 =========================== ================================================================================
 name                        what

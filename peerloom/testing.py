@@ -1,6 +1,7 @@
-"""Public building blocks for testing a deployment's settings (issue 17 item 5): simulator scenarios,
-adversaries, invariants, a deterministic cluster of real engines (`Cluster`) and Hypothesis strategies over
-fault schedules and adversary mixes (spec/simulator.md §8).
+"""Public building blocks for testing a deployment's settings: simulator scenarios, adversaries, invariants,
+a deterministic cluster of real engines (`Cluster`) and Hypothesis strategies over fault schedules and
+adversary mixes (spec/simulator.md §8); and an in-memory `EdgeView` (`InMemoryEdgeView`) to test an HTTP
+client against the edge without a node (spec/design.md §6).
 
     from hypothesis import given
     from peerloom.testing import run_scenario, scenario, small_scenarios
@@ -17,16 +18,27 @@ Hypothesis (`pip install hypothesis`); the rest of this module does not.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from peerloom.adapters.compute import ComputeExecutor
+from peerloom.adapters.edge_view import ChainIndex, LeaseInfo, PeerInfo, SubmitResult, ViewIdentity, check_submission
 from peerloom.adapters.storage import ArtifactStore
 from peerloom.core.engine import Engine
-from peerloom.core.identity import Identity
-from peerloom.core.objects import Head, QuorumCertificate, Revision
+from peerloom.core.envelope import SignedEnvelope
+from peerloom.core.errors import DecodeError, VerificationError
+from peerloom.core.identity import Identity, PeerId
+from peerloom.core.objects import (
+    AdmissionRevocation,
+    Head,
+    JoinRequest,
+    QuorumCertificate,
+    Revision,
+    UpdateAnnouncement,
+    make_artifact_ref,
+)
 from peerloom.sim.adversary import BEHAVIOURS, REDUCER_BEHAVIOURS, VALIDATOR_BEHAVIOURS, make_behaviour
 from peerloom.sim.invariants import Checkers
 from peerloom.sim.kernel import SimNode, Simulation, Trace
@@ -39,9 +51,9 @@ try:
 except ModuleNotFoundError:  # the strategies below need it; everything else works without
     st = None  # type: ignore[assignment]  # the module, or None where hypothesis is not installed
 
-__all__ = ["BEHAVIOURS", "Checkers", "Cluster", "ClusterNode", "Result", "ScenarioError", "Simulation",
-           "adversary_mixes", "fault_schedules", "load_scenario", "make_behaviour", "run_scenario", "scenario",
-           "shipped", "small_scenarios"]
+__all__ = ["BEHAVIOURS", "Checkers", "Cluster", "ClusterNode", "InMemoryEdgeView", "Result", "ScenarioError",
+           "Simulation", "adversary_mixes", "fault_schedules", "load_scenario", "make_behaviour", "run_scenario",
+           "scenario", "shipped", "small_scenarios"]
 
 
 class ClusterNode:
@@ -100,6 +112,79 @@ class _Logs(Trace):
         if kind == "log":
             rest = dict(fields)
             self.logs.append((t, node, str(rest.pop("event")), rest))
+
+
+class InMemoryEdgeView(ChainIndex, ViewIdentity):
+    """A thread-safe in-memory `EdgeView` (adapters/edge_view.py) for testing HTTP clients against a real
+    `adapters.http_edge.EdgeServer` without a node: heads are added with `promote`, submissions are checked
+    with `check_submission` (as a node would) and recorded in `updates` / `joins` / `revocations` /
+    `rejected`; artifacts are files named by their hex id in `artifacts_dir`.
+    """
+
+    def __init__(self, *, identity_peer: PeerId, revision: Revision, registry: Any,
+                 roles: Iterable[str] = ("validator",), artifacts_dir: Path, addresses: Sequence[str] = ()) -> None:
+        super().__init__(revision)
+        self._addresses = tuple(addresses)
+        self._peer_id = identity_peer
+        self._roles = frozenset(roles)
+        self._revision = revision
+        self._registry = registry
+        self._dir = Path(artifacts_dir)
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self._peers: list[PeerInfo] = []
+        self.updates: list[tuple[UpdateAnnouncement, SignedEnvelope]] = []
+        self.joins: list[tuple[PeerId, int]] = []
+        self.revocations: list[AdmissionRevocation] = []
+        self.rejected: list[str] = []
+
+    # --- test controls ----------------------------------------------------------------------------
+
+    def put_artifact(self, data: bytes, chunk_size: int | None = None) -> bytes:
+        """Store `data` and return its artifact id in `chunk_size` chunks (default: the manifest's)."""
+        digest = make_artifact_ref(data, chunk_size or self._revision.manifest.chunk_size).digest
+        (self._dir / digest.hex()).write_bytes(data)
+        return digest
+
+    def add_peer(self, info: PeerInfo) -> None:
+        with self._lock:
+            self._peers.append(info)
+
+    # --- EdgeView ---------------------------------------------------------------------------------
+
+    def artifact_path(self, digest: bytes) -> Path | None:
+        path = self._dir / digest.hex()
+        return path if path.exists() else None
+
+    def leases(self, peer: PeerId) -> LeaseInfo:
+        return self.lease_info(self._revision, peer)
+
+    def submit(self, envelope: bytes, artifact: bytes | None) -> SubmitResult:
+        try:
+            head, table = self.lease_table(self._revision)
+            env, obj = check_submission(self._revision, head, envelope, artifact, leases=table)
+        except (DecodeError, VerificationError) as exc:
+            with self._lock:
+                self.rejected.append(exc.reason)
+            return SubmitResult(accepted=False, reason=exc.reason)
+        if isinstance(obj, JoinRequest):
+            with self._lock:
+                self.joins.append((env.signer, obj.capacity))
+        elif isinstance(obj, AdmissionRevocation):
+            with self._lock:
+                self.revocations.append(obj)
+        else:
+            assert artifact is not None
+            self.put_artifact(artifact, obj.delta.chunk_size)
+            with self._lock:
+                self.updates.append((obj, env))
+        return SubmitResult(accepted=True, envelope_id=env.id)
+
+    def peers(self) -> Sequence[PeerInfo]:
+        with self._lock:
+            return list(self._peers)
+
+    def addresses(self) -> Sequence[str]:
+        return self._addresses
 
 
 class Cluster:

@@ -23,8 +23,10 @@ everything verified.
 from __future__ import annotations
 
 import errno
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from peerloom.core.audit import AUDIT_WINDOWS, audit_selected, check_audit_evidence
 from peerloom.core.chain import decode_chain_entry, verify_chain
@@ -306,6 +308,41 @@ def verified_chain(path: Path, authority: str | None = None, *, manifest: Path |
     checked += verify_chain(revision, entries)
     checked += check_rules(revision, entries)
     return revision, entries
+
+
+class VerifiedChain(NamedTuple):
+    """What `verify` returns: the chain at a path, every check passed. Unpacks as ``revision, entries, checked``.
+
+    `revision` is the signed manifest's `Revision`; `entries` the certified heads from window 1 on, in order,
+    each with its `QuorumCertificate`; `checked` one line per check that passed, as `peerloom verify` prints.
+    """
+
+    revision: Revision
+    entries: list[tuple[Head, QuorumCertificate]]
+    checked: list[str]
+
+    @property
+    def head(self) -> Head:
+        """The latest certified head (the genesis head while the chain is empty)."""
+        return self.entries[-1][0] if self.entries else self.revision.genesis()
+
+
+def verify(path: str | os.PathLike[str], *, authority: str | None = None,
+           manifest: str | os.PathLike[str] | None = None) -> VerifiedChain:
+    """Verify the chain at `path` from genesis, as `peerloom verify PATH` does, and return it (`peerloom.verify`).
+
+    `path` is a chain directory, a node store, a node directory or an experiment directory (module docstring);
+    `manifest` names the manifest file instead of the one `path` holds; `authority` (a peer id's text), when
+    given, must have signed it. Checks the manifest's signature, every head's certificate against the
+    manifest's validator set, parents and window numbers with no window missing (spec/protocol.md §3), and the
+    cohort, roster, audit and privacy rules (`check_rules`). Raises FileNotFoundError when `path` holds no
+    chain or no manifest is found, `peerloom.PeerloomError` (VerificationError, DecodeError) at the first check
+    that fails, OSError for an unreadable file. An empty chain (no certified head yet) is returned, not refused.
+    """
+    checked: list[str] = []
+    revision, entries = verified_chain(Path(path), authority, manifest=None if manifest is None else Path(manifest),
+                                       checked=checked)
+    return VerifiedChain(revision, entries, checked)
 
 
 def run_verify(path: Path, authority: str | None = None, *, echo: Callable[[str], None] = print,

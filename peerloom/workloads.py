@@ -1,4 +1,4 @@
-"""Your own model as a peerloom workload: the public constructors (issue 17).
+"""Your own model as a peerloom workload: the public constructors (spec/design.md §5, Workloads).
 
 =================== ====================================================================================
 name                what

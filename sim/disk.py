@@ -1,8 +1,8 @@
 """Simulated disk: an in-memory artifact store and record store that can lose un-synced writes.
 
 It offers the `ArtifactStore` surface the hosts use (`put`, `get`, `has`, `ref`, `refs`, `read_chunk`,
-`write_chunk`, `commit`, `put_record`, `records`), so the real `ComputeExecutor` and
-`apply_storage_effect` run against it unchanged.
+`write_chunk`, `commit`, `put_record`, `records`), so the real `ComputeExecutor` and the host driver
+(`adapters/host.py`) run against it unchanged.
 
 Durability model (spec/simulator.md §4): a record written by a `Persist` effect is *pending* until the
 simulator syncs it (after the modelled fsync time), and only then is `Persisted` fed back to the engine.
@@ -12,7 +12,7 @@ which a crash that loses unsynced writes drops too: the worst case of the real s
 again at start and deletes what is torn (spec/design.md §6, Storage).
 A crash "without its disk" wipes everything.
 
-Why this does not share code with `adapters/storage.py` (issue 18): the two implement one interface over
+Why this does not share code with `adapters/storage.py`: the two implement one interface over
 different media, files (temporary file, fsync, rename, open descriptors) here dicts with a modelled crash;
 what they have in common, making a ref and checking a digest, is already shared (`make_artifact_ref`,
 `content_id` in core).
@@ -94,7 +94,7 @@ class SimDisk:
     # --- records: pending until synced -------------------------------------------------------------
 
     def put_record(self, key: str, record: bytes) -> None:
-        """Direct durable write (used only by `apply_storage_effect` callers that sync at once)."""
+        """Direct durable write (for callers that sync at once)."""
         self._records[key] = record
 
     def write_pending(self, token: int, key: str, record: bytes) -> None:

@@ -19,9 +19,9 @@ from typing import IO, Any
 import attrs
 
 from peerloom.backends.numpy.tensors import schema_of, tensor_digest, to_safetensors
+from peerloom.core.config_checks import TableError, check_keys, typed
 from peerloom.core.errors import DecodeError
 from peerloom.core.objects import Manifest, Revision, make_artifact_ref
-from peerloom.core.tables import TableError, check_keys, typed
 
 from .adversary import SYBIL_BEHAVIOURS, make_behaviour, role_of_behaviour
 from .invariants import Checkers

@@ -8,10 +8,11 @@ from pathlib import Path
 import attrs
 from prometheus_client import CollectorRegistry, Counter
 
-from peerloom.adapters.edge_view import InMemoryEdgeView, PeerInfo
+from peerloom.adapters.edge_view import PeerInfo
 from peerloom.core.encoding import content_id
 from peerloom.core.identity import Identity
 from peerloom.core.objects import PRECOMMIT, Head, QuorumCertificate, Revision, make_artifact_ref, sign_vote
+from peerloom.testing import InMemoryEdgeView
 
 from .helpers import ident, make_revision
 

@@ -1,4 +1,4 @@
-"""Live-process fuzzing (issue 16 item 7): attacks on the TCP+Noise port and the HTTP edge of real
+"""Live-process fuzzing (`make fuzz-live`): attacks on the TCP+Noise port and the HTTP edge of real
 `peerloom node` processes on 127.0.0.1, each followed by checks that every process is alive, still serves
 an honest newcomer and that windows still certify.
 

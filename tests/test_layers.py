@@ -29,7 +29,7 @@ RULES = {
                  {"core", "backends", "adapters"}, set()),
     "sim": ({"numpy", "attrs", "torch", "matplotlib"}, {"core", "backends", "adapters", "sim"}, set()),
 }
-# Adapters carry out what the engine decides (issue 18 item 4): they may import the engine's interface and the
+# Adapters carry out what the engine decides (spec/design.md §6): they may import the engine's interface and the
 # protocol's objects, and two pure functions every peer computes alike (a light trainer needs them for itself):
 # its leases (core.leases) and its training seed (core.audit). Not the modules that decide protocol outcomes
 # (roles, agreement, screening, quarantine, ...), whatever new ones core grows.

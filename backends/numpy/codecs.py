@@ -1,4 +1,4 @@
-"""Update codecs on numpy tensor dicts — the reference backend (spec/design.md §5, issue 5 item 2).
+"""Update codecs on numpy tensor dicts — the reference backend (spec/design.md §5).
 
 ``encode(codec, tensors, state=None) -> (encoded, new_state)`` and ``decode(codec, encoded) -> tensors``;
 `peerloom.backends.torch.codecs` is the twin on torch CPU tensors and produces the same bytes, encoded

@@ -1,4 +1,4 @@
-"""Tensors read from and written to safetensors files block by block, never whole in memory (issue 20).
+"""Tensors read from and written to safetensors files block by block, never whole in memory (spec/design.md §5, Memory).
 
 A reduction at 100M parameters reads the parent's params, its optimizer state and every delta, and writes
 new params and new state: loaded whole, that is five to seven model sizes in memory, each freshly

@@ -59,7 +59,7 @@ _SAFE_NAME = frozenset(chr(c) for c in range(0x20, 0x7F)) - {'"', "\\"}
 
 def safetensors_parts(tensors: TensorDict) -> list[bytes | memoryview] | None:
     """`to_safetensors(tensors)` as a list of pieces whose concatenation is the same bytes, the arrays' own
-    memory, not copied (issue 20: a 400 MB artifact is written and hashed from the array itself). None
+    memory, not copied (a 400 MB artifact is written and hashed from the array itself). None
     when the fast path does not apply: tensors of more than one dtype (the library orders those by its
     dtype ranking), a name that is not printable ASCII without quotes or backslashes (JSON escaping) or is
     ``__metadata__``, or a dtype other than float32, int8, uint8, int32 or int64; the caller then uses
@@ -157,7 +157,7 @@ _VIEW_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "
 
 
 def safetensors_views(data: bytes, *, max_tensors: int = DEFAULT_MAX_TENSORS) -> TensorDict:
-    """`from_safetensors` without copying: each array is a read-only view into `data` (issue 20: a 400 MB
+    """`from_safetensors` without copying: each array is a read-only view into `data` (a 400 MB
     artifact loads in one read, not a read plus a copy).
 
     Same checks as `from_safetensors` on the prefix and header, and then, in place of the library's: every

@@ -1,5 +1,5 @@
 """`NumpyWorkload`: a multi-layer perceptron (or softmax regression) trained with Adam in pure numpy — the
-workload for peers without torch and for the simulator (issue 5 item 6, spec/design.md §5).
+workload for peers without torch and for the simulator (spec/design.md §5).
 
 Same interface as `peerloom.backends.torch.workload.TorchWorkload`: ``schema()``, ``initial_params(seed)``,
 ``train(params, indices, seed) -> (delta, {"train_loss", "samples"})``, ``loss(params, indices) -> float``

@@ -1,4 +1,4 @@
-"""Character-level language model on the Python documentation that ships with CPython (spec/design.md §8, issue 8).
+"""Character-level language model on the Python documentation that ships with CPython (spec/design.md §8).
 
 Data: the text of ``pydoc_data.topics.topics`` (the help topics of the running CPython, ~465 k characters on
 3.11), topics joined in sorted-key order with a newline. Characters map to `VOCAB` (newline and printable

@@ -1,5 +1,5 @@
 """Collective operations for workloads inside a trainer pool: thin wrappers on torch.distributed
-(spec/pools.md "Collectives"; issue 19).
+(spec/pools.md §5).
 
 A pool (`peerloom.adapters.pool`) runs one process per rank, all in torch.distributed's default process
 group (gloo on the CPU, nccl on CUDA). A custom workload uses these to keep its replicas in step, e.g. to

@@ -1,5 +1,5 @@
 """One train task on a trainer pool: the ranks of one torch.distributed process group train one lease
-together and rank 0 gets the one pseudo-gradient (spec/pools.md; issue 19).
+together and rank 0 gets the one pseudo-gradient (spec/pools.md).
 
 `pool_train` runs on every rank, in lockstep, inside a process group that the caller formed
 (`peerloom.adapters.pool`):

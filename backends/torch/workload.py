@@ -28,7 +28,7 @@ Segment audits: ``train(..., checkpoints=S, on_checkpoint=cb)`` hands ``cb`` the
 replays any range of steps from such a state bit for bit (same platform), so a validator can recompute one
 committed segment instead of the whole run (`TorchWorkload.resume` lists the state's names).
 
-Differential privacy (issue 32): with ``privacy`` (`peerloom.privacy.DP`, or `TorchWorkload.with_privacy`)
+Differential privacy (spec/protocol.md §10): with ``privacy`` (`peerloom.privacy.DP`, or `TorchWorkload.with_privacy`)
 `train` runs DP-SGD through Opacus: Poisson-sampled batches, per-sample clipping and Gaussian noise from a
 generator seeded from the training seed, so its bytes replay like plain training's (`TorchWorkload.train`);
 `TorchWorkload.privacy_steps` counts the steps the privacy accountant (`peerloom.privacy.epsilon`) charges.
@@ -1243,7 +1243,7 @@ def torch_workload(
     num_threads: int | None = None,
     privacy: DP | None = None,
 ) -> TorchWorkload:
-    """A workload from the user's own torch objects (issue 17): `TorchWorkload` with keyword names.
+    """A workload from the user's own torch objects: `TorchWorkload` with keyword names.
 
     ``model``: zero-argument callable returning the ``nn.Module`` (e.g. its class), called under a seeded,
     forked global RNG for the initial params; all floating-point state float32. ``loss``: ``(outputs,

@@ -1,4 +1,4 @@
-"""`peerloom export` and `peerloom.load_head` (issue 17 item 4): a certified head's weights out of a verified
+"""`peerloom export` and `peerloom.load_head`: a certified head's weights out of a verified
 chain, as safetensors with the head's metadata, and back into numpy or a torch module.
 
 The store with weights is a real one: the in-process cluster of tests/core/test_engine_pair.py (real training,

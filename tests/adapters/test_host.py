@@ -1,4 +1,4 @@
-"""The one host driver (`adapters/host.py`, issue 18 item 3): every member of the `Effect` union is dispatched
+"""The one host driver (`adapters/host.py`, spec/design.md §6): every member of the `Effect` union is dispatched
 to the `Host` method named after it, nothing else is, and `drain` executes effects in the engine's order,
 including those a host method causes by feeding an event back."""
 

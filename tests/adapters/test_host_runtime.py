@@ -1,6 +1,6 @@
-"""The node runtime as a host of its engine (issue 18 items 3-4): bans, rejections and a light peer's submit
+"""The node runtime as a host of its engine (spec/design.md §2, §6): bans, rejections and a light peer's submit
 verdict arrive as typed effects (`Ban`, `Rejected`, `SubmitReply`) and the runtime carries them out; a
-connection that ends by our own bug is not charged to the peer (issue 16)."""
+connection that ends by our own bug is not charged to the peer (spec/transport.md §6)."""
 
 from __future__ import annotations
 

@@ -316,7 +316,7 @@ def test_server_sent_events_follow_promotions(world):
 
 
 def test_every_head_endpoint_renders_a_chain_with_quarantines_strikes_leaves_and_expiries(tmp_path):
-    """Issue 16 finding 3: quarantine records were rendered as peer ids, so any head holding one was a 500
+    """Quarantine records were once rendered as peer ids, so any head holding one was a 500
     on /v1/heads/latest, /v1/heads/{id} and /v1/chain, and the event stream stopped."""
     view = make_view(tmp_path)
     heads = advance(view, 3, records=True)

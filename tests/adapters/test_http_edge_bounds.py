@@ -1,4 +1,4 @@
-"""Resource bounds of the HTTP edge (issue 16 item 4): one memory budget for every upload in progress, bodies
+"""Resource bounds of the HTTP edge (spec/transport.md §5): one memory budget for every upload in progress, bodies
 spooled to disk, refusals that close instead of draining, header and body timeouts."""
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def view(tmp_path):
     (request_head("/v1/join", 200_000_000), 413),
 ], ids=["413", "411", "415", "413-join"])
 def test_refused_body_is_not_read(view, head, status):
-    """Issue 16 item 4: after a 413 the server kept reading a 200 MB body. Now each refusal decided from the
+    """After a 413 the server used to keep reading a 200 MB body. Now each refusal decided from the
     headers is answered with Connection: close and the socket is closed; a client that keeps writing is reset
     long before it has sent the body."""
     with EdgeServer(view, limits=EdgeLimits(**FAST)) as server:
@@ -178,7 +178,7 @@ def test_stalled_body_times_out(view, path):
 # --- one memory budget for all uploads ------------------------------------------------------------------
 
 def test_memory_budget_refuses_before_reading_and_is_given_back(view):
-    """Issue 16 item 4: only the number of uploads was capped, so 4 x 64 MiB bodies (and their copies) could
+    """Only the number of uploads used to be capped, so 4 x 64 MiB bodies (and their copies) could
     be in memory at once. Now every upload reserves its Content-Length from one budget before its body is
     read; a request that does not fit is answered 503 at once, from its headers."""
     limits = EdgeLimits(max_upload_bytes=MiB, upload_memory_bytes=2 * MiB, max_concurrent_uploads=4, **FAST)

@@ -1,5 +1,5 @@
 """Fuzz a running HTTP edge from its own OpenAPI document (schemathesis): no 5xx, responses conform to the
-document, and no unsigned request changes state (issue 7).
+document, and no unsigned request changes state (spec/design.md §6).
 
 Two edges: one over `InMemoryEdgeView` (fast, every default check, exact state comparison) and one served
 by a real `peerloom node` validator process (slow: state compared through its endpoints and metrics) whose
@@ -126,7 +126,7 @@ def _node_edge(tmp: Path):
     from tests.node_cluster import Node, free_port, make_fleet
 
     # A real validator whose chain holds strikes, quarantine, rejected updates, a join, a leave and
-    # expiries (issue 16 item 3): two honest trainers, a sign-flip-scale attacker (screened out every
+    # expiries (spec/protocol.md §4.1): two honest trainers, a sign-flip-scale attacker (screened out every
     # window: strikes, then quarantine), a trainer that leaves on SIGTERM and a joiner outside the genesis
     # roster. Once the chain holds all of that the trainers stop, and expiry empties the roster. So while
     # it is fuzzed every window is skipped, and the roster and the artifact store change only if the edge

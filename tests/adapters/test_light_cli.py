@@ -1,5 +1,5 @@
 """`peerloom light`: an ordinary trainer node that listens nowhere and dials a validator's HTTP transport
-(issue 18 item 2). Its updates reach certified heads over that transport, not through the edge's REST
+(spec/transport.md §10). Its updates reach certified heads over that transport, not through the edge's REST
 upload; the edge only serves the manifest and lists the transport addresses. Bad arguments, a manifest not
 signed by the authority and an unreachable edge exit 2 before any node starts."""
 
@@ -17,12 +17,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from peerloom import light
-from peerloom.adapters.edge_view import InMemoryEdgeView
 from peerloom.adapters.http_client import EdgeClient
 from peerloom.adapters.http_edge import EdgeServer
 from peerloom.adapters.keys import generate_identity, save_identity
 from peerloom.core.identity import PeerId
 from peerloom.node import ConfigError, transport_listens
+from peerloom.testing import InMemoryEdgeView
 from tests.edge_fixtures import VALIDATOR
 from tests.helpers import make_revision
 from tests.node_cluster import free_port, make_fleet

@@ -165,7 +165,7 @@ async def test_outbox_over_its_byte_cap_hangs_up_a_slow_peer_only(tmp_path):
 async def test_a_peer_faster_than_the_engine_is_held_back_by_flow_control(tmp_path):
     """Messages received but not yet handled by the engine are bounded per peer (PEER_INBOX_BYTES): past
     that the reader stops taking messages, the lanes grant no credit, and the peer's sends wait - instead
-    of queueing without bound in this process (issue 16, resource bounds on TCP lanes)."""
+    of queueing without bound in this process (spec/transport.md §13)."""
     from peerloom.adapters.runtime import PEER_INBOX_BYTES
 
     async with running_node(tmp_path) as runtime:

@@ -37,7 +37,7 @@ def test_a_non_durable_put_skips_fsync_and_is_stored_the_same(tmp_path, monkeypa
 
 
 def test_digest_is_trusted_on_read_and_verified_by_check(tmp_path):
-    """Hashed once when stored (issue 20): a read checks the size only; `verify`/`check` re-hash."""
+    """Hashed once when stored (spec/design.md §6, Storage): a read checks the size only; `verify`/`check` re-hash."""
     store = ArtifactStore(tmp_path)
     ref = store.put(b"hello world")
     path = tmp_path / "artifacts" / ref.digest[2:].hex()
@@ -77,7 +77,7 @@ def test_chunk_reads_and_writes_keep_one_file_open_per_artifact(tmp_path):
 
 @pytest.mark.parametrize("cuts", [(), (0,), (3,), (7, 10), (1, 2, 3, 20, 49)])
 def test_put_parts_equals_put_of_the_joined_bytes(tmp_path, cuts):
-    """Pieces hashed in place give the ref `put` gives, across chunk boundaries (issue 20)."""
+    """Pieces hashed in place give the ref `put` gives, across chunk boundaries."""
     data = os.urandom(50)
     bounds = [0, *cuts, len(data)]
     parts = [memoryview(data)[a:b] for a, b in itertools.pairwise(bounds)]

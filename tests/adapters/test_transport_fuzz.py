@@ -1,4 +1,4 @@
-"""Fuzzing every transport decoder (issue 3 §6): only the documented error types may escape.
+"""Fuzzing every transport decoder (spec/transport.md §6): only the documented error types may escape.
 
 Decoders: the NoiseHandshakePayload protobuf and the transport-cipher offer in its extensions (NoiseError
 "bad-payload"), the handshake messages
@@ -281,7 +281,7 @@ def test_bench_transport_small_run_prints_the_json_keys() -> None:
                            "http_vs_noise"}
     assert result["artifact_bytes"] == 5_000_000
     assert result["noise_gbps"] > 0 and result["plain_gbps"] > 0 and result["receiver_peak_rss_bytes"] > 0
-    assert result["chachapoly_gbps"] > 0 and result["http_gbps"] > 0  # HTTP in the same run (issue 18)
+    assert result["chachapoly_gbps"] > 0 and result["http_gbps"] > 0  # HTTP in the same run (spec/transport.md §10)
     assert result["http_ratio"] == pytest.approx(result["http_gbps"] / result["plain_gbps"], rel=0.01)
     assert result["http_vs_noise"] == pytest.approx(result["http_gbps"] / result["noise_gbps"], rel=0.01)
     assert result["cipher"] == ("AESGCM" if default_transport_ciphers() else "ChaChaPoly")

@@ -1,4 +1,4 @@
-"""NodeRuntime over several transports at once (issue 18): one node listens on tcp, http and memory, is
+"""NodeRuntime over several transports at once (spec/transport.md §9): one node listens on tcp, http and memory, is
 reachable and proven over each, advertises a transport-qualified address, and its address book dials the
 kinds it has a transport for; config `[transport]` tables choose the listeners."""
 

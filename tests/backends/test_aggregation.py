@@ -1,4 +1,4 @@
-"""Robust aggregation rules: numpy ≡ torch bytes, permutation invariance, weight semantics (issue 5)."""
+"""Robust aggregation rules: numpy ≡ torch bytes, permutation invariance, weight semantics (spec/design.md §5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Character-level LM workload on the bundled Python docs (issue 8 item 2): shapes, determinism, learning."""
+"""Character-level LM workload on the bundled Python docs (spec/design.md §8): shapes, determinism, learning."""
 
 from __future__ import annotations
 

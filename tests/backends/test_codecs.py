@@ -1,4 +1,4 @@
-"""Codecs (issue 5 item 2): numpy == torch bytes, round-trip bounds, error feedback, hostile decoding."""
+"""Codecs (spec/design.md §5): numpy == torch bytes, round-trip bounds, error feedback, hostile decoding."""
 
 from __future__ import annotations
 

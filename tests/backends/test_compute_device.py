@@ -1,5 +1,5 @@
 """Node config keys ``compute`` (numpy or torch for screening and reduction) and ``device`` (where a torch
-workload trains), issue 17 item 3: the two compute backends certify the same heads, byte for byte."""
+workload trains): the two compute backends certify the same heads, byte for byte."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """MNIST-1D (backends/mnist1d.py): generated locally and deterministically, harder than digits, and the
-plain mean visibly suffers under attack on it (issue 17 item 7)."""
+plain mean visibly suffers under attack on it."""
 
 import json
 import subprocess

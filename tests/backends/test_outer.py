@@ -1,4 +1,4 @@
-"""Outer optimizers: FedAvg SGD and DiLoCo Nesterov, numpy ≡ torch ≡ torch.optim.SGD (issue 5)."""
+"""Outer optimizers: FedAvg SGD and DiLoCo Nesterov, numpy ≡ torch ≡ torch.optim.SGD (spec/design.md §5)."""
 
 from __future__ import annotations
 

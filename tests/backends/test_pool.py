@@ -1,4 +1,4 @@
-"""Trainer pools (issue 19, spec/pools.md): the deterministic split, equivalence of a 2-rank gloo pool with
+"""Trainer pools (spec/pools.md): the deterministic split, equivalence of a 2-rank gloo pool with
 one process, the collectives, failure semantics (a dead or hung rank fails the task, the pool re-forms),
 the node's ``[pool]`` config, and a pool as a trainer in a real fleet (slow)."""
 

@@ -1,4 +1,4 @@
-"""DP-SGD in the torch workload and the privacy accountant (issue 32): `peerloom.privacy` and
+"""DP-SGD in the torch workload and the privacy accountant (spec/protocol.md §10): `peerloom.privacy` and
 `TorchWorkload(privacy=...)`."""
 
 from __future__ import annotations

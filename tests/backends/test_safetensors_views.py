@@ -1,5 +1,5 @@
-"""`safetensors_views` (issue 20): the same tensors as `from_safetensors`, as views without a copy, and the same
-refusals of malformed (hostile) containers."""
+"""`safetensors_views` (spec/design.md §5, Memory): the same tensors as `from_safetensors`, as views without a
+copy, and the same refusals of malformed (hostile) containers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Stored tensors read and written block by block (backends/numpy/stored.py, issue 20): the kernels give the
+"""Stored tensors read and written block by block (backends/numpy/stored.py): the kernels give the
 same bytes on file tensors as on arrays, the writer produces the library's safetensors bytes and the tensor
 digest, and malformed files are refused with DecodeError."""
 

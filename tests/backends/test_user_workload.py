@@ -1,4 +1,4 @@
-"""A user's own torch model, loss, optimizer and datasets as a workload (`peerloom.workloads`, issue 17 item 2):
+"""A user's own torch model, loss, optimizer and datasets as a workload (`peerloom.torch_workload`):
 determinism from the training seed, the hooks (scheduler, clipping, bf16, metrics, loaders), shards, the
 node's ``workload = "module:factory"`` path, and two audited windows through the in-process cluster."""
 

@@ -1,5 +1,5 @@
 """The Event and Effect unions name every event and effect class, and `peerloom.core` exports them all
-(issue 18 item 4): a host that matches the unions exhaustively then handles everything the engine can say."""
+(spec/design.md §2): a host that matches the unions exhaustively then handles everything the engine can say."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ Compute is replaced by a deterministic stand-in (the engines cannot tell: tasks 
 are events), so each step is cheap; everything else - signatures, certificates, leases, screening
 bookkeeping, chunked artifact transfer with verify-on-arrival, persistence - is the real engine.
 
-Checked after every step (issue 4 acceptance list):
+Checked after every step:
 - at most one certified head per window across honest nodes;
 - every honest node's chain is a prefix of every other's (and each links to its parent);
 - every update in a certified cohort, and every update a collector accepted, holds a valid lease;
@@ -369,7 +369,7 @@ def test_cluster_is_live_on_a_good_network():
     assert min(windows) >= 3, windows
     # Mallory never trains honestly. While it is rostered with a lease, its forged update fails screening:
     # it is quarantined by a certified head. A window in which it held a lease and delivered nothing demotes
-    # it to unproven, and a second one drops it from the roster (spec/protocol.md §4.1, issue 16): that
+    # it to unproven, and a second one drops it from the roster (spec/protocol.md §4.1): that
     # outcome (new with the rule) is at least as good as quarantine. Either way it ends up holding no lease.
     def out(h):
         return MALLORY.peer_id in h.quarantined or MALLORY.peer_id not in h.roster_peers

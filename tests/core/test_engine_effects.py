@@ -1,4 +1,4 @@
-"""Typed outcomes of the engine (issue 18 item 4): `Rejected` for every refusal of a peer's input, `Ban` at
+"""Typed outcomes of the engine (spec/design.md §2): `Rejected` for every refusal of a peer's input, `Ban` at
 the penalty limit, and `SubmitReply` for an envelope a host hands in with `events.Submit`. No host has to read
 a log line or diff counters to learn what the engine decided."""
 

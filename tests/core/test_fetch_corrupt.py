@@ -9,7 +9,7 @@ import random
 import attrs
 import pytest
 
-from peerloom.adapters.host import apply_storage_effect, stored_event
+from peerloom.adapters.host import stored_event
 from peerloom.adapters.storage import ArtifactStore
 from peerloom.core import effects as fx
 from peerloom.core import events as ev
@@ -47,8 +47,10 @@ def fetch(tmp_path, ref):
         now += 0.001
         if isinstance(effect, fx.CommitArtifact):
             engine.handle(stored_event(store, effect, now))  # never raises, whatever the bytes
-        elif apply_storage_effect(store, effect):
-            pass
+        elif isinstance(effect, fx.Persist):
+            store.put_record(effect.key, effect.record)
+        elif isinstance(effect, fx.StoreChunk):
+            store.write_chunk(effect.ref, effect.index, effect.data)
         elif isinstance(effect, fx.Send):
             message = decode_message(effect.data, max_bytes=1 << 24)
             if isinstance(message, ChunkRequest):

@@ -1,4 +1,4 @@
-"""Resumable multi-provider fetch (issue 3, spec/wire.md §5), driving one engine directly (sans-IO).
+"""Resumable multi-provider fetch (spec/wire.md §5), driving one engine directly (sans-IO).
 
 An artifact is fetched from three providers. One provider lies (sends a chunk that does not match the
 signed digest) and another disconnects mid-transfer; the fetch finishes from the remaining provider,

@@ -1,4 +1,4 @@
-"""A fetch of an artifact the node then computes itself ends at once (issue 20: the reducer used to fetch the
+"""A fetch of an artifact the node then computes itself ends at once (the reducer used to fetch the
 head's params and DiLoCo state from a validator every window while computing the same bytes)."""
 
 from peerloom.core import effects as fx

@@ -1,4 +1,4 @@
-"""Liveness under Sybils (spec/protocol.md §4.1, issue 16 finding 2): unproven trainers hold a bounded share
+"""Liveness under Sybils (spec/protocol.md §4.1): unproven trainers hold a bounded share
 of the leases, silent leaseholders are demoted and then dropped, joins are bounded and kept by priority."""
 
 import os
@@ -139,7 +139,7 @@ def _happy(**manifest):
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_proven_trainer_that_never_delivers_loses_its_leases_then_its_seat(seed):
-    """t5 is in the genesis roster (proven) and heartbeats but never sends an update (issue 16, item 2): the
+    """t5 is in the genesis roster (proven) and heartbeats but never sends an update (spec/protocol.md §4.1): the
     head of the first window it held a lease in demotes it; the next window gives it at most the unproven
     cap; the next head in which it held a lease, unproven, drops it. Honest trainers are never demoted, and
     every window certifies without lease expiry (spec/protocol.md §4)."""

@@ -1,4 +1,4 @@
-"""`peerloom verify PATH` over both forms of a chain (issue 16 item 5): a chain directory (manifest.cbor +
+"""`peerloom verify PATH` over both forms of a chain (spec/protocol.md §3): a chain directory (manifest.cbor +
 NNNNNN.cbor) and a node store (node.db, or a node directory with store/). A hole fails, naming the
 missing window; a store's chain directory must hold the same heads as its database, and a node repairs
 one a crash left behind (`fill_chain_dir`)."""
@@ -116,3 +116,20 @@ def test_manifest_option_and_user_errors(tmp_path):
     other = make_revision(validators=VALS, quorum=3, trainers=[ident(11)])
     manifest.write_bytes(other.envelope.to_bytes())  # another revision: its genesis is not the chain's parent
     assert cli(node_dir, "--manifest", manifest).returncode == 1
+
+
+def test_peerloom_verify_returns_the_checked_chain(tmp_path):
+    """`peerloom.verify(path)`: the same checks, as a value (revision, certified heads, the checks passed)."""
+    import peerloom
+    from peerloom.core.errors import VerificationError
+
+    node_dir, _ = _node(tmp_path, range(1, 4))
+    chain = peerloom.verify(node_dir, authority=REV.authority.to_text())
+    revision, entries, checked = chain
+    assert revision.id == REV.id and [h.window for h, _ in entries] == [1, 2, 3] and chain.head == entries[-1][0]
+    assert checked and chain.checked == checked
+    with pytest.raises(VerificationError):
+        peerloom.verify(node_dir, authority=ident(99).peer_id.to_text())
+    hole, _ = _node(tmp_path / "hole", [1, 3])
+    with pytest.raises(VerificationError, match="2"):
+        peerloom.verify(hole)

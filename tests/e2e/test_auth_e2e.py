@@ -1,4 +1,4 @@
-"""End to end (issue 21 done-when): a fleet of `peerloom node` processes whose manifest admits by certificate.
+"""End to end (spec/auth.md): a fleet of `peerloom node` processes whose manifest admits by certificate.
 One trainer logs in with `peerloom login` at a `peerloom auth serve` process against the fake OIDC provider,
 then trains (its update is certified: it leaves the head's `unproven`), until `peerloom auth revoke --out`
 revokes it and the revocation POSTed to the validator's edge drops it from the roster; a trainer with an

@@ -1,4 +1,4 @@
-"""bench/codecs.py --quick prints its JSON report on the last line (issue 5)."""
+"""bench/codecs.py --quick prints its JSON report on the last line."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def test_codecs_bench_quick_schema() -> None:
     assert 3.8 < ratios["int8"] < 4.0 and ratios["sign"] > 30 and ratios["topk"] > 40
     assert report["baseline_accuracy"] == report["codecs"][0]["accuracy"]
     assert isinstance(report["topk_within_2_points"], bool)
-    scale = report["scale"]  # issue 20: update bytes and encode/decode time at scale (--quick: 200k parameters)
+    scale = report["scale"]  # update bytes and encode/decode time at scale (--quick: 200k parameters)
     assert [r["codec"] for r in scale["codecs"]] == ["none", "int8", "topk"]
     sizes = {r["codec"]: r["update_bytes"] for r in scale["codecs"]}
     assert sizes["none"] > 4 * scale["params"] > sizes["int8"] > sizes["topk"]

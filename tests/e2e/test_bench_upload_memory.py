@@ -1,5 +1,5 @@
 """bench/upload_memory.py --quick: its JSON report, every upload stored, and the edge's peak RSS increase within
-the memory bound the edge documents (issue 16 item 4: before the fix, 6 x 8 MiB uploads raised it by 107 MiB)."""
+the memory bound the edge documents (spec/transport.md §5; before the fix, 6 x 8 MiB uploads raised it by 107 MiB)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Benchmarks run with --quick and print their JSON object on the last line (issue 5)."""
+"""Benchmarks run with --quick and print their JSON object on the last line."""
 
 from __future__ import annotations
 
@@ -29,14 +29,14 @@ def test_aggregate_bench_quick() -> None:
 
 
 def test_aggregate_reduce_bench_quick() -> None:
-    """bench/aggregate.py --reduce (issue 27): the executor's streamed reduce on 1 and 2 kernel threads."""
+    """bench/aggregate.py --reduce: the executor's streamed reduce on 1 and 2 kernel threads."""
     report = run_bench("aggregate.py", "--reduce")
     assert report["same_bytes"] is True and [r["threads"] for r in report["results"]] == [1, 2]
     assert all(r["seconds"] > 0 for r in report["results"]) and report["results"][0]["speedup"] == 1.0
 
 
 def test_hashing_bench_quick() -> None:
-    """bench/hashing.py (issue 27): SHA-256 and BLAKE3 over chunks and whole artifacts, SHA-256 the baseline."""
+    """bench/hashing.py: SHA-256 and BLAKE3 over chunks and whole artifacts, SHA-256 the baseline."""
     report = run_bench("hashing.py")
     cases = {(r["mode"], r["hasher"], r["threads"]) for r in report["results"]}
     assert {("chunks", "sha256", 1), ("chunks", "blake3", 1), ("whole", "sha256", 1), ("whole", "blake3", 1),
@@ -45,7 +45,7 @@ def test_hashing_bench_quick() -> None:
 
 
 def test_pool_bench_quick() -> None:
-    """bench/pool.py (issue 19): one process and a 2-rank gloo pool on the same lease, same result."""
+    """bench/pool.py (spec/pools.md): one process and a 2-rank gloo pool on the same lease, same result."""
     report = run_bench("pool.py")
     assert report["single"]["seconds"] > 0
     (pool,) = report["pools"]
@@ -55,7 +55,7 @@ def test_pool_bench_quick() -> None:
 
 
 def test_engine_bench_quick() -> None:
-    """bench/engine.py (issue 20): a validator engine driven through certified windows at two cohort sizes."""
+    """bench/engine.py: a validator engine driven through certified windows at two cohort sizes."""
     report = run_bench("engine.py")
     assert report["validators"] == 4
     assert [r["trainers"] for r in report["results"]] == [10, 100]

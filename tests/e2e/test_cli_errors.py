@@ -1,5 +1,5 @@
 """Every error a user can cause ends in one line naming the file, key or port, with exit status 2 and no
-traceback; `--debug` shows the traceback (issue 15)."""
+traceback; `--debug` shows the traceback."""
 
 import socket
 import subprocess

@@ -1,6 +1,6 @@
 """Crash test: SIGKILL a validator at random moments, many times; after every restart its store is consistent
-(its chain has no hole) and it has never signed two different votes for one (window, round, step) (spec/design.md §6,
-issue 7). A trainer SIGKILLed and restarted fills in every window it missed (issue 16 item 5).
+(its chain has no hole) and it has never signed two different votes for one (window, round, step)
+(spec/design.md §6). A trainer SIGKILLed and restarted fills in every window it missed (spec/protocol.md §8).
 
 Fleet: two validators (quorum 2, so every window needs the victim's votes) and two trainers, each a
 `peerloom node` OS process on 127.0.0.1. validator-1 is killed a random 0-1 s or 2.5-4 s after it is up
@@ -47,7 +47,7 @@ def _check_store(directory) -> dict[tuple[int, int, str], bytes]:
         if "head" in records:
             head, _ = decode_chain_entry(records["head"])
             assert store.has(head.params.digest) or head.window == 0
-            # no hole at any moment: every window up to the head is in the store's chain (issue 16 item 5)
+            # no hole at any moment: every window up to the head is in the store's chain (spec/protocol.md §8)
             held = {w for w, _, _ in store.db.heads()}
             assert [w for w in range(1, head.window + 1) if w not in held] == []
         return votes
@@ -215,7 +215,7 @@ def _store_chain(store_dir) -> tuple[list[int], list[int]]:
 
 @pytest.mark.slow
 def test_sigkilled_trainer_restarts_with_no_hole_in_its_chain(tmp_path):
-    """Issue 16 item 5: a trainer SIGKILLed at a random moment and restarted after the fleet has certified
+    """A trainer SIGKILLed at a random moment and restarted after the fleet has certified
     several windows without it fills in every head it missed (verified, with certificates) from its peers,
     so its store's chain - the database and the chain directory - runs from window 1 to its head with no
     hole, and `peerloom verify` accepts the store. Two lives end this way: one short, one long enough that

@@ -1,4 +1,4 @@
-"""Issue 32's fleets, live (spec/protocol.md §10): real `peerloom node` processes over TCP+Noise on
+"""DP-SGD fleets, live (spec/protocol.md §10): real `peerloom node` processes over TCP+Noise on
 127.0.0.1, started from `Experiment` directories as `peerloom up` starts them, train mnist1d with DP-SGD under
 one `privacy` manifest each (sigma 1, C 1, q 0.1, delta 1e-5, H = 4 DP-SGD steps a window, a budget none
 reaches here). Two fleets run side by side, each 1 validator (inline audits: it replays every update it

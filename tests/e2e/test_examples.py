@@ -1,4 +1,4 @@
-"""Every example under examples/ runs as a user would run it (issue 17 item 6)."""
+"""Every example under examples/ runs as a user would run it."""
 
 import subprocess
 import sys

@@ -1,4 +1,4 @@
-"""`peerloom init`, `up` and `status` (issue 17 item 1): an experiment directory from the public API, run as
+"""`peerloom init`, `up` and `status`: an experiment directory from the public API, run as
 a local fleet of OS processes, stopped cleanly, its chain verified."""
 
 import json
@@ -189,7 +189,7 @@ def test_late_joiners_manifest_and_node_options(tmp_path):
 
 @pytest.mark.slow
 def test_own_model_through_init_up_export_and_plain_torch(tmp_path):
-    """Issue 17 done-when: a model trained with peers through `init` and `up`, exported, loaded into plain
+    """The README's path: a model trained with peers through `init` and `up`, exported, loaded into plain
     torch, evaluates to the accuracy the validators certified in the head."""
     import torch
 

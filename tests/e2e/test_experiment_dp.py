@@ -1,4 +1,4 @@
-"""`peerloom init --dp-*` (issue 32): a manifest with `privacy` (spec/protocol.md §10), sigma chosen from the
+"""`peerloom init --dp-*`: a manifest with `privacy` (spec/protocol.md §10), sigma chosen from the
 budget when init knows how many windows the run has, and one-line errors for what DP-SGD cannot run with."""
 
 import sys

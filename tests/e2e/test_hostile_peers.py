@@ -1,4 +1,4 @@
-"""Hostile peers cannot end a node process (issue 16, finding 1; spec/transport.md §6 containment).
+"""Hostile peers cannot end a node process (spec/transport.md §6 containment).
 
 Each attack runs against live `peerloom node` processes over TCP+Noise on 127.0.0.1: an unauthenticated
 attacker completes the Noise handshake with a fresh key, then misbehaves. Afterwards every process is
@@ -92,7 +92,7 @@ def test_no_attack_ends_any_node_process_and_windows_go_on(tmp_path):
 
 
 def test_live_fuzz_short_form_every_attack_on_every_role(tmp_path):
-    """Issue 16 item 7, the CI form of `make fuzz-live`: each attack of tests/live_attacks.py for two
+    """The CI form of `make fuzz-live`: each attack of tests/live_attacks.py for two
     seconds against the validator (TCP and HTTP edge) and both trainers; after each one every process is
     alive, serves an honest newcomer, and a new window certifies."""
     from tests.live_attacks import ATTACKS, attacked_fleet, campaign
@@ -168,7 +168,7 @@ async def relay_garbage(port: int) -> None:
 
 
 def test_no_attack_on_the_http_transport_or_the_relay_ends_the_node(tmp_path):
-    """The validator also listens on the HTTP transport and relays (issues 18 and 21): attacks on those
+    """The validator also listens on the HTTP transport and relays (spec/transport.md §10, §12): attacks on those
     listeners end their connections only; the process lives, serves an honest newcomer, and certifies."""
     from tests.node_cluster import free_port
 

@@ -1,6 +1,6 @@
 """The wheel installs into a fresh virtual environment once per extra (base, torch, node, demo, dp), at the
 lock's versions, and each extra's commands work there; a command whose extra is missing names it in one
-line with exit status 2 (issue 15)."""
+line with exit status 2."""
 
 import os
 import re

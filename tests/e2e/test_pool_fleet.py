@@ -1,4 +1,4 @@
-"""Issue 19's done-when: a 2-rank gloo trainer pool (``[pool] ranks = 2``) as a trainer in a real fleet of
+"""A 2-rank gloo trainer pool (spec/pools.md) (``[pool] ranks = 2``) as a trainer in a real fleet of
 `peerloom node` processes, next to an ordinary trainer. Its updates are certified, the chain verifies, and
 killing its rank 1 makes it skip a window loudly (task failed, no announcement) and then recover with a
 re-formed pool (spec/pools.md "Failure")."""

@@ -1,4 +1,4 @@
-"""End to end (issue 21 done-when, relays): a fleet of `peerloom node` processes (tests/node_cluster.py
+"""End to end, relays (spec/transport.md §12): a fleet of `peerloom node` processes (tests/node_cluster.py
 make_fleet: two validators, two trainers, quorum 2) in which trainer-2 listens nowhere and dials nobody: it
 holds reservations at two relays, a tampering one (a separate process flipping a bit of every circuit
 message) and validator-1 (``[relay] enabled = true``), and the validators dial its two circuit addresses.

@@ -1,4 +1,4 @@
-"""The public `peerloom.testing` module (issue 17 item 5): shipped scenarios by name, overrides, and the
+"""The public `peerloom.testing` module (spec/simulator.md §8): shipped scenarios by name, overrides, and the
 Hypothesis strategies a user builds property tests from."""
 
 import pytest

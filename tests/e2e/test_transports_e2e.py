@@ -1,4 +1,4 @@
-"""The smoke fleet over every transport (issue 18): the same fleet (tests/node_cluster.py make_fleet: two
+"""The smoke fleet over every transport (spec/transport.md §9): the same fleet (tests/node_cluster.py make_fleet: two
 validators, two trainers, quorum 2) certifies its windows over tcp, http and memory, and over a mixed fleet
 where half the nodes listen only on HTTP, with only the node configs' ``[transport]`` tables and bootstrap
 addresses changed; each time `peerloom verify` accepts a validator's chain.

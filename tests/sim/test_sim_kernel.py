@@ -1,4 +1,4 @@
-"""The deterministic simulator (issue 6): replay by seed, shipped scenarios, and the safety checker
+"""The deterministic simulator (spec/simulator.md): replay by seed, shipped scenarios, and the safety checker
 catching a broken engine variant."""
 
 import io

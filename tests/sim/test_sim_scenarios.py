@@ -317,7 +317,7 @@ def test_a_trainer_leaving_while_its_join_is_pending_is_never_rostered(seed):
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_sybil_flood_keeps_windows_certified_and_shards_honest(seed):
-    """300 joiners that never deliver (issue 16, finding 2): unproven trainers hold at most a quarter of the
+    """300 joiners that never deliver (spec/protocol.md §4.1): unproven trainers hold at most a quarter of the
     shards, non-delivering unproven leaseholders are dropped, at most 16 joins a head, the deadline always
     runs. The scenario's invariants: no two skipped windows in a row, honest trainers lease >= 70%."""
     result = _run("sybil-flood", seed=seed)
@@ -360,7 +360,7 @@ RESTARTS = {"t1": (1.5, 20.0), "t0": (3.0, 13.0), "v1": (24.0, 34.0), "r0": (26.
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_restarted_nodes_fill_in_the_windows_they_missed_before_they_move_on(seed):
-    """Issue 16 item 5: after crashes and restarts, with or without the disk, every honest node promotes
+    """After crashes and restarts, with or without the disk, every honest node promotes
     window w only with the certified heads of windows 1..w durable in its store (`contiguous-chain`,
     checked on every promotion), and at the end every node's store holds windows 1..its head. Not vacuous:
     t1 comes back with an empty disk to a fleet windows ahead, and t0 comes back at least two windows

@@ -1,6 +1,6 @@
-"""End to end, issue 21's done-when in one fleet: `peerloom node` processes (tests/node_cluster.py make_fleet:
-two validators, quorum 2, four trainers) under a manifest with ``admission = "certificate"`` that rosters
-only trainer-1, and
+"""End to end, relays and login admission in one fleet (spec/transport.md §12, spec/auth.md): `peerloom node`
+processes (tests/node_cluster.py make_fleet: two validators, quorum 2, four trainers) under a manifest with
+``admission = "certificate"`` that rosters only trainer-1, and
 
 - trainer-2 ("hidden") listens nowhere and dials nothing but circuits: it holds a reservation at validator-1's
   relay (``[relay] enabled = true``; it has ``[relay] via``, ``only = true``) and the validators dial its
