@@ -1,4 +1,4 @@
-"""Issue 32 item 0, private local data (spec/protocol.md §10): a fleet in which each trainer holds a disjoint,
+"""Private local data (spec/protocol.md §10): a fleet in which each trainer holds a disjoint,
 non-IID part of MNIST-1D that no other peer can load trains to within 3 points of the IID run.
 
 Real node configs run as `NodeRuntime`s in one trio run over the memory transport (`build_runtime`, as

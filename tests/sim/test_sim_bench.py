@@ -1,4 +1,4 @@
-"""bench/sim_scale.py --quick runs the real engines at small scale and prints the issue's JSON line."""
+"""bench/sim_scale.py --quick runs the real engines at small scale and prints its JSON line."""
 
 import json
 import subprocess
