@@ -9,9 +9,12 @@ many times, and every fleet test starts its nodes in a fraction of a second.
 Protocol on stdin/stdout, one line each (the server replies to requests in order; `exit` lines come whenever
 a child ends)::
 
-    start {"argv": [...], "env": {...}, "cwd": "...", "log": "..."}   -> started <pid>
+    start {"argv": [...], "env": {...}, "cwd": "...", "log": "...", "err": "..."}   -> started <pid>
                                                                         exit <pid> <status>   (Popen's returncode)
     quit  (or end of input: SIGTERM every running child, SIGKILL what is left after 15 s, exit)
+
+(``err`` is optional: stderr goes to that file instead of ``log``.) `run_cli` runs a one-shot command such as
+`peerloom verify` the same way, as `subprocess.run(..., capture_output=True, text=True)` would.
 
 The client side is `Zygote` (a `subprocess.Popen`-like `ForkedProcess` per child); it imports nothing heavy.
 """
@@ -110,11 +113,12 @@ class Zygote:
             self._changed.notify_all()
 
     def start(self, argv: list[str], *, log: Path, env: dict[str, str] | None = None,
-              cwd: str | None = None, timeout_s: float = 120.0) -> ForkedProcess:
-        """Fork `peerloom <argv>` with stdout and stderr appended to `log`, the environment `env` (default:
-        this process's) and the working directory `cwd` (default: this process's)."""
+              cwd: str | None = None, timeout_s: float = 120.0, err: Path | None = None) -> ForkedProcess:
+        """Fork `peerloom <argv>` with stdout and stderr appended to `log` (stderr to `err` where given), the
+        environment `env` (default: this process's) and the working directory `cwd` (default: this
+        process's)."""
         request = {"argv": argv, "env": dict(os.environ if env is None else env), "cwd": cwd or os.getcwd(),
-                   "log": str(log)}
+                   "log": str(log), **({"err": str(err)} if err is not None else {})}
         with self._requests:
             assert self.process.stdin is not None
             with self._changed:
@@ -184,6 +188,29 @@ def forked_popen(**env: str) -> Iterator[None]:
         subprocess.Popen = real  # type: ignore[misc]  # restores it
 
 
+def run_cli(args: list[str], *, cwd: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None,
+            timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+    """What `subprocess.run([sys.executable, "-m", "peerloom", *args], capture_output=True, text=True, cwd=cwd,
+    env=env, timeout=timeout)` returns, with the command forked from the session's fork server (`shared()`):
+    a real process running `peerloom.cli.main(args)` with its own stdout, stderr and exit status, without the
+    second or more of imports a fresh interpreter pays. Not for a test of what a fresh interpreter imports."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="peerloom-cli-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        process = shared().start(list(map(str, args)), log=out, err=err, env=env,
+                                 cwd=None if cwd is None else str(cwd))
+        try:
+            status = process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise
+        return subprocess.CompletedProcess([sys.executable, "-m", "peerloom", *map(str, args)], status,
+                                           out.read_text() if out.exists() else "",
+                                           err.read_text() if err.exists() else "")
+
+
 # --- the server ------------------------------------------------------------------------------------------
 
 
@@ -203,6 +230,10 @@ def _child(request: dict[str, Any], wake: tuple[int, int]) -> None:
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.close(log)
+        if request.get("err"):
+            err = os.open(request["err"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(err, 2)
+            os.close(err)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])

@@ -28,6 +28,7 @@ from peerloom.export import METADATA_KEYS, ExportError, ParamsMismatchError, exp
 from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
 from tests.core.test_objects import certify, child
 from tests.helpers import ident, make_revision
+from tests.node_zygote import run_cli
 
 torch = pytest.importorskip("torch")
 from peerloom.backends.torch.models import mlp  # noqa: E402 - needs torch
@@ -66,8 +67,7 @@ def _read(path):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "peerloom", *map(str, args)], capture_output=True, text=True,
-                          timeout=120)
+    return run_cli(list(args), timeout=120)  # a real `peerloom` process, forked: no import cost
 
 
 def _one_line(result, *needles):

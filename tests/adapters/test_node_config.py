@@ -1,12 +1,11 @@
 """`peerloom node` config validation gives clear errors; `peerloom keygen` never overwrites a key."""
 
-import subprocess
-import sys
 
 import pytest
 
 from peerloom.node import ConfigError, build_node_workload, build_runtime, load_config
 from tests.helpers import ident, make_revision
+from tests.node_zygote import run_cli
 
 AUTHORITY = ident(200).peer_id.to_text()
 BASE = f'name="n"\nroles=["trainer"]\nkey="k"\nmanifest="m"\nauthority="{AUTHORITY}"\nstore="s"\n'
@@ -102,17 +101,16 @@ def test_workload_factory_by_import_path(tmp_path):
 
 def test_cli_reports_config_errors_without_a_traceback(tmp_path):
     path = _config(tmp_path, "capacity = 0\n")
-    out = subprocess.run([sys.executable, "-m", "peerloom", "node", "--config", str(path)],
-                         capture_output=True, text=True)
+    out = run_cli(["node", "--config", path])
     assert out.returncode != 0 and "capacity must be at least 1" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_keygen_prints_peer_id_and_refuses_overwrite(tmp_path):
     key = tmp_path / "id.key"
-    out = subprocess.run([sys.executable, "-m", "peerloom", "keygen", str(key)], capture_output=True, text=True)
+    out = run_cli(["keygen", key])
     assert out.returncode == 0 and out.stdout.startswith("12D3KooW")
     assert oct(key.stat().st_mode & 0o777) == "0o600"
-    again = subprocess.run([sys.executable, "-m", "peerloom", "keygen", str(key)], capture_output=True, text=True)
+    again = run_cli(["keygen", key])
     assert again.returncode != 0 and "refusing to overwrite" in again.stderr
 
 

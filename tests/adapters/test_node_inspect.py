@@ -1,8 +1,6 @@
 """`peerloom inspect DIR`: the chain, votes, claims and peers of a node store as tables."""
 
 import io
-import subprocess
-import sys
 
 from rich.console import Console
 
@@ -11,6 +9,7 @@ from peerloom.core.chain import encode_chain_entry
 from peerloom.core.objects import QuorumCertificate, sign_vote
 from peerloom.inspect import find_store, render
 from tests.helpers import ident, make_revision
+from tests.node_zygote import run_cli
 
 
 def _store(tmp_path):
@@ -40,9 +39,7 @@ def test_inspect_renders_chain_votes_and_peers(tmp_path):
 
 def test_inspect_command_and_missing_store(tmp_path):
     _store(tmp_path)
-    ok = subprocess.run([sys.executable, "-m", "peerloom", "inspect", str(tmp_path / "node")],
-                        capture_output=True, text=True)
+    ok = run_cli(["inspect", tmp_path / "node"])
     assert ok.returncode == 0 and "chain" in ok.stdout and "votes cast (1 in all" in ok.stdout
-    missing = subprocess.run([sys.executable, "-m", "peerloom", "inspect", str(tmp_path / "nowhere")],
-                             capture_output=True, text=True)
+    missing = run_cli(["inspect", tmp_path / "nowhere"])
     assert missing.returncode == 2 and "no node.db" in missing.stderr

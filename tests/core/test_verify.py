@@ -4,8 +4,6 @@ missing window; a store's chain directory must hold the same heads as its databa
 one a crash left behind (`fill_chain_dir`)."""
 
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -16,6 +14,7 @@ from peerloom.node import fill_chain_dir
 from peerloom.verify import run_verify
 from tests.core.test_objects import certify, child
 from tests.helpers import ident, make_revision
+from tests.node_zygote import run_cli
 
 VALS = [ident(1), ident(2), ident(3), ident(4)]
 REV = make_revision(validators=VALS, quorum=3, trainers=[ident(10)])
@@ -76,8 +75,7 @@ def test_a_store_with_a_hole_fails_naming_the_missing_window(tmp_path, windows, 
     assert status == 1 and f"FAILED: window-gap: {message}" in out, out
     status, out = _verify(store_dir / "chain")  # the same hole in the chain directory
     assert status == 1 and message in out, out
-    cli = subprocess.run([sys.executable, "-m", "peerloom", "verify", str(node_dir)], capture_output=True,
-                         text=True, timeout=120)
+    cli = run_cli(["verify", node_dir], timeout=120)
     assert cli.returncode == 1 and message in cli.stdout, cli.stdout + cli.stderr
 
 
@@ -102,8 +100,7 @@ def test_manifest_option_and_user_errors(tmp_path):
     manifest.write_bytes(REV.envelope.to_bytes())
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "peerloom", "verify", *map(str, args)], capture_output=True,
-                              text=True, timeout=120)
+        return run_cli(["verify", *args], timeout=120)
 
     out = cli(node_dir)
     assert out.returncode == 2 and "pass --manifest FILE" in out.stderr and len(out.stderr.splitlines()) == 1

@@ -3,17 +3,16 @@ traceback; `--debug` shows the traceback."""
 
 import socket
 import subprocess
-import sys
 
 import pytest
 
 from tests.node_cluster import make_fleet
-
-PEERLOOM = [sys.executable, "-m", "peerloom"]
+from tests.node_zygote import run_cli
 
 
 def _run(*args: str, cwd=None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*PEERLOOM, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+    """`python -m peerloom <args>` as a real process, forked from the session's fork server (no import cost)."""
+    return run_cli(list(args), timeout=120, cwd=cwd)
 
 
 def _one_line(out: subprocess.CompletedProcess[str], *needles: str) -> str:

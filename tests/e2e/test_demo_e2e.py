@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.node_zygote import run_cli
+
 REPORT_KEYS = {"peerloom_version", "profile", "seed", "workload", "transport", "nodes", "windows", "final_head",
                "baseline", "updates", "bytes_on_wire", "wall_s", "quarantined", "verified", "quarantine_over_time",
                "head_lag_s", "bytes_by_role", "chain", "per_window", "defence", "double_votes", "verification"}
@@ -191,8 +193,7 @@ def test_verify_fails_on_tampered_chain(smoke_run):
 @pytest.mark.slow
 def test_peerloom_verify_command_passes_and_fails_on_any_tampered_byte(smoke_run, tmp_path):
     out, _, _ = smoke_run
-    ok = subprocess.run([sys.executable, "-m", "peerloom", "verify", str(out / "chain")],
-                        capture_output=True, text=True)
+    ok = run_cli(["verify", out / "chain"])
     assert ok.returncode == 0 and "OK: 7 certified heads" in ok.stdout, ok.stdout
     for name in ("000002.cbor", "manifest.cbor"):
         original = (out / "chain" / name).read_bytes()
@@ -202,8 +203,7 @@ def test_peerloom_verify_command_passes_and_fails_on_any_tampered_byte(smoke_run
             data = bytearray(original)
             data[index] ^= 0x01
             (bad / name).write_bytes(bytes(data))
-            result = subprocess.run([sys.executable, "-m", "peerloom", "verify", str(bad)],
-                                    capture_output=True, text=True)
+            result = run_cli(["verify", bad])
             assert result.returncode == 1 and "FAILED" in result.stdout, (name, index, result.stdout)
 
 

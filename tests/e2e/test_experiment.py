@@ -13,14 +13,15 @@ import pytest
 
 from peerloom.experiment import Experiment, Fleet
 from tests.node_cluster import free_port
+from tests.node_zygote import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKLOAD = "tests.node_cluster:numpy_digits"  # numpy: no torch import in each node
 
 
-def _peerloom(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "peerloom", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=180, **kwargs)
+def _peerloom(*args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m peerloom <args>` as a real process, forked from the session's fork server (no import cost)."""
+    return run_cli(list(args), cwd=ROOT, timeout=180)
 
 
 def test_write_makes_a_verifiable_experiment_directory(tmp_path):

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-import subprocess
 import sys
 import time
 import urllib.error
@@ -38,6 +37,7 @@ from peerloom.adapters.disk import TEST_FAULT_ENV
 from peerloom.core.identity import Identity
 from tests.live_attacks import certified, honest_hello, longest_skip_run, wait_certified
 from tests.node_cluster import free_port, make_fleet
+from tests.node_zygote import run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -242,9 +242,8 @@ def test_identity_flood_then_full_disk_against_a_live_validator(tmp_path):
         for node in nodes:
             node.stop()
     authority = (tmp_path / "fleet" / "authority").read_text().strip()
-    verified = subprocess.run([sys.executable, "-m", "peerloom", "verify", str(validator.directory / "store" / "chain"),
-                               "--authority", authority, "--manifest", str(tmp_path / "fleet" / "manifest.cbor")],
-                              capture_output=True, text=True, timeout=120)
+    verified = run_cli(["verify", validator.directory / "store" / "chain", "--authority", authority, "--manifest",
+                        tmp_path / "fleet" / "manifest.cbor"], timeout=120)
     assert verified.returncode == 0, verified.stdout + verified.stderr
 
 

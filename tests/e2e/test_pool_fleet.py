@@ -16,6 +16,7 @@ import pytest
 
 from peerloom.core.chain import decode_chain_entry
 from peerloom.experiment import Experiment, Fleet
+from tests.node_zygote import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -98,8 +99,7 @@ def test_a_two_rank_pool_trains_in_a_fleet_skips_a_window_when_a_rank_dies_and_r
         statuses = fleet.stop()
     assert statuses["trainer-1"] == 0, log_path.read_text(errors="replace")[-3000:]
     wait_for("the pool's rank to exit with its node", lambda: not Path(f"/proc/{new_rank1}").exists(), 30.0)
-    verify = subprocess.run([sys.executable, "-m", "peerloom", "verify", str(fleet.node_dir("validator-1"))],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    verify = run_cli(["verify", fleet.node_dir("validator-1")], cwd=ROOT, timeout=120)
     assert verify.returncode == 0 and "OK:" in verify.stdout, verify.stdout + verify.stderr
 
 
@@ -175,6 +175,5 @@ def test_an_fsdp_pool_of_two_ranks_trains_in_a_fleet_and_the_chain_verifies(tmp_
     finally:
         statuses = fleet.stop()
     assert statuses["trainer-1"] == 0, (pool_node / "node.log").read_text(errors="replace")[-3000:]
-    verify = subprocess.run([sys.executable, "-m", "peerloom", "verify", str(fleet.node_dir("validator-1"))],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    verify = run_cli(["verify", fleet.node_dir("validator-1")], cwd=ROOT, timeout=120)
     assert verify.returncode == 0 and "OK:" in verify.stdout, verify.stdout + verify.stderr
