@@ -51,7 +51,7 @@ from .addressbook import HANDSHAKE_FAILURES, AddressBook
 from .compute import ComputeExecutor
 from .edge_view import SUBMIT_TIMEOUT_S, NodeEdgeView, PeerInfo, SubmitResult
 from .eventqueue import EventQueue
-from .host import chunk_message, drain
+from ._legacy_host import chunk_message, drain
 from .limits import ConnectionLimiter, Limits, LimitsCollector
 from .logs import LineLimiter
 from .metrics import NodeMetrics
