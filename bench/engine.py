@@ -21,10 +21,10 @@ under the shared `Driver` (adapters/host.py); this file supplies its I/O primiti
 after the timed call.
 
 Reported per N (windows after the first, which warms up): ``events`` (calls of `Engine.handle`),
-``engine_s`` (seconds inside `Driver.handle`: the engine and the driver's dispatch; the primitives only queue,
-and signing the mirrored votes is excluded), ``events_per_s`` = events / engine_s, ``us_per_event``, ``events_per_window`` and
-``ms_per_window`` (engine time per certified window). Output (last line): ``{"validators", "results":
-[{"trainers", ...}]}``. ``--quick``: N = 10 and 100, 2 windows.
+``engine_s`` (seconds inside `Driver.handle`: the engine and the driver's dispatch; the primitives only
+queue, and signing the mirrored votes is excluded), ``events_per_s`` = events / engine_s, ``us_per_event``,
+``events_per_window``, ``ms_per_window`` (engine time per certified window) and ``rejections`` (none expected).
+Output (last line): ``{"validators", "results": [{"trainers", ...}]}``. ``--quick``: N = 10 and 100, 2 windows.
 """
 
 from __future__ import annotations
