@@ -82,7 +82,8 @@ class Host(StoreOnDisk, Observer):
         try:
             while True:
                 size = int.from_bytes(await reader.readexactly(4), "big")
-                self.driver.handle(ev.MessageReceived(now=self.loop.time(), peer=peer, data=await reader.readexactly(size)))
+                data = await reader.readexactly(size)
+                self.driver.handle(ev.MessageReceived(now=self.loop.time(), peer=peer, data=data))
         except (asyncio.IncompleteReadError, ConnectionError):
             self.writers.pop(peer, None)
             self.driver.handle(ev.PeerDisconnected(now=self.loop.time(), peer=peer))

@@ -42,7 +42,8 @@ class Node(StoreOnDisk, Observer):
         self.deadline = deadline
 
     def send(self, peer, data):
-        self.loop.inbox.append((self.loop.nodes[peer], ev.MessageReceived(now=self.loop.now, peer=self.peer, data=data)))
+        delivery = ev.MessageReceived(now=self.loop.now, peer=self.peer, data=data)
+        self.loop.inbox.append((self.loop.nodes[peer], delivery))
 
     def run_task(self, task, done):
         done(outcome(self.executor.run, task.kind, task.args))  # synchronously: compute takes no virtual time
@@ -88,7 +89,8 @@ def main() -> None:
     root, revision, ids, workload, shards = digits_experiment("loop")  # examples/_experiment.py
     loop = Loop()
     validator = Node(loop, "validator", {"validator"}, ids["validator"], revision, workload, shards, root)
-    trainers = [Node(loop, t, {"trainer"}, ids[t], revision, workload, shards, root) for t in ("trainer-1", "trainer-2")]
+    trainers = [Node(loop, t, {"trainer"}, ids[t], revision, workload, shards, root)
+                for t in ("trainer-1", "trainer-2")]
     for node in (validator, *trainers):
         loop.nodes[node.peer] = node
         node.driver.start()
