@@ -1,143 +1,245 @@
-"""The one interpreter of engine effects, shared by every host: the trio node runtime
-(`adapters/runtime.py`), the discrete-event simulator (`sim/kernel.py`) and a user's own loop
-(`examples/embed_engine_asyncio.py`).
+"""The driver: the whole engine contract in one place, shared by every host (the trio node runtime
+`adapters/runtime.py`, the simulator `sim/kernel.py`, `bench/engine.py` and a user's own loop:
+`examples/embed_engine_*.py`).
 
-A host is anything with one method per effect (`Host`). `drain(engine, host)` pulls the engine's effects
-in order and `dispatch` hands each to the method named after it (``Send`` -> ``send``, ``HangUp`` ->
-``hang_up``, ...). `dispatch` matches the `core.effects.Effect` union exhaustively and ends in
-`typing.assert_never`: a new effect that is not dispatched fails type checking here (`make typecheck`, strict on this
-module; tests/adapters/test_host_exhaustive.py shows it), and `tests/adapters/test_host.py` fails at run time. A
-host that cannot carry out an effect still implements its method and says there why it refuses it (e.g. the
-simulator feeds no `Submit`, so it awaits no `SubmitReply`).
+A host supplies I/O primitives only (`Host`): a clock, one timer, sending bytes, closing and refusing
+connections, writing records and chunks, committing artifacts, running a compute task. `Driver` does the rest
+of spec/design.md §2, in this order (quinn-proto's `Connection` states its order the same way):
 
-What differs per host stays in the host: when `Persisted`, `ArtifactStored` and task results are fed
-back (at once, after a modelled delay, from a worker thread), how bytes reach a peer, and timers (every
-host re-arms its one timer at `Engine.next_deadline()` after a drain). The storage helpers below are the
-parts of storage effects that do not differ.
+1. `Driver.handle(event)` feeds the engine one event (`Driver.start` and `Driver.timer_due` build theirs);
+2. it drains `Engine.next_effect()` until None and carries out each effect in order (`_dispatch`, a `match` over
+   the `core.effects.Effect` union ending in `typing.assert_never`: a new effect fails type checking here,
+   `make typecheck`, and tests/adapters/test_driver.py fails at run time);
+3. it re-arms the host's one timer at `Engine.next_deadline()` (aioquic's `transmit()`): `Host.arm_timer`.
 
-The engine contract this relies on: spec/design.md §2 and core/engine.py's module docstring (handle, then drain
-`next_effect()` until None, executing each effect in order).
+What the engine must hear back is built here, never in a host: a primitive that completes work (a record
+written, an artifact committed, a task run) calls the `done` callback it was given, at once or later, and the
+driver feeds `Persisted`, `ArtifactStored` / `ArtifactCorrupt`, `TaskFinished` / `TaskFailed`, stamped with
+`Host.clock()`. A `done` called inside a primitive (a synchronous write) is fed at once and the running drain
+goes on with the effects it adds; one called later runs a whole handle -> drain -> re-arm itself.
+
+Notifications a host may ignore (a promoted head, a rejection, discovered addresses, a `SubmitReply`, a log
+line) go to an `Observer`, whose methods do nothing unless a host overrides them.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, assert_never
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, assert_never
 
 from peerloom.core import effects as fx
 from peerloom.core import events as ev
 from peerloom.core.engine import Engine
 from peerloom.core.errors import VerificationError
+from peerloom.core.identity import PeerId
 from peerloom.core.messages import Chunk, encode_message
+from peerloom.core.objects import ArtifactRef, Head, QuorumCertificate
 
-from .storage import ArtifactStore
+TaskOutcome = dict[str, Any] | Exception
+"""What a compute task gives its `done` callback: the task kind's result map (`core.effects.RunTask`), or the
+exception it raised (fed back as `TaskFailed` with its repr)."""
 
 
 class Host(Protocol):
-    """What a host of an engine provides: one method per effect, each given the effect. Methods may feed
-    events back into the engine (e.g. `Persisted` once a record is durable); `drain` then goes on with the
-    effects that produced. The effects' docstrings (core/effects.py) say what each must do."""
+    """The I/O primitives a `Driver` needs. None of them feeds the engine: the driver does, when `done` is
+    called. Each is called on the engine's thread; `done` must be called there too, exactly once."""
 
-    def send(self, effect: fx.Send) -> None:
-        """Queue `effect.data` for the connected peer `effect.peer`; drop it if there is no connection."""
+    def clock(self) -> float:
+        """Seconds on the host's monotonic clock (the `now` of every event the driver builds)."""
 
-    def hang_up(self, effect: fx.HangUp) -> None:
-        """Close the connection to `effect.peer` (if any); the host feeds `PeerDisconnected` once it is gone."""
+    def arm_timer(self, deadline: float | None) -> None:
+        """Keep the one timer at `deadline` (None: none pending) and call `Driver.timer_due` once it passes.
+        Called after every handled event; an early or repeated `timer_due` does nothing."""
 
-    def persist(self, effect: fx.Persist) -> None:
-        """Write the record durably, then (not before) feed back `Persisted(token)`."""
+    def send(self, peer: PeerId, data: bytes) -> None:
+        """Queue one whole wire message for the connected `peer`; drop it if there is no connection."""
 
-    def run_task(self, effect: fx.RunTask) -> None:
-        """Run the compute task off the engine; feed back `TaskFinished` or `TaskFailed`."""
+    def hang_up(self, peer: PeerId, reason: str) -> None:
+        """Close the connection to `peer` (if any); feed `PeerDisconnected` once it is gone."""
 
-    def serve_chunk(self, effect: fx.ServeChunk) -> None:
-        """Send the stored chunk to the peer (`chunk_message`)."""
+    def ban(self, peer: PeerId, until: float) -> None:
+        """Refuse `peer`, inbound or dialed, until `until` (this clock). The engine hangs up on it next."""
 
-    def store_chunk(self, effect: fx.StoreChunk) -> None:
+    def write_record(self, key: str, record: bytes, done: Callable[[], None]) -> None:
+        """Write `record` under `key` durably (fsync), then, not before, call `done()`."""
+
+    def run_task(self, task: fx.RunTask, done: Callable[[TaskOutcome], None]) -> None:
+        """Run the compute task off the engine (`task.kind`, `task.args`: `core.effects.RunTask`); call
+        `done(result)`, or `done(exception)` if it failed."""
+
+    def read_chunk(self, ref: ArtifactRef, index: int) -> bytes:
+        """Chunk `index` of the stored artifact `ref` (the driver sends it as a `Chunk` message)."""
+
+    def write_chunk(self, ref: ArtifactRef, index: int, data: bytes) -> None:
         """Write a verified chunk of an artifact being fetched to temporary storage."""
 
-    def commit_artifact(self, effect: fx.CommitArtifact) -> None:
-        """Assemble and verify the artifact, then feed back `stored_event`'s event."""
+    def commit_artifact(self, ref: ArtifactRef, durable: bool, done: Callable[[bool], None]) -> None:
+        """Assemble the chunks written for `ref`, check the whole against `ref.digest` and make it visible
+        (durable first unless `durable` is False: `core.effects.CommitArtifact`); then call `done(True)`, or
+        `done(False)` if the bytes do not hash to the digest (`commit` does it for an `ArtifactStore`)."""
 
-    def drop_artifacts(self, effect: fx.DropArtifacts) -> None:
-        """Delete the stored artifacts the engine dropped (retention; `ArtifactStore.remove` does it for a
-        store)."""
+    def remove_artifacts(self, digests: tuple[bytes, ...]) -> None:
+        """Delete these stored artifacts (retention: spec/protocol.md §8.1)."""
 
-    def head_promoted(self, effect: fx.HeadPromoted) -> None:
-        """A new certified head is canonical (notification)."""
 
-    def peers_discovered(self, effect: fx.PeersDiscovered) -> None:
-        """Addresses of peers not connected to: dial them, or say why not."""
+class Observer:
+    """Notifications a host may ignore: each method does nothing here; override the ones you need."""
 
-    def rejected(self, effect: fx.Rejected) -> None:
-        """The engine refused a peer's input (reputation, metrics)."""
+    def head_promoted(self, head: Head, certificate: QuorumCertificate) -> None:
+        """A new certified head is canonical at this node."""
 
-    def ban(self, effect: fx.Ban) -> None:
-        """Refuse `effect.peer`, inbound or dialed, until `effect.until` (host monotonic seconds)."""
+    def rejected(self, peer: PeerId | None, reason: str, detail: str) -> None:
+        """The engine refused (and charged) a peer's input; `reason` is a stable code."""
 
-    def submit_reply(self, effect: fx.SubmitReply) -> None:
-        """The verdict on a `Submit` this host fed, by `request_id`."""
+    def peers_discovered(self, peers: tuple[tuple[PeerId, str], ...]) -> None:
+        """Listen addresses of peers not connected to: a host may dial them."""
 
-    def log(self, effect: fx.Log) -> None:
+    def submit_reply(self, request_id: int, accepted: bool, reason: str) -> None:
+        """The verdict on the `events.Submit` this host fed with `request_id` (a host feeding none gets none)."""
+
+    def log(self, event: str, fields: dict[str, Any]) -> None:
         """A structured log line."""
 
 
-def dispatch(effect: fx.Effect, host: Host) -> None:
-    """Hand one effect to the `host` method named after its type. Raises AssertionError (via
-    `assert_never`) for an object that is not a member of `core.effects.Effect`."""
-    match effect:
-        case fx.Send():
-            host.send(effect)
-        case fx.HangUp():
-            host.hang_up(effect)
-        case fx.Persist():
-            host.persist(effect)
-        case fx.RunTask():
-            host.run_task(effect)
-        case fx.ServeChunk():
-            host.serve_chunk(effect)
-        case fx.StoreChunk():
-            host.store_chunk(effect)
-        case fx.CommitArtifact():
-            host.commit_artifact(effect)
-        case fx.DropArtifacts():
-            host.drop_artifacts(effect)
-        case fx.HeadPromoted():
-            host.head_promoted(effect)
-        case fx.PeersDiscovered():
-            host.peers_discovered(effect)
-        case fx.Rejected():
-            host.rejected(effect)
-        case fx.Ban():
-            host.ban(effect)
-        case fx.SubmitReply():
-            host.submit_reply(effect)
-        case fx.Log():
-            host.log(effect)
-        case _:
-            assert_never(effect)
+class Driver:
+    """One engine driven through one host's primitives (module docstring). Not thread-safe: call it from
+    the engine's thread (one trio or asyncio task at a time)."""
+
+    def __init__(self, engine: Engine, host: Host, observer: Observer | None = None) -> None:
+        self.engine = engine
+        self.host = host
+        self.observer = observer if observer is not None else Observer()
+        self._draining = False
+
+    def start(self) -> None:
+        """Feed `Start` (first, exactly once)."""
+        self.handle(ev.Start(now=self.host.clock()))
+
+    def timer_due(self) -> None:
+        """The host's timer passed: feed `TimerDue`."""
+        self.handle(ev.TimerDue(now=self.host.clock()))
+
+    def handle(self, event: ev.Event) -> None:
+        """Feed `event`, carry out every effect it causes in order, then re-arm the timer. Called from inside
+        a primitive (a `done` at once), it only feeds the event: the drain under way executes what it adds."""
+        if self._draining:
+            self.engine.handle(event)
+            return
+        self._draining = True
+        try:
+            self.engine.handle(event)
+            while (effect := self.engine.next_effect()) is not None:
+                self._dispatch(effect)
+        finally:
+            self._draining = False
+        self.host.arm_timer(self.engine.next_deadline())
+
+    def _dispatch(self, effect: fx.Effect) -> None:
+        host, observer = self.host, self.observer
+        match effect:
+            case fx.Send():
+                host.send(effect.peer, effect.data)
+            case fx.HangUp():
+                host.hang_up(effect.peer, effect.reason)
+            case fx.Ban():
+                host.ban(effect.peer, effect.until)
+            case fx.Persist():
+                host.write_record(effect.key, effect.record, self._persisted(effect.token))
+            case fx.RunTask():
+                host.run_task(effect, self._task_done(effect.task_id))
+            case fx.ServeChunk():
+                data = host.read_chunk(effect.ref, effect.index)
+                host.send(effect.peer, encode_message(Chunk(artifact=effect.ref.digest, index=effect.index, data=data)))
+            case fx.StoreChunk():
+                host.write_chunk(effect.ref, effect.index, effect.data)
+            case fx.CommitArtifact():
+                host.commit_artifact(effect.ref, effect.durable, self._committed(effect.ref))
+            case fx.DropArtifacts():
+                host.remove_artifacts(effect.digests)
+            case fx.HeadPromoted():
+                observer.head_promoted(effect.head, effect.certificate)
+            case fx.Rejected():
+                observer.rejected(effect.peer, effect.reason, effect.detail)
+            case fx.PeersDiscovered():
+                observer.peers_discovered(effect.peers)
+            case fx.SubmitReply():
+                observer.submit_reply(effect.request_id, effect.accepted, effect.reason)
+            case fx.Log():
+                observer.log(effect.event, effect.fields)
+            case _:
+                assert_never(effect)
+
+    # --- what the engine hears back ------------------------------------------------------------------
+
+    def _persisted(self, token: int) -> Callable[[], None]:
+        return lambda: self.handle(ev.Persisted(now=self.host.clock(), token=token))
+
+    def _task_done(self, task_id: str) -> Callable[[TaskOutcome], None]:
+        def done(outcome: TaskOutcome) -> None:
+            now = self.host.clock()
+            if isinstance(outcome, Exception):
+                self.handle(ev.TaskFailed(now=now, task_id=task_id, reason=repr(outcome)))
+            else:
+                self.handle(ev.TaskFinished(now=now, task_id=task_id, result=outcome))
+        return done
+
+    def _committed(self, ref: ArtifactRef) -> Callable[[bool], None]:
+        def done(ok: bool) -> None:
+            now = self.host.clock()
+            self.handle(ev.ArtifactStored(now=now, ref=ref) if ok else ev.ArtifactCorrupt(now=now, ref=ref))
+        return done
 
 
-def drain(engine: Engine, host: Host) -> None:
-    """Execute every effect `engine` has for now, in order (call after each `Engine.handle`). Events a
-    host method feeds back into the engine add effects that this same loop then executes."""
-    while (effect := engine.next_effect()) is not None:
-        dispatch(effect, host)
+# --- primitives that do not differ between hosts ------------------------------------------------------
 
 
-# --- storage parts every host shares ----------------------------------------------------------------
-
-
-def chunk_message(store: ArtifactStore, effect: fx.ServeChunk) -> bytes:
-    """The encoded `Chunk` message answering a ServeChunk effect."""
-    data = store.read_chunk(effect.ref, effect.index)
-    return encode_message(Chunk(artifact=effect.ref.digest, index=effect.index, data=data))
-
-
-def stored_event(store: ArtifactStore, effect: fx.CommitArtifact, now: float) -> ev.Event:
-    """Commit a fetched artifact and return the event to feed back: `ArtifactStored`, or `ArtifactCorrupt`
-    when the bytes do not hash to the ref's digest (a hostile ref must never stop the host)."""
+def outcome(fn: Callable[..., dict[str, Any]], *args: Any) -> TaskOutcome:
+    """`fn(*args)`, or the exception it raised: what a task's `done` takes (a failed task is an event for the
+    engine, not a crash of the host)."""
     try:
-        store.commit(effect.ref, durable=effect.durable)
+        return fn(*args)
+    except Exception as exc:
+        return exc
+
+
+class Store(Protocol):
+    """What `StoreOnDisk` uses: an `adapters.storage.ArtifactStore` (or a `sim.disk.SimDisk`)."""
+
+    def put_record(self, key: str, record: bytes) -> None: ...
+    def read_chunk(self, ref: ArtifactRef, index: int) -> bytes: ...
+    def write_chunk(self, ref: ArtifactRef, index: int, data: bytes) -> None: ...
+    def commit(self, ref: ArtifactRef, *, durable: bool = True) -> None: ...
+    def remove(self, digests: Sequence[bytes]) -> int: ...
+
+
+def commit(store: Store, ref: ArtifactRef, durable: bool = True) -> bool:
+    """Commit a fetched artifact in `store`: True, or False where the bytes do not hash to the ref's digest
+    (`VerificationError`: a hostile ref must never stop the host)."""
+    try:
+        store.commit(ref, durable=durable)
     except VerificationError:
-        return ev.ArtifactCorrupt(now=now, ref=effect.ref)
-    return ev.ArtifactStored(now=now, ref=effect.ref)
+        return False
+    return True
+
+
+class StoreOnDisk:
+    """The storage primitives of `Host` over `self.store`, synchronous: each `done` is called before the
+    primitive returns (`ArtifactStore.put_record` commits to SQLite, synchronous=FULL, before it returns)."""
+
+    store: Store
+
+    def write_record(self, key: str, record: bytes, done: Callable[[], None]) -> None:
+        self.store.put_record(key, record)
+        done()
+
+    def read_chunk(self, ref: ArtifactRef, index: int) -> bytes:
+        return self.store.read_chunk(ref, index)
+
+    def write_chunk(self, ref: ArtifactRef, index: int, data: bytes) -> None:
+        self.store.write_chunk(ref, index, data)
+
+    def commit_artifact(self, ref: ArtifactRef, durable: bool, done: Callable[[bool], None]) -> None:
+        done(commit(self.store, ref, durable))
+
+    def remove_artifacts(self, digests: tuple[bytes, ...]) -> None:
+        self.store.remove(digests)

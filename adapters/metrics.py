@@ -1,9 +1,10 @@
-"""Prometheus metrics of one node, fed from the engine's effects by the runtime (spec/design.md §6).
+"""Prometheus metrics of one node, fed from the engine's notifications by the runtime (spec/design.md §6).
 
 Each node owns a `prometheus_client.CollectorRegistry` (several nodes may share a process in tests); the
-HTTP edge exposes it at ``/metrics``. The runtime calls `on_effect` for every `HeadPromoted` and `Rejected`
-effect; wire bytes per peer, head age and votes (the engine's ``votes_<step>`` stats) are read at scrape
-time from callbacks, so no metric depends on parsing log lines.
+HTTP edge exposes it at ``/metrics``. The runtime calls `on_head` for every promoted head and `on_rejected` for
+every rejection (it is the driver's `Observer`, adapters/host.py); wire bytes per peer, head age and votes (the
+engine's ``votes_<step>`` stats) are read at scrape time from callbacks, so no metric depends on parsing log
+lines.
 
 ==================================================== =======================================================
 metric                                               meaning
@@ -36,8 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from peerloom.core import effects as fx
-from peerloom.core.objects import PRECOMMIT, PREVOTE
+from peerloom.core.objects import PRECOMMIT, PREVOTE, Head
 
 # Rejections that name an update that failed screening (spec/protocol.md §6) rather than a bad message.
 _UPDATE_REASON_PREFIXES = ("screen-", "outlier", "cohort-")
@@ -80,7 +80,8 @@ class _WireCollector(Collector):
 
 
 class NodeMetrics:
-    """The metrics of one node. `on_effect` is called from the engine loop; scrapes from any thread."""
+    """The metrics of one node. `on_head` and `on_rejected` are called from the engine loop; scrapes from any
+    thread."""
 
     def __init__(self, peer_bytes: PeerBytes = lambda: (), engine_stats: EngineStats = dict,
                  connected: Callable[[], int] | None = None) -> None:
@@ -102,23 +103,19 @@ class NodeMetrics:
         self._best_peer_window = 0
         r.register(_WireCollector(peer_bytes, engine_stats, self, connected))
 
-    def on_effect(self, effect: fx.Effect) -> None:
-        """Count what a HeadPromoted or Rejected effect says; other effects are ignored."""
-        match effect:
-            case fx.HeadPromoted():
-                head = effect.head
-                self.windows.labels(outcome="skipped" if head.skipped else "certified").inc()
-                self.accepted.inc(len(head.cohort))
-                self.head_window.set(head.window)
-                self.promoted_at = time.time()
-                self.head_lag.set(max(0, self._best_peer_window - head.window))
-            case fx.Rejected():
-                reason = effect.reason
-                self.rejections.labels(reason=reason).inc()
-                if reason.startswith(_UPDATE_REASON_PREFIXES):
-                    self.rejected.labels(reason=reason).inc()
-            case _:
-                pass
+    def on_head(self, head: Head) -> None:
+        """A promoted head (`HeadPromoted`): windows, accepted updates, head window and lag."""
+        self.windows.labels(outcome="skipped" if head.skipped else "certified").inc()
+        self.accepted.inc(len(head.cohort))
+        self.head_window.set(head.window)
+        self.promoted_at = time.time()
+        self.head_lag.set(max(0, self._best_peer_window - head.window))
+
+    def on_rejected(self, reason: str) -> None:
+        """A rejection the engine charged (`Rejected`); those of a screened update count as rejected updates."""
+        self.rejections.labels(reason=reason).inc()
+        if reason.startswith(_UPDATE_REASON_PREFIXES):
+            self.rejected.labels(reason=reason).inc()
 
     def note_peer_head(self, window: int, own_window: int) -> None:
         """A peer announced its head window (Hello); updates the head lag."""

@@ -3,10 +3,11 @@ in-memory; dialed and listened on only through that interface), a compute execut
 (spec/design.md §6).
 
 One main task owns the engine: it waits for the next event (or the engine's next deadline), feeds it to
-`Engine.handle`, and executes the effects in order through the shared host driver (`adapters.host.drain`;
-this runtime is the `Host`). Each connection has a reader task (messages become
-events) and a writer task per lane with its own queue, so a slow peer never blocks the engine; a peer whose
-queue grows past `MAX_CONTROL_OUTBOX_BYTES` / `MAX_BULK_OUTBOX_BYTES` is hung up on. Inbound connections
+the shared `Driver` (adapters/host.py), which executes the effects in order through this runtime's I/O
+primitives (it is the driver's `Host` and `Observer`) and re-arms the one timer the main loop waits on.
+Each connection has a reader task (messages become events) and a writer task per lane with its own queue,
+so a slow peer never blocks the engine; a peer whose queue grows past `MAX_CONTROL_OUTBOX_BYTES` /
+`MAX_BULK_OUTBOX_BYTES` is hung up on. Inbound connections
 go through the `AddressBook` like dialed ones (limits, bans); a peer the engine bans (a `Ban` effect) is
 refused, inbound and dialed, until the ban ends. Compute tasks run on a worker thread, one at a time per node
 (sampled audits beside them on an audit executor of their own where the node has one: `ComputeSlot`). Persist
@@ -22,6 +23,7 @@ client's signed submission (`adapters.http_client`) crosses into trio through th
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -44,21 +46,21 @@ from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.errors import PeerloomError
 from peerloom.core.identity import Identity, PeerId
 from peerloom.core.messages import Hello, decode_message
-from peerloom.core.objects import Head, QuorumCertificate, Revision
+from peerloom.core.objects import ArtifactRef, Head, QuorumCertificate, Revision
 
 from . import disk, tcp
 from .addressbook import HANDSHAKE_FAILURES, AddressBook
 from .compute import ComputeExecutor
 from .edge_view import SUBMIT_TIMEOUT_S, NodeEdgeView, PeerInfo, SubmitResult
 from .eventqueue import EventQueue
-from .host import chunk_message, drain
+from .host import Driver, Observer, TaskOutcome
 from .limits import ConnectionLimiter, Limits, LimitsCollector
 from .logs import LineLimiter
 from .metrics import NodeMetrics
 from .peerstate import MAX_PEER_SERIES, MAX_SEEN_PEERS, BoundedLru, release_freed_memory, tune_allocator
 from .relay import RelayServer, RelayTransport
 from .storage import ArtifactStore
-from .store_writer import CORRUPT, FAILED, STORED, Outcome, StoreWriter
+from .store_writer import CORRUPT, FAILED, STORED, Commit, Outcome, StoreWriter
 from .transport import Connection, Transport, canonical_address
 
 log = logging.getLogger("peerloom.runtime")
@@ -211,7 +213,15 @@ class _DiskResumed:
     """Queued by the disk probe for the main loop: space is free again, write what waited (`_resume_writes`)."""
 
 
-class NodeRuntime:
+@attrs.frozen
+class _Completion:
+    """Queued for the main loop: a primitive's work is done (a task, a commit); `done` feeds the engine through
+    the driver."""
+
+    done: Callable[[], None]
+
+
+class NodeRuntime(Observer):
     """Runs one node until cancelled. `events_path` receives one JSON line per engine Log effect.
     `audit_executor` (over the same store, with a workload instance of its own) runs the ``audit`` and
     ``audit-plan`` tasks beside `executor`'s (`ComputeSlot`); None runs them on `executor` between the others."""
@@ -238,18 +248,20 @@ class NodeRuntime:
                               agreement_timeout_s=options.agreement_timeout_s, private_data=options.private_data,
                               accountant=privacy_accountant(revision.manifest))
         self.engine = Engine(config, identity, random.Random(), stored=store.refs(), records=store.records())
+        self.driver = Driver(self.engine, self, self)
+        self._deadline: float | None = None  # the driver's timer (`arm_timer`), waited on by `_main_loop`
         self._events_path = events_path
         self._events_file = open(events_path, "a", buffering=1) if events_path else None
         # A full disk (spec/transport.md §15): what could not be written waits here, in order, and is
         # written when the probe finds space again; meanwhile the engine holds what depends on it (votes).
         self.disk_full = False
-        self._unwritten: list[fx.Persist] = []
+        self._unwritten: list[tuple[str, bytes, Callable[[], None]]] = []  # (key, record, done)
         self._unwritten_chain: list[tuple[Head, QuorumCertificate]] = []
         self._lost_fetches: set[bytes] = set()  # fetches with a chunk that never reached the disk
         # Chunk writes and artifact commits run on a worker thread, in order (spec/design.md §6, Storage).
         self._store_writer = StoreWriter(store, self._stored)
         # What the engine handles next: admitted peers' events and the node's own before strangers' (§14).
-        self._events: EventQueue[ev.Event | _Submit | _DiskResumed] = EventQueue()
+        self._events: EventQueue[ev.Event | _Submit | _DiskResumed | _Completion] = EventQueue()
         # Bytes of each peer's messages queued for the engine, bounded per peer (`_inbox_room`).
         self._inbox: Counter[PeerId] = Counter()
         self._inbox_room_events: dict[PeerId, trio.Event] = {}
@@ -372,10 +384,10 @@ class NodeRuntime:
         written = len(self._unwritten)
         try:
             while self._unwritten:
-                effect = self._unwritten[0]
-                self.store.put_record(effect.key, effect.record)
+                key, record, done = self._unwritten[0]
+                self.store.put_record(key, record)
                 del self._unwritten[0]
-                self._persisted(effect)
+                self._persisted(key, record, done)
             while self._unwritten_chain:
                 entry = self._unwritten_chain[0]
                 assert self.on_chain_entry is not None
@@ -450,8 +462,7 @@ class NodeRuntime:
                 self.engine.config = attrs.evolve(self.engine.config, listen_address=self._advertised())
                 if self.options.http_listen is not None:
                     await trio.to_thread.run_sync(self._start_edge, *self.options.http_listen)
-                self.engine.handle(ev.Start(now=trio.current_time()))
-                self._drain()
+                self.driver.start()
                 now = trio.current_time()
                 for address in self.options.bootstrap:
                     text = _tcp_text(address) if isinstance(address, tuple) else address
@@ -597,177 +608,178 @@ class NodeRuntime:
     async def _main_loop(self) -> None:
         while True:
             await self._store_writer.room()  # backpressure: chunks queued for the disk are bounded
-            deadline = self.engine.next_deadline()
-            with trio.move_on_at(deadline if deadline is not None else math.inf):
+            with trio.move_on_at(self._deadline if self._deadline is not None else math.inf):
                 item = await self._events.get()
                 if isinstance(item, _Submit):
                     self._submit(item)
                 elif isinstance(item, _DiskResumed):
                     self._resume_writes()
+                elif isinstance(item, _Completion):
+                    item.done()
                 else:
-                    self.engine.handle(_with_now(item, trio.current_time()))
+                    self.driver.handle(_with_now(item, trio.current_time()))
                     if isinstance(item, ev.MessageReceived):
                         self._inbox_done(item.peer, len(item.data))
-                self._drain()
                 continue
-            self.engine.handle(ev.TimerDue(now=trio.current_time()))
-            self._drain()
+            self.driver.timer_due()
 
-    def _drain(self) -> None:
-        drain(self.engine, self)
+    # --- I/O primitives (this runtime is the driver's `adapters.host.Host`) --------------------------
 
-    # --- effects (this runtime is the engine's `adapters.host.Host`) ---------------------------------
+    def clock(self) -> float:
+        return trio.current_time()
 
-    def send(self, effect: fx.Send) -> None:
-        self._enqueue(effect.peer, effect.data)
+    def arm_timer(self, deadline: float | None) -> None:
+        self._deadline = deadline
 
-    def serve_chunk(self, effect: fx.ServeChunk) -> None:
-        self._enqueue(effect.peer, chunk_message(self.store, effect))
+    def send(self, peer: PeerId, data: bytes) -> None:
+        self._enqueue(peer, data)
 
-    def hang_up(self, effect: fx.HangUp) -> None:
+    def hang_up(self, peer: PeerId, reason: str) -> None:
         """Cancel the connection's scope: its owner (`_adopt_connection`) closes it and feeds
         `PeerDisconnected`."""
-        outbox = self._outboxes.get(effect.peer)
+        outbox = self._outboxes.get(peer)
         if outbox is not None:
             outbox.scope.cancel()
 
-    def persist(self, effect: fx.Persist) -> None:
-        """Committed to the node database (SQLite WAL, synchronous=FULL) before `Persisted` is fed back, so the
-        messages the engine then releases follow a durable record. A conflicting vote raises DoubleVoteError:
-        the node stops rather than equivocate.
-        On a full disk the record waits (in order, with every later one) and `Persisted` comes when it is
+    def write_record(self, key: str, record: bytes, done: Callable[[], None]) -> None:
+        """Committed to the node database (SQLite WAL, synchronous=FULL) before `done`, so the messages the
+        engine then releases follow a durable record. A conflicting vote raises DoubleVoteError: the node
+        stops rather than equivocate.
+        On a full disk the record waits (in order, with every later one) and `done` comes when it is
         written (`_resume_writes`)."""
         if self.disk_full:
-            self._unwritten.append(effect)
+            self._unwritten.append((key, record, done))
             return
         try:
-            self.store.put_record(effect.key, effect.record)
+            self.store.put_record(key, record)
         except OSError as exc:
             if not disk.is_disk_full(exc):
                 raise
-            self._unwritten.append(effect)
+            self._unwritten.append((key, record, done))
             self._disk_is_full("records", exc)
             return
-        self._persisted(effect)
+        self._persisted(key, record, done)
 
-    def _persisted(self, effect: fx.Persist) -> None:
-        self._note_chain_record(effect)
-        self.engine.handle(ev.Persisted(now=trio.current_time(), token=effect.token))
+    def _persisted(self, key: str, record: bytes, done: Callable[[], None]) -> None:
+        self._note_chain_record(key, record)
+        done()
 
-    def store_chunk(self, effect: fx.StoreChunk) -> None:
+    def read_chunk(self, ref: ArtifactRef, index: int) -> bytes:
+        return self.store.read_chunk(ref, index)
+
+    def write_chunk(self, ref: ArtifactRef, index: int, data: bytes) -> None:
         """Queued for the store writer's thread (`adapters.store_writer`), in order with the commit.
         A chunk that cannot be written (full disk) loses its whole fetch: the store drops the partial file
         and the fetch is never committed (`_stored`), so no artifact with a hole is ever trusted and no
         provider or author is charged for our disk."""
-        if effect.ref.digest not in self._lost_fetches:
-            self._store_writer.write_chunk(effect)
+        if ref.digest not in self._lost_fetches:
+            self._store_writer.write_chunk(ref, index, data)
 
-    def commit_artifact(self, effect: fx.CommitArtifact) -> None:
-        """Queued behind the artifact's chunks; the engine hears `ArtifactStored` (or `ArtifactCorrupt`) once
-        the commit is done (`_stored`)."""
-        if effect.ref.digest not in self._lost_fetches:  # else held for good: see `store_chunk`
-            self._store_writer.commit(effect)
+    def commit_artifact(self, ref: ArtifactRef, durable: bool, done: Callable[[bool], None]) -> None:
+        """Queued behind the artifact's chunks; `done` (the engine hears `ArtifactStored` or `ArtifactCorrupt`)
+        once the commit is done (`_stored`)."""
+        if ref.digest not in self._lost_fetches:  # else held for good: see `write_chunk`
+            self._store_writer.commit(ref, durable, done)
 
     def _stored(self, outcome: Outcome) -> None:
         """On the trio thread, the outcome of a queued write or commit, in order: a commit's event goes to
         the engine's queue; a write or commit that failed for want of space loses its fetch (`store_chunk`);
         any other OSError stops the node, as it did when the writes ran on this thread."""
-        effect = outcome.effect
+        op = outcome.op
         if outcome.status == FAILED:
             assert outcome.error is not None
             if not disk.is_disk_full(outcome.error):
                 raise outcome.error
-            self._lost_fetches.add(effect.ref.digest)
+            self._lost_fetches.add(op.ref.digest)
             self._disk_is_full("artifact store", outcome.error)
-        elif isinstance(effect, fx.CommitArtifact) and outcome.status in (STORED, CORRUPT):
-            self._events.put(ev.ArtifactStored(now=0.0, ref=effect.ref) if outcome.status == STORED
-                             else ev.ArtifactCorrupt(now=0.0, ref=effect.ref))
+        elif isinstance(op, Commit) and outcome.status in (STORED, CORRUPT):
+            stored = outcome.status == STORED
+            self._events.put(_Completion(lambda: op.done(stored)))
 
-    def drop_artifacts(self, effect: fx.DropArtifacts) -> None:
-        self.store.remove(effect.digests)
+    def remove_artifacts(self, digests: tuple[bytes, ...]) -> None:
+        self.store.remove(digests)
 
-    def run_task(self, effect: fx.RunTask) -> None:
+    def run_task(self, task: fx.RunTask, done: Callable[[TaskOutcome], None]) -> None:
         assert self._nursery is not None
-        self._nursery.start_soon(self._run_task, effect)
+        self._nursery.start_soon(self._run_task, task, done)
 
-    def peers_discovered(self, effect: fx.PeersDiscovered) -> None:
+    def ban(self, peer: PeerId, until: float) -> None:
+        """Not re-admitted, inbound or dialed, until the ban ends (the engine's `HangUp` follows)."""
+        now = trio.current_time()
+        self.book.ban_peer(peer, now=now, seconds=max(0.0, until - now))
+        log.info("banned %s for %.0f s", peer.short(), max(0.0, until - now))
+        self._emit_line("peer-banned", {"peer": peer.to_text(), "reason": "penalties",
+                                        "seconds": round(max(0.0, until - now), 3)})
+
+    # --- notifications (this runtime is the driver's `adapters.host.Observer`) ------------------------
+
+    def peers_discovered(self, peers: tuple[tuple[PeerId, str], ...]) -> None:
         """Learnt addresses go to the address book, which dials them within its limits and backoff."""
         now = trio.current_time()
-        for peer, text in effect.peers:
+        for peer, text in peers:
             if peer not in self._conns and self._transport_for(text) is not None:  # syntax checked by the engine
                 self.book.add(canonical_address(text), peer, now=now, learned=True)
         self._book_changed.set()
 
-    def rejected(self, effect: fx.Rejected) -> None:
+    def rejected(self, peer: PeerId | None, reason: str, detail: str) -> None:
         """Metrics, the per-window count the edge reports, and the peer's reputation (flushed per window)."""
-        self.metrics.on_effect(effect)
+        self.metrics.on_rejected(reason)
         self._rejected_in_window += 1
-        if effect.peer is not None:
-            key = (effect.peer.to_text() if effect.peer in self._admitted else OTHER_PEERS, effect.reason)
+        if peer is not None:
+            key = (peer.to_text() if peer in self._admitted else OTHER_PEERS, reason)
             self._reputation[key] = self._reputation.get(key, 0) + 1
-            if effect.peer in self._admitted:
-                count, _ = self._rejections.get(effect.peer, (0, ""))
-                detail = " ".join(effect.detail.split())[:200]
-                self._rejections[effect.peer] = (count + 1, f"{effect.reason} ({detail})" if detail else effect.reason)
+            if peer in self._admitted:
+                count, _ = self._rejections.get(peer, (0, ""))
+                detail = " ".join(detail.split())[:200]
+                self._rejections[peer] = (count + 1, f"{reason} ({detail})" if detail else reason)
 
-    def ban(self, effect: fx.Ban) -> None:
-        """Not re-admitted, inbound or dialed, until the ban ends (the engine's `HangUp` follows)."""
-        now = trio.current_time()
-        self.book.ban_peer(effect.peer, now=now, seconds=max(0.0, effect.until - now))
-        log.info("banned %s for %.0f s", effect.peer.short(), max(0.0, effect.until - now))
-        self._emit_line("peer-banned", {"peer": effect.peer.to_text(), "reason": "penalties",
-                                        "seconds": round(max(0.0, effect.until - now), 3)})
-
-    def submit_reply(self, effect: fx.SubmitReply) -> None:
+    def submit_reply(self, request_id: int, accepted: bool, reason: str) -> None:
         """Wake the HTTP edge's request waiting for this verdict (`_relay`)."""
-        item = self._submits.pop(effect.request_id, None)
+        item = self._submits.pop(request_id, None)
         if item is not None:
-            item.result = SubmitResult(accepted=effect.accepted, reason=effect.reason,
-                                       envelope_id=item.envelope.id)
+            item.result = SubmitResult(accepted=accepted, reason=reason, envelope_id=item.envelope.id)
             item.done.set()
 
-    def head_promoted(self, effect: fx.HeadPromoted) -> None:
+    def head_promoted(self, head: Head, certificate: QuorumCertificate) -> None:
         # windows archived by chain sync just before this head: the edge serves them too
-        for window in range(self.edge_view.latest().head.window + 1, effect.head.window):
+        for window in range(self.edge_view.latest().head.window + 1, head.window):
             entry = self.engine.chain_entry(window)
             if entry is not None:
                 self.edge_view.promote(*entry)
-        self.metrics.on_effect(effect)
+        self.metrics.on_head(head)
         self._note_admitted()
         self._head_changed.set()
         self._head_changed = trio.Event()
         if self.on_head is not None:
-            self.on_head(effect.head, effect.certificate)
+            self.on_head(head, certificate)
         sent, received = self.wire_bytes()
-        self.edge_view.promote(effect.head, effect.certificate, accepted=len(effect.head.cohort),
+        self.edge_view.promote(head, certificate, accepted=len(head.cohort),
                                rejected=self._rejected_in_window, bytes_sent=sent,
                                bytes_received=received, time=time.time())
         self._rejected_in_window = 0
         self._flush_reputation()
         try:
-            self.store.pin("head", effect.head.params.digest)  # what `ArtifactStore.gc` must keep
+            self.store.pin("head", head.params.digest)  # what `ArtifactStore.gc` must keep
         except OSError as exc:  # pinned again when writing resumes
             if not disk.is_disk_full(exc):
                 raise
             self._disk_is_full("records", exc)
-        self._emit_line("wire", {"window": effect.head.window, "sent": sent, "received": received})
+        self._emit_line("wire", {"window": head.window, "sent": sent, "received": received})
 
-    def log(self, effect: fx.Log) -> None:
-        self.metrics.on_effect(effect)
+    def log(self, event: str, fields: dict[str, Any]) -> None:
         # A line about a peer (a rejection, mostly) is within the stranger budget unless the peer is admitted.
-        if "peer" in effect.fields and not self._may_log(f"{effect.event}/{effect.fields.get('reason', '')}",
-                                                          effect.fields["peer"]):
+        if "peer" in fields and not self._may_log(f"{event}/{fields.get('reason', '')}", fields["peer"]):
             return
-        self._emit_line(effect.event, effect.fields)
-        engine_log.info(effect.event, extra={"fields": effect.fields})
+        self._emit_line(event, fields)
+        engine_log.info(event, extra={"fields": fields})
 
-    def _note_chain_record(self, effect: fx.Persist) -> None:
+    def _note_chain_record(self, key: str, record: bytes) -> None:
         """Hand a certified head just made durable to `on_chain_entry`: every ``chain/<w>`` record, and the
         ``head`` record of an engine that archives no chain (one that does archived the head first)."""
         if self.on_chain_entry is None:
             return
-        if effect.key.startswith("chain/") or (effect.key == HEAD_RECORD and not self.engine.config.keeps_chain):
-            entry = decode_chain_entry(effect.record)
+        if key.startswith("chain/") or (key == HEAD_RECORD and not self.engine.config.keeps_chain):
+            entry = decode_chain_entry(record)
             if self._unwritten_chain:
                 self._unwritten_chain.append(entry)
                 return
@@ -799,7 +811,7 @@ class NodeRuntime:
         outbox.queued[lane] += len(data)
         outbox.channels[lane].send_nowait(data)
 
-    async def _run_task(self, effect: fx.RunTask) -> None:
+    async def _run_task(self, effect: fx.RunTask, done: Callable[[TaskOutcome], None]) -> None:
         try:
             background = effect.kind in BACKGROUND_TASKS
             executor = self.audit_executor if background and self.audit_executor is not None else self.executor
@@ -811,13 +823,13 @@ class NodeRuntime:
                 log.exception("task %s failed", effect.task_id)
             # the dashboard's "last error" (`EdgeView.last_error`), one line
             self.edge_view.set_last_error(f"{effect.kind} task failed: {' '.join(repr(exc).split())[:300]}")
-            self._events.put(ev.TaskFailed(now=0.0, task_id=effect.task_id, reason=repr(exc)))
+            self._events.put(_Completion(functools.partial(done, exc)))
             return
         seconds = time.monotonic() - started
         # `started`: the unix time the task began on its worker (bench/window.py's utilization reads it)
         self._emit_line("task-done", {"kind": effect.kind, "seconds": round(seconds, 4),
                                       "started": round(time.time() - seconds, 3)})
-        self._events.put(ev.TaskFinished(now=0.0, task_id=effect.task_id, result=result))
+        self._events.put(_Completion(functools.partial(done, result)))
 
     async def _dialer(self) -> None:
         """Dial what the address book says is due (bootstrap and discovered addresses, with backoff)."""
@@ -1063,7 +1075,7 @@ class NodeRuntime:
             item.done.set()
             return
         self._submits[item.request_id] = item
-        self.engine.handle(ev.Submit(now=trio.current_time(), request_id=item.request_id, envelope=item.envelope,
+        self.driver.handle(ev.Submit(now=trio.current_time(), request_id=item.request_id, envelope=item.envelope,
                                      stored=stored))
 
     def _note_hello(self, data: bytes) -> None:

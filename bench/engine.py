@@ -16,13 +16,15 @@ as wire messages from connected peers (every one decoded, signature-checked and 
   and pass as they would in a fleet whose proposer is slow;
 
 and completes every compute task at once (screen ok; reduce: a fresh params artifact; evaluate: a loss),
-every `Persist` at once, and every timer when nothing else is pending (the clock jumps to it).
+every `Persist` at once, and every timer when nothing else is pending (the clock jumps to it). The engine runs
+under the shared `Driver` (adapters/host.py); this file supplies its I/O primitives, each queueing its work for
+after the timed call.
 
 Reported per N (windows after the first, which warms up): ``events`` (calls of `Engine.handle`),
-``engine_s`` (seconds inside `handle` and `next_effect`, the engine's own time: signing the driver's
-messages is excluded), ``events_per_s`` = events / engine_s, ``us_per_event``, ``events_per_window`` and
-``ms_per_window`` (engine time per certified window). Output (last line): ``{"validators", "results":
-[{"trainers", ...}]}``. ``--quick``: N = 10 and 100, 2 windows.
+``engine_s`` (seconds inside `Driver.handle`: the engine and the driver's dispatch; the primitives only
+queue, and signing the mirrored votes is excluded), ``events_per_s`` = events / engine_s, ``us_per_event``,
+``events_per_window``, ``ms_per_window`` (engine time per certified window) and ``rejections`` (none expected).
+Output (last line): ``{"validators", "results": [{"trainers", ...}]}``. ``--quick``: N = 10 and 100, 2 windows.
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ import json
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from peerloom.adapters.host import Driver, Observer
 from peerloom.core import effects as fx
 from peerloom.core import events as ev
 from peerloom.core.encoding import decode
@@ -61,8 +65,9 @@ def _identity(n: int) -> Identity:
     return Identity(n.to_bytes(4, "big") * 8)
 
 
-class Driver:
-    """One validator engine with `trainers` rostered trainers and `validators` validators in all."""
+class Bench(Observer):
+    """One validator engine with `trainers` rostered trainers and `validators` validators in all; the
+    `Driver`'s host and observer."""
 
     def __init__(self, trainers: int, validators: int, joins: int, seed: int = 0) -> None:
         self.validators = [_identity(1_000_000 + i) for i in range(validators)]
@@ -82,34 +87,67 @@ class Driver:
         self.me = self.validators[0]
         self.engine = Engine(EngineConfig(roles={"validator"}, revision=self.revision), self.me,
                              random.Random(seed), stored=[genesis])
+        self.driver = Driver(self.engine, self, self)
+        self.deadline: float | None = None
         self.now = 0.0
         self.events = 0
         self.engine_s = 0.0
         self.serial = 0
         self.pending: list[tuple[Any, ...]] = []  # messages to deliver: (peer, bytes)
-        self.tasks: list[ev.Event] = []
+        self.sent: list[bytes] = []  # what the engine sent, mirrored after the timed call (`_mirror_vote`)
+        self.completions: list[Callable[[], None]] = []  # records written and tasks run, fed back in order
+        self.rejections = 0
 
     # --- the engine's side, timed -------------------------------------------------------------------------
 
     def handle(self, event: ev.Event) -> None:
+        self._timed(self.driver.handle, event)
+
+    def _timed(self, call: Callable[..., None], *args: Any) -> None:
         started = time.perf_counter()
-        self.engine.handle(event)
-        effects = []
-        while (effect := self.engine.next_effect()) is not None:
-            effects.append(effect)
+        call(*args)
         self.engine_s += time.perf_counter() - started
         self.events += 1
-        for effect in effects:
-            self._effect(effect)
+        while self.sent:
+            self._mirror_vote(self.sent.pop(0))
 
-    def _effect(self, effect: fx.Effect) -> None:
-        match effect:
-            case fx.Persist():
-                self.tasks.append(ev.Persisted(now=self.now, token=effect.token))
-            case fx.RunTask():
-                self.tasks.append(ev.TaskFinished(now=self.now, task_id=effect.task_id, result=self._result(effect)))
-            case fx.Send():
-                self._mirror_vote(effect.data)
+    # --- the driver's I/O primitives (adapters/host.py `Host`): each only queues ---------------------------
+
+    def clock(self) -> float:
+        return self.now
+
+    def arm_timer(self, deadline: float | None) -> None:
+        self.deadline = deadline
+
+    def send(self, peer: Any, data: bytes) -> None:
+        self.sent.append(data)
+
+    def write_record(self, key: str, record: bytes, done: Callable[[], None]) -> None:
+        self.completions.append(lambda: self._timed(done))
+
+    def run_task(self, task: fx.RunTask, done: Callable[[Any], None]) -> None:
+        self.completions.append(lambda: self._timed(done, self._result(task)))
+
+    def hang_up(self, peer: Any, reason: str) -> None:
+        pass  # every peer is an honest identity of this benchmark: a hang-up shows as `rejections` below
+
+    def ban(self, peer: Any, until: float) -> None:
+        pass  # likewise (a ban follows rejections)
+
+    def remove_artifacts(self, digests: tuple[bytes, ...]) -> None:
+        pass  # retention: nothing is on disk here (artifacts are only marked stored)
+
+    def read_chunk(self, ref: Any, index: int) -> bytes:
+        raise RuntimeError("no peer of this benchmark requests chunks")
+
+    def write_chunk(self, ref: Any, index: int, data: bytes) -> None:
+        raise RuntimeError("the engine fetched an artifact: every delta here is marked stored beforehand")
+
+    def commit_artifact(self, ref: Any, durable: bool, done: Callable[[bool], None]) -> None:
+        raise RuntimeError("the engine fetched an artifact: every delta here is marked stored beforehand")
+
+    def rejected(self, peer: Any, reason: str, detail: str) -> None:
+        self.rejections += 1  # reported: a correct benchmark has none
 
     def _result(self, task: fx.RunTask) -> dict[str, Any]:
         if task.kind == "screen":
@@ -155,9 +193,9 @@ class Driver:
 
     def settle(self) -> None:
         """Feed task results, persisted records and queued messages until nothing is left."""
-        while self.tasks or self.pending:
-            while self.tasks:
-                self.handle(self.tasks.pop(0))
+        while self.completions or self.pending:
+            while self.completions:
+                self.completions.pop(0)()
             while self.pending:
                 self.deliver(*self.pending.pop(0))
 
@@ -199,18 +237,17 @@ class Driver:
             self.settle()
             if engine.head.window != head.window:
                 break
-            deadline = engine.next_deadline()
-            if deadline is None:
+            if self.deadline is None:
                 raise RuntimeError(f"window {head.window + 1} stalled with no timer")
-            self.now = max(self.now, deadline)
-            self.handle(ev.TimerDue(now=self.now))
+            self.now = max(self.now, self.deadline)
+            self._timed(self.driver.timer_due)
         self.settle()
         if engine.head.skipped:
             raise RuntimeError(f"window {engine.head.window} was skipped")
 
 
 def run(trainers: int, validators: int, windows: int, joins: int) -> dict[str, Any]:
-    driver = Driver(trainers, validators, joins)
+    driver = Bench(trainers, validators, joins)
     driver.start()
     driver.window()  # warm-up
     events, engine_s = driver.events, driver.engine_s
@@ -221,7 +258,7 @@ def run(trainers: int, validators: int, windows: int, joins: int) -> dict[str, A
     return {"trainers": trainers, "windows": measured, "events": events, "engine_s": round(engine_s, 4),
             "events_per_s": round(events / engine_s, 1), "us_per_event": round(1e6 * engine_s / events, 2),
             "events_per_window": events // measured, "ms_per_window": round(1e3 * engine_s / measured, 2),
-            "head_window": driver.engine.head.window}
+            "head_window": driver.engine.head.window, "rejections": driver.rejections}
 
 
 def main() -> None:

@@ -1,12 +1,12 @@
-"""Embed the sans-IO engine in a trio program, with peerloom's own transport and host driver.
+"""Embed the sans-IO engine in a trio program, with peerloom's own transport and driver.
 
-The engine is a pure state machine (spec/embedding.md): feed it events with `handle(event)`, carry out the
-effects it returns, and call `handle(TimerDue(now))` at `next_deadline()`. Here `adapters.host.drain` pulls
-the effects and hands each to the host method named after it (`send`, `persist`, `run_task`, ...): the
-`Host` protocol, one method per effect. The transport is peerloom's in-process one (`memory://` addresses,
-the same Noise handshake, frames and flow control as TCP); for real machines use `TcpTransport` and
-``/ip4/127.0.0.1/tcp/0`` instead: nothing else changes. One validator and two trainers run in one trio
-run, each with a store on disk and compute on a worker thread, until three windows are certified.
+The engine is a pure state machine (spec/embedding.md). A `Driver` (`peerloom.adapters.host`) feeds it events,
+carries out its effects in order, feeds back what the contract needs and re-arms one timer; this host supplies
+only the I/O (`send`, `run_task`, `arm_timer`, ..., and a store on disk through `StoreOnDisk`). The transport is
+peerloom's in-process one (`memory://` addresses, the same Noise handshake, frames and flow control as TCP);
+for real machines use `TcpTransport` and ``/ip4/127.0.0.1/tcp/0`` instead: nothing else changes. One validator
+and two trainers run in one trio run, each with a store on disk and compute on a worker thread, until three
+windows are certified.
 """
 
 import functools
@@ -18,118 +18,84 @@ import trio
 from _experiment import digits_experiment
 
 from peerloom.adapters.compute import ComputeExecutor
-from peerloom.adapters.host import chunk_message, drain, stored_event
+from peerloom.adapters.host import Driver, Observer, StoreOnDisk, outcome
 from peerloom.adapters.memory import MemoryNetwork, MemoryNetworkTransport
 from peerloom.adapters.storage import ArtifactStore
 from peerloom.adapters.transport import Connection, TransportError
-from peerloom.core import effects as fx
 from peerloom.core import events as ev
 from peerloom.core.engine import Engine, EngineConfig
 
 
-class TrioHost:
-    """One engine, its store, its compute and its connections. The methods under "Host" are
-    `peerloom.adapters.host.Host`: `drain` calls the one named after each effect."""
+class TrioHost(StoreOnDisk, Observer):
+    """One engine's I/O (the driver's `Host` and `Observer`): its store, its compute and its connections."""
 
     def __init__(self, name, roles, identity, revision, workload, shards, root: Path, nursery: trio.Nursery):
-        self.identity, self.nursery = identity, nursery
+        self.nursery = nursery
         self.store = ArtifactStore(root / name, chunk_size=revision.manifest.chunk_size)
         self.executor = ComputeExecutor(self.store, revision.manifest, workload, shards)
-        self.engine = Engine(EngineConfig(roles=frozenset(roles), revision=revision), identity,
-                             random.Random(name), stored=self.store.refs(), records=self.store.records())
+        engine = Engine(EngineConfig(roles=frozenset(roles), revision=revision), identity,
+                        random.Random(name), stored=self.store.refs(), records=self.store.records())
+        self.driver = Driver(engine, self, self)
         self.outboxes: dict = {}  # peer -> the send side of its connection's queue
         self.compute_slot = trio.CapacityLimiter(1)  # one compute task at a time
-        self.rearm = trio.Event()
+        self.deadline, self.rearm = math.inf, trio.Event()
         self.heads: list[tuple[int, float]] = []  # (window, test accuracy) of each certified head
 
-    def feed(self, event) -> None:
-        self.engine.handle(event)
-        drain(self.engine, self)
-        self.rearm.set()  # the next deadline may have moved
+    def clock(self):
+        return trio.current_time()
 
-    # --- Host: one method per effect (feeding back with engine.handle: `drain` goes on with what it adds)
+    def arm_timer(self, deadline):
+        self.deadline = math.inf if deadline is None else deadline
+        self.rearm.set()  # `timers` waits for the new deadline
 
-    def send(self, effect: fx.Send) -> None:
-        if effect.peer in self.outboxes:
-            self.outboxes[effect.peer].send_nowait(effect.data)
+    def send(self, peer, data):
+        if peer in self.outboxes:
+            self.outboxes[peer].send_nowait(data)
 
-    def serve_chunk(self, effect: fx.ServeChunk) -> None:
-        self.send(fx.Send(peer=effect.peer, data=chunk_message(self.store, effect)))
+    def hang_up(self, peer, reason):
+        if peer in self.outboxes:
+            self.outboxes.pop(peer).close()  # its writer closes the connection
 
-    def hang_up(self, effect: fx.HangUp) -> None:
-        if effect.peer in self.outboxes:
-            self.outboxes.pop(effect.peer).close()  # its writer closes the connection
+    def ban(self, peer, until):
+        pass  # a longer-lived host refuses peer until then; the engine hangs up on it right after this
 
-    def persist(self, effect: fx.Persist) -> None:
-        self.store.put_record(effect.key, effect.record)  # durable (SQLite, synchronous=FULL) when it returns
-        self.engine.handle(ev.Persisted(now=trio.current_time(), token=effect.token))
+    def run_task(self, task, done):
+        async def compute():
+            done(await trio.to_thread.run_sync(outcome, self.executor.run, task.kind, task.args,
+                                               limiter=self.compute_slot))
+        self.nursery.start_soon(compute)
 
-    def store_chunk(self, effect: fx.StoreChunk) -> None:
-        self.store.write_chunk(effect.ref, effect.index, effect.data)
+    def head_promoted(self, head, certificate):
+        self.heads.append((head.window, head.metrics.get("test_accuracy", float("nan"))))
 
-    def commit_artifact(self, effect: fx.CommitArtifact) -> None:
-        self.engine.handle(stored_event(self.store, effect, trio.current_time()))
-
-    def run_task(self, effect: fx.RunTask) -> None:
-        self.nursery.start_soon(self.compute, effect)
-
-    def drop_artifacts(self, effect: fx.DropArtifacts) -> None:
-        self.store.remove(effect.digests)
-
-    def head_promoted(self, effect: fx.HeadPromoted) -> None:
-        self.heads.append((effect.head.window, effect.head.metrics.get("test_accuracy", float("nan"))))
-
-    def peers_discovered(self, effect: fx.PeersDiscovered) -> None:
-        pass  # every trainer dials the validator at start; a longer-lived host would dial these
-
-    def ban(self, effect: fx.Ban) -> None:
-        pass  # refuse effect.peer until effect.until; the engine hangs up on it right after this effect
-
-    def rejected(self, effect: fx.Rejected) -> None:
-        print(f"rejected {effect.peer}: {effect.reason}")
-
-    def submit_reply(self, effect: fx.SubmitReply) -> None:
-        pass  # this host feeds no Submit
-
-    def log(self, effect: fx.Log) -> None:
-        pass
-
-    # --- tasks
-
-    async def compute(self, effect: fx.RunTask) -> None:
-        try:
-            result = await trio.to_thread.run_sync(self.executor.run, effect.kind, effect.args,
-                                                   limiter=self.compute_slot)
-            self.feed(ev.TaskFinished(now=trio.current_time(), task_id=effect.task_id, result=result))
-        except Exception as exc:  # a failed task is an event for the engine, not a crash of the host
-            self.feed(ev.TaskFailed(now=trio.current_time(), task_id=effect.task_id, reason=repr(exc)))
+    def rejected(self, peer, reason, detail):
+        print(f"rejected {peer}: {reason}")
 
     async def timers(self) -> None:
         while True:
             self.rearm = trio.Event()
-            deadline = self.engine.next_deadline()
-            with trio.move_on_at(math.inf if deadline is None else deadline):
+            with trio.move_on_at(self.deadline):
                 await self.rearm.wait()
-                continue  # something was fed: read the deadline again
-            self.feed(ev.TimerDue(now=trio.current_time()))
+                continue  # re-armed: wait for the new deadline
+            self.driver.timer_due()
 
     async def connection(self, conn: Connection) -> None:
         """Own one connection: a reader (this task) and a writer, until either side ends it."""
         peer = conn.remote_peer  # proven by the transport's handshake
         outbox, queue = trio.open_memory_channel(math.inf)
         self.outboxes[peer] = outbox
-        self.feed(ev.PeerConnected(now=trio.current_time(), peer=peer))
+        self.driver.handle(ev.PeerConnected(now=trio.current_time(), peer=peer))
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self.write, conn, queue)
                 while True:
                     data = await conn.receive_message()
-                    self.feed(ev.MessageReceived(now=trio.current_time(), peer=peer, data=data))
+                    self.driver.handle(ev.MessageReceived(now=trio.current_time(), peer=peer, data=data))
         except* TransportError:
             pass  # closed by either side, or broken: the engine hears of it below
         finally:
             self.outboxes.pop(peer, None)
-            self.feed(ev.PeerDisconnected(now=trio.current_time(), peer=peer))
+            self.driver.handle(ev.PeerDisconnected(now=trio.current_time(), peer=peer))
 
     @staticmethod
     async def write(conn: Connection, queue: trio.MemoryReceiveChannel) -> None:
@@ -144,9 +110,9 @@ async def main() -> None:
     async with trio.open_nursery() as nursery:
         hosts = {name: TrioHost(name, {"validator" if name == "validator" else "trainer"}, ids[name], revision,
                                 workload, shards, root, nursery) for name in ("validator", "trainer-1", "trainer-2")}
-        limit = hosts["validator"].engine.config.max_message_bytes
+        limit = hosts["validator"].driver.engine.config.max_message_bytes
         for host in hosts.values():
-            host.feed(ev.Start(now=trio.current_time()))
+            host.driver.start()
             nursery.start_soon(host.timers)
         address = await nursery.start(functools.partial(
             transport.listen, "memory://validator", ids["validator"], hosts["validator"].connection,

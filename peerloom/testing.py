@@ -26,6 +26,7 @@ from typing import Any
 from peerloom.adapters.compute import ComputeExecutor
 from peerloom.adapters.edge_view import ChainIndex, LeaseInfo, PeerInfo, SubmitResult, ViewIdentity, check_submission
 from peerloom.adapters.storage import ArtifactStore
+from peerloom.core import events as ev
 from peerloom.core.engine import Engine
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.errors import DecodeError, VerificationError
@@ -267,10 +268,10 @@ class Cluster:
         finally:
             node.engine_factory = factory
 
-    def drain(self, name: str) -> None:
-        """Execute the effects node `name`'s engine has now: after a test fed that engine an event by hand."""
+    def feed(self, name: str, event: ev.Event) -> None:
+        """Feed node `name`'s engine one event by hand, through its driver (which executes the effects)."""
         assert self.sim is not None
-        self.sim._drain(self.sim.nodes[name])
+        self.sim.feed(name, event)
 
     def run_until(self, done: Callable[[Cluster], bool], *, max_time: float) -> bool:
         """Process events in time order until `done(self)` or virtual time `max_time`; True iff done."""

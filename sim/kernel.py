@@ -6,12 +6,13 @@ events at the same virtual time run in the order they were scheduled. One master
 separate `random.Random` per subsystem (network, churn, compute, adversaries) and per engine, so adding
 a fault does not shift the randomness of the network, and the same seed replays the same run exactly.
 
-The kernel executes every effect of every engine through the shared host driver (`adapters/host.py`,
-one `_NodeHost` per node): `Send` goes over the memory transport (`adapters/memory.py`, which holds the
+Every engine runs under the shared `Driver` (`adapters/host.py`), with one `_NodeHost` per node supplying the
+I/O primitives on the virtual clock: `Send` goes over the memory transport (`adapters/memory.py`, which holds the
 links and counts bytes per peer) and then through the `Network` model, `Persist` goes to the node's
-`SimDisk` and is fed back as `Persisted` only after the modelled fsync time (a crash in between loses
-it), `RunTask` runs the real compute synchronously and reports back after a modelled duration on the
-node's single compute queue, `Ban` keeps the link down until the ban ends. Faults (partitions, clogging,
+`SimDisk` and completes only after the modelled fsync time (a crash in between loses it), `RunTask` runs the
+real compute synchronously and completes after a modelled duration on the node's single compute queue, `Ban`
+keeps the link down until the ban ends. A completion is an item on the heap (`_Done`); the driver builds the
+event it feeds (`Persisted`, `TaskFinished`, `ArtifactStored`, ...). Faults (partitions, clogging,
 crashes, joins, leaves) are scheduled actions on the same heap. No wall clock is read.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import itertools
 import json
 import random
 from collections import Counter
@@ -28,7 +30,7 @@ from typing import IO, Any
 import attrs
 
 from peerloom.adapters.compute import ComputeExecutor
-from peerloom.adapters.host import chunk_message, drain, stored_event
+from peerloom.adapters.host import Driver, Observer, TaskOutcome, commit
 from peerloom.backends.privacy import privacy_accountant
 from peerloom.core import effects as fx
 from peerloom.core import events as ev
@@ -36,7 +38,7 @@ from peerloom.core.engine import Engine, EngineConfig
 from peerloom.core.identity import Identity, PeerId
 from peerloom.core.leases import leases_of
 from peerloom.core.messages import DecodeMemo
-from peerloom.core.objects import PROTOCOL_VERSION, Head, QuorumCertificate, Revision, UpdateAnnouncement
+from peerloom.core.objects import PROTOCOL_VERSION, ArtifactRef, Head, QuorumCertificate, Revision, UpdateAnnouncement
 
 from .disk import SimDisk
 from .links import Links
@@ -123,7 +125,8 @@ class SimNode:
     speed: float = 1.0
     heads: list[tuple[float, int, bytes]] = attrs.Factory(list)  # (time, window, head id)
     engine_factory: Callable[..., Engine] | None = None
-    host: _NodeHost | None = None  # executes its engine's effects (set by `Simulation.add_node`)
+    host: _NodeHost | None = None  # its I/O primitives (set by `Simulation.add_node`)
+    driver: Driver | None = None  # drives its engine through `host` (set at each boot)
 
     @property
     def peer_id(self) -> PeerId:
@@ -238,6 +241,8 @@ class Simulation:
         rng = random.Random(derive_seed(self.seed, f"engine/{name}/{node.incarnation}"))
         factory = node.engine_factory or Engine
         node.engine = factory(config, node.identity, rng, stored=node.disk.refs(), records=node.disk.records())
+        assert node.host is not None
+        node.driver = Driver(node.engine, node.host, node.host)
         node.up, node.armed = True, None
         node.compute_free_at = self.now
         for key in [k for k in self.bans if k[0] == name]:
@@ -288,31 +293,35 @@ class Simulation:
         node = self.nodes[name]
         if node.engine is None or not node.up or incarnation != node.incarnation:
             return
-        if isinstance(event, tuple):  # ("msg", src, epoch, data) or ("persisted", token)
-            if event[0] == "msg":
-                _, src, epoch, data = event
-                link = _key(src, name)
-                if link not in self.connected or self.epoch.get(link) != epoch:
-                    return  # the connection it travelled on is gone
-                event = ev.MessageReceived(now=self.now, peer=self.nodes[src].peer_id, data=data)
-            else:
-                if not node.disk.sync(event[1]):
-                    return
-                event = ev.Persisted(now=self.now, token=event[1])
+        if isinstance(event, _Done):  # a primitive's work completed: the driver feeds the engine what it means
+            if event.token is not None and not node.disk.sync(event.token):
+                return  # a record lost in a crash is never `Persisted`
+            event.done()
+            self._handled(node)
+            return
+        if isinstance(event, tuple):  # ("msg", src, epoch, data)
+            _, src, epoch, data = event
+            link = _key(src, name)
+            if link not in self.connected or self.epoch.get(link) != epoch:
+                return  # the connection it travelled on is gone
+            event = ev.MessageReceived(now=self.now, peer=self.nodes[src].peer_id, data=data)
         elif isinstance(event, ev.TimerDue):
             node.armed = None
-        node.engine.handle(event)
-        self._drain(node)
+        self.feed(name, event)
 
-    # --- effects -----------------------------------------------------------------------------------
+    def feed(self, name: str, event: ev.Event) -> None:
+        """Feed node `name`'s driver one event now (it executes the effects and re-arms the node's timer)."""
+        node = self.nodes[name]
+        assert node.driver is not None
+        node.driver.handle(event)
+        self._handled(node)
 
-    def _drain(self, node: SimNode) -> None:
-        engine = node.engine
-        assert engine is not None and node.host is not None
-        drain(engine, node.host)
+    def _handled(self, node: SimNode) -> None:
         if node.role == "trainer":
             self._note_announcement(node)
-        deadline = engine.next_deadline()
+
+    def _arm(self, node: SimNode, deadline: float | None) -> None:
+        """The node's one timer (`Host.arm_timer`): a `TimerDue` on the heap at `deadline`, unless one is there."""
         if deadline is not None and deadline != node.armed:
             node.armed = deadline
             t = max(deadline, self.now)
@@ -343,7 +352,7 @@ class Simulation:
             ann = UpdateAnnouncement.from_cbor(envelope.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
             self.updates[envelope.id] = (envelope.signer, ann)
 
-    def _run_task(self, node: SimNode, effect: fx.RunTask) -> None:
+    def _run_task(self, node: SimNode, effect: fx.RunTask, done: Callable[[TaskOutcome], None]) -> None:
         kind = effect.kind
         self.task_counts[kind] += 1
         rng = self.rngs["compute"]
@@ -351,18 +360,18 @@ class Simulation:
         if self.compute_jitter:
             duration *= 1.0 + self.compute_jitter * (2.0 * rng.random() - 1.0)
         start = max(self.now, node.compute_free_at)
-        done = start + duration
-        node.compute_free_at = done
+        finish = start + duration
+        node.compute_free_at = finish
+        outcome: TaskOutcome
         try:
             result = node.executor.run(kind, effect.args)
             if kind == "train" and node.honest and self.keep_honest_deltas:
                 window = int(effect.args.get("window", -1))
                 self.honest_deltas.setdefault(window, []).append((node.name, result["delta"]))
-            result = node.behaviour.on_task(self, node, kind, effect.args, result)
-            event: Any = ev.TaskFinished(now=done, task_id=effect.task_id, result=result)
+            outcome = node.behaviour.on_task(self, node, kind, effect.args, result)
         except Exception as exc:  # a failing task is an event for the engine, not a crash of the simulator
-            event = ev.TaskFailed(now=done, task_id=effect.task_id, reason=repr(exc))
-        self._push(done, node.name, node.incarnation, event)
+            outcome = exc
+        self._push(finish, node.name, node.incarnation, _Done(lambda: done(outcome)))
 
     def _on_head(self, node: SimNode, head: Head, cert: QuorumCertificate) -> None:
         # The certificate names the head id (checkers verify that it matches; hashing a head with a
@@ -463,8 +472,7 @@ class Simulation:
         if not node.up:
             return
         if signed and "trainer" in node.roles and node.engine is not None and linger_s > 0:
-            node.engine.handle(ev.LeaveRequested(now=self.now))
-            self._drain(node)
+            self.feed(name, ev.LeaveRequested(now=self.now))
             self.record(name, "leave-requested")
             self.at(self.now + linger_s, lambda: self._disconnect_for_good(name))
             return
@@ -554,71 +562,89 @@ class Simulation:
         return node.engine.head.window if node.engine is not None else (node.heads[-1][1] if node.heads else 0)
 
 
-class _NodeHost:
-    """The simulator as one node's `adapters.host.Host` (spec/simulator.md §2): what each effect does on
-    the virtual clock. Every effect is carried out; the one refusal is `SubmitReply` (see there)."""
+@attrs.frozen
+class _Done:
+    """A heap item: the completion of a node's primitive (`done` feeds the engine through its driver); a record
+    write's `token` must first sync on the node's `SimDisk`."""
 
-    __slots__ = ("node", "sim")
+    done: Callable[[], None]
+    token: int | None = None
+
+
+class _NodeHost(Observer):
+    """One node's I/O primitives on the virtual clock (the driver's `Host`, spec/simulator.md §2), and its
+    `Observer`. Every effect is carried out; the one refusal is `submit_reply` (see there)."""
+
+    __slots__ = ("node", "sim", "writes")
 
     def __init__(self, sim: Simulation, node: SimNode) -> None:
         self.sim = sim
         self.node = node
+        self.writes = itertools.count(1)  # ids of pending record writes on the SimDisk
 
-    def send(self, effect: fx.Send) -> None:
-        self.sim.send(self.node.name, self.sim.by_peer[effect.peer].name, effect.data)
+    def clock(self) -> float:
+        return self.sim.now
 
-    def serve_chunk(self, effect: fx.ServeChunk) -> None:
-        self.sim.send(self.node.name, self.sim.by_peer[effect.peer].name, chunk_message(self.node.disk, effect))
+    def arm_timer(self, deadline: float | None) -> None:
+        self.sim._arm(self.node, deadline)
 
-    def persist(self, effect: fx.Persist) -> None:
-        """Pending on the `SimDisk`; `Persisted` comes `persist_s` later, once synced (a crash loses it)."""
-        node = self.node
-        node.disk.write_pending(effect.token, effect.key, effect.record)
-        self.sim._push(self.sim.now + self.sim.persist_s, node.name, node.incarnation, ("persisted", effect.token))
+    def send(self, peer: PeerId, data: bytes) -> None:
+        self.sim.send(self.node.name, self.sim.by_peer[peer].name, data)
 
-    def store_chunk(self, effect: fx.StoreChunk) -> None:
-        self.node.disk.write_chunk(effect.ref, effect.index, effect.data)
+    def write_record(self, key: str, record: bytes, done: Callable[[], None]) -> None:
+        """Pending on the `SimDisk`; done `persist_s` later, once synced (a crash loses it)."""
+        node, token = self.node, next(self.writes)
+        node.disk.write_pending(token, key, record)
+        self.sim._push(self.sim.now + self.sim.persist_s, node.name, node.incarnation, _Done(done, token))
 
-    def commit_artifact(self, effect: fx.CommitArtifact) -> None:
-        node, now = self.node, self.sim.now
-        self.sim._push(now, node.name, node.incarnation, stored_event(node.disk, effect, now))
+    def read_chunk(self, ref: ArtifactRef, index: int) -> bytes:
+        return self.node.disk.read_chunk(ref, index)
 
-    def run_task(self, effect: fx.RunTask) -> None:
-        self.sim._run_task(self.node, effect)
+    def write_chunk(self, ref: ArtifactRef, index: int, data: bytes) -> None:
+        self.node.disk.write_chunk(ref, index, data)
 
-    def drop_artifacts(self, effect: fx.DropArtifacts) -> None:
-        self.node.disk.remove(effect.digests)
+    def commit_artifact(self, ref: ArtifactRef, durable: bool, done: Callable[[bool], None]) -> None:
+        node, ok = self.node, commit(self.node.disk, ref, durable)
+        self.sim._push(self.sim.now, node.name, node.incarnation, _Done(lambda: done(ok)))
 
-    def hang_up(self, effect: fx.HangUp) -> None:
-        self.sim._hang_up(self.node.name, self.sim.by_peer[effect.peer].name, effect.reason)
+    def run_task(self, task: fx.RunTask, done: Callable[[TaskOutcome], None]) -> None:
+        self.sim._run_task(self.node, task, done)
 
-    def ban(self, effect: fx.Ban) -> None:
-        self.sim._ban(self.node.name, self.sim.by_peer[effect.peer].name, effect.until)
+    def remove_artifacts(self, digests: tuple[bytes, ...]) -> None:
+        self.node.disk.remove(digests)
 
-    def rejected(self, effect: fx.Rejected) -> None:
-        self.sim.rejections[effect.reason] += 1  # the trace has the matching `reject` log line
+    def hang_up(self, peer: PeerId, reason: str) -> None:
+        self.sim._hang_up(self.node.name, self.sim.by_peer[peer].name, reason)
 
-    def peers_discovered(self, effect: fx.PeersDiscovered) -> None:
+    def ban(self, peer: PeerId, until: float) -> None:
+        self.sim._ban(self.node.name, self.sim.by_peer[peer].name, until)
+
+    # --- Observer ------------------------------------------------------------------------------------
+
+    def rejected(self, peer: PeerId | None, reason: str, detail: str) -> None:
+        self.sim.rejections[reason] += 1  # the trace has the matching `reject` log line
+
+    def peers_discovered(self, peers: tuple[tuple[PeerId, str], ...]) -> None:
         """Addresses mean nothing on the virtual network: a peer id of a simulated node becomes a link (what
         a dial does), anything else is ignored. (Simulated engines advertise no listen address by default,
         so this happens only where a scenario sets ``listen_address``.)"""
-        for peer, _address in effect.peers:
+        for peer, _address in peers:
             other = self.sim.by_peer.get(peer)
             if other is not None and other is not self.node:
                 self.sim.link(self.node.name, other.name)
 
-    def submit_reply(self, effect: fx.SubmitReply) -> None:
+    def submit_reply(self, request_id: int, accepted: bool, reason: str) -> None:
         """Refused: the simulator feeds no `Submit` (its trainers all submit over links), so no request waits
         for a verdict; one that comes anyway is written to the trace and otherwise dropped."""
-        self.sim.record(self.node.name, "submit-reply-dropped", request_id=effect.request_id)
+        self.sim.record(self.node.name, "submit-reply-dropped", request_id=request_id)
 
-    def head_promoted(self, effect: fx.HeadPromoted) -> None:
-        self.sim._on_head(self.node, effect.head, effect.certificate)
+    def head_promoted(self, head: Head, certificate: QuorumCertificate) -> None:
+        self.sim._on_head(self.node, head, certificate)
 
-    def log(self, effect: fx.Log) -> None:
+    def log(self, event: str, fields: dict[str, Any]) -> None:
         trace = self.sim.trace
         if trace is not None and trace.level == "log":
-            trace.emit(self.sim.now, self.node.name, "log", {"event": effect.event, **effect.fields})
+            trace.emit(self.sim.now, self.node.name, "log", {"event": event, **fields})
 
 
 def _key(a: str, b: str) -> tuple[str, str]:

@@ -1,8 +1,9 @@
 """A missing effect case fails type checking (adapters/host.py, spec/design.md §2), shown with mypy itself.
 
-`Host` and `dispatch` are copied out of adapters/host.py twice, once as they are and once without the `Log`
-case, and mypy checks both against the real `core.effects`: the intact copy is clean, and the copy missing a
-case is an error at `assert_never`, naming the effect it forgot. (`make typecheck` checks host.py itself.)
+adapters/host.py (the `Driver`) is copied twice, once as it is and once without the `Log` case of
+`Driver._dispatch`, and mypy checks both against the real `peerloom.core`: the intact copy is clean, and the
+copy missing a case is an error at `assert_never`, naming the effect it forgot. (`make typecheck` checks host.py
+itself.)
 """
 
 from __future__ import annotations
@@ -14,20 +15,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST = ROOT / "adapters" / "host.py"
-HEADER = "from typing import Protocol, assert_never\n\nfrom peerloom.core import effects as fx\n\n\n"
 
 
 def dispatch_copy(drop: str | None = None) -> str:
-    """Source of a module holding host.py's `Host` and `dispatch`, without the case for effect `drop`."""
+    """Source of host.py without the case for effect `drop` in `Driver._dispatch`."""
     tree = ast.parse(HOST.read_text())
-    host = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Host")
-    dispatch = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "dispatch")
+    driver = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Driver")
+    dispatch = next(n for n in driver.body if isinstance(n, ast.FunctionDef) and n.name == "_dispatch")
     match = next(n for n in ast.walk(dispatch) if isinstance(n, ast.Match))
     cases = [c for c in match.cases if not (isinstance(c.pattern, ast.MatchClass)
                                              and ast.unparse(c.pattern.cls) == f"fx.{drop}")]
-    assert len(cases) == len(match.cases) - (drop is not None), f"host.py dispatches no fx.{drop}"
+    assert len(cases) == len(match.cases) - (drop is not None), f"Driver._dispatch has no case fx.{drop}"
     match.cases = cases
-    return HEADER + ast.unparse(host) + "\n\n\n" + ast.unparse(dispatch) + "\n"
+    return ast.unparse(tree) + "\n"
 
 
 def test_dispatch_without_a_case_fails_mypy(tmp_path: Path) -> None:

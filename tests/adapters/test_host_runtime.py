@@ -10,7 +10,6 @@ from peerloom.adapters import tcp
 from peerloom.adapters.runtime import OTHER_PEERS, NodeRuntime, RuntimeOptions, _Submit
 from peerloom.adapters.storage import ArtifactStore
 from peerloom.core import effects as fx
-from peerloom.core import events as ev
 from peerloom.core.objects import JoinRequest, seal
 from tests.helpers import ident, make_revision
 
@@ -59,7 +58,7 @@ def test_ban_effect_bans_the_peer_in_the_address_book_until_it_ends(tmp_path):
 
     async def main():
         now = trio.current_time()
-        runtime.ban(fx.Ban(peer=peer, until=now + 30.0))
+        runtime.ban(peer, now + 30.0)
         return [runtime.book.is_banned(peer, now=now + dt) for dt in (0.0, 29.0, 31.0)]
 
     try:
@@ -79,12 +78,10 @@ def test_submit_gets_the_engines_typed_verdict(tmp_path):
     async def main():
         async with trio.open_nursery() as nursery:
             runtime._nursery = nursery
-            runtime.engine.handle(ev.Start(now=trio.current_time()))
-            runtime._drain()
+            runtime.driver.start()
             items = [_Submit(request_id=n, envelope=env, artifact=None) for n, env in ((1, good), (2, stale))]
             for item in items:
-                runtime._submit(item)
-                runtime._drain()
+                runtime._submit(item)  # fed through the driver, which executes the effects
             nursery.cancel_scope.cancel()
         return items
 
@@ -108,10 +105,9 @@ def test_rejections_of_admitted_peers_and_the_last_failed_task_reach_the_edge(tm
     trainer = ident(40)
     runtime = validator_runtime(tmp_path, trainers=(trainer,))
     try:
-        runtime.rejected(fx.Rejected(peer=trainer.peer_id, reason="screen-loss", detail="loss 2 applied"))
-        runtime.rejected(fx.Rejected(peer=trainer.peer_id, reason="screen-norm-outlier",
-                                     detail="norm 31 > 10 x\nmedian 2.9"))
-        runtime.rejected(fx.Rejected(peer=ident(41).peer_id, reason="bad-signature"))
+        runtime.rejected(trainer.peer_id, "screen-loss", "loss 2 applied")
+        runtime.rejected(trainer.peer_id, "screen-norm-outlier", "norm 31 > 10 x\nmedian 2.9")
+        runtime.rejected(ident(41).peer_id, "bad-signature", "")
         assert runtime._rejections == {trainer.peer_id: (2, "screen-norm-outlier (norm 31 > 10 x median 2.9)")}
         assert runtime.edge_view.last_error() == ""
 
@@ -122,7 +118,7 @@ def test_rejections_of_admitted_peers_and_the_last_failed_task_reach_the_edge(tm
         runtime.executor = Failing()  # type: ignore[assignment]  # a stand-in whose every task fails
 
         async def main():
-            await runtime._run_task(fx.RunTask(task_id="train-12", kind="train", args={}))
+            await runtime._run_task(fx.RunTask(task_id="train-12", kind="train", args={}), lambda outcome: None)
 
         trio.run(main)
         assert runtime.edge_view.last_error() == "train task failed: ValueError('sample\\n17')"

@@ -4,29 +4,23 @@ import attrs
 from prometheus_client import generate_latest
 
 from peerloom.adapters.metrics import NodeMetrics
-from peerloom.core import effects as fx
-from peerloom.core.objects import QuorumCertificate
-from tests.helpers import ident, make_revision
+from tests.helpers import make_revision
 
 
 def _value(metrics, name, labels=None):
     return metrics.registry.get_sample_value(name, labels or {})
 
 
-def test_effects_drive_the_counters():
+def test_heads_and_rejections_drive_the_counters():
     stats = {"votes_prevote": 2, "votes_precommit": 1, "votes_cast": 3}  # the engine's counters (core/voting.py)
     metrics = NodeMetrics(peer_bytes=lambda: [("12D3KooWpeer", 100, 250)], engine_stats=lambda: stats)
     genesis = make_revision().genesis()
-    cert = QuorumCertificate(head=genesis.id, window=0, round=0, votes=())
 
     certified = attrs.evolve(genesis, window=4, skipped=False, cohort=(b"u1", b"u2", b"u3"))
-    metrics.on_effect(fx.HeadPromoted(head=certified, certificate=cert))
-    metrics.on_effect(fx.HeadPromoted(head=attrs.evolve(genesis, window=5, skipped=True), certificate=cert))
-    metrics.on_effect(fx.Rejected(peer=ident(1).peer_id, reason="screen-norm-bound"))
-    metrics.on_effect(fx.Rejected(peer=None, reason="bad-signature"))
-    metrics.on_effect(fx.Log(event="reject", fields={"peer": "p", "reason": "bad-signature"}))  # log only: not counted
-    metrics.on_effect(fx.Log(event="vote", fields={"window": 4, "step": "prevote"}))  # log only: not counted
-    metrics.on_effect(fx.HangUp(peer=ident(1).peer_id, reason="penalty-limit"))  # not a metric: ignored
+    metrics.on_head(certified)
+    metrics.on_head(attrs.evolve(genesis, window=5, skipped=True))
+    metrics.on_rejected("screen-norm-bound")
+    metrics.on_rejected("bad-signature")
     assert _value(metrics, "peerloom_windows_total", {"outcome": "certified"}) == 1
     assert _value(metrics, "peerloom_windows_total", {"outcome": "skipped"}) == 1
     assert _value(metrics, "peerloom_updates_accepted_total") == 3

@@ -4,14 +4,13 @@ and everything written once space is back. The disk is "filled" with the test-on
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import trio
 
 from peerloom.adapters import disk
 from peerloom.adapters.runtime import _Submit
-from peerloom.core import effects as fx
-from peerloom.core import events as ev
 from peerloom.core.objects import JoinRequest, seal
 from tests.adapters.test_host_runtime import validator_runtime
 from tests.helpers import ident
@@ -22,8 +21,6 @@ def test_records_wait_on_a_full_disk_and_are_written_in_order_when_space_is_back
     monkeypatch.setenv(disk.TEST_FAULT_ENV, str(flag))
     runtime = validator_runtime(tmp_path)
     fed: list[int] = []
-    monkeypatch.setattr(runtime.engine, "handle",
-                        lambda event: fed.append(event.token) if isinstance(event, ev.Persisted) else None)
 
     async def main():
         async with trio.open_nursery() as nursery:
@@ -31,7 +28,7 @@ def test_records_wait_on_a_full_disk_and_are_written_in_order_when_space_is_back
             flag.touch()
             with caplog.at_level(logging.ERROR, logger="peerloom.runtime"):
                 for token, key in enumerate(("rec/a", "rec/b", "rec/c")):
-                    runtime.persist(fx.Persist(key=key, record=key.encode(), token=token))
+                    runtime.write_record(key, key.encode(), functools.partial(fed.append, token))
             assert runtime.disk_full and runtime.edge_view.health() == "disk-full" and fed == []
             assert runtime.metrics.registry.get_sample_value("peerloom_disk_full") == 1
             upload = _Submit(request_id=1, envelope=seal(ident(40), JoinRequest(revision=b"\x12\x20" + bytes(32),
@@ -69,13 +66,13 @@ def test_a_chunk_lost_to_a_full_disk_loses_its_fetch_and_charges_nobody(tmp_path
         async with trio.open_nursery() as nursery:
             runtime._nursery = nursery
             nursery.start_soon(writer.run)  # the chunk writes run on its thread (adapters/store_writer.py)
-            runtime.store_chunk(fx.StoreChunk(ref=ref, index=0, data=b"01234567"))
+            runtime.write_chunk(ref, 0, b"01234567")
             await writer.drained()
             flag.touch()
-            runtime.store_chunk(fx.StoreChunk(ref=ref, index=1, data=b"89abcdef"))
+            runtime.write_chunk(ref, 1, b"89abcdef")
             await writer.drained()
             flag.unlink()
-            runtime.commit_artifact(fx.CommitArtifact(ref=ref))
+            runtime.commit_artifact(ref, True, lambda ok: None)
             await writer.drained()
             nursery.cancel_scope.cancel()
 

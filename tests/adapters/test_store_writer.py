@@ -9,8 +9,7 @@ import threading
 import trio
 
 from peerloom.adapters.storage import ArtifactStore
-from peerloom.adapters.store_writer import CORRUPT, FAILED, SKIPPED, STORED, Outcome, StoreWriter
-from peerloom.core import effects as fx
+from peerloom.adapters.store_writer import CORRUPT, FAILED, SKIPPED, STORED, ChunkWrite, Commit, Outcome, StoreWriter
 from peerloom.core.errors import VerificationError
 from peerloom.core.objects import make_artifact_ref
 
@@ -44,7 +43,7 @@ class _Recording:
 
 def _chunks(data: bytes, size: int) -> tuple:
     ref = make_artifact_ref(data, size)
-    return ref, [fx.StoreChunk(ref=ref, index=i, data=data[i * size:(i + 1) * size]) for i in range(ref.num_chunks)]
+    return ref, [ChunkWrite(ref=ref, index=i, data=data[i * size:(i + 1) * size]) for i in range(ref.num_chunks)]
 
 
 def _run(writer: StoreWriter, body) -> None:
@@ -66,8 +65,8 @@ def test_writes_of_each_artifact_are_applied_in_order_and_its_commit_after_the_l
 
     def on_done(outcome: Outcome) -> None:
         outcomes.append(outcome)
-        if isinstance(outcome.effect, fx.CommitArtifact):
-            seen_at_commit[outcome.effect.ref.digest] = list(store.done)
+        if isinstance(outcome.op, Commit):
+            seen_at_commit[outcome.op.ref.digest] = list(store.done)
 
     writer = StoreWriter(store, on_done)  # type: ignore[arg-type]  # a stand-in store
     a, a_chunks = _chunks(bytes(range(256)) * 40, 1000)  # 11 chunks
@@ -79,26 +78,26 @@ def test_writes_of_each_artifact_are_applied_in_order_and_its_commit_after_the_l
         for i in range(max(len(a_chunks), len(b_chunks))):
             for chunks in (a_chunks, b_chunks):
                 if i < len(chunks):
-                    writer.write_chunk(chunks[i])
+                    writer.write_chunk(chunks[i].ref, chunks[i].index, chunks[i].data)
                     queued.append(chunks[i])
             if i == len(b_chunks) - 1:
-                writer.commit(fx.CommitArtifact(ref=b, durable=False))
+                writer.commit(b, False)
                 queued.append("commit-b")
             if i % 3 == 0:
                 await trio.sleep(0)
-        writer.commit(fx.CommitArtifact(ref=a))
+        writer.commit(a)
         queued.append("commit-a")
 
     _run(writer, body)
     assert threading.get_ident() not in store.threads  # never on the trio thread
     # applied in exactly the order queued (so per artifact: chunk 0, 1, ..., then the commit)
-    expected = [("write", e.ref.digest, e.index) if isinstance(e, fx.StoreChunk) else
+    expected = [("write", e.ref.digest, e.index) if isinstance(e, ChunkWrite) else
                 ("commit-volatile", b.digest, None) if e == "commit-b" else ("commit", a.digest, None)
                 for e in queued]
     assert store.done == expected
     assert [o.status for o in outcomes] == [STORED] * len(queued)
-    assert [o.effect for o in outcomes if isinstance(o.effect, fx.StoreChunk)] == \
-        [e for e in queued if isinstance(e, fx.StoreChunk)]
+    assert [o.op for o in outcomes if isinstance(o.op, ChunkWrite)] == \
+        [e for e in queued if isinstance(e, ChunkWrite)]
     for ref, chunks in ((a, a_chunks), (b, b_chunks)):
         assert {("write", ref.digest, c.index) for c in chunks} <= set(seen_at_commit[ref.digest])
     assert writer.queued_bytes == 0
@@ -115,19 +114,19 @@ def test_a_commit_runs_off_the_event_loop_and_its_outcome_comes_only_once_it_fin
     async def body():
         nonlocal ticks
         for chunk in chunks:
-            writer.write_chunk(chunk)
-        writer.commit(fx.CommitArtifact(ref=ref))
+            writer.write_chunk(chunk.ref, chunk.index, chunk.data)
+        writer.commit(ref)
         while len(store.done) < len(chunks):
             await trio.sleep(0.001)
         for _ in range(20):  # the loop keeps running while the commit is held
             await trio.sleep(0.001)
             ticks += 1
-        assert not any(isinstance(o.effect, fx.CommitArtifact) for o in outcomes)  # not before it finished
+        assert not any(isinstance(o.op, Commit) for o in outcomes)  # not before it finished
         store.gate.set()
 
     _run(writer, body)
     assert ticks == 20
-    assert isinstance(outcomes[-1].effect, fx.CommitArtifact) and outcomes[-1].status == STORED
+    assert isinstance(outcomes[-1].op, Commit) and outcomes[-1].status == STORED
 
 
 def test_a_failed_write_loses_its_fetch_and_a_bad_commit_is_corrupt_while_other_artifacts_go_on():
@@ -143,13 +142,13 @@ def test_a_failed_write_loses_its_fetch_and_a_bad_commit_is_corrupt_while_other_
 
     async def body():
         for chunk in [*lost_chunks, *bad_chunks, *good_chunks]:
-            writer.write_chunk(chunk)
+            writer.write_chunk(chunk.ref, chunk.index, chunk.data)
         for ref in (lost, bad, good):
-            writer.commit(fx.CommitArtifact(ref=ref))
+            writer.commit(ref)
 
     _run(writer, body)
-    by_ref = {ref.digest: [(o.effect.index if isinstance(o.effect, fx.StoreChunk) else "commit", o.status)
-                           for o in outcomes if o.effect.ref.digest == ref.digest] for ref in (lost, bad, good)}
+    by_ref = {ref.digest: [(o.op.index if isinstance(o.op, ChunkWrite) else "commit", o.status)
+                           for o in outcomes if o.op.ref.digest == ref.digest] for ref in (lost, bad, good)}
     # the failed chunk is reported with its error; what follows it of that artifact is skipped, commit included
     assert by_ref[lost.digest] == [(0, STORED), (1, FAILED), (2, SKIPPED), ("commit", SKIPPED)]
     assert next(o.error for o in outcomes if o.status == FAILED) is full
@@ -168,10 +167,10 @@ def test_room_waits_while_more_than_the_cap_is_queued():
 
     async def body():
         other, other_chunks = _chunks(b"o" * 1000, 1000)
-        writer.write_chunk(other_chunks[0])
-        writer.commit(fx.CommitArtifact(ref=other))  # held at the gate: what follows waits behind it
+        writer.write_chunk(other_chunks[0].ref, other_chunks[0].index, other_chunks[0].data)
+        writer.commit(other)  # held at the gate: what follows waits behind it
         for chunk in chunks:
-            writer.write_chunk(chunk)
+            writer.write_chunk(chunk.ref, chunk.index, chunk.data)
         with trio.move_on_after(0.05) as scope:
             await writer.room()
         blocked_for.append(scope.cancelled_caught)
@@ -191,8 +190,8 @@ def test_with_a_real_store_the_artifact_is_whole_and_a_volatile_one_is_named_so(
 
     async def body():
         for chunk in reversed(chunks):  # any order of chunks: each has its offset
-            writer.write_chunk(chunk)
-        writer.commit(fx.CommitArtifact(ref=ref, durable=False))
+            writer.write_chunk(chunk.ref, chunk.index, chunk.data)
+        writer.commit(ref, False)
 
     try:
         _run(writer, body)

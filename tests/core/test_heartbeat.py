@@ -42,9 +42,7 @@ def heads(cluster, name="validator"):
 
 
 def deliver(cluster, name, sender, envelope):
-    engine = cluster.nodes[name].engine
-    engine.handle(ev.MessageReceived(now=cluster.now, peer=sender, data=encode_message(Signed(envelope=envelope))))
-    cluster.drain(name)
+    cluster.feed(name, ev.MessageReceived(now=cluster.now, peer=sender, data=encode_message(Signed(envelope=envelope))))
 
 
 def test_objects_round_trip_and_decode_strictly(tmp_path, digits):

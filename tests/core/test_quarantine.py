@@ -229,9 +229,7 @@ def test_equivocating_validator_is_quarantined_by_evidence_in_a_head(tmp_path, w
     # The Byzantine validator shows each of two honest validators a different vote; neither sees both
     # directly - relaying brings them together and either can build the evidence.
     for name, vote in (("validator", votes[0]), ("v1", votes[1])):
-        engine = cluster.nodes[name].engine
-        engine.handle(ev.MessageReceived(now=cluster.now, peer=bad, data=encode_message(Signed(envelope=vote))))
-        cluster.drain(name)
+        cluster.feed(name, ev.MessageReceived(now=cluster.now, peer=bad, data=encode_message(Signed(envelope=vote))))
     assert cluster.run_until(lambda c: bad in c.nodes["validator"].engine.head.quarantined, max_time=cluster.now + 120)
     heads = [h for _, h, _ in cluster.nodes["validator"].heads]
     with_evidence = [h for h in heads if h.evidence]

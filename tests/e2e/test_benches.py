@@ -63,7 +63,8 @@ def test_engine_bench_quick() -> None:
         assert r["windows"] == 1 and r["head_window"] == 2  # every driven window was certified, none skipped
         assert r["events"] > r["trainers"] and r["events_per_s"] > 0 and r["engine_s"] > 0
         assert set(r) == {"trainers", "windows", "events", "engine_s", "events_per_s", "us_per_event",
-                          "events_per_window", "ms_per_window", "head_window"}
+                          "events_per_window", "ms_per_window", "head_window", "rejections"}
+        assert r["rejections"] == 0  # the benchmark's peers send only what the engine accepts
     small, large = report["results"]
     assert large["events_per_window"] > small["events_per_window"]  # a bigger cohort is more messages
 

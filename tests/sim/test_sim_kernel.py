@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from peerloom.core import effects as fx
 from peerloom.sim.adversary import Equivocation
 from peerloom.sim.disk import SimDisk
 from peerloom.sim.kernel import Simulation, derive_seed
@@ -150,7 +149,7 @@ def _pair_sim(**options):
 def test_peers_discovered_links_known_peers_and_ignores_unknown_ones():
     sim = _pair_sim()
     a, b = sim.nodes["a"], sim.nodes["b"]
-    a.host.peers_discovered(fx.PeersDiscovered(peers=((b.peer_id, "10.0.0.2:4001"), (ident(99).peer_id, "x:1"))))
+    a.host.peers_discovered(((b.peer_id, "10.0.0.2:4001"), (ident(99).peer_id, "x:1")))
     assert sim.adjacent == {"a": {"b"}, "b": {"a"}} and ("a", "b") in sim.connected
     sim.run(until=1.0)
     assert b.peer_id in a.engine.peers and a.peer_id in b.engine.peers  # both engines saw the connection
@@ -161,14 +160,14 @@ def test_a_ban_keeps_the_link_down_until_it_ends_or_the_banning_node_restarts():
     a, b = sim.nodes["a"], sim.nodes["b"]
     sim.link("a", "b")
     sim.run(until=1.0)
-    a.host.ban(fx.Ban(peer=b.peer_id, until=10.0))
-    a.host.hang_up(fx.HangUp(peer=b.peer_id, reason="penalties"))
+    a.host.ban(b.peer_id, 10.0)
+    a.host.hang_up(b.peer_id, "penalties")
     sim.run(until=9.0)  # the re-dial after 1 s was refused
     assert ("a", "b") not in sim.connected
     sim.run(until=10.5)
     assert ("a", "b") in sim.connected
-    a.host.ban(fx.Ban(peer=b.peer_id, until=100.0))
-    a.host.hang_up(fx.HangUp(peer=b.peer_id, reason="penalties"))
+    a.host.ban(b.peer_id, 100.0)
+    a.host.hang_up(b.peer_id, "penalties")
     sim.run(until=12.0)
     assert ("a", "b") not in sim.connected
     sim.crash("a")

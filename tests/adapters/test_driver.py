@@ -1,0 +1,249 @@
+"""The driver (`adapters/host.py`, spec/embedding.md §2): every member of the `Effect` union reaches a host that
+implements only the primitives (or its observer), in the engine's order; the driver, not the host, feeds back
+`Persisted`, `TaskFinished` / `TaskFailed` and `ArtifactStored` / `ArtifactCorrupt`, and re-arms the timer
+after every handled event. No other module of the library pulls or matches effects."""
+
+import inspect
+import re
+import typing
+from collections import deque
+from pathlib import Path
+
+import attrs
+import pytest
+
+from peerloom.adapters.host import Driver, Host, Observer, outcome
+from peerloom.core import effects as fx
+from peerloom.core import events as ev
+from peerloom.core.messages import Chunk, encode_message
+from peerloom.core.objects import make_artifact_ref
+from tests.helpers import ident
+
+MEMBERS = typing.get_args(fx.Effect)
+PEER = ident(1).peer_id
+REF = make_artifact_ref(b"artifact bytes", 4)
+SAMPLES: dict[type, object] = {
+    fx.Send: fx.Send(peer=PEER, data=b"hello"),
+    fx.HangUp: fx.HangUp(peer=PEER, reason="penalty-limit"),
+    fx.Persist: fx.Persist(token=7, key="vote/1", record=b"r"),
+    fx.RunTask: fx.RunTask(task_id="t1", kind="train", args={"seed": 1}),
+    fx.ServeChunk: fx.ServeChunk(peer=PEER, ref=REF, index=1),
+    fx.StoreChunk: fx.StoreChunk(ref=REF, index=0, data=b"arti"),
+    fx.CommitArtifact: fx.CommitArtifact(ref=REF, durable=False),
+    fx.DropArtifacts: fx.DropArtifacts(digests=(b"d",)),
+    fx.HeadPromoted: fx.HeadPromoted(head=object(), certificate=object()),  # type: ignore[arg-type]
+    fx.PeersDiscovered: fx.PeersDiscovered(peers=((PEER, "10.0.0.1:4001"),)),
+    fx.Rejected: fx.Rejected(peer=PEER, reason="bad-signature", detail="x"),
+    fx.Ban: fx.Ban(peer=PEER, until=30.0),
+    fx.SubmitReply: fx.SubmitReply(request_id=3, accepted=False, reason="stale"),
+    fx.Log: fx.Log(event="vote", fields={"window": 1}),
+}
+
+
+class FakeEngine:
+    """Hands out queued effects; records what it was fed; its deadline is settable."""
+
+    def __init__(self, effects=()):
+        self.effects = deque(effects)
+        self.fed: list[ev.Event] = []
+        self.deadline: float | None = 12.5
+        self.on_handle = lambda event: None
+
+    def handle(self, event):
+        self.fed.append(event)
+        self.on_handle(event)
+
+    def next_effect(self):
+        return self.effects.popleft() if self.effects else None
+
+    def next_deadline(self):
+        return self.deadline
+
+
+class PrimitivesOnly:
+    """A host with only the `Host` primitives: records each call; completes work at once unless `later`."""
+
+    def __init__(self, *, later: bool = False):
+        self.calls: list[tuple] = []
+        self.later = later
+        self.pending: list = []  # completions held back when `later`
+        self.now = 5.0
+
+    def _complete(self, done, *value):
+        if self.later:
+            self.pending.append(lambda: done(*value))
+        else:
+            done(*value)
+
+    def clock(self):
+        return self.now
+
+    def arm_timer(self, deadline):
+        self.calls.append(("arm_timer", deadline))
+
+    def send(self, peer, data):
+        self.calls.append(("send", peer, data))
+
+    def hang_up(self, peer, reason):
+        self.calls.append(("hang_up", peer, reason))
+
+    def ban(self, peer, until):
+        self.calls.append(("ban", peer, until))
+
+    def write_record(self, key, record, done):
+        self.calls.append(("write_record", key, record))
+        self._complete(done)
+
+    def run_task(self, task, done):
+        self.calls.append(("run_task", task.kind, task.args))
+        self._complete(done, {"delta": "d"} if task.task_id == "t1" else ValueError("boom"))
+
+    def read_chunk(self, ref, index):
+        self.calls.append(("read_chunk", ref, index))
+        return b"ct"
+
+    def write_chunk(self, ref, index, data):
+        self.calls.append(("write_chunk", ref, index, data))
+
+    def commit_artifact(self, ref, durable, done):
+        self.calls.append(("commit_artifact", ref, durable))
+        self._complete(done, True)
+
+    def remove_artifacts(self, digests):
+        self.calls.append(("remove_artifacts", digests))
+
+
+class Recording(Observer):
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def head_promoted(self, head, certificate):
+        self.calls.append(("head_promoted", head, certificate))
+
+    def rejected(self, peer, reason, detail):
+        self.calls.append(("rejected", peer, reason, detail))
+
+    def peers_discovered(self, peers):
+        self.calls.append(("peers_discovered", peers))
+
+    def submit_reply(self, request_id, accepted, reason):
+        self.calls.append(("submit_reply", request_id, accepted, reason))
+
+    def log(self, event, fields):
+        self.calls.append(("log", event, fields))
+
+
+def test_every_effect_class_is_a_member_of_the_union_and_has_a_sample():
+    defined = {obj for obj in vars(fx).values() if inspect.isclass(obj) and attrs.has(obj)
+               and obj.__module__ == fx.__name__}
+    assert defined == set(MEMBERS)
+    assert set(SAMPLES) == set(MEMBERS), "a new effect needs a sample here, and a case in Driver._dispatch"
+
+
+def test_the_host_protocol_is_primitives_and_the_observer_notifications():
+    primitives = {n for n, _ in inspect.getmembers(Host, inspect.isfunction) if not n.startswith("_")}
+    assert primitives == {"clock", "arm_timer", "send", "hang_up", "ban", "write_record", "run_task",
+                          "read_chunk", "write_chunk", "commit_artifact", "remove_artifacts"}
+    assert primitives <= set(dir(PrimitivesOnly))
+
+
+def test_every_effect_reaches_a_primitives_only_host_and_what_it_completes_is_fed_back():
+    engine = FakeEngine([SAMPLES[cls] for cls in MEMBERS])
+    host, observer = PrimitivesOnly(), Recording()
+    Driver(engine, host, observer).handle(ev.Start(now=5.0))  # type: ignore[arg-type]
+    expected_host = {
+        fx.Send: ("send", PEER, b"hello"),
+        fx.HangUp: ("hang_up", PEER, "penalty-limit"),
+        fx.Persist: ("write_record", "vote/1", b"r"),
+        fx.RunTask: ("run_task", "train", {"seed": 1}),
+        fx.ServeChunk: ("read_chunk", REF, 1),
+        fx.StoreChunk: ("write_chunk", REF, 0, b"arti"),
+        fx.CommitArtifact: ("commit_artifact", REF, False),
+        fx.DropArtifacts: ("remove_artifacts", (b"d",)),
+        fx.Ban: ("ban", PEER, 30.0),
+    }
+    expected_observer = {
+        fx.HeadPromoted: ("head_promoted", SAMPLES[fx.HeadPromoted].head, SAMPLES[fx.HeadPromoted].certificate),
+        fx.PeersDiscovered: ("peers_discovered", ((PEER, "10.0.0.1:4001"),)),
+        fx.Rejected: ("rejected", PEER, "bad-signature", "x"),
+        fx.SubmitReply: ("submit_reply", 3, False, "stale"),
+        fx.Log: ("log", "vote", {"window": 1}),
+    }
+    assert set(expected_host) | set(expected_observer) == set(MEMBERS)
+    chunk = encode_message(Chunk(artifact=REF.digest, index=1, data=b"ct"))
+    in_order = [call for cls in MEMBERS if cls in expected_host
+                for call in [expected_host[cls]] + ([("send", PEER, chunk)] if cls is fx.ServeChunk else [])]
+    assert host.calls == [*in_order, ("arm_timer", 12.5)]  # in the engine's order, then one re-arm
+    assert observer.calls == [expected_observer[c] for c in MEMBERS if c in expected_observer]
+    assert engine.fed[1:] == [ev.Persisted(now=5.0, token=7),
+                              ev.TaskFinished(now=5.0, task_id="t1", result={"delta": "d"}),
+                              ev.ArtifactStored(now=5.0, ref=REF)]
+
+
+def test_without_an_observer_notifications_are_dropped():
+    engine = FakeEngine([SAMPLES[fx.Log], SAMPLES[fx.HeadPromoted], SAMPLES[fx.Send]])
+    host = PrimitivesOnly()
+    Driver(engine, host).handle(ev.Start(now=0.0))  # type: ignore[arg-type]
+    assert host.calls == [("send", PEER, b"hello"), ("arm_timer", 12.5)]
+
+
+def test_a_completion_inside_the_drain_is_fed_at_once_and_its_effects_follow_in_order():
+    persist, send = fx.Persist(token=1, key="k", record=b"r"), fx.Send(peer=PEER, data=b"held")
+    log = fx.Log(event="e", fields={})
+    engine = FakeEngine([persist, log])
+    engine.on_handle = lambda event: engine.effects.append(send) if isinstance(event, ev.Persisted) else None
+    host, observer = PrimitivesOnly(), Recording()
+    Driver(engine, host, observer).handle(ev.Start(now=0.0))  # type: ignore[arg-type]
+    assert host.calls == [("write_record", "k", b"r"), ("send", PEER, b"held"), ("arm_timer", 12.5)]
+    assert observer.calls == [("log", "e", {})]
+
+
+def test_a_later_completion_is_a_whole_handle_drain_rearm_with_the_host_clock():
+    engine = FakeEngine([SAMPLES[fx.Persist], SAMPLES[fx.CommitArtifact],
+                         fx.RunTask(task_id="t2", kind="screen", args={})])
+    host = PrimitivesOnly(later=True)
+    driver = Driver(engine, host)  # type: ignore[arg-type]
+    driver.start()
+    assert engine.fed == [ev.Start(now=5.0)] and len(host.pending) == 3
+    host.now, engine.deadline = 9.0, None
+    engine.on_handle = lambda event: (engine.effects.append(SAMPLES[fx.Send]) if isinstance(event, ev.TaskFailed)
+                                      else None)
+    for complete in host.pending:
+        complete()
+    assert engine.fed[1:] == [ev.Persisted(now=9.0, token=7), ev.ArtifactStored(now=9.0, ref=REF),
+                              ev.TaskFailed(now=9.0, task_id="t2", reason="ValueError('boom')")]
+    assert host.calls[-4:] == [("arm_timer", None), ("arm_timer", None), ("send", PEER, b"hello"), ("arm_timer", None)]
+    driver.timer_due()
+    assert engine.fed[-1] == ev.TimerDue(now=9.0)
+
+
+def test_a_corrupt_commit_is_fed_back_as_artifact_corrupt():
+    engine = FakeEngine([SAMPLES[fx.CommitArtifact]])
+
+    class Corrupting(PrimitivesOnly):
+        def commit_artifact(self, ref, durable, done):
+            done(False)
+
+    Driver(engine, Corrupting()).handle(ev.Start(now=1.0))  # type: ignore[arg-type]
+    assert engine.fed[1:] == [ev.ArtifactCorrupt(now=5.0, ref=REF)]
+
+
+def test_outcome_returns_the_result_or_the_exception():
+    assert outcome(lambda x: {"x": x}, 1) == {"x": 1}
+    assert isinstance(outcome(lambda: 1 / 0), ZeroDivisionError)
+
+
+def test_dispatch_refuses_what_is_not_an_effect():
+    with pytest.raises(AssertionError):
+        Driver(FakeEngine([object()]), PrimitivesOnly()).handle(ev.Start(now=0.0))  # type: ignore[arg-type]
+
+
+def test_no_other_module_pulls_or_matches_effects():
+    """The runtime, the simulator, the examples and the benchmark all go through `Driver`: no second interpreter
+    of effects anywhere outside the engine and the tests."""
+    root = Path(__file__).resolve().parents[2]
+    pattern = re.compile(r"next_effect\(|case fx\.|isinstance\([^)]*, fx\.")
+    offenders = sorted(str(p.relative_to(root)) for folder in ("adapters", "sim", "peerloom", "backends", "examples",
+                                                                 "bench")
+                       for p in (root / folder).rglob("*.py") if pattern.search(p.read_text()))
+    assert offenders == ["adapters/host.py"]
