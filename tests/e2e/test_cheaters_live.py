@@ -36,7 +36,7 @@ import signal
 import sqlite3
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -168,15 +168,15 @@ def _stop(fleet: Fleet, timeout_s: float = 20.0) -> None:
     fleet.stop()
 
 
-def _run(clean: Fleet, cheating: Fleet, *, preload: str = "") -> None:
-    """Run both fleets side by side: the clean one until it holds `WINDOWS` certified heads, the cheating one
-    until then and a head quarantines both cheaters (at most `MAX_WINDOWS` certified heads); each is stopped
-    as soon as it is done. AssertionError when a node exits on its own or the time runs out. `Fleet.start`
-    starts each node as it always does, but forked from a fork server (tests/node_zygote.py) that has
-    imported peerloom (and `preload`) with the start-up environment `Fleet.start` gives its nodes: 14 real
-    processes without 14 interpreter start-ups."""
-    running = {"clean": clean, "cheating": cheating}
-    deadline = time.monotonic() + TIMEOUT_S
+def run_fleets(fleets: dict[str, Fleet], done: Callable[[str, Fleet, list[Head]], bool], timeout_s: float, *,
+               preload: str = "") -> None:
+    """Run `fleets` side by side, each stopped as soon as ``done(label, fleet, its heads)``: AssertionError when
+    a node exits on its own or `timeout_s` runs out. `Fleet.start` starts each node as it always does, but
+    forked from a fork server (tests/node_zygote.py) that has imported peerloom (and `preload`, modules
+    separated by commas) with the start-up environment `Fleet.start` gives its nodes: many real processes
+    without as many interpreter start-ups."""
+    running = dict(fleets)
+    deadline = time.monotonic() + timeout_s
     zygote_env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                   "PEERLOOM_ZYGOTE_PRELOAD": preload}
     try:
@@ -186,24 +186,32 @@ def _run(clean: Fleet, cheating: Fleet, *, preload: str = "") -> None:
         while running:
             for label, fleet in list(running.items()):
                 heads = _heads(fleet)
-                certified = len(_certified(heads))
-                done = certified >= WINDOWS
-                if label == "cheating":
-                    done = certified >= MAX_WINDOWS or (done and set(CHEATERS) <= _quarantined(fleet, heads))
-                if done:
+                if done(label, fleet, heads):
                     _terminate(fleet)
                     del running[label]  # signalled once: a second SIGTERM would cut its shutdown short
                     continue
                 exited = [name for name, p in fleet.processes.items() if p.poll() is not None]
                 assert not exited, f"{label}: {exited[0]} exited: {fleet.last_log_line(exited[0])}"
                 assert time.monotonic() < deadline, \
-                    f"{label}: {len(heads)} heads after {TIMEOUT_S} s\n{_summary(fleet, heads)}"
+                    f"{label}: {len(heads)} heads after {timeout_s} s\n{_summary(fleet, heads)}"
             time.sleep(0.2)
     finally:
         for fleet in running.values():
             _terminate(fleet)
-        for fleet in (clean, cheating):
+        for fleet in fleets.values():
             _stop(fleet)
+
+
+def _run(clean: Fleet, cheating: Fleet, *, preload: str = "") -> None:
+    """Both fleets side by side: the clean one until it holds `WINDOWS` certified heads, the cheating one
+    until then and a head quarantines both cheaters (at most `MAX_WINDOWS` certified heads)."""
+    def done(label: str, fleet: Fleet, heads: list[Head]) -> bool:
+        certified = len(_certified(heads))
+        if label == "clean":
+            return certified >= WINDOWS
+        return certified >= MAX_WINDOWS or (certified >= WINDOWS and set(CHEATERS) <= _quarantined(fleet, heads))
+
+    run_fleets({"clean": clean, "cheating": cheating}, done, TIMEOUT_S, preload=preload)
 
 
 def _certified(heads: Sequence[Head]) -> list[Head]:

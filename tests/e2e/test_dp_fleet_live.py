@@ -18,8 +18,6 @@ can) and 1 reducer:
 
 from __future__ import annotations
 
-import os
-import time
 from pathlib import Path
 
 import numpy as np
@@ -29,8 +27,7 @@ from peerloom.backends.mnist1d import make_mnist1d
 from peerloom.core.objects import Head, PrivacyParams
 from peerloom.experiment import Experiment, Fleet
 from peerloom.verify import run_verify, verified_chain
-from tests.e2e.test_cheaters_live import _heads, _names, _quarantined, _stop, _summary, _terminate
-from tests.node_zygote import forked_popen
+from tests.e2e.test_cheaters_live import _names, _quarantined, _summary, run_fleets
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("opacus")
@@ -68,36 +65,6 @@ def _done(label: str, fleet: Fleet, heads: list[Head]) -> bool:
     return len(heads) >= WINDOWS and SKIPPER in _quarantined(fleet, heads)
 
 
-def _run(fleets: dict[str, Fleet]) -> None:
-    """Both fleets side by side, each stopped once `_done` (AssertionError when a node exits or time runs
-    out); node processes are forked from a fork server that has imported torch and opacus."""
-    running = dict(fleets)
-    deadline = time.monotonic() + TIMEOUT_S
-    env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "PEERLOOM_ZYGOTE_PRELOAD": "torch,opacus"}
-    try:
-        for fleet in running.values():
-            with forked_popen(**env):
-                fleet.start()
-        while running:
-            for label, fleet in list(running.items()):
-                heads = _heads(fleet)
-                if _done(label, fleet, heads):
-                    _terminate(fleet)
-                    del running[label]
-                    continue
-                exited = [name for name, p in fleet.processes.items() if p.poll() is not None]
-                assert not exited, f"{label}: {exited[0]} exited: {fleet.last_log_line(exited[0])}"
-                assert time.monotonic() < deadline, \
-                    f"{label}: {len(heads)} heads after {TIMEOUT_S} s\n{_summary(fleet, heads)}"
-            time.sleep(0.2)
-    finally:
-        for fleet in running.values():
-            _terminate(fleet)
-        for fleet in fleets.values():
-            _stop(fleet)
-
-
 def _verified(fleet: Fleet) -> list[Head]:
     """The chain of `fleet`'s validator, after `peerloom verify` accepted it (privacy ledger included)."""
     store = fleet.node_dir("validator-1") / "store"
@@ -112,7 +79,7 @@ def test_dp_fleets_private_trainers_certify_every_window_and_a_noise_skipper_is_
 
     fleets = {label: Fleet.open(_experiment(tmp_path, label).write(tmp_path / label))
               for label in ("private", "audited")}
-    _run(fleets)
+    run_fleets(fleets, _done, TIMEOUT_S, preload="torch,opacus")
 
     private = fleets["private"]
     heads = _verified(private)
