@@ -27,16 +27,17 @@ import heapq
 import random
 from collections import Counter, deque
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
 from . import effects as fx
 from . import events as ev
 from .chain import decode_chain_entry, encode_chain_entry
-from .collector import FetchDelta
+from .collector import REPLAY_WINDOWS, FetchDelta
+from .config import SERVE_MIN_COST_BYTES as SERVE_MIN_COST_BYTES
+from .config import EngineConfig as EngineConfig
 from .encoding import decode, encode
-from .envelope import SignedEnvelope
 from .errors import DecodeError, LocalProtocolError, VerificationError
 from .identity import Identity, PeerId
 from .leases import lease_window, leases_of
@@ -50,7 +51,6 @@ from .messages import (
     Chunk,
     ChunkMissing,
     ChunkRequest,
-    DecodeMemo,
     Hello,
     Message,
     NextHead,
@@ -60,17 +60,14 @@ from .messages import (
     decode_message,
     encode_message,
 )
-from .objects import MAX_OVERLAP, ArtifactRef, Head, QuorumCertificate, Revision, UpdateAnnouncement
+from .objects import MAX_OVERLAP, ArtifactRef, Head, QuorumCertificate, UpdateAnnouncement
 from .pending import Done, Failed, Outcome, Pending, PendingState
-from .privacy import Accountant
+from .reducer import ReducerRole
 from .roles import Role
-
-if TYPE_CHECKING:
-    from .trainer import TrainerRole
-    from .validator import ValidatorRole
+from .trainer import TrainerRole
+from .validator import ValidatorRole
 
 HEAD_RECORD = "head"
-SERVE_MIN_COST_BYTES = 64 << 10  # what a served request costs the per-peer bucket at least (spec/wire.md §6)
 SERVER_ROLES = frozenset({"validator", "reducer"})
 MAX_SERVED_PEERS = 4096  # peers whose bytes served in this window are tracked at once (spec/protocol.md §8.2)
 CHAIN_BACKOFF_MAX_DOUBLINGS = 6  # a peer that never answers is asked again at most every 2^6 chain-get timeouts
@@ -88,74 +85,6 @@ SNAPSHOT_VERSION = 1
 # Failed fetches whose verified chunks are remembered for a later fetch of the same artifact (oldest
 # forgotten first). The chunks themselves sit in the host's partial store until commit or restart.
 MAX_PARTIAL_FETCHES = 64
-
-
-@attrs.frozen(kw_only=True)
-class EngineConfig:
-    """Static configuration of one node. Times in seconds, sizes in bytes."""
-
-    roles: frozenset[str] = attrs.field(converter=frozenset)
-    revision: Revision
-    capacity: int = 1
-    max_message_bytes: int = 16 << 20
-    max_chunks_in_flight: int = 8
-    chunk_timeout_s: float = 5.0
-    fetch_attempts: int = 6
-    penalty_limit: int = 20
-    ban_s: float = 600.0  # how long a peer that reached `penalty_limit` is refused (`effects.Ban`)
-    reducer_close_fraction: float = 0.75
-    # Per-peer serving quota in bytes (token bucket; spec/wire.md §6): a chunk request costs the chunk's
-    # length, any other served request (and a request for a chunk we lack) `SERVE_MIN_COST_BYTES`. The burst
-    # holds a 400 MB artifact at once and the refill outruns a window's honest fetches from one peer.
-    serve_bytes_per_s: float = float(256 << 20)  # refill, bytes per second
-    serve_bytes_burst: int = 1 << 30  # bucket size, bytes
-    # Per window of this node's head, a peer that is not one of the manifest's validators is served each
-    # artifact at most this many times its size (spec/protocol.md §8.2, `serve-quota`).
-    serve_copies: int = attrs.field(default=2, validator=attrs.validators.ge(1))
-    announcement_slack: int = 4  # offers a sender may make per window beyond the number of leases
-    stop_after_window: int | None = None  # local policy: open no window after this one
-    # Retention (spec/protocol.md §8.1): at each new head, drop the stored artifacts first held while the head
-    # was more than this many windows older (never the current head's params or optimizer state). 0: keep all.
-    keep_windows: int = attrs.field(default=0, validator=attrs.validators.ge(0))
-    agreement_timeout_s: float = 2.0  # Tendermint base timeout; grows linearly with the round
-    # A head proposal carries its cohort's signed announcements while they and the head fit in this many
-    # bytes; beyond, it names them by id only and validators fetch what they lack (spec/agreement.md §3).
-    proposal_carry_bytes: int = 768 << 10
-    # Archive and serve every certified head (`chain/<w>`), fetching the windows it skipped before it adopts a
-    # later head (spec/protocol.md §8). Off: the node keeps its current head only and adopts at once.
-    keep_chain: bool = True
-    max_chain_reply_bytes: int = 512 << 10  # bound on one ChainEntries reply
-    admission: SignedEnvelope | None = None  # this trainer's admission certificate (policy "certificate")
-    listen_address: str | None = None  # "host:port" we accept connections on, sent in Hello (peer exchange)
-    peer_exchange_interval_s: float = 10.0  # a peer may send one PeerExchange per this many seconds
-    peer_exchange_every_s: float = 60.0  # re-tell greeted peers where the others listen (0: on greeting only)
-    chain_request_timeout_s: float = 5.0  # a chain-get unanswered this long is asked of another peer
-    # chain-gets live at once, to distinct peers (spec/protocol.md §8): a silent peer never stalls sync alone
-    chain_parallel: int = attrs.field(default=2, validator=attrs.validators.ge(1))
-    # A decode memo shared by the engines of one simulator process (a broadcast is decoded once); None in
-    # a real node.
-    decode_memo: DecodeMemo | None = attrs.field(default=None, eq=False, repr=False)
-    # Private data and differential privacy (spec/protocol.md §10): `private_data` makes a trainer declare, in
-    # its join, that it trains on data only it holds; `accountant` computes the privacy ledger's epsilon and
-    # is required when the manifest has `privacy` (the node passes `peerloom.privacy.epsilon`).
-    private_data: bool = False
-    accountant: Accountant | None = attrs.field(default=None, eq=False, repr=False)
-
-    @property
-    def keeps_chain(self) -> bool:
-        return self.keep_chain
-
-    def __attrs_post_init__(self) -> None:
-        if not self.roles or not self.roles <= set(ROLES):
-            raise LocalProtocolError(f"roles must be a non-empty subset of {ROLES}")
-        if self.capacity < 1:
-            raise LocalProtocolError("capacity must be positive")
-        manifest = self.revision.manifest
-        if manifest.privacy is not None and self.accountant is None:
-            raise LocalProtocolError("the manifest has privacy: an accountant is required (EngineConfig.accountant)")
-        if self.private_data and not manifest.private_data:
-            raise LocalProtocolError("this node declares private data, but the manifest admits no private-data "
-                                     "trainers (private_data)")
 
 
 @attrs.define
@@ -212,10 +141,6 @@ class Engine:
 
     def __init__(self, config: EngineConfig, identity: Identity, rng: random.Random, *,
                  stored: Iterable[ArtifactRef] = (), records: Mapping[str, bytes] | None = None) -> None:
-        from .reducer import ReducerRole
-        from .trainer import TrainerRole
-        from .validator import ValidatorRole
-
         self.config = config
         self.identity = identity
         self.me = identity.peer_id
@@ -643,7 +568,6 @@ class Engine:
     # --- internals -------------------------------------------------------------------------------
 
     def _open_next_window(self) -> None:
-        from .collector import REPLAY_WINDOWS
         horizon = self.head.window + 1 - REPLAY_WINDOWS
         self.seen_deltas = {d: w for d, w in self.seen_deltas.items() if w >= horizon}
         self.recent_updates = {u: x for u, x in self.recent_updates.items() if x[1].window >= self.head.window}

@@ -18,7 +18,7 @@ held until the head before it arrives, then sent.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
@@ -40,10 +40,7 @@ from .objects import (
 )
 from .pending import Done, Failed, Outcome
 from .privacy import ledger_epsilon, spent_steps
-from .roles import RoleBase
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .roles import RoleBase, Services
 
 TABLE: Table = {
     ("idle", "lease"): "fetching",
@@ -155,7 +152,7 @@ class Announce:
 
 
 class TrainerRole(RoleBase):
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Services) -> None:
         self.engine = engine
         self.state = "idle"
         self.window = -1  # the window trained (or to train) now; the open one unless windows overlap
