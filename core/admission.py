@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import attrs
 
@@ -31,9 +30,7 @@ from .objects import (
     check_revocation,
 )
 from .privacy import next_private
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .roles import Services
 
 JOIN_PRIORITY_DOMAIN = b"peerloom/join-priority/v1"
 WINDOWS_AHEAD = 2  # joins, leaves (and other messages) for windows this far ahead are taken, later ones dropped
@@ -77,7 +74,7 @@ class Admission:
     their own (`REVOCATION_PREFIX`), read back when the engine starts from its records.
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Services) -> None:
         self.engine = engine
         self.head: Head | None = None  # the parent of the window being collected
         self.joins: dict[PeerId, int] = {}

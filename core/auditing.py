@@ -16,8 +16,6 @@ memory only: a restarted validator forgets those it held (its peers still hold t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import attrs
 
 from .audit import (
@@ -44,9 +42,7 @@ from .objects import (
     seal,
 )
 from .pending import Done, Failed, Outcome
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .roles import Services
 
 MAX_VERDICTS_PER_SIGNER = 64  # verdicts held per validator at a time (a faulty one cannot grow our state)
 UNSERVED_GRACE_WINDOWS = 2
@@ -127,7 +123,7 @@ class SampledAudits:
     """Sampled audits of one validator: the audits it runs, and the verdicts it holds (its own and other
     validators'), by update id."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Services) -> None:
         self.engine = engine
         self.running: dict[bytes, _Run] = {}  # update id -> its audit in flight
         self.updates: dict[bytes, tuple[SignedEnvelope, UpdateAnnouncement]] = {}

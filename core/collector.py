@@ -18,7 +18,7 @@ all individually accepted updates, because it needs the whole cohort.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
@@ -32,9 +32,8 @@ from .leases import claims_of, lease_weight, leases_of
 from .objects import PROTOCOL_VERSION, ArtifactRef, Head, Manifest, UpdateAnnouncement
 from .pending import Done, Failed, Outcome
 from .privacy import budget_fault
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .quarantine import STRIKE_REASONS
+from .roles import Services
 
 TABLE: Table = {
     ("announced", "fetched"): "screening",
@@ -146,7 +145,7 @@ def audit_args(manifest: Manifest, base: Head, author: PeerId, ann: UpdateAnnoun
     return args
 
 
-def resume_collector(engine: Engine, collector: Collector | None, work: CollectorWork, outcome: Outcome) -> None:
+def resume_collector(engine: Services, collector: Collector | None, work: CollectorWork, outcome: Outcome) -> None:
     """Hand collector work the engine held back to `collector`, the owning role's current one (None: it has
     none yet). A base fetch may end while its collector is still being built, so its failure is logged
     here."""
@@ -167,7 +166,7 @@ class Collector:
     §5.2). A node that does not hold the lease head (it jumped windows, `chain-gap`) has no leases this
     window: every update is `no-lease` here, and the head is decided by the validators that hold it."""
 
-    def __init__(self, engine: Engine, head: Head, on_change: Any, *, owner: str) -> None:
+    def __init__(self, engine: Services, head: Head, on_change: Any, *, owner: str) -> None:
         self.engine = engine
         self.owner = owner
         self.head = head
@@ -445,7 +444,6 @@ class Collector:
 
     def struck(self) -> list[Entry]:
         """Updates rejected for a reason every honest validator reproduces (strikes), by update id."""
-        from .quarantine import STRIKE_REASONS
         return sorted((x for x in self.entries.values() if x.state == "rejected" and x.reason in STRIKE_REASONS),
                       key=lambda x: x.envelope.id)
 

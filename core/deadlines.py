@@ -10,12 +10,8 @@ Timer keys: ``("close", "validator", window)`` and, with `lease_s > 0`, ``("clai
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .collector import Collector
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .roles import Services
 
 # A window whose leaseholders are all unreachable closes at most this many window_s after it opened.
 WAIT_WINDOWS = 3
@@ -36,7 +32,7 @@ class WindowClock:
     the one record of whether it runs); `wait_deadline`: set while the window waits for a reachable
     leaseholder; `deadline_s`: how long the clock runs (seconds), carried from window to window."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Services) -> None:
         self.engine = engine
         self.wait_deadline: float | None = None
         self.armed_at: float | None = None

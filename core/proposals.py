@@ -8,7 +8,7 @@ Timer key: ``("updates", window, head id, attempt)``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
@@ -17,9 +17,7 @@ from .errors import VerificationError
 from .identity import PeerId
 from .messages import MAX_UPDATE_IDS, Signed, UpdatesRequest
 from .objects import PROTOCOL_VERSION, Head, HeadProposal
-
-if TYPE_CHECKING:
-    from .validator import ValidatorRole
+from .validating import ValidatorParts
 
 # Announcements a head proposal names by id: asked MAX_UPDATE_IDS at a time from one provider; a batch that
 # is not complete after UPDATES_RETRY_S is asked of the next provider, and after UPDATES_ROUNDS passes over
@@ -55,7 +53,7 @@ class ProposalTracker:
     `updates_served`: updates-get requests served per peer this window.
     """
 
-    def __init__(self, role: ValidatorRole) -> None:
+    def __init__(self, role: ValidatorParts) -> None:
         self.role = role
         self.engine = role.engine
         self.proposals_in: dict[tuple[int, int], list[bytes]] = {}

@@ -8,7 +8,7 @@ is a rejection charged to the reducer.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
@@ -27,10 +27,7 @@ from .identity import PeerId
 from .messages import Signed
 from .objects import Head, ReductionProposal, seal
 from .pending import Failed, Outcome
-from .roles import RoleBase
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .roles import RoleBase, Services
 
 TABLE: Table = {
     ("collecting", "close"): "reducing",
@@ -53,7 +50,7 @@ class Reduce:
 
 
 class ReducerRole(RoleBase):
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Services) -> None:
         self.engine = engine
         self.state = "idle"
         self.collector: Collector | None = None

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
@@ -42,9 +42,7 @@ from .objects import (
 from .pending import Failed, Outcome
 from .privacy import budget_fault, next_ledger
 from .quarantine import STRIKE_REASONS, check_evidence, next_records
-
-if TYPE_CHECKING:
-    from .validator import ValidatorRole
+from .validating import ValidatorParts
 
 METRIC_TOLERANCE = 1e-4
 
@@ -139,7 +137,7 @@ class Screening:
     window -> reducer -> its proposal; `tasks`: recomputation work in flight, by a local sequence number.
     """
 
-    def __init__(self, role: ValidatorRole) -> None:
+    def __init__(self, role: ValidatorParts) -> None:
         self.role = role
         self.engine = role.engine
         self.verdicts: dict[bytes, bool] = {}

@@ -18,9 +18,7 @@ held until the head before it arrives, then sent.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-import attrs
+from typing import Any
 
 from .audit import AUDIT_WINDOWS, audit_segment, audit_selected, start_args, train_seed
 from .envelope import SignedEnvelope
@@ -40,10 +38,8 @@ from .objects import (
 )
 from .pending import Done, Failed, Outcome
 from .privacy import ledger_epsilon, spent_steps
-from .roles import RoleBase
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .roles import RoleBase, Services
+from .trainer_work import Announce, FetchParams, FetchState, Prefetch, Train, announcement_of, prior_of
 
 TABLE: Table = {
     ("idle", "lease"): "fetching",
@@ -99,63 +95,8 @@ def claim_key(window: int, holder: PeerId | None = None) -> str:
     return f"claim/{window}" if holder is None else f"claim/{window}/{holder}"
 
 
-@attrs.frozen(kw_only=True)
-class FetchParams:
-    """The head's params are being fetched to train `window`: on our own lease (`holder` None) or claiming
-    `holder`'s."""
-
-    window: int
-    holder: PeerId | None = None
-    prior: bytes = b""  # the attempt: the id of its prior (§5.2), b"" for none
-
-
-@attrs.frozen(kw_only=True)
-class Prefetch:
-    """The params (or momentum) of the head of `window` are fetched ahead of the window that starts from them."""
-
-    window: int
-
-
-@attrs.frozen(kw_only=True)
-class FetchState:
-    """The base head's DiLoCo momentum is being fetched to start `window` from it moved by our prior (§5.2)."""
-
-    window: int
-    prior: bytes = b""
-
-
-def _announcement(envelope: SignedEnvelope) -> UpdateAnnouncement:
-    return UpdateAnnouncement.from_cbor(envelope.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
-
-
-def _prior_of(envelope: SignedEnvelope) -> bytes | None:
-    return _announcement(envelope).prior
-
-
-@attrs.frozen(kw_only=True)
-class Train:
-    """The ``train`` task of `window` is in flight: on our own lease (`holder` None) or claiming `holder`'s."""
-
-    window: int
-    holder: PeerId | None = None
-    prior: bytes = b""  # the attempt: the id of its prior (§5.2), b"" for none
-
-
-@attrs.frozen(kw_only=True)
-class Announce:
-    """The signed announcement `envelope` of `window` (on our own lease, or claiming `holder`'s) is being
-    persisted: it is sent once durable. `train_loss` is the one it announces, `delta` its delta artifact's
-    digest (for the log line)."""
-
-    window: int
-    envelope: SignedEnvelope
-    train_loss: float
-    holder: PeerId | None = None
-    delta: bytes = b""
-
-
 class TrainerRole(RoleBase):
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Services) -> None:
         self.engine = engine
         self.state = "idle"
         self.window = -1  # the window trained (or to train) now; the open one unless windows overlap
@@ -274,7 +215,7 @@ class TrainerRole(RoleBase):
         drop that update (``prior-uncertified``), so we train the window again from `head` itself."""
         e, window = self.engine, head.window + 1
         held = self.published.get(window)
-        prior = _prior_of(held) if held is not None else (self.prior.id if self.prior is not None and
+        prior = prior_of(held) if held is not None else (self.prior.id if self.prior is not None and
                                                            self.window == window else None)
         if prior is None or prior in head.cohort:
             return
@@ -341,7 +282,7 @@ class TrainerRole(RoleBase):
         if old is None:
             return False
         envelope = SignedEnvelope.from_bytes(old)
-        ann = _announcement(envelope)
+        ann = announcement_of(envelope)
         if ann.base not in e.base_heads(window) or not e.is_stored(ann.delta.digest) or \
                 (ann.prior is not None and window == self.current and self.head is not None
                  and ann.prior not in self.head.cohort):
@@ -368,7 +309,7 @@ class TrainerRole(RoleBase):
 
     def resume(self, work: Any, outcome: Outcome) -> None:
         """Go on with work of ours the engine held (a task, fetch or write) once it ended with `outcome`."""
-        attempt = (_prior_of(work.envelope) or b"") if isinstance(work, Announce) else getattr(work, "prior", None)
+        attempt = (prior_of(work.envelope) or b"") if isinstance(work, Announce) else getattr(work, "prior", None)
         if isinstance(work, (FetchParams, FetchState, Train, Announce)) and getattr(work, "holder", None) is None \
                 and work.window == self.window and attempt != self._attempt():
             if isinstance(work, Train) and isinstance(outcome, Done) and outcome.result is not None:
@@ -474,7 +415,7 @@ class TrainerRole(RoleBase):
 
     def _start(self) -> dict[str, Any] | None:
         """The ``start`` argument of our training (`core.audit.start_args`): None without a prior."""
-        prior = None if self.prior is None else _announcement(self.prior).delta
+        prior = None if self.prior is None else announcement_of(self.prior).delta
         assert self.base is not None
         return start_args(self.engine.manifest, self.base, prior)
 

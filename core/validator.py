@@ -17,7 +17,7 @@ A window closes when every lease has reported or at its deadline; messages for a
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .admission import (
     JOIN_BACKLOG_FACTOR,
@@ -49,12 +49,9 @@ from .objects import (
 )
 from .pending import Outcome
 from .proposals import ProposalTracker
-from .roles import RoleBase
+from .roles import RoleBase, Services
 from .screening import METRIC_TOLERANCE, Screening, ScreeningTask, Value, head_metrics, metrics_match
 from .voting import Voting, VotingWrite, lock_key, proposal_key, vote_key
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 __all__ = [
     "JOIN_BACKLOG_FACTOR", "MAX_DEADLINE_WINDOWS", "MAX_HELD", "METRIC_TOLERANCE", "MIN_JOIN_BACKLOG", "TABLE",
@@ -85,7 +82,7 @@ def proposer_of(parent: bytes, window: int, round_: int, validators: tuple[PeerI
 class ValidatorRole(RoleBase):
     """One validator's state machine (table `TABLE`: collecting -> closed, each window)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Services) -> None:
         self.engine = engine
         self.state = "collecting"
         self.collector: Collector | None = None
@@ -106,7 +103,7 @@ class ValidatorRole(RoleBase):
     def window(self) -> int:
         return self.collector.window if self.collector is not None else -1
 
-    # --- durable state (Engine.snapshot) -------------------------------------------------------------
+    # --- durable state (Engine.snapshot) ---------------------------------------------------------------
 
     def durable_state(self) -> dict[str, Any]:
         """What the engine snapshot keeps of this validator: joins and admissions, leaves, equivocation

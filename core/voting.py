@@ -13,7 +13,7 @@ them persisted.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
@@ -34,9 +34,7 @@ from .objects import (
     sign_vote,
 )
 from .quarantine import make_evidence
-
-if TYPE_CHECKING:
-    from .validator import ValidatorRole
+from .validating import ValidatorParts
 
 VoteKey = tuple[int, int, str, PeerId]  # (window, round, step, signer)
 
@@ -103,7 +101,7 @@ class Voting:
     persisted is durable, by a local sequence number.
     """
 
-    def __init__(self, role: ValidatorRole) -> None:
+    def __init__(self, role: ValidatorParts) -> None:
         self.role = role
         self.engine = role.engine
         self.vote_of: dict[VoteKey, bytes | None] = {}

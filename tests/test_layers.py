@@ -146,3 +146,76 @@ def test_the_adapter_checks_catch_a_violation(tmp_path):
                  'if e.reason == "penalty-limit":',
                  "before = dict(engine.rejected_by_reason)"):
         assert any(re.search(p, line) for p in ADAPTER_FORBIDDEN_SOURCE), line
+
+
+MAX_CORE_MODULE_LINES = 600
+
+
+def core_import_graph(folder: Path) -> dict[str, set[str]]:
+    """module -> the modules of the same package it imports: at module level, under `if TYPE_CHECKING:` and
+    inside functions alike (ast.walk sees them all), relative (`from .x import`, `from . import x`) or
+    absolute (`peerloom.core.x`)."""
+    modules = {p.stem for p in folder.glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for path in sorted(folder.glob("*.py")):
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom):
+                if node.level == 1:
+                    found.update([node.module.split(".")[0]] if node.module else [a.name for a in node.names])
+                elif node.level == 0 and node.module and node.module.split(".")[:2] == ["peerloom", "core"]:
+                    parts = node.module.split(".")
+                    found.update(parts[2:3] if len(parts) > 2 else [a.name for a in node.names])
+            elif isinstance(node, ast.Import):
+                found.update(a.name.split(".")[2] for a in node.names
+                             if a.name.split(".")[:2] == ["peerloom", "core"] and a.name.count(".") >= 2)
+        graph[path.stem] = (found & modules) - {path.stem}
+    return graph
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` as [a, b, ..., a], or None when it has none (depth-first search)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt):], nxt]
+            if nxt not in state and (found := visit(nxt)) is not None:
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)) is not None:
+            return found
+    return None
+
+
+def test_core_import_graph_has_no_cycle():
+    """Roles reach the engine through narrow interfaces (`roles.Services`, the parts' host Protocols), never by
+    importing engine.py; no import hides a cycle inside a function or under TYPE_CHECKING (spec/design.md §2)."""
+    cycle = import_cycle(core_import_graph(ROOT / "core"))
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+def test_no_core_module_is_over_600_lines():
+    long = {p.name: n for p in sorted((ROOT / "core").glob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_CORE_MODULE_LINES}
+    assert not long, long
+
+
+def test_the_cycle_check_catches_hidden_cycles(tmp_path):
+    (tmp_path / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\n")
+    (tmp_path / "b.py").write_text("def f():\n    from peerloom.core import c\n")
+    (tmp_path / "c.py").write_text("from . import a\n")
+    (tmp_path / "d.py").write_text("from .a import A\n")
+    graph = core_import_graph(tmp_path)
+    assert graph == {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_cycle(graph) == ["a", "b", "c", "a"]
+    graph["c"] = set()
+    assert import_cycle(graph) is None

@@ -11,8 +11,9 @@ import cbor2
 
 from peerloom.core import effects as fx
 from peerloom.core import events as ev
+from peerloom.core.config import SERVE_MIN_COST_BYTES
 from peerloom.core.encoding import content_id
-from peerloom.core.engine import SERVE_MIN_COST_BYTES, Engine, EngineConfig
+from peerloom.core.engine import Engine, EngineConfig
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.messages import CertifiedHead, Chunk, ChunkRequest, Hello, Signed, encode_message
 from peerloom.core.objects import ArtifactRef, UpdateAnnouncement, make_artifact_ref, seal

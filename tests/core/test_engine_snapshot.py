@@ -31,7 +31,7 @@ def test_snapshot_round_trips_and_restored_validator_continues(tmp_path, workloa
     assert restored.snapshot() == snap
     assert restored.head == engine.head and restored.certificate == engine.certificate
     assert restored.records == engine.records and restored.stats == engine.stats
-    assert all(restored.is_stored(d) for d in engine._stored)
+    assert all(restored.is_stored(d) for d in engine.fetching.stored)
     # what idle expiry needs (heartbeats heard, the first window it counted from) survives the round trip
     v, rv = (e._validator.admission for e in (engine, restored))
     assert v.heard and rv.heard == v.heard and rv.first_window == v.first_window is not None

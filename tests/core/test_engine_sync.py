@@ -12,7 +12,8 @@ import random
 from peerloom.core import effects as fx
 from peerloom.core import events as ev
 from peerloom.core.chain import decode_chain_entry, encode_chain_entry, verify_chain
-from peerloom.core.engine import CHAIN_SILENT_LIMIT, HEAD_RECORD, Engine, EngineConfig, chain_key
+from peerloom.core.chainsync import CHAIN_SILENT_LIMIT
+from peerloom.core.engine import HEAD_RECORD, Engine, EngineConfig, chain_key
 from peerloom.core.messages import (
     CertifiedHead,
     ChainEntries,
@@ -145,11 +146,11 @@ def test_forged_chain_segment_is_refused_link_by_link():
     assert chain_key(1) in node.engine.records and chain_key(2) not in node.engine.records
     # A self-consistent alternative history signed by outsiders is refused at its first entry.
     fake1 = child(REV, REV.genesis(), metrics={"test_accuracy": 0.77})
-    node.engine._chain_requests[SEED.peer_id] = (2, 4)  # as if we had asked again
+    node.engine.chain.requests[SEED.peer_id] = (2, 4)  # as if we had asked again
     node.deliver(SEED, ChainEntries(entries=((fake1, certify(REV, fake1, FAKES)),)))
     assert node.engine.rejected_by_reason["chain-window"] == 1
     # Entries that do not link to what we hold are refused (a wrong parent).
-    node.engine._chain_requests[SEED.peer_id] = (2, 4)
+    node.engine.chain.requests[SEED.peer_id] = (2, 4)
     orphan = child(REV, fake1)
     node.deliver(SEED, ChainEntries(entries=((orphan, certify(REV, orphan, VALS[:3])),)))
     assert node.engine.rejected_by_reason["chain-parent"] == 1 and chain_key(2) not in node.engine.records
@@ -349,8 +350,8 @@ def test_a_peer_that_proves_its_head_in_its_hello_is_asked_before_peers_that_onl
             node.connect(liar, head_window=10**12, roles=("validator",))
         node.connect(honest, head_window=6, certificate=proof)
         assert node.engine.peers[honest.peer_id].head_proven == (6 if proof else 0)
-        node.engine._sync_target = (chain[5][0], chain[5][1], liars[0].peer_id)  # the head, told by anyone
-        node.engine._sync()
+        node.engine.chain.target = (chain[5][0], chain[5][1], liars[0].peer_id)  # the head, told by anyone
+        node.engine.chain.sync()
         node.drain()
         if proof is None:
             assert not node.requests(honest)
@@ -431,9 +432,9 @@ def test_a_peer_that_claims_a_head_and_leaves_chain_gets_unanswered_is_hung_up_o
     liar = ident(200)
     node.connect(liar, head_window=10**12, roles=("validator",))
     node.connect(SEED, head_window=6)
-    node.engine._sync_target = (chain[5][0], chain[5][1], SEED.peer_id)
+    node.engine.chain.target = (chain[5][0], chain[5][1], SEED.peer_id)
     node.engine.peers[SEED.peer_id].chain_lacks = 1  # only the liar is willing
-    node.engine._sync()
+    node.engine.chain.sync()
     node.drain()
     timeout = node.engine.config.chain_request_timeout_s
     now = 0.0
@@ -448,12 +449,12 @@ def test_a_peer_that_claims_a_head_and_leaves_chain_gets_unanswered_is_hung_up_o
     node.tick(now + 0.5)
     assert len(node.requests(liar)) == CHAIN_SILENT_LIMIT  # still backing off after its reconnect
     node.engine.peers[SEED.peer_id].chain_lacks = None
-    node.engine._sync()
+    node.engine.chain.sync()
     node.drain()
     for _ in range(CHAIN_SILENT_LIMIT + 1):
         node.deliver(SEED, ChainEntries(entries=()))
         node.engine.peers[SEED.peer_id].chain_lacks = None
-        node.engine._sync()
+        node.engine.chain.sync()
         node.drain()
     assert len(node.requests(SEED)) == CHAIN_SILENT_LIMIT + 2 and not node.engine.rejected_by_reason
     assert all(peer != SEED.peer_id for peer, _ in node.hangups)

@@ -74,4 +74,4 @@ def test_ref_with_a_false_digest_fails_the_fetch_without_stopping_the_host(tmp_p
     assert outcomes == ["corrupt-artifact"]
     assert not store.has(forged.digest) and not engine.is_stored(forged.digest)
     # Nothing of it is kept for a resume: a new fetch of the same ref asks for every chunk again.
-    assert forged.digest not in engine._partial
+    assert forged.digest not in engine.fetching.partial

@@ -31,7 +31,7 @@ WAITER = "fetch under test"  # the pending work a test fetch names (owner "test"
 
 def watch(engine: Engine, outcomes: list[str]) -> None:
     """Record the end of every fetch owned by "test" in `outcomes`: "done", or the failure's reason."""
-    resume = engine._resume
+    resume = engine.resume_pending
 
     def record(pending: Pending, outcome: Outcome) -> None:
         if pending.owner != "test":
@@ -39,7 +39,7 @@ def watch(engine: Engine, outcomes: list[str]) -> None:
         else:
             outcomes.append("done" if isinstance(outcome, Done) else outcome.reason)
 
-    engine._resume = record  # type: ignore[method-assign]  # records the call
+    engine.resume_pending = record  # type: ignore[method-assign]  # records the call
 
 
 class Harness:
@@ -265,7 +265,7 @@ def test_a_chunk_that_arrives_after_its_request_timed_out_charges_nobody() -> No
     pending += h.drain()
     while pending and not h.commits:
         peer, index = pending.pop(0)
-        if h.engine._fetches[REF.digest].in_flight.get(index) == peer:  # still asked (a late answer may have done)
+        if h.engine.fetching.fetches[REF.digest].in_flight.get(index) == peer:  # still asked (a late answer may have done)
             h.answer(peer, index)
         pending += h.drain()
     assert h.engine.peers[QUITTER].penalty == 0 and h.engine.rejected_by_reason["unsolicited-chunk"] == 0

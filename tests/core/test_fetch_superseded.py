@@ -10,10 +10,10 @@ def test_note_stored_finishes_a_fetch_in_flight_and_late_chunks_charge_nobody():
     engine, rev = trainer_fetching_genesis()
     ref = rev.manifest.genesis_params
     asked = [e for e in drain(engine) if isinstance(e, fx.Send) and e.peer == VALIDATOR.peer_id]
-    assert asked and ref.digest in engine._fetches
+    assert asked and ref.digest in engine.fetching.fetches
     engine.note_stored(ref)  # the host computed (and stored) the same artifact
     effects = drain(engine)
-    assert ref.digest not in engine._fetches
+    assert ref.digest not in engine.fetching.fetches
     assert any(isinstance(e, fx.RunTask) and e.kind == "train" for e in effects)  # the fetch's owner went on
     # the chunks asked for before arrive late: dropped, never stored, nobody charged
     for i in range(ref.num_chunks):

@@ -28,14 +28,14 @@ def test_old_artifacts_are_dropped_and_deleted_and_the_head_is_kept(tmp_path, wo
             assert head.outer_state is not None and engine.is_stored(head.outer_state.digest), name
         files = _stored_files(cluster, name)
         # what the engine still holds is on disk, and nothing else is: deleted as dropped
-        assert files == {d[2:].hex() for d in engine._stored}, name
+        assert files == {d[2:].hex() for d in engine.fetching.stored}, name
         dropped = [f for t, n, e, f in cluster.logs if n == name and e == "artifacts-dropped"]
         assert dropped and sum(f["count"] for f in dropped) > 0, name
     # A validator that kept everything would hold, by window 6, genesis plus every window's params, state
     # and updates; with keep_windows = 1 it holds at most two windows' worth.
     v = cluster.nodes["validator"].engine
     per_window = 2 + len(v.head.cohort)  # params, optimizer state, updates
-    assert len(v._stored) <= 2 * per_window + 2
+    assert len(v.fetching.stored) <= 2 * per_window + 2
     old = [h for _, h, _ in cluster.nodes["validator"].heads if h.window <= v.head.window - 3]
     assert old and not any(v.is_stored(h.params.digest) for h in old)
 
@@ -55,7 +55,7 @@ def test_the_current_heads_artifacts_survive_any_retention(tmp_path, workload):
     engine = cluster.nodes["validator"].engine
     genesis = engine.head.params
     assert engine.is_stored(genesis.digest)
-    engine._stored_at[genesis.digest] = -100  # first held "long ago"
+    engine.fetching.stored_at[genesis.digest] = -100  # first held "long ago"
     engine.head = attrs.evolve(engine.head, window=50)  # stands for a run of skipped windows
     engine._retire_artifacts()
     assert engine.is_stored(genesis.digest)

@@ -354,7 +354,7 @@ def test_segment_audits_quarantine_cheaters_and_pass_honest_trainers(tmp_path, d
     t0 = cluster.nodes["t0"].engine
     trainer = t0._trainer
     kept = {ref.digest for _, refs in trainer.kept.values() for ref in refs}
-    assert len(trainer.kept) <= 8 and kept <= set(t0._stored)
+    assert len(trainer.kept) <= 8 and kept <= set(t0.fetching.stored)
 
 
 def test_an_author_that_does_not_serve_its_checkpoints_fails_the_audit(tmp_path, digits):

@@ -131,7 +131,7 @@ class _FirstDeltaFetchFails(Engine):
                 validator.proposer(0) != self.me and \
                 any(x.announcement.delta.digest == ref.digest for x in collector.entries.values()):
             self.planted.update(node=self.me, delta=ref.digest)
-            self._resume(Pending(owner=owner, work=work), Failed(reason="no-provider"))
+            self.resume_pending(Pending(owner=owner, work=work), Failed(reason="no-provider"))
             return
         super().fetch(ref, providers, owner, work)
 

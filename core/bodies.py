@@ -1,0 +1,346 @@
+"""Protocol objects (spec/protocol.md §2), part three: the signed bodies trainers and validators send (update
+announcements, trajectories, admission certificates, joins, leaves, heartbeats, reduction and head proposals,
+audit failures). Imported through `core/objects.py`."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import attrs
+
+from . import _fields as f
+from .certified import AdmissionRevocation, Head
+from .envelope import SignedEnvelope
+from .errors import DecodeError, VerificationError
+from .identity import Identity, PeerId
+from .manifest import MAX_AUDIT_SEGMENTS, MAX_COHORT, MAX_SHARDS, PROTOCOL_VERSION, ArtifactRef, Manifest
+
+
+@attrs.frozen(kw_only=True)
+class UpdateAnnouncement:
+    """A trainer's signed claim: "for `window`, from `base`, on my leased `shards`, here is my delta".
+
+    `delta` is the safetensors artifact of the pseudo-gradient (base params minus trained params, DiLoCo
+    convention); `delta_digest` its canonical tensor digest. `train_loss` is informational only.
+    `claim` names the leaseholder whose expired lease this update claims as next-ranked trainer (None for
+    an update on the author's own lease; the key is then absent from the encoding). `trajectory` (under
+    segment audits, else None and absent) is the artifact of the author's `Trajectory`: its committed
+    training checkpoints and error-feedback residual (spec/protocol.md §6.3). `prior` (overlapped windows
+    only, else None and absent) is the id of the author's own update of window `window - 1`, certified in
+    the window's parent and missing from the older `base`: training started from the base moved by it
+    (`core.audit.start_args`, spec/protocol.md §5.2). `privacy_steps` (manifests with `privacy` only, else None
+    and absent) is the trainer's privacy spend for the window: the DP-SGD steps it took at the manifest's
+    parameters, which must be the manifest's `inner_steps` (spec/protocol.md §10).
+    """
+
+    KIND: ClassVar[str] = "update"
+
+    revision: bytes
+    window: int
+    base: bytes
+    shards: tuple[int, ...]
+    delta: ArtifactRef
+    delta_digest: bytes
+    train_loss: float
+    claim: PeerId | None = None
+    trajectory: ArtifactRef | None = None
+    prior: bytes | None = None
+    privacy_steps: int | None = None
+
+    def to_cbor(self) -> dict[str, Any]:
+        body = {"revision": self.revision, "window": self.window, "base": self.base, "shards": list(self.shards),
+                "delta": self.delta.to_cbor(), "delta_digest": self.delta_digest, "train_loss": self.train_loss}
+        if self.claim is not None:
+            body["claim"] = self.claim.to_bytes()
+        if self.trajectory is not None:
+            body["trajectory"] = self.trajectory.to_cbor()
+        if self.prior is not None:
+            body["prior"] = self.prior
+        if self.privacy_steps is not None:
+            body["privacy_steps"] = self.privacy_steps
+        return body
+
+    @classmethod
+    def from_cbor(cls, obj: Any) -> UpdateAnnouncement:
+        keys = frozenset({"revision", "window", "base", "shards", "delta", "delta_digest", "train_loss"})
+        optional = {"claim", "trajectory", "prior", "privacy_steps"} & set(obj) if isinstance(obj, dict) else set()
+        body = f.exact_keys(obj, keys | optional, "update")
+        shards = f.array(body, "shards", max_len=MAX_SHARDS)
+        if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shards) or \
+                shards != sorted(set(shards)):
+            raise DecodeError("bad-field", "shards must be sorted distinct shard numbers")
+        return cls(revision=f.cid(body, "revision"), window=f.uint(body, "window"), base=f.cid(body, "base"),
+                   shards=tuple(shards), delta=ArtifactRef.from_cbor(body["delta"]),
+                   delta_digest=f.cid(body, "delta_digest"), train_loss=f.number(body, "train_loss"),
+                   claim=f.peer(body, "claim") if "claim" in body else None,
+                   trajectory=ArtifactRef.from_cbor(body["trajectory"]) if "trajectory" in body else None,
+                   prior=f.cid(body, "prior") if "prior" in body else None,
+                   privacy_steps=f.uint(body, "privacy_steps", maximum=1 << 24) if "privacy_steps" in body else None)
+
+
+@attrs.frozen(kw_only=True)
+class Trajectory:
+    """What a trainer commits to under segment audits (spec/protocol.md §6.3), stored as the canonical CBOR
+    artifact its update names in `trajectory`: `checkpoints[j - 1]` is the artifact (safetensors) of its
+    whole training state after inner step ``b_j`` (`core.audit.segment_bounds`), ``j = 1 .. S``, the last
+    one holding the trained params the delta was taken from; `residual` is its error-feedback residual as it
+    stood before this update's encoding (None for codecs without error feedback)."""
+
+    checkpoints: tuple[ArtifactRef, ...]
+    residual: ArtifactRef | None = None
+
+    def to_cbor(self) -> dict[str, Any]:
+        return {"checkpoints": [c.to_cbor() for c in self.checkpoints],
+                "residual": None if self.residual is None else self.residual.to_cbor()}
+
+    @classmethod
+    def from_cbor(cls, obj: Any) -> Trajectory:
+        body = f.exact_keys(obj, frozenset({"checkpoints", "residual"}), "trajectory")
+        checkpoints = f.array(body, "checkpoints", max_len=MAX_AUDIT_SEGMENTS)
+        if not checkpoints:
+            raise DecodeError("bad-field", "a trajectory commits to at least one checkpoint")
+        return cls(checkpoints=tuple(ArtifactRef.from_cbor(c) for c in checkpoints),
+                   residual=None if body["residual"] is None else ArtifactRef.from_cbor(body["residual"]))
+
+
+@attrs.frozen(kw_only=True)
+class AdmissionCertificate:
+    """The manifest's admission authority admits `peer` to revision `revision` with a declared capacity of
+    at most `max_capacity` (spec/protocol.md §5). Carried, in its envelope, by the peer's `JoinRequest`.
+
+    Optional (absent from the encoding when None, so a certificate without them encodes as before they
+    existed): `expires_window`, the last window a join carrying it may name (validators check the join's own
+    `window`, so every validator reaches the same verdict on the same join; spec/auth.md §4), and `login`, a
+    32-byte digest of the login it was issued to (spec/auth.md §3), which binds the peer to that login for
+    revocation without putting the login's name on the wire.
+    """
+
+    KIND: ClassVar[str] = "admission"
+
+    revision: bytes
+    peer: PeerId
+    max_capacity: int
+    expires_window: int | None = None
+    login: bytes | None = None
+
+    def to_cbor(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"revision": self.revision, "peer": self.peer.to_bytes(),
+                                "max_capacity": self.max_capacity}
+        if self.expires_window is not None:
+            body["expires_window"] = self.expires_window
+        if self.login is not None:
+            body["login"] = self.login
+        return body
+
+    @classmethod
+    def from_cbor(cls, obj: Any) -> AdmissionCertificate:
+        optional = {"expires_window", "login"} & set(obj) if isinstance(obj, dict) else set()
+        body = f.exact_keys(obj, frozenset({"revision", "peer", "max_capacity"} | optional), "admission")
+        return cls(revision=f.cid(body, "revision"), peer=f.peer(body, "peer"),
+                   max_capacity=f.uint(body, "max_capacity", maximum=1 << 16),
+                   expires_window=f.uint(body, "expires_window") if "expires_window" in body else None,
+                   login=f.raw(body, "login", size=32) if "login" in body else None)
+
+
+def check_admission(envelope: SignedEnvelope | None, revision_id: bytes, manifest: Manifest,
+                    peer: PeerId, window: int | None = None) -> AdmissionCertificate:
+    """The admission certificate `envelope` admits `peer` to revision `revision_id` for a join naming
+    `window` (None: expiry not checked, e.g. a node checking its own file at start); raises
+    VerificationError ``join-not-admitted`` (missing, not signed by the manifest's admission authority,
+    bad signature, another revision or peer, capacity 0, `window` after its `expires_window`) or
+    DecodeError (malformed body)."""
+    authority = manifest.admission_authority
+    if envelope is None or authority is None or envelope.signer != authority:
+        raise VerificationError("join-not-admitted", "no certificate of the admission authority")
+    try:
+        cert = AdmissionCertificate.from_cbor(envelope.open(AdmissionCertificate.KIND, PROTOCOL_VERSION))
+    except VerificationError as exc:
+        raise VerificationError("join-not-admitted", f"{exc.reason}: {exc.detail}") from exc
+    if cert.revision != revision_id or cert.peer != peer or cert.max_capacity < 1:
+        raise VerificationError("join-not-admitted", "certificate is for another revision or peer")
+    if window is not None and cert.expires_window is not None and window > cert.expires_window:
+        raise VerificationError("join-not-admitted", f"certificate expired after window {cert.expires_window}")
+    return cert
+
+
+@attrs.frozen(kw_only=True)
+class JoinRequest:
+    """A trainer asks to be put in the roster of the next head with a declared `capacity` (1..max).
+
+    `window` is the window being collected when it asked (it asks again each window until rostered):
+    validators take a join for their current window or up to 2 ahead, so an old join replayed after the
+    trainer left has no effect (spec/protocol.md §5). `admission` is its admission certificate envelope
+    (`AdmissionCertificate`), needed when the manifest's admission policy is "certificate"; the key is
+    absent from the encoding when None. `private` says the trainer trains on data only it holds
+    (spec/protocol.md §10; present, as true, only when set): validators take it only under a manifest with
+    `private_data`, and the head lists the trainer in `private`.
+    """
+
+    KIND: ClassVar[str] = "join"
+
+    revision: bytes
+    window: int
+    capacity: int
+    admission: SignedEnvelope | None = None
+    private: bool = False
+
+    def to_cbor(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"revision": self.revision, "window": self.window, "capacity": self.capacity}
+        if self.admission is not None:
+            body["admission"] = self.admission.to_cbor()
+        if self.private:
+            body["private"] = True
+        return body
+
+    @classmethod
+    def from_cbor(cls, obj: Any) -> JoinRequest:
+        keys = frozenset({"revision", "window", "capacity"})
+        optional = {"admission", "private"} & set(obj) if isinstance(obj, dict) else set()
+        body = f.exact_keys(obj, keys | optional, "join")
+        private = f.boolean(body, "private") if "private" in body else False
+        if "private" in body and not private:
+            raise DecodeError("bad-field", "join: private is absent when false")
+        return cls(revision=f.cid(body, "revision"), window=f.uint(body, "window"),
+                   capacity=f.uint(body, "capacity", maximum=1 << 16),
+                   admission=SignedEnvelope.from_cbor(body["admission"]) if "admission" in body else None,
+                   private=private)
+
+
+@attrs.frozen(kw_only=True)
+class LeaveRequest:
+    """A rostered trainer leaves: the head of window `window` drops it from the roster (spec/protocol.md §5).
+
+    `window` is the window being collected when the trainer asked; validators ignore a leave for a window
+    they have already certified, so an old leave cannot be replayed against a peer that joined again.
+    """
+
+    KIND: ClassVar[str] = "leave"
+
+    revision: bytes
+    window: int
+
+    def to_cbor(self) -> dict[str, Any]:
+        return {"revision": self.revision, "window": self.window}
+
+    @classmethod
+    def from_cbor(cls, obj: Any) -> LeaveRequest:
+        body = f.exact_keys(obj, frozenset({"revision", "window"}), "leave")
+        return cls(revision=f.cid(body, "revision"), window=f.uint(body, "window"))
+
+
+@attrs.frozen(kw_only=True)
+class Heartbeat:
+    """A rostered trainer is alive in window `window` (spec/protocol.md §5): sent to the validators once per
+    window when the manifest's `idle_windows` > 0; validators relay it one hop to each other."""
+
+    KIND: ClassVar[str] = "heartbeat"
+
+    revision: bytes
+    window: int
+
+    def to_cbor(self) -> dict[str, Any]:
+        return {"revision": self.revision, "window": self.window}
+
+    @classmethod
+    def from_cbor(cls, obj: Any) -> Heartbeat:
+        body = f.exact_keys(obj, frozenset({"revision", "window"}), "heartbeat")
+        return cls(revision=f.cid(body, "revision"), window=f.uint(body, "window"))
+
+
+@attrs.frozen(kw_only=True)
+class ReductionProposal:
+    """A reducer's proposed aggregate for a window: cohort (canonical order) and resulting params."""
+
+    KIND: ClassVar[str] = "proposal"
+
+    revision: bytes
+    window: int
+    base: bytes
+    cohort: tuple[bytes, ...]
+    params: ArtifactRef
+    params_digest: bytes
+
+    def to_cbor(self) -> dict[str, Any]:
+        return {"revision": self.revision, "window": self.window, "base": self.base, "cohort": list(self.cohort),
+                "params": self.params.to_cbor(), "params_digest": self.params_digest}
+
+    @classmethod
+    def from_cbor(cls, obj: Any) -> ReductionProposal:
+        body = f.exact_keys(obj, frozenset({"revision", "window", "base", "cohort", "params", "params_digest"}),
+                            "proposal")
+        cohort = f.array(body, "cohort", max_len=MAX_COHORT)
+        for c in cohort:
+            f.cid({"c": c}, "c")
+        return cls(revision=f.cid(body, "revision"), window=f.uint(body, "window"), base=f.cid(body, "base"),
+                   cohort=tuple(cohort), params=ArtifactRef.from_cbor(body["params"]),
+                   params_digest=f.cid(body, "params_digest"))
+
+
+@attrs.frozen(kw_only=True)
+class AuditFailure:
+    """A validator's verdict that a sampled audit of a certified update failed (spec/protocol.md §6.2): it
+    re-ran `update`'s training from its base and the result did not reproduce the announced delta.
+
+    `update` is the trainer's signed update announcement itself, so the verdict is transferable: anyone
+    holding the manifest checks a head's `audits` from the head alone (`core/audit.py`). The signer is one
+    of the manifest's validators; `n - quorum + 1` verdicts of distinct validators (at least one honest)
+    quarantine the update's author.
+    """
+
+    KIND: ClassVar[str] = "audit-failure"
+
+    revision: bytes
+    update: SignedEnvelope
+
+    def to_cbor(self) -> dict[str, Any]:
+        return {"revision": self.revision, "update": self.update.to_cbor()}
+
+    @classmethod
+    def from_cbor(cls, obj: Any) -> AuditFailure:
+        body = f.exact_keys(obj, frozenset({"revision", "update"}), "audit-failure")
+        return cls(revision=f.cid(body, "revision"), update=SignedEnvelope.from_cbor(body["update"]))
+
+
+Sealable = UpdateAnnouncement | JoinRequest | ReductionProposal | AdmissionCertificate | AdmissionRevocation \
+    | LeaveRequest | Heartbeat | AuditFailure
+
+
+def seal(identity: Identity, obj: Sealable | HeadProposal) -> SignedEnvelope:
+    return SignedEnvelope.seal(identity, obj.KIND, PROTOCOL_VERSION, obj.to_cbor())
+
+
+@attrs.frozen(kw_only=True)
+class HeadProposal:
+    """A round's proposer proposes the next head (Tendermint PROPOSAL, spec/agreement.md §3).
+
+    `updates` are the signed announcements of every cohort member and `rejected` those of
+    `head.rejected`, so each validator can fetch, screen and re-reduce them itself - or both are empty
+    when they would not fit, and validators fetch the announcements the head names by id (`updates-get`,
+    spec/agreement.md §3). `valid_round` is the round in which the proposer saw a quorum of prevotes for
+    this head (None if it never did).
+    """
+
+    KIND: ClassVar[str] = "head-proposal"
+
+    revision: bytes
+    window: int
+    round: int
+    valid_round: int | None
+    head: Head
+    updates: tuple[SignedEnvelope, ...]
+    rejected: tuple[SignedEnvelope, ...] = ()
+
+    def to_cbor(self) -> dict[str, Any]:
+        return {"revision": self.revision, "window": self.window, "round": self.round,
+                "valid_round": self.valid_round, "head": self.head.to_cbor(),
+                "updates": [u.to_cbor() for u in self.updates], "rejected": [u.to_cbor() for u in self.rejected]}
+
+    @classmethod
+    def from_cbor(cls, obj: Any) -> HeadProposal:
+        body = f.exact_keys(obj, frozenset({"revision", "window", "round", "valid_round", "head", "updates",
+                                            "rejected"}), "head-proposal")
+        valid_round = None if body["valid_round"] is None else f.uint(body, "valid_round")
+        updates = tuple(SignedEnvelope.from_cbor(u) for u in f.array(body, "updates", max_len=MAX_COHORT))
+        rejected = tuple(SignedEnvelope.from_cbor(u) for u in f.array(body, "rejected", max_len=MAX_COHORT))
+        return cls(revision=f.cid(body, "revision"), window=f.uint(body, "window"), round=f.uint(body, "round"),
+                   valid_round=valid_round, head=Head.from_cbor(body["head"]), updates=updates, rejected=rejected)
