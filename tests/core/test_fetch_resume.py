@@ -265,7 +265,8 @@ def test_a_chunk_that_arrives_after_its_request_timed_out_charges_nobody() -> No
     pending += h.drain()
     while pending and not h.commits:
         peer, index = pending.pop(0)
-        if h.engine.fetching.fetches[REF.digest].in_flight.get(index) == peer:  # still asked (a late answer may have done)
+        # still asked (a late answer may have done)
+        if h.engine.fetching.fetches[REF.digest].in_flight.get(index) == peer:
             h.answer(peer, index)
         pending += h.drain()
     assert h.engine.peers[QUITTER].penalty == 0 and h.engine.rejected_by_reason["unsolicited-chunk"] == 0
