@@ -9,7 +9,7 @@ import random
 import attrs
 import pytest
 
-from peerloom.adapters.host import stored_event
+from peerloom.adapters.host import commit
 from peerloom.adapters.storage import ArtifactStore
 from peerloom.core import effects as fx
 from peerloom.core import events as ev
@@ -46,7 +46,9 @@ def fetch(tmp_path, ref):
             break
         now += 0.001
         if isinstance(effect, fx.CommitArtifact):
-            engine.handle(stored_event(store, effect, now))  # never raises, whatever the bytes
+            stored = commit(store, effect.ref, effect.durable)  # never raises, whatever the bytes
+            engine.handle(ev.ArtifactStored(now=now, ref=effect.ref) if stored else
+                          ev.ArtifactCorrupt(now=now, ref=effect.ref))
         elif isinstance(effect, fx.Persist):
             store.put_record(effect.key, effect.record)
         elif isinstance(effect, fx.StoreChunk):
