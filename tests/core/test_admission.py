@@ -71,10 +71,10 @@ def digits():
 def _add_trainer(cluster, tmp_path, name, identity, digits, admission):
     wl, shards = digits
     node = cluster.add_node(name, identity, {"trainer"}, tmp_path / name, wl, shards)
-    cluster.restart(name, ["validator", "v1", "v2", "v3", "reducer"])
     # The simulator builds a default config; give this trainer its admission certificate before it starts.
-    node.engine = Engine(EngineConfig(roles=node.roles, revision=cluster.revision, admission=admission),
-                         identity, random.Random(name), stored=node.store.refs(), records=node.store.records())
+    engine = Engine(EngineConfig(roles=node.roles, revision=cluster.revision, admission=admission),
+                    identity, random.Random(name), stored=node.store.refs(), records=node.store.records())
+    cluster.restart(name, ["validator", "v1", "v2", "v3", "reducer"], engine=engine)
     return node
 
 

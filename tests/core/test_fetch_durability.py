@@ -10,9 +10,9 @@ def test_only_fetched_update_deltas_are_committed_without_fsync(tmp_path, worklo
     commits: list[tuple[str, bytes, bool]] = []
     original = kernel._NodeHost.commit_artifact
 
-    def recording(host, effect):
-        commits.append((host.node.name, effect.ref.digest, effect.durable))
-        original(host, effect)
+    def recording(host, ref, durable, done):
+        commits.append((host.node.name, ref.digest, durable))
+        original(host, ref, durable, done)
 
     monkeypatch.setattr(kernel._NodeHost, "commit_artifact", recording)
     cluster = build(tmp_path, workload)

@@ -26,9 +26,7 @@ def digits():
 
 
 def command(cluster, name, event_type):
-    node = cluster.nodes[name]
-    node.engine.handle(event_type(now=cluster.now))
-    cluster.drain(name)  # the simulator has no operator commands: deliver this one by hand
+    cluster.feed(name, event_type(now=cluster.now))  # the simulator has no operator commands: by hand
 
 
 def validator_role(cluster, name="validator"):

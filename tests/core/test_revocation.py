@@ -146,10 +146,10 @@ def test_a_revoked_trainer_leaves_the_roster_and_cannot_rejoin(tmp_path, digits)
     rid = cluster.revision.id
     member = ident(20)
     node = cluster.add_node("member", member, {"trainer"}, tmp_path / "member", *digits)
-    cluster.restart("member", ["validator", "v1", "reducer"])
-    node.engine = Engine(EngineConfig(roles=node.roles, revision=cluster.revision,
-                                      admission=certificate(rid, member.peer_id, 2)),
-                         member, random.Random("member"), stored=node.store.refs(), records=node.store.records())
+    engine = Engine(EngineConfig(roles=node.roles, revision=cluster.revision,
+                                 admission=certificate(rid, member.peer_id, 2)),
+                    member, random.Random("member"), stored=node.store.refs(), records=node.store.records())
+    cluster.restart("member", ["validator", "v1", "reducer"], engine=engine)
 
     def rostered(c):
         return all(member.peer_id in c.nodes[n].engine.head.roster_peers for n in ("validator", "v1"))
