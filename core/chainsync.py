@@ -9,7 +9,6 @@ engine services `ChainHost` names."""
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -17,11 +16,11 @@ import attrs
 
 from . import effects as fx
 from .chain import decode_chain_entry, encode_chain_entry
-from .config import EngineConfig
+from .config import PartHost
 from .encoding import encode
 from .errors import VerificationError
 from .identity import PeerId
-from .messages import MAX_CHAIN_ENTRIES, CertifiedHead, ChainEntries, ChainRequest, Message, NextHead
+from .messages import MAX_CHAIN_ENTRIES, CertifiedHead, ChainEntries, ChainRequest, NextHead
 from .objects import Head, QuorumCertificate, Revision
 from .roles import Role
 from .sessions import PeerState
@@ -53,13 +52,10 @@ class Promote:
     certificate: QuorumCertificate
 
 
-class ChainHost(Protocol):
-    """The engine services `ChainSync` uses (core/engine.py implements them)."""
+class ChainHost(PartHost, Protocol):
+    """The engine services `ChainSync` uses beyond `PartHost` (core/engine.py implements them)."""
 
-    config: EngineConfig
     revision: Revision
-    now: float
-    stats: Counter[str]
     records: dict[str, bytes]
     head: Head
     certificate: QuorumCertificate
@@ -70,12 +66,8 @@ class ChainHost(Protocol):
     @property
     def roles(self) -> Sequence[Role]: ...
 
-    def emit(self, effect: fx.Effect) -> None: ...
-    def send(self, peer: PeerId, message: Message) -> None: ...
-    def log(self, event: str, **fields: Any) -> None: ...
     def set_timer(self, key: tuple[Any, ...], deadline: float) -> None: ...
     def cancel_timer(self, key: tuple[Any, ...]) -> None: ...
-    def reject(self, peer: PeerId | None, reason: str, detail: str = "") -> None: ...
     def persist_then(self, key: str, record: bytes, owner: str, work: Any) -> None: ...
     def verify_certified(self, head: Head, cert: QuorumCertificate) -> None: ...
     def adopt(self, head: Head, cert: QuorumCertificate) -> None: ...

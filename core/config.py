@@ -3,13 +3,34 @@ and local policy. Times in seconds, sizes in bytes."""
 
 from __future__ import annotations
 
+from collections import Counter
+from typing import Any, Protocol
+
 import attrs
 
+from . import effects as fx
 from .envelope import SignedEnvelope
 from .errors import LocalProtocolError
-from .messages import ROLES, DecodeMemo
+from .identity import PeerId
+from .messages import ROLES, DecodeMemo, Message
 from .objects import Revision
 from .privacy import Accountant
+
+
+class PartHost(Protocol):
+    """What every part of the engine (`Sessions`, `Fetcher`, `ChainSync`) uses of it: its configuration,
+    clock and counters, and emitting, sending, logging and charging a peer (core/engine.py implements it).
+    Each part's own host Protocol adds what only that part needs."""
+
+    config: EngineConfig
+    now: float
+    stats: Counter[str]
+
+    def emit(self, effect: fx.Effect) -> None: ...
+    def send(self, peer: PeerId, message: Message) -> None: ...
+    def log(self, event: str, **fields: Any) -> None: ...
+    def reject(self, peer: PeerId | None, reason: str, detail: str = "") -> None: ...
+
 
 SERVE_MIN_COST_BYTES = 64 << 10  # what a served request costs the per-peer bucket at least (spec/wire.md §6)
 

@@ -341,14 +341,7 @@ class Engine:
         self.fetching.note_stored(ref)
 
     def fetch(self, ref: ArtifactRef, providers: Iterable[PeerId], owner: str, work: Any) -> None:
-        """Make `ref` stored locally, fetching verified chunks from `providers`; then `owner` (a
-        `pending.OWNERS` name) resumes `work`, its attrs frozen record, with `Done()` - at once when the
-        artifact is already stored - or `Failed(reason)`, reason "no-provider", "too-many-failures",
-        "ref-mismatch" or "corrupt-artifact".
-
-        A fetch of an artifact whose earlier fetch failed resumes from the chunks that one verified and
-        stored (same `ref` only).
-        """
+        """Make `ref` stored locally, then resume `owner`'s `work` (`Fetcher.fetch` says how and with what)."""
         self.fetching.fetch(ref, providers, owner, work)
 
     def drop_stored(self, digests: Iterable[bytes]) -> None:

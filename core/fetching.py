@@ -8,7 +8,6 @@ fetches back as `pending.Pending` work (`resume_pending`)."""
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
@@ -16,9 +15,9 @@ import attrs
 
 from . import effects as fx
 from .collector import FetchDelta
-from .config import EngineConfig
+from .config import PartHost
 from .identity import PeerId
-from .messages import Chunk, ChunkMissing, ChunkRequest, Message
+from .messages import Chunk, ChunkMissing, ChunkRequest
 from .objects import ArtifactRef, Head
 from .pending import Done, Failed, Outcome, Pending
 
@@ -27,25 +26,18 @@ from .pending import Done, Failed, Outcome, Pending
 MAX_PARTIAL_FETCHES = 64
 
 
-class FetchHost(Protocol):
-    """The engine services a `Fetcher` uses (core/engine.py implements them)."""
+class FetchHost(PartHost, Protocol):
+    """The engine services a `Fetcher` uses beyond `PartHost` (core/engine.py implements them)."""
 
-    config: EngineConfig
     me: PeerId
-    now: float
-    stats: Counter[str]
 
     @property
     def head(self) -> Head: ...
     @property
     def peers(self) -> Mapping[PeerId, object]: ...
 
-    def emit(self, effect: fx.Effect) -> None: ...
-    def send(self, peer: PeerId, message: Message) -> None: ...
-    def log(self, event: str, **fields: Any) -> None: ...
     def set_timer(self, key: tuple[Any, ...], deadline: float) -> None: ...
     def cancel_timer(self, key: tuple[Any, ...]) -> None: ...
-    def reject(self, peer: PeerId | None, reason: str, detail: str = "") -> None: ...
     def resume_pending(self, pending: Pending, outcome: Outcome) -> None: ...
 
 

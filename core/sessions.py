@@ -6,16 +6,15 @@ token bucket for every served request and a per-window budget of each artifact's
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Protocol
 
 import attrs
 
 from . import effects as fx
-from .config import SERVE_MIN_COST_BYTES, EngineConfig
+from .config import SERVE_MIN_COST_BYTES, PartHost
 from .identity import PeerId
-from .messages import MAX_PEER_ENTRIES, ChunkMissing, ChunkRequest, Message, PeerExchange
+from .messages import MAX_PEER_ENTRIES, ChunkMissing, ChunkRequest, PeerExchange
 from .objects import ArtifactRef, Head, Manifest
 
 MAX_SERVED_PEERS = 4096  # peers whose bytes served in this window are tracked at once (spec/protocol.md §8.2)
@@ -42,23 +41,15 @@ class PeerState:
     head_proven: int = 0  # the highest window whose quorum certificate it sent us and we verified
 
 
-class SessionHost(Protocol):
-    """The engine services `Sessions` uses (core/engine.py implements them)."""
+class SessionHost(PartHost, Protocol):
+    """The engine services `Sessions` uses beyond `PartHost` (core/engine.py implements them)."""
 
-    config: EngineConfig
     me: PeerId
-    now: float
-    stats: Counter[str]
 
     @property
     def head(self) -> Head: ...
     @property
     def peers(self) -> Mapping[PeerId, PeerState]: ...
-
-    def emit(self, effect: fx.Effect) -> None: ...
-    def send(self, peer: PeerId, message: Message) -> None: ...
-    def log(self, event: str, **fields: Any) -> None: ...
-    def reject(self, peer: PeerId | None, reason: str, detail: str = "") -> None: ...
 
 
 class Sessions:
