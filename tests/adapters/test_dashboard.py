@@ -6,7 +6,10 @@ JSON endpoints, then certifies more heads and checks that the page follows (serv
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -23,16 +26,25 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-f
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium)")
 
 
+@contextlib.contextmanager
+def dashboard_page(pw: Any) -> Iterator[tuple[Any, list[str]]]:
+    """A page of a headless system Chromium and the list its script errors are appended to; closed after."""
+    browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+    try:
+        page = browser.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        yield page, errors
+    finally:
+        browser.close()
+
+
 def test_dashboard_renders_chain_and_curve_and_follows_new_heads(tmp_path):
     sync_api = pytest.importorskip("playwright.sync_api")
     view = make_view(tmp_path)
     heads = advance(view, 4)
     with EdgeServer(view) as server, sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        try:
-            page = browser.new_page()
-            errors: list[str] = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
+        with dashboard_page(pw) as (page, errors):
             page.goto(server.url + "/", wait_until="load")
             # (expect() polls without eval, which the page's Content-Security-Policy forbids.)
             sync_api.expect(page.locator("#chain-rows tr")).to_have_count(5, timeout=15_000)
@@ -64,8 +76,6 @@ def test_dashboard_renders_chain_and_curve_and_follows_new_heads(tmp_path):
             assert "\t2\t" in row and "screen-loss (<b id='x'>loss 2</b>)" in row
             assert page.locator("#x").count() == 0
             assert errors == []
-        finally:
-            browser.close()
 
 
 @pytest.mark.slow
@@ -84,11 +94,7 @@ def test_dashboard_of_a_running_node_sees_the_chain_advance(tmp_path):
         for node in nodes:
             node.wait_port()
         with sync_api.sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-            try:
-                page = browser.new_page()
-                errors: list[str] = []
-                page.on("pageerror", lambda exc: errors.append(str(exc)))
+            with dashboard_page(pw) as (page, errors):
                 page.goto(f"http://127.0.0.1:{http_port}/", wait_until="load")
                 rows = page.locator("#chain-rows tr")
                 sync_api.expect(rows).not_to_have_count(0, timeout=15_000)
@@ -101,8 +107,6 @@ def test_dashboard_of_a_running_node_sees_the_chain_advance(tmp_path):
                 assert page.locator("#curve circle.acc").count() >= seen + 1
                 assert page.locator("#peer-rows tr").count() >= 2  # the two trainers, with their roles
                 assert errors == []
-            finally:
-                browser.close()
     finally:
         for node in nodes:
             node.stop()
@@ -119,11 +123,7 @@ def test_dashboard_shows_each_trainers_epsilon_and_the_budget(tmp_path):
     plain = make_view(tmp_path / "plain")
     advance(plain, 1)
     with EdgeServer(view) as server, EdgeServer(plain) as plain_server, sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        try:
-            page = browser.new_page()
-            errors: list[str] = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
+        with dashboard_page(pw) as (page, errors):
             page.goto(server.url + "/", wait_until="load")
             sync_api.expect(page.locator("#peer-rows tr")).to_have_count(3, timeout=15_000)
             sync_api.expect(page.locator("#privacy")).to_contain_text("budget 8 per trainer", timeout=15_000)
@@ -143,5 +143,3 @@ def test_dashboard_shows_each_trainers_epsilon_and_the_budget(tmp_path):
             assert page.text_content("#privacy") == "off"
             assert page.locator("#peer-rows td.epsilon").first.inner_text() == ""
             assert errors == []
-        finally:
-            browser.close()
