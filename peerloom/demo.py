@@ -34,6 +34,7 @@ import peerloom
 from peerloom.backends.attacks import ATTACKS
 from peerloom.backends.registry import build_workload
 from peerloom.core.audit import audit_selected
+from peerloom.core.auditing import UNSERVED_GRACE_WINDOWS
 from peerloom.core.chain import decode_chain_entry
 from peerloom.core.errors import PeerloomError
 from peerloom.core.identity import PeerId
@@ -246,10 +247,14 @@ def _audit_exposure(victim: NodeProc, validators: list[NodeProc], revision: Revi
     concluded = [{(e["author"], e["window"]) for e in read_events(v.directory / "events.jsonl")
                   if e["event"] in ("audit-passed", "audit-failed", "audit-error")} for v in validators]
     for w in range(max(1, window - 2), window):
-        head = _head_of(validators[0], w)
         update = announced.get(w)
+        if update is None:
+            continue
+        head = _head_of(validators[0], w)
+        if head is None:  # not on the validator's disk yet: its audits are still to come
+            return f"the head of window {w}, which decides whether its update is audited, is not certified yet"
         # an update the loss check rejected is audited too (§6.2): being out of the cohort is no escape
-        if head is None or update is None or not audit_selected(head.id, update, m.audit_rate):
+        if not audit_selected(head.id, update, m.audit_rate):
             continue
         if not all((victim.peer.to_text(), w) in done for done in concluded):
             return f"validators are auditing its update of window {w}, and it must serve its checkpoints"
@@ -471,6 +476,12 @@ def _run_demo(*, profile: str, out: Path, seed: int, kill_trainer_at: int | None
                         else:
                             _kill(victim, _leases_in(validator, revision, window), window, KILLED_RESTARTED)
                             restart_pending, restart_at = victim, window + p.restart_at - p.kill_at
+                            if why_not:
+                                # Down longer than UNSERVED_GRACE_WINDOWS heads while an audit needs its
+                                # checkpoints, an honest trainer fails that audit (spec/protocol.md §6.3): back at once.
+                                _say(f"  {victim.name} was killed though {why_not}: restarting it at once, within "
+                                     f"the audit's grace of {UNSERVED_GRACE_WINDOWS} heads")
+                                restart_at = window
                     if window == restart_at and restart_pending is not None:
                         launch([restart_pending])
                         _say(f"  restarted {restart_pending.name} from its disk (pid {restart_pending.process.pid})"
