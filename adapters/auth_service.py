@@ -664,8 +664,9 @@ code <code id="user-code">{e(session.user_code)}</code>.</p>
     async def poll(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
         sid = body.get("session")
+        sid = sid if isinstance(sid, str) else ""  # no session is named ""
         self._sweep()
-        session = self.sessions.get(sid) if isinstance(sid, str) else None
+        session = self.sessions.get(sid)
         if session is None:
             raise AuthRefused(404, "unknown-session", "no such login in progress (unknown, expired or already used)")
         try:

@@ -424,9 +424,9 @@ def _http_endpoint(address: str, *, listening: bool = False) -> tuple[str, int]:
     """(host, port) of an http address; listening also accepts port 0 and wildcard hosts. Raises
     TransportError("bad-address")."""
     if listening and address.startswith("http://"):
-        host, sep, port = address[len("http://"):].rpartition(":")
-        if sep and port.isdigit() and host:
-            return host.strip("[]"), int(port)
+        host, sep, port_text = address[len("http://"):].rpartition(":")
+        if sep and port_text.isdigit() and host:
+            return host.strip("[]"), int(port_text)
     try:
         kind, host, port = parse_peer_address(address)
     except PeerloomError as exc:

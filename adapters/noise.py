@@ -44,6 +44,7 @@ import hashlib
 import hmac
 import struct
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import attrs
 import cryptography.exceptions
@@ -128,11 +129,11 @@ class HashFunction:
 
     name: str
     hashlen: int
-    constructor: Callable[..., object]
+    constructor: Callable[..., Any]  # a hashlib constructor (see HASHES)
 
     def hash(self, data: bytes) -> bytes:
         """HASH(data) (§4.3): HASHLEN bytes."""
-        return self.constructor(data).digest()  # type: ignore[attr-defined]  # a hashlib constructor (see HASHES)
+        return bytes(self.constructor(data).digest())
 
     def hmac(self, key: bytes, data: bytes) -> bytes:
         """HMAC-HASH(key, data) (RFC 2104), with BLOCKLEN from the hash (64 or 128 bytes)."""

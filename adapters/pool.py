@@ -261,14 +261,16 @@ class TrainerPool:
         self._task = 0
         started = time.monotonic()
         try:
+            store: dist.Store
             if self.env is not None:
                 store = dist.PrefixStore(f"peerloom/attempt_{self.env.attempt}/", dist.TCPStore(
                     self.env.master_addr, self.env.master_port, self.ranks, is_master=not self.env.agent_store,
                     wait_for_workers=False, timeout=timedelta(seconds=self.timeout_s)))
             else:
-                store = dist.TCPStore("127.0.0.1", 0, self.ranks, is_master=True, wait_for_workers=False,
-                                      timeout=timedelta(seconds=self.timeout_s))
-                self._spawn(store.port)
+                tcp_store = dist.TCPStore("127.0.0.1", 0, self.ranks, is_master=True, wait_for_workers=False,
+                                          timeout=timedelta(seconds=self.timeout_s))
+                self._spawn(tcp_store.port)
+                store = tcp_store
             self._await_ranks(store)
             _init_group(self.backend, store, 0, self.ranks, self.timeout_s)
         except Exception as exc:
@@ -457,8 +459,8 @@ def run_worker(workload: Any, env: RankEnv, *, timeout_s: float = DEFAULT_TIMEOU
     chosen = _backend(backend, workload)
     if chosen == "nccl":
         torch.cuda.set_device(env.local_rank)
-    store = dist.TCPStore(env.master_addr, env.master_port, env.world, is_master=False,
-                          timeout=timedelta(seconds=timeout_s))
+    store: dist.Store = dist.TCPStore(env.master_addr, env.master_port, env.world, is_master=False,
+                                      timeout=timedelta(seconds=timeout_s))
     if env.spawned_by is None:  # torchrun's store outlives a restart: this attempt's keys apart (as rank 0's)
         store = dist.PrefixStore(f"peerloom/attempt_{env.attempt}/", store)
     store.set(f"{READY_PREFIX}{env.rank}", "1")

@@ -1216,9 +1216,9 @@ def _tcp_endpoint(address: str, *, listening: bool = False) -> tuple[str, int]:
             if len(parts) == 5 and parts[3] == "tcp" and parts[4].isdigit():
                 return parts[2], int(parts[4])
         elif "://" not in text:
-            host, sep, port = text.rpartition(":")
-            if sep and port.isdigit():
-                return host.strip("[]"), int(port)
+            host, sep, port_text = text.rpartition(":")
+            if sep and port_text.isdigit():
+                return host.strip("[]"), int(port_text)
         raise TransportError("bad-address", f"cannot listen on {address!r} with tcp")
     try:
         kind, host, port = parse_peer_address(address)

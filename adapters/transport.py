@@ -61,10 +61,10 @@ def fault_reason(exc: TransportError) -> str:
 
 def first_transport_error(group: BaseExceptionGroup) -> TransportError | None:
     """The first TransportError inside `group` (nested groups included), or None."""
-    matched = group.subgroup(TransportError)
+    matched: BaseException | None = group.subgroup(TransportError)
     while isinstance(matched, BaseExceptionGroup):
         matched = matched.exceptions[0]
-    return matched
+    return matched if isinstance(matched, TransportError) else None
 
 
 def canonical_address(text: str) -> str:
@@ -107,8 +107,16 @@ class Connection(Protocol):
     """
 
     remote_peer: PeerId
-    bytes_sent: int
-    bytes_received: int
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes written to the wire so far (framing and encryption included)."""
+        ...
+
+    @property
+    def bytes_received(self) -> int:
+        """Bytes read from the wire so far."""
+        ...
 
     @property
     def remote_address(self) -> tuple[str, int] | None:

@@ -54,9 +54,22 @@ def _number(name: str, value: Any) -> float:
     return float(value)
 
 
-def _float(name: str) -> Any:
-    """An attrs converter: `value` as a float; ValueError naming `name` for a bool or a non-number."""
-    return lambda value: _number(name, value)
+# attrs converters: the value as a float; ValueError naming the field for a bool or a non-number. (Named
+# functions, not a factory's lambdas: mypy's attrs plugin reads only those.)
+def _noise_multiplier(value: Any) -> float:
+    return _number("noise_multiplier", value)
+
+
+def _max_grad_norm(value: Any) -> float:
+    return _number("max_grad_norm", value)
+
+
+def _delta_value(value: Any) -> float:
+    return _number("delta", value)
+
+
+def _sample_rate(value: Any) -> float | None:
+    return None if value is None else _number("sample_rate", value)
 
 
 def _noise(_: Any, attribute: attrs.Attribute, value: float) -> None:
@@ -97,10 +110,10 @@ class DP:
     Raises ValueError for a value outside those ranges (or not a number). Frozen and keyword-only.
     """
 
-    noise_multiplier: float = attrs.field(converter=_float("noise_multiplier"), validator=_noise)
-    max_grad_norm: float = attrs.field(converter=_float("max_grad_norm"), validator=_clip)
-    delta: float = attrs.field(converter=_float("delta"), validator=_delta)
-    sample_rate: float | None = attrs.field(default=None, converter=attrs.converters.optional(_float("sample_rate")),
+    noise_multiplier: float = attrs.field(converter=_noise_multiplier, validator=_noise)
+    max_grad_norm: float = attrs.field(converter=_max_grad_norm, validator=_clip)
+    delta: float = attrs.field(converter=_delta_value, validator=_delta)
+    sample_rate: float | None = attrs.field(default=None, converter=_sample_rate,
                                             validator=_rate)
 
 

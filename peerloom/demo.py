@@ -339,9 +339,9 @@ def _run_demo(*, profile: str, out: Path, seed: int, kill_trainer_at: int | None
     # The fleet is an experiment directory written through the public API (peerloom.experiment), the
     # same one `peerloom init` writes: the demo only adds Byzantine behaviours and its fault schedule.
     behaviours = [*p.trainers, *([LATE_JOINER] * p.late_joiners)]
-    every_node = {"threads": 1, "stop_after_window": p.windows}
-    node_options = {f"trainer-{i}": {**every_node, **({"behaviour": b} if b in ATTACKS else {})}
-                    for i, b in enumerate(behaviours, 1)}
+    every_node: dict[str, Any] = {"threads": 1, "stop_after_window": p.windows}
+    node_options: dict[str, dict[str, Any]] = {
+        f"trainer-{i}": {**every_node, **({"behaviour": b} if b in ATTACKS else {})} for i, b in enumerate(behaviours, 1)}
     node_options.update({name: every_node for name in [*(f"validator-{i}" for i in range(1, p.validators + 1)),
                                                        "reducer-1"]})
     experiment = Experiment(

@@ -215,8 +215,8 @@ def build_report(*, nodes: Sequence[dict[str, Any]], entries: Sequence[tuple[Hea
             if e["event"] == "wire":
                 sent_at[n["name"]][e["window"]] = e["sent"]
     bytes_per_window: Counter[int] = Counter()
-    for per_node in sent_at.values():
-        bytes_per_window.update(window_bytes(per_node))
+    for node_sent in sent_at.values():
+        bytes_per_window.update(window_bytes(node_sent))
 
     bytes_by_role: Counter[str] = Counter()
     for n in nodes:
@@ -240,7 +240,7 @@ def build_report(*, nodes: Sequence[dict[str, Any]], entries: Sequence[tuple[Hea
     quarantine_over_time = [{"window": h.window, "quarantined": sorted(by_peer.get(str(p), str(p))
                                                                       for p in h.quarantined)}
                             for h, _ in entries]
-    per_node = []
+    per_node: list[dict[str, Any]] = []
     for n in nodes:
         caught = {CAUGHT_BY_REASON[r] for r in rejected[n["name"]] if r in CAUGHT_BY_REASON}
         if failed_audit_windows.get(n["name"]):

@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 import tomllib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -116,8 +116,8 @@ class Experiment:
     late_joiners: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     windows: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
     manifest_options: dict[str, Any] = attrs.field(factory=dict, converter=lambda v: _manifest_options(v))
-    node_options: dict[str, dict[str, Any]] = attrs.field(factory=dict, converter=dict)
-    trainer_data: dict[str, str] = attrs.field(factory=dict, converter=dict)
+    node_options: dict[str, dict[str, Any]] = attrs.field(factory=dict, converter=lambda v: _node_options(v))
+    trainer_data: dict[str, str] = attrs.field(factory=dict, converter=lambda v: _trainer_paths(v))
 
     @trainer_data.validator
     def _check_trainer_data(self, attribute: attrs.Attribute, value: dict[str, str]) -> None:
@@ -198,7 +198,7 @@ class Experiment:
         root.mkdir(parents=True, exist_ok=True)
         authority = generate_identity()
         save_identity(authority, root / "authority.key")
-        nodes = []
+        nodes: list[dict[str, Any]] = []
         names = self.node_names()
         http_port, *ports = self._ports(len(names))
         joiners = {name for name, _ in names[len(names) - self.late_joiners:]} if self.late_joiners else set()
@@ -294,7 +294,7 @@ def _import_root(workload: str) -> Path | None:
     return root
 
 
-def _peer(node: dict[str, str]) -> Any:
+def _peer(node: dict[str, Any]) -> Any:
     from peerloom.core.identity import PeerId
 
     return PeerId.from_text(node["peer"])
@@ -919,6 +919,16 @@ def _positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
     return value
+
+
+def _node_options(options: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """`Experiment.node_options` as plain dicts (node name -> config keys), copied."""
+    return {name: dict(keys) for name, keys in options.items()}
+
+
+def _trainer_paths(paths: Mapping[str, str]) -> dict[str, str]:
+    """`Experiment.trainer_data` as a plain dict (trainer name -> data path), copied."""
+    return dict(paths)
 
 
 def _trainer_data(items: list[str]) -> dict[str, str]:

@@ -177,6 +177,7 @@ class Window:
         epochs = workload.local_epochs if job.epochs is None else job.epochs
         bounds: dict[int, int] = {}
         if job.checkpoints:
+            assert steps is not None  # checkpoints are committed only under inner steps (spec/protocol.md §6.3)
             bounds = {(j * steps) // job.checkpoints: j for j in range(1, job.checkpoints + 1)}
         index = workload._lease_index(job.indices)
         generator = torch.Generator().manual_seed(job.seed)

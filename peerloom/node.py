@@ -821,6 +821,8 @@ def build_runtime(config: dict[str, Any], config_path: Path | None = None, *,
 
         memory_network = MemoryNetwork()  # reachable from this process only
     dial_only = not listens and bool(config.get("transport"))  # every [transport] table is dial_only
+    agreement: dict[str, Any] = ({"agreement_timeout_s": float(config["agreement_timeout_s"])}
+                                 if "agreement_timeout_s" in config else {})  # else RuntimeOptions' default
     options = RuntimeOptions(listen_host=host, listen_port=port, listen=listens, dial_only=dial_only,
                              bootstrap=tuple(config.get("bootstrap", [])), memory_network=memory_network,
                              http_listen=http_listen, mdns=bool(config.get("discovery", {}).get("mdns", False)),
@@ -828,8 +830,7 @@ def build_runtime(config: dict[str, Any], config_path: Path | None = None, *,
                              relay_only=bool(config.get("relay", {}).get("only", False)),
                              keep_windows=int(config.get("keep_windows", DEFAULT_KEEP_WINDOWS)),
                              limits=limits_settings(config), private_data=private,
-                             **({"agreement_timeout_s": float(config["agreement_timeout_s"])}
-                                if "agreement_timeout_s" in config else {}))
+                             **agreement)
     # The store's chain directory: one file per certified head the node holds, kept as they become durable.
     chain_dir = Path(config["store"]) / "chain"
     try:  # on a full disk the node still starts, in the disk-full state (spec/transport.md §15)

@@ -136,8 +136,8 @@ def write_plots(result: Result, out: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     if result.loss:
-        ts, _, losses = zip(*result.loss, strict=True)
-        ax.plot(ts, losses, marker="o")
+        times, _, losses = zip(*result.loss, strict=True)
+        ax.plot(times, losses, marker="o")
     ax.set_xlabel("virtual time (s)")
     ax.set_ylabel("test loss of the certified head")
     ax.set_title(f"{result.summary['scenario']} seed {result.summary['seed']}: loss vs time")

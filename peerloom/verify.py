@@ -186,13 +186,13 @@ def check_audits(revision: Revision, head: Head, previous: Head, by_window: dict
         except (DecodeError, VerificationError) as exc:
             raise VerificationError("bad-audit", f"{where}: {exc.reason} {exc.detail}".rstrip()) from exc
         certified = by_window.get(ann.window)
-        older = range(max(0, ann.window - 1 - m.overlap), ann.window - 1)  # overlap k: k heads before the parent
+        stale = range(max(0, ann.window - 1 - m.overlap), ann.window - 1)  # overlap k: k heads before the parent
         bases = {certified.parent} if certified is not None else set()
-        bases |= {by_window[w].id if w else revision.genesis().id for w in older if w in by_window or not w}
+        bases |= {by_window[w].id if w else revision.genesis().id for w in stale if w in by_window or not w}
         parent = by_window.get(ann.window - 1)
-        older = revision.genesis() if ann.window == 2 else by_window.get(ann.window - 2)
-        prior_ok = ann.prior is None or (parent is not None and older is not None and ann.prior in parent.cohort
-                                         and ann.base == older.id)
+        grandparent = revision.genesis() if ann.window == 2 else by_window.get(ann.window - 2)
+        prior_ok = ann.prior is None or (parent is not None and grandparent is not None
+                                         and ann.prior in parent.cohort and ann.base == grandparent.id)
         if not head.window - AUDIT_WINDOWS <= ann.window < head.window or certified is None or not prior_ok or \
                 ann.base not in bases or not audit_selected(certified.id, update.id, m.audit_rate):
             raise VerificationError("bad-audit", f"{where}: update of window {ann.window} was not trained on "

@@ -191,7 +191,7 @@ class Checkers:
             return sim.revision.genesis(), self.genesis_id(sim)
         parent = self.final.get(head.window - 1)
         pid = self.final_ids.get(head.window - 1)
-        return (parent, pid) if parent is not None and pid == head.parent else None
+        return (parent, pid) if parent is not None and pid is not None and pid == head.parent else None
 
     def _check_roster(self, sim: Simulation, parent: Head, head: Head) -> None:
         """The roster shrinks by exactly the head's `left` and `expired` (peers of the parent's roster),

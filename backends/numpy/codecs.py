@@ -65,10 +65,10 @@ def _mean_abs(x: np.ndarray) -> np.float32:
     rows = -(-n // LANES)
     a = np.zeros(rows * LANES, dtype=np.float64)
     np.abs(x.reshape(-1), out=a[:n], dtype=np.float64)
-    a = a.reshape(rows, LANES)
+    grid = a.reshape(rows, LANES)
     acc = np.zeros(LANES, dtype=np.float64)
     for r in range(rows):
-        np.add(acc, a[r], out=acc)
+        np.add(acc, grid[r], out=acc)
     h = LANES
     while h > 1:
         h //= 2

@@ -89,9 +89,9 @@ def screen_stored(delta: StoredTensors, *, base: dict[str, np.ndarray] | None = 
                     previous.result()  # that buffer's last block is hashed: it may be read over
                 block = views[slot][start:stop]
                 if pool is None:
-                    hasher.update(memoryview(block).cast("B"))
+                    hasher.update(block.data.cast("B"))
                 else:
-                    pending[slot] = pool.submit(hasher.update, memoryview(block).cast("B"))
+                    pending[slot] = pool.submit(hasher.update, block.data.cast("B"))
                 norms.add(block)
                 if out is not None:
                     np.subtract(out[0][start:stop], block, out=out[1][start:stop], dtype=np.float32)

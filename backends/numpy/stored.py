@@ -93,7 +93,7 @@ class FileTensor(_Blocked):
             buffer = self._local.buffer = np.empty(count, dtype=self.dtype)
         out = buffer[:count]
         want = count * self.dtype.itemsize
-        got = os.preadv(self.fd, [memoryview(out).cast("B")], self.offset + start * self.dtype.itemsize)
+        got = os.preadv(self.fd, [out.data.cast("B")], self.offset + start * self.dtype.itemsize)
         if got != want:
             raise DecodeError("bad-safetensors", f"stored tensor ends early: {got} of {want} bytes")
         return out
@@ -255,7 +255,7 @@ class TensorFileWriter:
             return
         name, start, block = self._pending
         self._pending = None
-        job = self._thread.submit(self._emit, memoryview(block).cast("B"))
+        job = self._thread.submit(self._emit, block.data.cast("B"))
         self._queued.append(job)
         self.tensors[name].writing(job)
         self._written = start + block.size

@@ -73,7 +73,7 @@ def safetensors_parts(tensors: TensorDict) -> list[bytes | memoryview] | None:
     if header is None:
         return None
     parts: list[bytes | memoryview] = [header]
-    parts += [memoryview(a.reshape(-1)).cast("B") for a in arrays if a.nbytes]
+    parts += [a.reshape(-1).data.cast("B") for a in arrays if a.nbytes]
     return parts
 
 
@@ -262,5 +262,5 @@ def tensor_digest(tensors: TensorDict) -> bytes:
     for name in names:
         array = _little_endian_c(tensors[name])
         if array.size:
-            hasher.update(array.reshape(-1).view(np.uint8))
+            hasher.update(array.reshape(-1).view(np.uint8).data)
     return SHA256_MULTIHASH_PREFIX + hasher.digest()

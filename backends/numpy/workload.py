@@ -388,7 +388,9 @@ class NumpyWorkload:
         """One Adam step on a mini-batch (``torch.optim.Adam`` update rule, no weight decay)."""
         w = self._w
         acts = self._forward(w, x)
-        loss, g = _softmax_xent(acts[-1], y, grad=True)
+        loss, g_or_none = _softmax_xent(acts[-1], y, grad=True)
+        assert g_or_none is not None  # grad=True
+        g = g_or_none
         b1, b2 = self.betas
         c1, c2 = 1.0 - b1**t, 1.0 - b2**t
         step_size = self.lr / c1

@@ -92,7 +92,8 @@ class TinyCharTransformer(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         t = ids.shape[1]
         h = self.tok(ids) + self.pos(torch.arange(t, device=ids.device))
-        h = self.blocks(h, mask=self.mask[:t, :t], is_causal=True)
+        mask = self.get_buffer("mask")
+        h = self.blocks(h, mask=mask[:t, :t], is_causal=True)
         return self.head(self.norm(h))
 
 
@@ -113,6 +114,7 @@ class CharLMWorkload(TorchWorkload):
         total = 0
         loss_sum = 0.0
         correct = 0
+        assert self.x_eval is not None and self.y_eval is not None  # a charlm workload holds its tensors
         for start in range(0, len(self.x_eval), self.eval_batch_size):
             x = self.x_eval[start : start + self.eval_batch_size].to(device)
             y = self.y_eval[start : start + self.eval_batch_size].to(device)

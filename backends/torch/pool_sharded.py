@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from peerloom.backends.numpy.tensors import TensorDict
 from peerloom.backends.torch.pool import _close, _group_info, lease_batches, rank_batch, restore_optimizer
@@ -190,15 +191,18 @@ def _load_head(built: _Built, params: Mapping[str, Any] | None, rank: int, world
             if owner >= 0:  # pipeline: the stage that holds it
                 if owner == 0:
                     if rank == 0:
+                        assert full is not None
                         state[name].copy_(full)
                 elif rank == 0:
+                    assert full is not None
                     dist.send(full, dst=owner, group=group)
                 elif rank == owner:
                     dist.recv(state[name], src=0, group=group)
                 continue
             target = state[name]
-            if not hasattr(target, "to_local"):  # a buffer: FSDP replicates it
+            if not isinstance(target, DTensor):  # a buffer: FSDP replicates it
                 if rank == 0:
+                    assert full is not None
                     target.copy_(full)
                 dist.broadcast(target, src=0, group=group)
                 continue
@@ -237,13 +241,15 @@ def _gather_delta(built: _Built, params: Mapping[str, Any] | None, rank: int, wo
                 elif rank == 0:
                     after = torch.empty(shape, dtype=torch.float32, device=device)
                     dist.recv(after, src=owner, group=group)
-            elif not hasattr(state[name], "to_local"):
+            elif not isinstance(state[name], DTensor):
                 after = state[name].detach() if rank == 0 else None  # a replicated buffer: rank 0's own
             else:
+                sharded = state[name]
+                assert isinstance(sharded, DTensor)
                 start, stop = shard_rows(shape[0], world, rank)
                 chunk = -(-shape[0] // world)
                 mine = torch.zeros((chunk, *shape[1:]), dtype=torch.float32, device=device)
-                mine[: stop - start] = state[name].to_local()
+                mine[: stop - start] = sharded.to_local()
                 parts = [torch.empty_like(mine) for _ in range(world)] if rank == 0 else None
                 dist.gather(mine, parts, dst=0, group=group)
                 if rank == 0:

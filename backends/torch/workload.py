@@ -338,6 +338,10 @@ class TorchWorkload:
         self.eval_batch_size = eval_batch_size
         # (x, y) tensors when the data are two tensors (indexed directly), else the dataset itself.
         train, evals = _pair(train_data), _pair(eval_data)
+        self.x_train: torch.Tensor | None
+        self.y_train: torch.Tensor | None
+        self.x_eval: torch.Tensor | None
+        self.y_eval: torch.Tensor | None
         self.x_train, self.y_train = train if train is not None else (None, None)
         self.x_eval, self.y_eval = evals if evals is not None else (None, None)
         self.train_dataset = None if train is not None else train_data
@@ -534,10 +538,12 @@ class TorchWorkload:
     def _train_dataset(self) -> Dataset:
         if self.train_dataset is not None:
             return self.train_dataset
+        assert self.x_train is not None and self.y_train is not None  # set together, when there is no dataset
         return TensorDataset(self.x_train, self.y_train)
 
     def _train_batch(self, batch: torch.Tensor) -> Batch:
         if self.x_train is not None:
+            assert self.y_train is not None  # set with x_train
             return self.x_train[batch], self.y_train[batch]
         dataset = self.train_dataset
         return self.collate_fn([dataset[i] for i in batch.tolist()])  # type: ignore[index]
@@ -1160,11 +1166,15 @@ class TorchWorkload:
 
     def _eval_batches(self) -> Iterable[Batch]:
         if self.eval_loader is not None:
-            dataset = self.eval_dataset if self.eval_dataset is not None else TensorDataset(self.x_eval, self.y_eval)
+            dataset = self.eval_dataset
+            if dataset is None:
+                assert self.x_eval is not None and self.y_eval is not None  # set together, without a dataset
+                dataset = TensorDataset(self.x_eval, self.y_eval)
             yield from self.eval_loader(dataset)
             return
         size = self.eval_batch_size
         if self.x_eval is not None:
+            assert self.y_eval is not None  # set with x_eval
             for start in range(0, len(self.x_eval), size):
                 yield self.x_eval[start : start + size], self.y_eval[start : start + size]
             return
