@@ -1,0 +1,86 @@
+/** Node-side driver for tests/web/test_web_interop.py: reads one JSON command on stdin, prints one JSON
+ * result on stdout. Runs the same modules the page bundles, over the `ws` package's WebSocket. */
+import WebSocket from "ws";
+import { fromHex, toHex } from "../bytes.js";
+import { decode, encode } from "../cbor.js";
+import { Connection, type SocketLike } from "../conn.js";
+import { PeerloomError } from "../errors.js";
+import { Envelope, Identity, peerText } from "../identity.js";
+
+type Command =
+  | { op: "cbor"; vectors: { hex: string }[]; invalid: { hex: string }[] }
+  | { op: "sign"; seed: string; kind: string; body: string }
+  | { op: "echo"; address: string; seed: string; expect: string | null; messages: { size: number; lane: number }[] };
+
+async function readStdin(): Promise<string> {
+  const chunks: Buffer[] = [];
+  for await (const c of process.stdin) chunks.push(c as Buffer);
+  return Buffer.concat(chunks).toString();
+}
+
+function pattern(size: number, salt: number): Uint8Array {
+  const out = new Uint8Array(size);
+  for (let i = 0; i < size; i++) out[i] = (i * 31 + salt) & 255;
+  return out;
+}
+
+async function main(): Promise<unknown> {
+  const cmd = JSON.parse(await readStdin()) as Command;
+  if (cmd.op === "cbor") {
+    const roundtrip = cmd.vectors.map((v) => {
+      const bytes = fromHex(v.hex);
+      try {
+        return toHex(encode(decode(bytes, 1 << 20)));
+      } catch (e) {
+        return `error:${e instanceof PeerloomError ? e.reason : String(e)}`;
+      }
+    });
+    const rejected = cmd.invalid.map((v) => {
+      try {
+        decode(fromHex(v.hex), 1 << 20);
+        return "accepted";
+      } catch (e) {
+        return e instanceof PeerloomError ? e.reason : `crash:${String(e)}`;
+      }
+    });
+    return { roundtrip, rejected };
+  }
+  if (cmd.op === "sign") {
+    const id = new Identity(fromHex(cmd.seed));
+    const env = Envelope.sign(id, cmd.kind, decode(fromHex(cmd.body), 1 << 20));
+    return { envelope: toHex(env.toBytes()), id: toHex(env.id), peer: peerText(id.peerId) };
+  }
+  const id = new Identity(fromHex(cmd.seed));
+  const conn = await Connection.dial(cmd.address, id, {
+    WebSocket: WebSocket as unknown as new (url: string) => SocketLike,
+    expectedPeer: cmd.expect ? fromHex(cmd.expect) : null,
+  });
+  const received: { lane: number; ok: boolean; size: number }[] = [];
+  const done = new Promise<void>((resolve, reject) => {
+    // messages arrive whole and in order per lane; across lanes in the order they complete (§3)
+    const pending = [0, 1].map((lane) => [...cmd.messages.entries()].filter(([, m]) => m.lane === lane));
+    conn.onMessage = (data, lane) => {
+      const [i, m] = pending[lane]!.shift()!;
+      const want = pattern(m.size, i).reverse();
+      received.push({ lane, ok: Buffer.from(data).equals(Buffer.from(want)), size: data.length });
+      if (received.length === cmd.messages.length) resolve();
+    };
+    conn.onClose = (e) => reject(e);
+  });
+  for (const [i, m] of cmd.messages.entries()) await conn.send(pattern(m.size, i), m.lane);
+  await done;
+  const out = { remote: peerText(conn.remotePeer), received, sent: conn.bytesSent };
+  conn.close();
+  return out;
+}
+
+main().then(
+  (r) => {
+    process.stdout.write(JSON.stringify(r) + "\n");
+    process.exit(0);
+  },
+  (e) => {
+    process.stdout.write(JSON.stringify({ error: e instanceof PeerloomError ? e.reason : String(e), detail: String(e) }) + "\n");
+    process.exit(1);
+  },
+);
