@@ -6,11 +6,39 @@ import { decode, encode } from "../cbor.js";
 import { Connection, type SocketLike } from "../conn.js";
 import { PeerloomError } from "../errors.js";
 import { Envelope, Identity, peerText } from "../identity.js";
+import { BrowserPeer, type PeerEvent } from "../peer.js";
 
 type Command =
   | { op: "cbor"; vectors: { hex: string }[]; invalid: { hex: string }[] }
   | { op: "sign"; seed: string; kind: string; body: string }
-  | { op: "echo"; address: string; seed: string; expect: string | null; messages: { size: number; lane: number }[] };
+  | { op: "echo"; address: string; seed: string; expect: string | null; messages: { size: number; lane: number }[] }
+  | { op: "train"; edge: string; seed: string; updates: number; timeout_s: number; tamper?: boolean; log?: boolean };
+
+/** Run a BrowserPeer until `updates` of its updates have a verdict (accepted or not) or the timeout. */
+async function trainRun(cmd: Extract<Command, { op: "train" }>): Promise<unknown> {
+  const events: PeerEvent[] = [];
+  const verdicts: PeerEvent[] = [];
+  let done: () => void = () => {};
+  const finished = new Promise<void>((resolve) => (done = resolve));
+  const peer = new BrowserPeer({
+    edge: cmd.edge, identity: new Identity(fromHex(cmd.seed)), tamper: cmd.tamper,
+    WebSocket: WebSocket as unknown as new (url: string) => SocketLike,
+    onEvent: (e) => {
+      if (e.type !== "progress" && e.type !== "bytes") events.push(e);
+      if (cmd.log && e.type !== "progress") process.stderr.write(JSON.stringify(e) + "\n");
+      if (e.type === "verdict") {
+        verdicts.push(e);
+        if (verdicts.filter((v) => v.type === "verdict" && (v.accepted || cmd.tamper)).length >= cmd.updates) done();
+      }
+    },
+  });
+  await peer.start();
+  const timer = setTimeout(done, cmd.timeout_s * 1000);
+  await finished;
+  clearTimeout(timer);
+  peer.stop();
+  return { peer: peer.options.identity.text, verdicts, events: events.slice(-200) };
+}
 
 async function readStdin(): Promise<string> {
   const chunks: Buffer[] = [];
@@ -50,6 +78,7 @@ async function main(): Promise<unknown> {
     const env = Envelope.sign(id, cmd.kind, decode(fromHex(cmd.body), 1 << 20));
     return { envelope: toHex(env.toBytes()), id: toHex(env.id), peer: peerText(id.peerId) };
   }
+  if (cmd.op === "train") return trainRun(cmd);
   const id = new Identity(fromHex(cmd.seed));
   const conn = await Connection.dial(cmd.address, id, {
     WebSocket: WebSocket as unknown as new (url: string) => SocketLike,
