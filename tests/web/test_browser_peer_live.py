@@ -44,3 +44,21 @@ def test_browser_peer_updates_are_certified(tmp_path):
         assert result["peer"] == Identity(seed).peer_id.to_text()
     finally:
         validator.stop()
+
+
+def test_a_tampered_browser_update_is_rejected_with_a_typed_reason(tmp_path):
+    validator, url = _validator(tmp_path)
+    validator.start()
+    try:
+        validator.wait_port()
+        result = node_driver({"op": "train", "edge": url, "seed": os.urandom(32).hex(), "updates": 1,
+                              "timeout_s": 60, "tamper": True}, timeout=90)
+        verdicts = result.get("verdicts", [])
+        assert verdicts and not any(v["accepted"] for v in verdicts), json.dumps(result)[-4000:]
+        # the validator rejected it with the typed reason, and the browser peer reports that reason
+        reasons = [e for e in validator.events() if e.get("reason") == "screen-digest-mismatch"
+                   and e.get("peer") == result["peer"]]
+        assert reasons, [e for e in validator.events() if "reason" in e][-10:]
+        assert verdicts[0]["reason"].startswith("screen-digest-mismatch"), verdicts
+    finally:
+        validator.stop()

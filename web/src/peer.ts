@@ -191,12 +191,16 @@ export class BrowserPeer {
     for (const [id, window] of [...this.pending]) {
       const inCohort = head.cohort.some((c) => toHex(c) === id);
       const rejected = head.rejected.some((c) => toHex(c) === id);
-      if (inCohort || rejected) {
-        this.emit({ type: "verdict", window, update: id, accepted: inCohort, reason: inCohort ? "accepted" : "screening (the head lists it as rejected)" });
+      if (inCohort) {
+        this.emit({ type: "verdict", window, update: id, accepted: true, reason: "accepted" });
         this.pending.delete(id);
+      } else if (rejected) {
+        this.pending.delete(id);
+        void this.rejectionReason().then((reason) => this.emit({ type: "verdict", window, update: id, accepted: false, reason }));
       } else if (head.window >= window) {
-        this.emit({ type: "verdict", window, update: id, accepted: false, reason: head.skipped ? "window skipped" : "not in the certified cohort" });
         this.pending.delete(id);
+        const fallback = head.skipped ? "window skipped" : "not in the certified cohort";
+        void this.rejectionReason(fallback).then((reason) => this.emit({ type: "verdict", window, update: id, accepted: false, reason }));
       }
     }
     const next = head.window + 1;
@@ -223,6 +227,19 @@ export class BrowserPeer {
       });
     } else if (!shards) {
       this.emit({ type: "status", text: `no lease in window ${next}` });
+    }
+  }
+
+  /** The typed reason the node gave for this peer's last rejected input (`GET /v1/peers` `last_rejection`):
+   * the head lists a rejected update by id only. */
+  private async rejectionReason(fallback = "screening"): Promise<string> {
+    try {
+      const peers = (await this.json("/v1/peers")) as { peers?: { peer: string; last_rejection?: string }[] } | { peer: string; last_rejection?: string }[];
+      const list = Array.isArray(peers) ? peers : peers.peers ?? [];
+      const mine = list.find((p) => p.peer === this.options.identity.text);
+      return mine?.last_rejection || fallback;
+    } catch {
+      return fallback;
     }
   }
 
