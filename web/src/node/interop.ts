@@ -6,12 +6,14 @@ import { decode, encode } from "../cbor.js";
 import { Connection, type SocketLike } from "../conn.js";
 import { PeerloomError } from "../errors.js";
 import { Envelope, Identity, peerText } from "../identity.js";
+import { layersOf, train } from "../mlp.js";
 import { BrowserPeer, type PeerEvent } from "../peer.js";
 
 type Command =
   | { op: "cbor"; vectors: { hex: string }[]; invalid: { hex: string }[] }
   | { op: "sign"; seed: string; kind: string; body: string }
   | { op: "echo"; address: string; seed: string; expect: string | null; messages: { size: number; lane: number }[] }
+  | { op: "bench"; sizes: number[]; rows: number; epochs: number; batch_size: number; x: string; y: string }
   | { op: "train"; edge: string; seed: string; updates: number; timeout_s: number; tamper?: boolean; log?: boolean };
 
 /** Run a BrowserPeer until `updates` of its updates have a verdict (accepted or not) or the timeout. */
@@ -79,6 +81,21 @@ async function main(): Promise<unknown> {
     return { envelope: toHex(env.toBytes()), id: toHex(env.id), peer: peerText(id.peerId) };
   }
   if (cmd.op === "train") return trainRun(cmd);
+  if (cmd.op === "bench") {
+    const params = new Map();
+    for (let l = 0; l + 1 < cmd.sizes.length; l++) {
+      const w = new Float32Array(cmd.sizes[l + 1]! * cmd.sizes[l]!).map(() => (Math.random() - 0.5) / Math.sqrt(cmd.sizes[l]!));
+      params.set(`${2 * l}.weight`, { dtype: "float32", shape: [cmd.sizes[l + 1]!, cmd.sizes[l]!], data: w });
+      params.set(`${2 * l}.bias`, { dtype: "float32", shape: [cmd.sizes[l + 1]!], data: new Float32Array(cmd.sizes[l + 1]!) });
+    }
+    const x = new Float32Array(fromHex(cmd.x).buffer);
+    const y = fromHex(cmd.y);
+    const started = performance.now();
+    const r = await train(layersOf(params), x, y, { lr: 5e-3, batchSize: cmd.batch_size, epochs: cmd.epochs, steps: 0,
+      betas: [0.9, 0.999], eps: 1e-8 }, 1);
+    const seconds = (performance.now() - started) / 1000;
+    return { seconds, samples_per_s: (cmd.rows * cmd.epochs) / seconds, train_loss: r.trainLoss };
+  }
   const id = new Identity(fromHex(cmd.seed));
   const conn = await Connection.dial(cmd.address, id, {
     WebSocket: WebSocket as unknown as new (url: string) => SocketLike,
