@@ -1225,6 +1225,22 @@ def openapi_document() -> dict[str, Any]:
             "200": {"description": "Event stream",
                     "content": {"text/event-stream": {"schema": {"type": "string"}}}},
             "503": _err("Too many open streams"), **_RATE}}},
+        "/v1/data/index": {"get": {"summary": "Browser peers: where each shard's samples start in /v1/data/train, "
+                                              "and the workload's hyper-parameters (spec/browser.md §2)",
+                                   "operationId": "dataIndex", "responses": {
+            "200": {"description": "Data index", "content": {"application/json": {"schema": {"type": "object"}}}},
+            "404": _err("The workload does not run in a browser"), **_RATE}}},
+        "/v1/data/train": {"get": {"summary": "Browser peers: the training split in shard order (range requests)",
+                                   "operationId": "dataTrain", "responses": {
+            "200": {"description": "Records", "content": {"application/octet-stream": {"schema": {"type": "string"}}}},
+            "206": {"description": "A range of records"},
+            "404": _err("The workload does not run in a browser"), **_RATE}}},
+        "/train": {"get": {"summary": "The browser peer's page (spec/browser.md §5)", "operationId": "trainPage",
+                           "responses": {"200": {"description": "HTML"}, "404": _err("The bundle is not built"),
+                                         **_RATE}}},
+        "/train/{file}": {"get": {"summary": "The browser peer's bundle", "operationId": "trainFile",
+                                  "responses": {"200": {"description": "A file of the bundle"},
+                                                "404": _err("No such file, or the bundle is not built"), **_RATE}}},
     }
     return {"openapi": "3.0.3",
             "info": {"title": "peerloom HTTP edge", "version": "1",
