@@ -9,7 +9,7 @@ WHEELS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 LOCK := $(BIN)/uv pip compile pyproject.toml --generate-hashes --python-version 3.11 \
         --python-platform x86_64-manylinux_2_28 $(WHEELS) --quiet
 
-.PHONY: demo test typecheck lint fuzz fuzz-live lock clean
+.PHONY: demo test typecheck lint fuzz fuzz-live lock clean web
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,7 +23,14 @@ $(VENV)/.%-installed: requirements/%.lock pyproject.toml | $(BIN)/python
 demo: $(VENV)/.demo-installed
 	$(BIN)/peerloom demo --profile default --out peerloom-demo
 
-test: $(VENV)/.dev-installed
+# The browser peer (web/, spec/browser.md): installed from its lock file and bundled into web/dist, which the
+# node's HTTP edge serves at /train and tests/web tests. Without npm the browser tests skip, saying why.
+NPM := $(shell command -v npm 2>/dev/null)
+
+web:
+	cd web && npm ci --no-audit --no-fund && npm run build
+
+test: $(VENV)/.dev-installed $(if $(NPM),web)
 	$(BIN)/python -m pytest -q
 	$(BIN)/ruff check .
 	$(TYPECHECK)
@@ -62,4 +69,4 @@ lock: $(VENV)/.dev-installed
 	for set in node torch demo hf auth dp; do $(LOCK) --extra $$set -c requirements/dev.lock -o requirements/$$set.lock; done
 
 clean:
-	rm -rf $(VENV) peerloom-demo peerloom-fuzz-live .pytest_cache .hypothesis .typecheck
+	rm -rf web/node_modules web/dist $(VENV) peerloom-demo peerloom-fuzz-live .pytest_cache .hypothesis .typecheck

@@ -26,6 +26,7 @@ svg{background:#fff;border:1px solid #ddd} .acc{fill:#1f77b4} .loss{fill:#d62728
 </style></head>
 <body>
 <h1>peerloom node <code id="self"></code></h1>
+<p><a id="train-link" href="/train">Train in your browser</a> &middot; <a href="/train?view=1">watch</a></p>
 <div>latest certified window: <b id="latest-window">-</b> &middot; head <code id="latest-id">-</code>
  &middot; <span id="status" class="muted">loading</span></div>
 <div>last error: <span id="last-error" class="muted">none</span></div>

@@ -309,6 +309,10 @@ class HttpEdge:
         self._awaiting_headers: dict[asyncio.BaseTransport, _HeaderDeadline] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._unsubscribe: Callable[[], None] | None = None
+        self.browser_data: Any = None  # adapters.edge_data.BrowserData, when the workload runs in a browser
+        from .edge_data import WEB_DIST
+
+        self.web_dist = WEB_DIST
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._middleware],
@@ -331,6 +335,10 @@ class HttpEdge:
         r.add_get("/v1/peers", self.peers)
         r.add_get("/v1/history", self.history)
         r.add_get("/v1/events", self.events)
+        r.add_get("/v1/data/index", self.data_index)
+        r.add_get("/v1/data/train", self.data_train)
+        r.add_get("/train", self.train_page)
+        r.add_get("/train/{file}", self.train_file)
         app.on_startup.append(self._on_startup)
         app.on_shutdown.append(self._on_shutdown)
         return app
@@ -462,6 +470,44 @@ class HttpEdge:
         return response
 
     # --- read endpoints ---
+
+    # --- the browser peer (spec/browser.md §2, §5) ---
+
+    def _browser_data(self) -> Any:
+        if self.browser_data is None:
+            raise ApiError(404, "not-browser-trainable", "this node's workload does not run in a browser")
+        return self.browser_data
+
+    async def data_index(self, request: web.Request) -> web.Response:
+        return web.json_response(self._browser_data().index())
+
+    async def data_train(self, request: web.Request) -> web.Response:
+        blob = self._browser_data().blob
+        rng = parse_range(request.headers.get("Range", ""), len(blob)) if "Range" in request.headers else None
+        start, end = rng if rng is not None else (0, len(blob) - 1)
+        headers = {"Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
+        if rng is not None:
+            headers["Content-Range"] = f"bytes {start}-{end}/{len(blob)}"
+        return web.Response(status=206 if rng is not None else 200, body=blob[start:end + 1], headers=headers)
+
+    async def train_page(self, request: web.Request) -> web.Response:
+        return self._bundle_file("index.html")
+
+    async def train_file(self, request: web.Request) -> web.Response:
+        return self._bundle_file(request.match_info["file"])
+
+    def _bundle_file(self, name: str) -> web.Response:
+        from .edge_data import BUNDLE_FILES, WEB_DIST
+
+        if name not in BUNDLE_FILES:
+            raise ApiError(404, "not-found", "no such file of the browser peer")
+        path = self.web_dist / name
+        if not path.is_file():
+            raise ApiError(404, "bundle-not-built", f"the browser peer is not built: run `make web` ({path} is absent)"
+                           if self.web_dist == WEB_DIST else f"{path} is absent")
+        return web.Response(body=path.read_bytes(), content_type=BUNDLE_FILES[name],
+                            headers={"Content-Security-Policy": "default-src 'self'; connect-src 'self' ws: wss:; "
+                                                                "style-src 'self' 'unsafe-inline'"})
 
     async def dashboard(self, request: web.Request) -> web.Response:
         return web.Response(text=DASHBOARD_HTML, content_type="text/html",
@@ -1179,6 +1225,22 @@ def openapi_document() -> dict[str, Any]:
             "200": {"description": "Event stream",
                     "content": {"text/event-stream": {"schema": {"type": "string"}}}},
             "503": _err("Too many open streams"), **_RATE}}},
+        "/v1/data/index": {"get": {"summary": "Browser peers: where each shard's samples start in /v1/data/train, "
+                                              "and the workload's hyper-parameters (spec/browser.md §2)",
+                                   "operationId": "dataIndex", "responses": {
+            "200": {"description": "Data index", "content": {"application/json": {"schema": {"type": "object"}}}},
+            "404": _err("The workload does not run in a browser"), **_RATE}}},
+        "/v1/data/train": {"get": {"summary": "Browser peers: the training split in shard order (range requests)",
+                                   "operationId": "dataTrain", "responses": {
+            "200": {"description": "Records", "content": {"application/octet-stream": {"schema": {"type": "string"}}}},
+            "206": {"description": "A range of records"},
+            "404": _err("The workload does not run in a browser"), **_RATE}}},
+        "/train": {"get": {"summary": "The browser peer's page (spec/browser.md §5)", "operationId": "trainPage",
+                           "responses": {"200": {"description": "HTML"}, "404": _err("The bundle is not built"),
+                                         **_RATE}}},
+        "/train/{file}": {"get": {"summary": "The browser peer's bundle", "operationId": "trainFile",
+                                  "responses": {"200": {"description": "A file of the bundle"},
+                                                "404": _err("No such file, or the bundle is not built"), **_RATE}}},
     }
     return {"openapi": "3.0.3",
             "info": {"title": "peerloom HTTP edge", "version": "1",

@@ -603,6 +603,11 @@ class NodeRuntime(Observer):
         self.edge = EdgeServer(self.edge_view, host=host, port=port, spool_dir=self.store.root / "artifacts",
                                limiter=self.limiter).start()
         self.http_port = self.edge.port
+        from .edge_data import BrowserData
+
+        workload, shards = getattr(self.executor, "workload", None), getattr(self.executor, "shards", None)
+        if workload is not None and shards is not None:  # the browser peer's samples (spec/browser.md §2)
+            self.edge.edge.browser_data = BrowserData.of(workload, shards, self.engine.manifest.workload)
         log.info("http edge listening", extra={"fields": {"url": self.edge.url}})
 
     async def _main_loop(self) -> None:
