@@ -28,7 +28,7 @@ demo: $(VENV)/.demo-installed
 NPM := $(shell command -v npm 2>/dev/null)
 
 web:
-	cd web && npm ci --no-audit --no-fund && npm run build
+	cd web && npm ci --no-audit --no-fund && npm run typecheck && npm run build
 
 test: $(VENV)/.dev-installed $(if $(NPM),web)
 	$(BIN)/python -m pytest -q
