@@ -21,6 +21,7 @@ from .effects import (
 from .engine import Engine, EngineConfig
 from .errors import DecodeError, LocalProtocolError, PeerloomError, RemoteProtocolError, VerificationError
 from .events import (
+    ArtifactAdded,
     ArtifactCorrupt,
     ArtifactStored,
     Event,
@@ -41,8 +42,8 @@ from .objects import ArtifactRef, Head, Manifest, QuorumCertificate, Revision
 from .roles import Role
 
 __all__ = [
-    "ArtifactCorrupt", "ArtifactRef", "ArtifactStored", "Ban", "CommitArtifact", "DecodeError", "DropArtifacts",
-    "Effect", "Engine",
+    "ArtifactAdded", "ArtifactCorrupt", "ArtifactRef", "ArtifactStored", "Ban", "CommitArtifact", "DecodeError",
+    "DropArtifacts", "Effect", "Engine",
     "EngineConfig", "Event", "HangUp", "Head", "HeadPromoted", "Identity", "JoinRequested", "LeaveRequested",
     "LocalProtocolError", "Log", "Manifest", "MessageReceived", "PeerConnected", "PeerDisconnected", "PeerId",
     "PeerloomError", "PeersDiscovered", "Persist", "Persisted", "QuorumCertificate", "Rejected",

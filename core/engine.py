@@ -179,6 +179,8 @@ class Engine:
                 self.fetching.on_artifact_stored(event.ref)
             case ev.ArtifactCorrupt():
                 self.fetching.on_artifact_corrupt(event.ref)
+            case ev.ArtifactAdded():
+                self.note_stored(event.ref)
             case ev.Persisted():
                 held = self._held.pop(event.token, None)
                 if held is None:
@@ -335,7 +337,8 @@ class Engine:
         return task_id
 
     def note_stored(self, ref: ArtifactRef) -> None:
-        """Record an artifact the host stored on its own (a compute task's output). A fetch of the same
+        """Record an artifact stored here outside a fetch (a compute task's output, which roles note when the task
+        ends; a host feeds `events.ArtifactAdded` for one it made itself, never calls this). A fetch of the same
         artifact under way (a reducer adopting the head whose params and optimizer state it is computing
         itself) is done at once; the chunks it still has asked for are dropped quietly when they come."""
         self.fetching.note_stored(ref)
