@@ -137,7 +137,15 @@ def test_every_effect_class_is_a_member_of_the_union_and_has_a_sample():
     defined = {obj for obj in vars(fx).values() if inspect.isclass(obj) and attrs.has(obj)
                and obj.__module__ == fx.__name__}
     assert defined == set(MEMBERS)
-    assert set(SAMPLES) == set(MEMBERS), "a new effect needs a sample here, and a case in Driver._dispatch"
+    assert set(SAMPLES) == set(MEMBERS), "a new effect needs a sample here, and a case in the Driver"
+
+
+def test_commands_and_notifications_are_separate_unions_that_make_up_effect():
+    commands, notifications = set(typing.get_args(fx.Command)), set(typing.get_args(fx.Notification))
+    assert commands and notifications and not commands & notifications
+    assert commands | notifications == set(MEMBERS)
+    observed = {n for n, _ in inspect.getmembers(Observer, inspect.isfunction) if not n.startswith("_")}
+    assert len(observed) == len(notifications)  # one observer method per notification
 
 
 def test_the_host_protocol_is_primitives_and_the_observer_notifications():
@@ -170,6 +178,8 @@ def test_every_effect_reaches_a_primitives_only_host_and_what_it_completes_is_fe
         fx.Log: ("log", "vote", {"window": 1}),
     }
     assert set(expected_host) | set(expected_observer) == set(MEMBERS)
+    assert set(expected_host) == set(typing.get_args(fx.Command))  # commands reach the host, nothing else
+    assert set(expected_observer) == set(typing.get_args(fx.Notification))
     chunk = encode_message(Chunk(artifact=REF.digest, index=1, data=b"ct"))
     in_order = [call for cls in MEMBERS if cls in expected_host
                 for call in [expected_host[cls]] + ([("send", PEER, chunk)] if cls is fx.ServeChunk else [])]
