@@ -35,6 +35,7 @@ from peerloom.core.errors import VerificationError
 from peerloom.core.identity import PeerId
 from peerloom.core.messages import Chunk, encode_message
 from peerloom.core.objects import ArtifactRef, Head, QuorumCertificate
+from peerloom.core.records import Record
 
 TaskOutcome = dict[str, Any] | Exception
 """What a compute task gives its `done` callback: the task kind's result map (`core.effects.RunTask`), or the
@@ -61,8 +62,9 @@ class Host(Protocol):
     def ban(self, peer: PeerId, until: float) -> None:
         """Refuse `peer`, inbound or dialed, until `until` (this clock). The engine hangs up on it next."""
 
-    def write_record(self, key: str, record: bytes, done: Callable[[], None]) -> None:
-        """Write `record` under `key` durably (fsync), then, not before, call `done()`."""
+    def write_record(self, record: Record, done: Callable[[], None]) -> None:
+        """Write `record.data` under `record.key` (`core.records`: the class says which record it is) durably
+        (fsync), then, not before, call `done()`."""
 
     def run_task(self, task: fx.RunTask, done: Callable[[TaskOutcome], None]) -> None:
         """Run the compute task off the engine (`task.kind`, `task.args`: `core.effects.RunTask`); call
@@ -152,7 +154,7 @@ class Driver:
             case fx.Ban():
                 host.ban(effect.peer, effect.until)
             case fx.Persist():
-                host.write_record(effect.key, effect.record, self._persisted(effect.token))
+                host.write_record(effect.record, self._persisted(effect.token))
             case fx.RunTask():
                 host.run_task(effect, self._task_done(effect.task_id))
             case fx.ServeChunk():
@@ -242,8 +244,8 @@ class StoreOnDisk:
 
     store: Store
 
-    def write_record(self, key: str, record: bytes, done: Callable[[], None]) -> None:
-        self.store.put_record(key, record)
+    def write_record(self, record: Record, done: Callable[[], None]) -> None:
+        self.store.put_record(record.key, record.data)
         done()
 
     def read_chunk(self, ref: ArtifactRef, index: int) -> bytes:

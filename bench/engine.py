@@ -122,7 +122,7 @@ class Bench(Observer):
     def send(self, peer: Any, data: bytes) -> None:
         self.sent.append(data)
 
-    def write_record(self, key: str, record: bytes, done: Callable[[], None]) -> None:
+    def write_record(self, record: Any, done: Callable[[], None]) -> None:
         self.completions.append(lambda: self._timed(done))
 
     def run_task(self, task: fx.RunTask, done: Callable[[Any], None]) -> None:

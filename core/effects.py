@@ -19,6 +19,7 @@ import attrs
 
 from .identity import PeerId
 from .objects import ArtifactRef, Head, QuorumCertificate
+from .records import Record
 
 
 @attrs.frozen(kw_only=True)
@@ -37,13 +38,19 @@ class HangUp:
 
 @attrs.frozen(kw_only=True)
 class Persist:
-    """Write `record` under `key` durably (fsync), then feed back `Persisted(token)`.
+    """Write `record.data` under `record.key` durably (fsync), then feed back `Persisted(token)`.
 
-    Messages that depend on the record are held by the engine until then (durable before visible).
+    `record` is one of the `core.records` classes (a vote, a lock, a claim, a head...): its fields say what it
+    is, and its `key` is the storage key, derived there. Messages that depend on the record are held by the
+    engine until then (durable before visible).
     """
     token: int
-    key: str
-    record: bytes
+    record: Record
+
+    @property
+    def key(self) -> str:
+        """The record's storage key (`core.records`)."""
+        return self.record.key
 
 
 @attrs.frozen(kw_only=True)

@@ -17,6 +17,7 @@ from peerloom.core import effects as fx
 from peerloom.core import events as ev
 from peerloom.core.messages import Chunk, encode_message
 from peerloom.core.objects import make_artifact_ref
+from peerloom.core.records import LockRecord, VoteRecord
 from tests.helpers import ident
 
 MEMBERS = typing.get_args(fx.Effect)
@@ -25,7 +26,7 @@ REF = make_artifact_ref(b"artifact bytes", 4)
 SAMPLES: dict[type, object] = {
     fx.Send: fx.Send(peer=PEER, data=b"hello"),
     fx.HangUp: fx.HangUp(peer=PEER, reason="penalty-limit"),
-    fx.Persist: fx.Persist(token=7, key="vote/1", record=b"r"),
+    fx.Persist: fx.Persist(token=7, record=VoteRecord(window=1, round=0, step="prevote", data=b"r")),
     fx.RunTask: fx.RunTask(task_id="t1", kind="train", args={"seed": 1}),
     fx.ServeChunk: fx.ServeChunk(peer=PEER, ref=REF, index=1),
     fx.StoreChunk: fx.StoreChunk(ref=REF, index=0, data=b"arti"),
@@ -90,8 +91,8 @@ class PrimitivesOnly:
     def ban(self, peer, until):
         self.calls.append(("ban", peer, until))
 
-    def write_record(self, key, record, done):
-        self.calls.append(("write_record", key, record))
+    def write_record(self, record, done):
+        self.calls.append(("write_record", record.key, record.data))
         self._complete(done)
 
     def run_task(self, task, done):
@@ -162,7 +163,7 @@ def test_every_effect_reaches_a_primitives_only_host_and_what_it_completes_is_fe
     expected_host = {
         fx.Send: ("send", PEER, b"hello"),
         fx.HangUp: ("hang_up", PEER, "penalty-limit"),
-        fx.Persist: ("write_record", "vote/1", b"r"),
+        fx.Persist: ("write_record", "vote/1/0/prevote", b"r"),
         fx.RunTask: ("run_task", "train", {"seed": 1}),
         fx.ServeChunk: ("read_chunk", REF, 1),
         fx.StoreChunk: ("write_chunk", REF, 0, b"arti"),
@@ -198,13 +199,13 @@ def test_without_an_observer_notifications_are_dropped():
 
 
 def test_a_completion_inside_the_drain_is_fed_at_once_and_its_effects_follow_in_order():
-    persist, send = fx.Persist(token=1, key="k", record=b"r"), fx.Send(peer=PEER, data=b"held")
+    persist, send = fx.Persist(token=1, record=LockRecord(window=2, data=b"r")), fx.Send(peer=PEER, data=b"held")
     log = fx.Log(event="e", fields={})
     engine = FakeEngine([persist, log])
     engine.on_handle = lambda event: engine.effects.append(send) if isinstance(event, ev.Persisted) else None
     host, observer = PrimitivesOnly(), Recording()
     Driver(engine, host, observer).handle(ev.Start(now=0.0))  # type: ignore[arg-type]
-    assert host.calls == [("write_record", "k", b"r"), ("send", PEER, b"held"), ("arm_timer", 12.5)]
+    assert host.calls == [("write_record", "lock/2", b"r"), ("send", PEER, b"held"), ("arm_timer", 12.5)]
     assert observer.calls == [("log", "e", {})]
 
 
