@@ -39,7 +39,7 @@ import os
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -159,6 +159,18 @@ def compute_backend(name: str, threads: int = 1) -> NumpyCompute:
     raise ValueError(f"compute must be one of {', '.join(COMPUTE_BACKENDS)}, got {name!r}")
 
 
+class Store(Protocol):
+    """Where `ComputeExecutor` reads and writes tensors as artifacts: an `ArtifactStore` (files on disk, which the
+    numpy backend reads and writes block by block: `ComputeExecutor._streams`) or the simulator's in-memory
+    `sim.disk.SimDisk`. `put_parts` stores the concatenation of `parts`; ``durable=False`` may skip the fsyncs
+    (spec/design.md §6, Storage)."""
+
+    def has(self, digest: bytes) -> bool: ...
+    def get(self, digest: bytes) -> bytes: ...
+    def put(self, data: bytes | memoryview) -> ArtifactRef: ...
+    def put_parts(self, parts: Sequence[bytes | memoryview], *, durable: bool = True) -> ArtifactRef: ...
+
+
 SINK_BLOCK = 1 << 20
 """Elements per block when a streamed pseudo-gradient is written into its artifact (`_train_streamed`)."""
 
@@ -173,7 +185,7 @@ class ComputeExecutor:
     bytes) makes train tasks use `private_seed` (module docstring); None trains with the task's seed.
     """
 
-    def __init__(self, store: ArtifactStore, manifest: Manifest, workload: Any,
+    def __init__(self, store: Store, manifest: Manifest, workload: Any,
                  shards: Sequence[Sequence[int]], *, state_dir: Path | None = None, compute: str = "numpy",
                  compute_threads: int | None = None, seed_key: bytes | None = None) -> None:
         self.store = store
@@ -254,13 +266,14 @@ class ComputeExecutor:
     def _streams(self) -> bool:
         """Whether tasks read and write stored tensors block by block (spec/design.md §5, Memory): the numpy
         backend over an `ArtifactStore` on disk (not the simulator's in-memory disk)."""
-        return self.compute.streams and hasattr(self.store, "open_writer")
+        return self.compute.streams and isinstance(self.store, ArtifactStore)
 
     def open(self, ref: ArtifactRef, stack: ExitStack) -> dict[str, Any]:
         """The stored artifact's tensors for the backend's kernels: `open_stored` file tensors, closed with
         `stack`, where the backend streams (`_streams`); else loaded whole (`load`). VerificationError(
         "corrupt-artifact") when the file's size is not the artifact's."""
         if self._streams():
+            assert isinstance(self.store, ArtifactStore)
             if not self.store.has(ref.digest):
                 raise KeyError(ref.digest.hex())
             path = self.store.path_of(ref.digest)
@@ -277,6 +290,7 @@ class ComputeExecutor:
         size = TensorFileWriter.file_size(schema) if self._streams() else None
         if size is None:
             return None
+        assert isinstance(self.store, ArtifactStore)  # `_streams`
         artifact = self.store.open_writer(size)
         stack.callback(artifact.abort)
         writer = TensorFileWriter(schema, artifact.write)
@@ -389,7 +403,7 @@ class ComputeExecutor:
     def _store_state(self, tensors: dict[str, np.ndarray], *, durable: bool = True) -> ArtifactRef:
         """Store tensors (`save` without the tensor digest); ``durable=False`` for a trainer's checkpoints
         and residual copy: a crash before its audit only costs that audit, never what it signed."""
-        parts = safetensors_parts(tensors) if hasattr(self.store, "put_parts") else None
+        parts = safetensors_parts(tensors)
         if parts is None:
             return self.store.put(to_safetensors(tensors))
         return self.store.put_parts(parts) if durable else self.store.put_parts(parts, durable=False)

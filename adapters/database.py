@@ -34,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from peerloom.core import records
 from peerloom.core.chain import decode_chain_entry
 from peerloom.core.errors import DecodeError
 
@@ -101,20 +102,20 @@ def _index_head(conn: sqlite3.Connection, value: bytes, *, replace: bool = True)
 
 
 def _put_record(conn: sqlite3.Connection, key: str, value: bytes) -> None:
+    """Keep `value` under `key` and feed the typed view its record kind has (`core.records.parse` reads the key)."""
     now = time.time()
-    parts = key.split("/")
-    if parts[0] == "vote" and len(parts) == 4:
-        window, round_, step = int(parts[1]), int(parts[2]), parts[3]
-        row = conn.execute("SELECT envelope FROM votes WHERE window=? AND round=? AND step=?",
-                           (window, round_, step)).fetchone()
-        if row is not None and bytes(row[0]) != value:
-            raise DoubleVoteError(f"{key}: a different vote is already stored")
-        if row is None:
-            conn.execute("INSERT INTO votes VALUES (?, ?, ?, ?, ?)", (window, round_, step, value, now))
-    elif parts[0] == "claim" and len(parts) == 2:
-        conn.execute("INSERT OR REPLACE INTO claims VALUES (?, ?, ?)", (int(parts[1]), value, now))
-    elif key == "head" or (parts[0] == "chain" and len(parts) == 2):
-        _index_head(conn, value)  # the raw record is kept regardless
+    match records.parse(key, value):
+        case records.VoteRecord(window=window, round=round_, step=step):
+            row = conn.execute("SELECT envelope FROM votes WHERE window=? AND round=? AND step=?",
+                               (window, round_, step)).fetchone()
+            if row is not None and bytes(row[0]) != value:
+                raise DoubleVoteError(f"{key}: a different vote is already stored")
+            if row is None:
+                conn.execute("INSERT INTO votes VALUES (?, ?, ?, ?, ?)", (window, round_, step, value, now))
+        case records.ClaimRecord(window=window, holder=None):
+            conn.execute("INSERT OR REPLACE INTO claims VALUES (?, ?, ?)", (window, value, now))
+        case records.HeadRecord() | records.ChainRecord():
+            _index_head(conn, value)  # the raw record is kept regardless
     conn.execute("INSERT OR REPLACE INTO records VALUES (?, ?)", (key, value))
 
 

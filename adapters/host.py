@@ -7,9 +7,10 @@ connections, writing records and chunks, committing artifacts, running a compute
 of spec/design.md §2, in this order (quinn-proto's `Connection` states its order the same way):
 
 1. `Driver.handle(event)` feeds the engine one event (`Driver.start` and `Driver.timer_due` build theirs);
-2. it drains `Engine.next_effect()` until None and carries out each effect in order (`_dispatch`, a `match` over
-   the `core.effects.Effect` union ending in `typing.assert_never`: a new effect fails type checking here,
-   `make typecheck`, and tests/adapters/test_driver.py fails at run time);
+2. it drains `Engine.next_effect()` until None and, in order, executes each command (`core.effects.Command`) on
+   the host (`_execute`) and hands each notification (`core.effects.Notification`) to the observer (`_notify`):
+   each a `match` over its union ending in `typing.assert_never`, so a new effect fails type checking here,
+   `make typecheck`, and tests/adapters/test_driver.py fails at run time;
 3. it re-arms the host's one timer at `Engine.next_deadline()` (aioquic's `transmit()`): `Host.arm_timer`.
 
 What the engine must hear back is built here, never in a host: a primitive that completes work (a record
@@ -19,7 +20,7 @@ driver feeds `Persisted`, `ArtifactStored` / `ArtifactCorrupt`, `TaskFinished` /
 goes on with the effects it adds; one called later runs a whole handle -> drain -> re-arm itself.
 
 Notifications a host may ignore (a promoted head, a rejection, discovered addresses, a `SubmitReply`, a log
-line) go to an `Observer`, whose methods do nothing unless a host overrides them.
+line) go to an `Observer`, whose methods do nothing unless a host overrides them; without one they are dropped.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from peerloom.core.errors import VerificationError
 from peerloom.core.identity import PeerId
 from peerloom.core.messages import Chunk, encode_message
 from peerloom.core.objects import ArtifactRef, Head, QuorumCertificate
+from peerloom.core.records import Record
 
 TaskOutcome = dict[str, Any] | Exception
 """What a compute task gives its `done` callback: the task kind's result map (`core.effects.RunTask`), or the
@@ -60,8 +62,9 @@ class Host(Protocol):
     def ban(self, peer: PeerId, until: float) -> None:
         """Refuse `peer`, inbound or dialed, until `until` (this clock). The engine hangs up on it next."""
 
-    def write_record(self, key: str, record: bytes, done: Callable[[], None]) -> None:
-        """Write `record` under `key` durably (fsync), then, not before, call `done()`."""
+    def write_record(self, record: Record, done: Callable[[], None]) -> None:
+        """Write `record.data` under `record.key` (`core.records`: the class says which record it is) durably
+        (fsync), then, not before, call `done()`."""
 
     def run_task(self, task: fx.RunTask, done: Callable[[TaskOutcome], None]) -> None:
         """Run the compute task off the engine (`task.kind`, `task.args`: `core.effects.RunTask`); call
@@ -135,7 +138,14 @@ class Driver:
         self.host.arm_timer(self.engine.next_deadline())
 
     def _dispatch(self, effect: fx.Effect) -> None:
-        host, observer = self.host, self.observer
+        match effect:
+            case fx.HeadPromoted() | fx.Rejected() | fx.PeersDiscovered() | fx.SubmitReply() | fx.Log():
+                self._notify(effect)
+            case _:
+                self._execute(effect)
+
+    def _execute(self, effect: fx.Command) -> None:
+        host = self.host
         match effect:
             case fx.Send():
                 host.send(effect.peer, effect.data)
@@ -144,7 +154,7 @@ class Driver:
             case fx.Ban():
                 host.ban(effect.peer, effect.until)
             case fx.Persist():
-                host.write_record(effect.key, effect.record, self._persisted(effect.token))
+                host.write_record(effect.record, self._persisted(effect.token))
             case fx.RunTask():
                 host.run_task(effect, self._task_done(effect.task_id))
             case fx.ServeChunk():
@@ -156,6 +166,12 @@ class Driver:
                 host.commit_artifact(effect.ref, effect.durable, self._committed(effect.ref))
             case fx.DropArtifacts():
                 host.remove_artifacts(effect.digests)
+            case _:
+                assert_never(effect)
+
+    def _notify(self, effect: fx.Notification) -> None:
+        observer = self.observer
+        match effect:
             case fx.HeadPromoted():
                 observer.head_promoted(effect.head, effect.certificate)
             case fx.Rejected():
@@ -228,8 +244,8 @@ class StoreOnDisk:
 
     store: Store
 
-    def write_record(self, key: str, record: bytes, done: Callable[[], None]) -> None:
-        self.store.put_record(key, record)
+    def write_record(self, record: Record, done: Callable[[], None]) -> None:
+        self.store.put_record(record.key, record.data)
         done()
 
     def read_chunk(self, ref: ArtifactRef, index: int) -> bytes:

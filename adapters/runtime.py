@@ -41,12 +41,13 @@ from peerloom.backends.privacy import privacy_accountant
 from peerloom.core import effects as fx
 from peerloom.core import events as ev
 from peerloom.core.chain import decode_chain_entry
-from peerloom.core.engine import HEAD_RECORD, Engine, EngineConfig
+from peerloom.core.engine import Engine, EngineConfig
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.errors import PeerloomError
 from peerloom.core.identity import Identity, PeerId
 from peerloom.core.messages import Hello, decode_message
 from peerloom.core.objects import ArtifactRef, Head, QuorumCertificate, Revision
+from peerloom.core.records import ChainRecord, HeadRecord, Record
 
 from . import disk, tcp
 from .addressbook import HANDSHAKE_FAILURES, AddressBook
@@ -255,7 +256,7 @@ class NodeRuntime(Observer):
         # A full disk (spec/transport.md §15): what could not be written waits here, in order, and is
         # written when the probe finds space again; meanwhile the engine holds what depends on it (votes).
         self.disk_full = False
-        self._unwritten: list[tuple[str, bytes, Callable[[], None]]] = []  # (key, record, done)
+        self._unwritten: list[tuple[Record, Callable[[], None]]] = []  # (record, done)
         self._unwritten_chain: list[tuple[Head, QuorumCertificate]] = []
         self._lost_fetches: set[bytes] = set()  # fetches with a chunk that never reached the disk
         # Chunk writes and artifact commits run on a worker thread, in order (spec/design.md §6, Storage).
@@ -384,10 +385,10 @@ class NodeRuntime(Observer):
         written = len(self._unwritten)
         try:
             while self._unwritten:
-                key, record, done = self._unwritten[0]
-                self.store.put_record(key, record)
+                record, done = self._unwritten[0]
+                self.store.put_record(record.key, record.data)
                 del self._unwritten[0]
-                self._persisted(key, record, done)
+                self._persisted(record, done)
             while self._unwritten_chain:
                 entry = self._unwritten_chain[0]
                 assert self.on_chain_entry is not None
@@ -646,27 +647,27 @@ class NodeRuntime(Observer):
         if outbox is not None:
             outbox.scope.cancel()
 
-    def write_record(self, key: str, record: bytes, done: Callable[[], None]) -> None:
+    def write_record(self, record: Record, done: Callable[[], None]) -> None:
         """Committed to the node database (SQLite WAL, synchronous=FULL) before `done`, so the messages the
         engine then releases follow a durable record. A conflicting vote raises DoubleVoteError: the node
         stops rather than equivocate.
         On a full disk the record waits (in order, with every later one) and `done` comes when it is
         written (`_resume_writes`)."""
         if self.disk_full:
-            self._unwritten.append((key, record, done))
+            self._unwritten.append((record, done))
             return
         try:
-            self.store.put_record(key, record)
+            self.store.put_record(record.key, record.data)
         except OSError as exc:
             if not disk.is_disk_full(exc):
                 raise
-            self._unwritten.append((key, record, done))
+            self._unwritten.append((record, done))
             self._disk_is_full("records", exc)
             return
-        self._persisted(key, record, done)
+        self._persisted(record, done)
 
-    def _persisted(self, key: str, record: bytes, done: Callable[[], None]) -> None:
-        self._note_chain_record(key, record)
+    def _persisted(self, record: Record, done: Callable[[], None]) -> None:
+        self._note_chain_record(record)
         done()
 
     def read_chunk(self, ref: ArtifactRef, index: int) -> bytes:
@@ -778,13 +779,13 @@ class NodeRuntime(Observer):
         self._emit_line(event, fields)
         engine_log.info(event, extra={"fields": fields})
 
-    def _note_chain_record(self, key: str, record: bytes) -> None:
+    def _note_chain_record(self, record: Record) -> None:
         """Hand a certified head just made durable to `on_chain_entry`: every ``chain/<w>`` record, and the
         ``head`` record of an engine that archives no chain (one that does archived the head first)."""
         if self.on_chain_entry is None:
             return
-        if key.startswith("chain/") or (key == HEAD_RECORD and not self.engine.config.keeps_chain):
-            entry = decode_chain_entry(record)
+        if isinstance(record, ChainRecord) or (isinstance(record, HeadRecord) and not self.engine.config.keeps_chain):
+            entry = decode_chain_entry(record.data)
             if self._unwritten_chain:
                 self._unwritten_chain.append(entry)
                 return

@@ -122,7 +122,7 @@ class Bench(Observer):
     def send(self, peer: Any, data: bytes) -> None:
         self.sent.append(data)
 
-    def write_record(self, key: str, record: bytes, done: Callable[[], None]) -> None:
+    def write_record(self, record: Any, done: Callable[[], None]) -> None:
         self.completions.append(lambda: self._timed(done))
 
     def run_task(self, task: fx.RunTask, done: Callable[[Any], None]) -> None:
@@ -157,7 +157,7 @@ class Bench(Observer):
         if task.kind == "reduce":
             self.serial += 1
             params = make_artifact_ref(b"params %d" % self.serial, 1 << 20)
-            self.engine.note_stored(params)
+            self.driver.handle(ev.ArtifactAdded(now=self.now, ref=params))  # untimed, as before
             deltas = task.args["deltas"]
             return {"params": params, "params_digest": params.digest, "outer_state": None,
                     "outer_state_digest": None, "outliers": [], "kept": list(range(len(deltas)))}
@@ -217,7 +217,7 @@ class Bench(Observer):
         for peer, shards in sorted(leases.items()):
             self.serial += 1
             delta = make_artifact_ref(b"delta %d" % self.serial, 1 << 20)
-            engine.note_stored(delta)
+            self.driver.handle(ev.ArtifactAdded(now=self.now, ref=delta))  # untimed: set-up, not engine work
             ann = seal(by_peer[peer], UpdateAnnouncement(revision=self.revision.id, window=head.window + 1,
                                                          base=head.id, shards=shards, delta=delta,
                                                          delta_digest=delta.digest, train_loss=0.1))

@@ -3,12 +3,14 @@
 from .chain import verify_chain
 from .effects import (
     Ban,
+    Command,
     CommitArtifact,
     DropArtifacts,
     Effect,
     HangUp,
     HeadPromoted,
     Log,
+    Notification,
     PeersDiscovered,
     Persist,
     Rejected,
@@ -21,6 +23,7 @@ from .effects import (
 from .engine import Engine, EngineConfig
 from .errors import DecodeError, LocalProtocolError, PeerloomError, RemoteProtocolError, VerificationError
 from .events import (
+    ArtifactAdded,
     ArtifactCorrupt,
     ArtifactStored,
     Event,
@@ -41,11 +44,11 @@ from .objects import ArtifactRef, Head, Manifest, QuorumCertificate, Revision
 from .roles import Role
 
 __all__ = [
-    "ArtifactCorrupt", "ArtifactRef", "ArtifactStored", "Ban", "CommitArtifact", "DecodeError", "DropArtifacts",
-    "Effect", "Engine",
-    "EngineConfig", "Event", "HangUp", "Head", "HeadPromoted", "Identity", "JoinRequested", "LeaveRequested",
-    "LocalProtocolError", "Log", "Manifest", "MessageReceived", "PeerConnected", "PeerDisconnected", "PeerId",
-    "PeerloomError", "PeersDiscovered", "Persist", "Persisted", "QuorumCertificate", "Rejected",
-    "RemoteProtocolError", "Revision", "Role", "RunTask", "Send", "ServeChunk", "Start", "StoreChunk", "Submit",
-    "SubmitReply", "TaskFailed", "TaskFinished", "TimerDue", "VerificationError", "verify_chain",
+    "ArtifactAdded", "ArtifactCorrupt", "ArtifactRef", "ArtifactStored", "Ban", "Command", "CommitArtifact",
+    "DecodeError", "DropArtifacts", "Effect", "Engine", "EngineConfig", "Event", "HangUp", "Head", "HeadPromoted",
+    "Identity", "JoinRequested", "LeaveRequested", "LocalProtocolError", "Log", "Manifest", "MessageReceived",
+    "Notification", "PeerConnected", "PeerDisconnected", "PeerId", "PeerloomError", "PeersDiscovered", "Persist",
+    "Persisted", "QuorumCertificate", "Rejected", "RemoteProtocolError", "Revision", "Role", "RunTask", "Send",
+    "ServeChunk", "Start", "StoreChunk", "Submit", "SubmitReply", "TaskFailed", "TaskFinished", "TimerDue",
+    "VerificationError", "verify_chain",
 ]

@@ -30,6 +30,8 @@ from .objects import (
     check_revocation,
 )
 from .privacy import next_private
+from .records import REVOCATION_PREFIX as REVOCATION_PREFIX
+from .records import RevocationRecord
 from .roles import Services
 
 JOIN_PRIORITY_DOMAIN = b"peerloom/join-priority/v1"
@@ -42,12 +44,11 @@ JOIN_BACKLOG_FACTOR = 4
 MIN_JOIN_BACKLOG = 64
 # Revocations (spec/auth.md §6) a validator takes from peers; only the admission authority can sign them.
 MAX_REVOCATIONS = 4096
-REVOCATION_PREFIX = "revocation/"  # record key of a kept revocation: prefix + envelope id (hex)
 
 
 @attrs.frozen(kw_only=True)
 class RevocationWrite:
-    """A revocation envelope being persisted (`REVOCATION_PREFIX` record): forwarded to the other
+    """A revocation envelope being persisted (a `records.RevocationRecord`): forwarded to the other
     validators once durable."""
 
     envelope: SignedEnvelope
@@ -71,7 +72,7 @@ class Admission:
     signer, window), one each; `revocations`: envelope id -> the admission authority's revocation
     envelope, and `revoked`: peer -> the id of the envelope that revokes it (spec/auth.md §6). `joins`,
     `admitted`, `leaves`, `heard` and `first_window` are in the engine snapshot; revocations are records of
-    their own (`REVOCATION_PREFIX`), read back when the engine starts from its records.
+    their own (`records.RevocationRecord`), read back when the engine starts from its records.
     """
 
     def __init__(self, engine: Services) -> None:
@@ -204,7 +205,7 @@ class Admission:
 
     def _persist(self, envelope: SignedEnvelope) -> None:
         """Write a newly kept revocation as a record; `durable` forwards it once written."""
-        self.engine.persist_then(REVOCATION_PREFIX + envelope.id.hex(), envelope.to_bytes(), "validator",
+        self.engine.persist_then(RevocationRecord(envelope_id=envelope.id, data=envelope.to_bytes()), "validator",
                                  RevocationWrite(envelope=envelope))
 
     def durable(self, work: RevocationWrite) -> None:

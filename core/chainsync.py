@@ -22,19 +22,16 @@ from .errors import VerificationError
 from .identity import PeerId
 from .messages import MAX_CHAIN_ENTRIES, CertifiedHead, ChainEntries, ChainRequest, NextHead
 from .objects import Head, QuorumCertificate, Revision
+from .records import HEAD_RECORD as HEAD_RECORD
+from .records import ChainRecord, Record
+from .records import chain_key as chain_key
 from .roles import Role
 from .sessions import PeerState
 
-HEAD_RECORD = "head"
 CHAIN_BACKOFF_MAX_DOUBLINGS = 6  # a peer that never answers is asked again at most every 2^6 chain-get timeouts
 CHAIN_SILENT_LIMIT = 2  # chain-gets in a row a peer leaves unanswered before it is hung up on (§8)
 MAX_CHAIN_SILENT = 1024  # peers hung up on for silence whose back-off outlives a reconnect (oldest forgotten)
 MAX_PROOFS = 256  # hello certificates verified lately, not verified again (oldest forgotten)
-
-
-def chain_key(window: int) -> str:
-    """Record key of the archived certified head of `window`."""
-    return f"chain/{window}"
 
 
 @attrs.frozen(kw_only=True)
@@ -68,7 +65,7 @@ class ChainHost(PartHost, Protocol):
 
     def set_timer(self, key: tuple[Any, ...], deadline: float) -> None: ...
     def cancel_timer(self, key: tuple[Any, ...]) -> None: ...
-    def persist_then(self, key: str, record: bytes, owner: str, work: Any) -> None: ...
+    def persist_then(self, record: Record, owner: str, work: Any) -> None: ...
     def verify_certified(self, head: Head, cert: QuorumCertificate) -> None: ...
     def adopt(self, head: Head, cert: QuorumCertificate) -> None: ...
 
@@ -144,8 +141,8 @@ class ChainSync:
             self.e.verify_certified(head, message.certificate)
             state.head_proven = max(state.head_proven, window)
             if chain_key(target[0].window) not in self.e.records:
-                self.e.persist_then(chain_key(target[0].window), encode_chain_entry(target[0], target[1]),
-                                  "engine", Archive(window=target[0].window))
+                self.e.persist_then(ChainRecord(window=target[0].window, data=encode_chain_entry(*target[:2])),
+                                    "engine", Archive(window=target[0].window))
             self.target = (head, message.certificate, peer)
         else:
             # We missed a head: the chain segment up to this one carries whole heads (and rosters);
@@ -243,8 +240,8 @@ class ChainSync:
                 self.e.reject(peer, "chain-conflict", f"window {head.window}")
                 return count
             if ours is None and self.e.config.keeps_chain:
-                self.e.persist_then(chain_key(head.window), encode_chain_entry(head, cert), "engine",
-                                  Archive(window=head.window))
+                self.e.persist_then(ChainRecord(window=head.window, data=encode_chain_entry(head, cert)), "engine",
+                                    Archive(window=head.window))
             prev, prev_cert = head, cert
             count += 1
         after = self.chain_entry(prev.window + 1)

@@ -1,6 +1,14 @@
 """Outputs of the engine (spec/design.md §2), pulled with `Engine.next_effect()` after each `handle()`.
 
-The host executes each effect in order. Effects are frozen value objects; don't subclass them.
+Two kinds, two unions (quinn-proto keeps `poll_transmit` apart from `poll` the same way):
+
+- a `Command` is work a host must carry out, in order: send, hang up, ban, write a record, run a task, serve,
+  store or commit chunks, drop artifacts (`adapters.host.Driver` executes each on the `Host` primitives);
+- a `Notification` tells a host what happened and asks for nothing: a promoted head, discovered addresses, a
+  rejection, a `SubmitReply`, a log line (the driver hands each to the optional `Observer`; a host that ignores
+  them writes nothing for them).
+
+`Effect` is both, in the one order the engine emits them. Effects are frozen value objects; don't subclass them.
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ import attrs
 
 from .identity import PeerId
 from .objects import ArtifactRef, Head, QuorumCertificate
+from .records import Record
 
 
 @attrs.frozen(kw_only=True)
@@ -29,13 +38,19 @@ class HangUp:
 
 @attrs.frozen(kw_only=True)
 class Persist:
-    """Write `record` under `key` durably (fsync), then feed back `Persisted(token)`.
+    """Write `record.data` under `record.key` durably (fsync), then feed back `Persisted(token)`.
 
-    Messages that depend on the record are held by the engine until then (durable before visible).
+    `record` is one of the `core.records` classes (a vote, a lock, a claim, a head...): its fields say what it
+    is, and its `key` is the storage key, derived there. Messages that depend on the record are held by the
+    engine until then (durable before visible).
     """
     token: int
-    key: str
-    record: bytes
+    record: Record
+
+    @property
+    def key(self) -> str:
+        """The record's storage key (`core.records`)."""
+        return self.record.key
 
 
 @attrs.frozen(kw_only=True)
@@ -99,7 +114,7 @@ class DropArtifacts:
 
 @attrs.frozen(kw_only=True)
 class HeadPromoted:
-    """Notification: a new certified head is canonical at this node."""
+    """A new certified head is canonical at this node."""
     head: Head
     certificate: QuorumCertificate
 
@@ -148,5 +163,10 @@ class Log:
     fields: dict[str, Any]
 
 
-Effect = (Send | HangUp | Persist | RunTask | ServeChunk | StoreChunk | CommitArtifact | DropArtifacts
-          | HeadPromoted | PeersDiscovered | Rejected | Ban | SubmitReply | Log)
+Command = Send | HangUp | Persist | RunTask | ServeChunk | StoreChunk | CommitArtifact | DropArtifacts | Ban
+"""Effects a host must carry out (module docstring)."""
+
+Notification = HeadPromoted | PeersDiscovered | Rejected | SubmitReply | Log
+"""Effects a host may ignore (module docstring)."""
+
+Effect = Command | Notification

@@ -35,9 +35,7 @@ from . import effects as fx
 from . import events as ev
 from . import retention
 from .chain import decode_chain_entry, encode_chain_entry
-from .chainsync import HEAD_RECORD as HEAD_RECORD
 from .chainsync import Archive, ChainSync, Promote
-from .chainsync import chain_key as chain_key
 from .collector import REPLAY_WINDOWS
 from .config import EngineConfig as EngineConfig
 from .errors import DecodeError, LocalProtocolError, VerificationError
@@ -63,6 +61,9 @@ from .messages import (
 )
 from .objects import MAX_OVERLAP, ArtifactRef, Head, QuorumCertificate, UpdateAnnouncement
 from .pending import Done, Failed, Outcome, Pending, PendingState
+from .records import HEAD_RECORD as HEAD_RECORD
+from .records import ChainRecord, HeadRecord, Record
+from .records import chain_key as chain_key
 from .reducer import ReducerRole
 from .roles import Role
 from .sessions import PeerState, Sessions
@@ -179,6 +180,8 @@ class Engine:
                 self.fetching.on_artifact_stored(event.ref)
             case ev.ArtifactCorrupt():
                 self.fetching.on_artifact_corrupt(event.ref)
+            case ev.ArtifactAdded():
+                self.note_stored(event.ref)
             case ev.Persisted():
                 held = self._held.pop(event.token, None)
                 if held is None:
@@ -317,13 +320,14 @@ class Engine:
     def cancel_timer(self, key: tuple[Any, ...]) -> None:
         self._timer_deadline.pop(key, None)
 
-    def persist_then(self, key: str, record: bytes, owner: str, work: Any) -> None:
+    def persist_then(self, record: Record, owner: str, work: Any) -> None:
         """Durable before visible: emit Persist; only after Persisted does `owner` (a `pending.OWNERS` name)
         resume `work`, its attrs frozen record (which may send), with `Done()`."""
         self._seq += 1
+        key = record.key
         self._held[self._seq] = (key, Pending(owner=owner, work=work))
-        self.records[key] = record
-        self.emit(fx.Persist(token=self._seq, key=key, record=record))
+        self.records[key] = record.data
+        self.emit(fx.Persist(token=self._seq, record=record))
 
     def run_task(self, kind: str, args: dict[str, Any], owner: str, work: Any) -> str:
         """Emit `RunTask(kind, args)` and return its task id. When it ends, `owner` (a `pending.OWNERS`
@@ -335,7 +339,8 @@ class Engine:
         return task_id
 
     def note_stored(self, ref: ArtifactRef) -> None:
-        """Record an artifact the host stored on its own (a compute task's output). A fetch of the same
+        """Record an artifact stored here outside a fetch (a compute task's output, which roles note when the task
+        ends; a host feeds `events.ArtifactAdded` for one it made itself, never calls this). A fetch of the same
         artifact under way (a reducer adopting the head whose params and optimizer state it is computing
         itself) is done at once; the chunks it still has asked for are dropped quietly when they come."""
         self.fetching.note_stored(ref)
@@ -387,8 +392,8 @@ class Engine:
         record = encode_chain_entry(head, cert)
         if self.config.keeps_chain and chain_key(head.window) not in self.records:
             # the chain archive first: a promoted head is always served, and durable before it is visible
-            self.persist_then(chain_key(head.window), record, "engine", Archive(window=head.window))
-        self.persist_then(HEAD_RECORD, record, "engine", Promote(head=head, certificate=cert))
+            self.persist_then(ChainRecord(window=head.window, data=record), "engine", Archive(window=head.window))
+        self.persist_then(HeadRecord(data=record), "engine", Promote(head=head, certificate=cert))
 
     def _promote(self, head: Head, cert: QuorumCertificate) -> None:
         """The head record of `head` is durable: make it canonical, tell peers, open the next window."""

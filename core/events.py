@@ -80,6 +80,16 @@ class ArtifactCorrupt:
 
 
 @attrs.frozen(kw_only=True)
+class ArtifactAdded:
+    """The host stored the artifact named by `ref` on its own, not through a `CommitArtifact` (bytes it computed
+    or made itself outside a compute task). The engine counts it as stored and serves it; a fetch of the same
+    artifact under way is done at once, and the chunks it still has asked for are dropped quietly when they
+    come (`Engine.note_stored`)."""
+    now: float
+    ref: ArtifactRef
+
+
+@attrs.frozen(kw_only=True)
 class Persisted:
     """The host durably wrote the record of the `Persist` effect with this token."""
     now: float
@@ -113,4 +123,4 @@ class Submit:
 
 
 Event = (Start | PeerConnected | PeerDisconnected | MessageReceived | TimerDue | TaskFinished | TaskFailed
-         | ArtifactStored | ArtifactCorrupt | Persisted | LeaveRequested | JoinRequested | Submit)
+         | ArtifactStored | ArtifactCorrupt | ArtifactAdded | Persisted | LeaveRequested | JoinRequested | Submit)

@@ -38,6 +38,8 @@ from .objects import (
 )
 from .pending import Done, Failed, Outcome
 from .privacy import ledger_epsilon, spent_steps
+from .records import ClaimRecord
+from .records import claim_key as claim_key
 from .roles import RoleBase, Services
 from .trainer_work import Announce, FetchParams, FetchState, Prefetch, Train, announcement_of, prior_of
 
@@ -88,11 +90,6 @@ CLAIM_TABLE: Table = {
     ("training", "train-failed"): "failed",
     ("persisting", "persisted"): "announced",
 }
-
-
-def claim_key(window: int, holder: PeerId | None = None) -> str:
-    """Record of the update announced for `window` (on our own lease, or claiming `holder`'s)."""
-    return f"claim/{window}" if holder is None else f"claim/{window}/{holder}"
 
 
 class TrainerRole(RoleBase):
@@ -462,7 +459,7 @@ class TrainerRole(RoleBase):
                                  privacy_steps=self._privacy_steps())
         envelope = seal(e.identity, ann)
         self._commit(window, envelope, result)
-        e.persist_then(claim_key(window), envelope.to_bytes(), "trainer",
+        e.persist_then(ClaimRecord(window=window, data=envelope.to_bytes()), "trainer",
                        Announce(window=window, envelope=envelope, train_loss=ann.train_loss, delta=delta.digest))
 
     def _announce(self, work: Announce) -> None:
@@ -566,6 +563,6 @@ class TrainerRole(RoleBase):
             delta=result["delta"], delta_digest=result["delta_digest"], train_loss=float(result["train_loss"]),
             claim=holder, trajectory=result.get("trajectory"), privacy_steps=self._privacy_steps()))
         self._commit(window, envelope, result)
-        e.persist_then(claim_key(window, holder), envelope.to_bytes(), "trainer",
+        e.persist_then(ClaimRecord(window=window, holder=holder, data=envelope.to_bytes()), "trainer",
                        Announce(window=window, envelope=envelope, train_loss=float(result["train_loss"]),
                                 holder=holder))

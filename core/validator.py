@@ -49,9 +49,10 @@ from .objects import (
 )
 from .pending import Outcome
 from .proposals import ProposalTracker
+from .records import lock_key, proposal_key, vote_key
 from .roles import RoleBase, Services
 from .screening import METRIC_TOLERANCE, Screening, ScreeningTask, Value, head_metrics, metrics_match
-from .voting import Voting, VotingWrite, lock_key, proposal_key, vote_key
+from .voting import Voting, VotingWrite
 
 __all__ = [
     "JOIN_BACKLOG_FACTOR", "MAX_DEADLINE_WINDOWS", "MAX_HELD", "METRIC_TOLERANCE", "MIN_JOIN_BACKLOG", "TABLE",

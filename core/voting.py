@@ -34,24 +34,13 @@ from .objects import (
     sign_vote,
 )
 from .quarantine import make_evidence
+from .records import LockRecord, ProposalRecord, Record, VoteRecord, parse
+from .records import lock_key as lock_key
+from .records import proposal_key as proposal_key
+from .records import vote_key as vote_key
 from .validating import ValidatorParts
 
 VoteKey = tuple[int, int, str, PeerId]  # (window, round, step, signer)
-
-
-def vote_key(window: int, round_: int, vote_step: str) -> str:
-    """Record key of this validator's vote."""
-    return f"vote/{window}/{round_}/{vote_step}"
-
-
-def lock_key(window: int) -> str:
-    """Record key of this validator's lock in `window` (the round and proposal of its non-nil precommit)."""
-    return f"lock/{window}"
-
-
-def proposal_key(window: int, round_: int) -> str:
-    """Record key of this validator's head proposal."""
-    return f"proposal/{window}/{round_}"
 
 
 @attrs.frozen(kw_only=True)
@@ -129,12 +118,12 @@ class Voting:
     def restore(self, window: int) -> bool:
         """After a restart, resume the agreement from this window's persisted votes. True if any."""
         e, role = self.engine, self.role
-        prefix = f"vote/{window}/"
-        cast = [k[len(prefix):].split("/") for k in e.records if k.startswith(prefix)]
+        cast = [(r.round, r.step) for key, data in e.records.items()
+                if isinstance(r := parse(key, data), VoteRecord) and r.window == window]
         if not cast:
             return False
-        round_ = max(int(r) for r, _ in cast)
-        steps = {s for r, s in cast if int(r) == round_}
+        round_ = max(r for r, _ in cast)
+        steps = {s for r, s in cast if r == round_}
         locked, locked_round = None, -1
         if lock_key(window) in e.records:
             record = decode(e.records[lock_key(window)], max_bytes=e.config.max_message_bytes)
@@ -144,7 +133,8 @@ class Voting:
         assert role.agreement is not None
         role.agreement.restore(round_, PRECOMMIT if PRECOMMIT in steps else PREVOTE, locked, locked_round)
         e.log("resume-agreement", window=window, round=round_)
-        for key in sorted(k for k in e.records if k.startswith(prefix)):  # re-announce what we signed
+        ours = (vote_key(window, r, s) for r, s in cast)
+        for key in sorted(ours):  # re-announce what we signed
             self.visible.add(key)
             envelope = SignedEnvelope.from_bytes(e.records[key])
             e.broadcast(Signed(envelope=envelope), roles=("validator",))
@@ -173,7 +163,7 @@ class Voting:
         if vote_step == PRECOMMIT and head_id is not None and locked is not None:
             # The lock record keeps every envelope, whatever the size: a restart re-checks nothing from it.
             proposal = self.head_proposal(window, round_, None, locked[0], locked[1], carry=True)
-            self._persist(lock_key(window), encode({"round": round_, "proposal": proposal.to_cbor()}),
+            self._persist(LockRecord(window=window, data=encode({"round": round_, "proposal": proposal.to_cbor()})),
                           PersistVote(send=send))
         else:
             self.resume(PersistVote(send=send))
@@ -190,14 +180,15 @@ class Voting:
         if len(envelope.body) > MAX_BODY_BYTES:  # even by id (a huge roster): nobody could open it
             e.log("proposal-too-large", window=window, round=round_, bytes=len(envelope.body))
             return  # the round times out as a silent proposer's would
-        self._persist(key, envelope.to_bytes(), SendProposal(key=key, envelope=envelope, window=window,
+        self._persist(ProposalRecord(window=window, round=round_, data=envelope.to_bytes()),
+                      SendProposal(key=key, envelope=envelope, window=window,
                                                              round=round_, head=head))
 
-    def _persist(self, key: str, record: bytes, then: PendingWrite) -> None:
-        """Persist `record` under `key`; `then` is resumed once it is durable."""
+    def _persist(self, record: Record, then: PendingWrite) -> None:
+        """Persist `record`; `then` is resumed once it is durable."""
         self._seq += 1
         self.writes[self._seq] = then
-        self.engine.persist_then(key, record, "validator", VotingWrite(seq=self._seq))
+        self.engine.persist_then(record, "validator", VotingWrite(seq=self._seq))
 
     def durable(self, seq: int) -> None:
         """The write `seq` (`writes[seq]`) is durable: carry out its next step."""
@@ -208,7 +199,8 @@ class Voting:
         e = self.engine
         match pending:
             case PersistVote(send=send):
-                self._persist(send.key, send.vote.to_bytes(), send)
+                self._persist(VoteRecord(window=send.window, round=send.round, step=send.step,
+                                         data=send.vote.to_bytes()), send)
             case SendVote():
                 self.visible.add(pending.key)
                 e.stats["votes_cast"] += 1

@@ -225,7 +225,7 @@ class _CertifiedUpdates:
     def on_head(self, head: Any, certificate: Any) -> None:
         from peerloom.core.envelope import SignedEnvelope
         from peerloom.core.objects import PROTOCOL_VERSION, UpdateAnnouncement
-        from peerloom.core.trainer import claim_key
+        from peerloom.core.records import claim_key
 
         if not self.rostered and self.me in head.roster_peers:
             self.rostered = True

@@ -227,13 +227,13 @@ class Cluster:
         sim = self._simulation(workload, shards)
         first, *more = sorted(roles)
         store = None if store_dir is None else _DurableStore(store_dir, chunk_size=self.revision.manifest.chunk_size)
-        # A _DurableStore (an ArtifactStore with SimDisk's methods) stands in for the SimDisk that add_node takes,
-        # and a SimDisk for the ArtifactStore that ComputeExecutor takes: each has the methods the other's user calls.
+        # A _DurableStore (an ArtifactStore with SimDisk's methods) stands in for the SimDisk that add_node takes;
+        # ComputeExecutor takes either (its `Store` Protocol).
         node = sim.add_node(name, first, identity=identity, extra_roles=more, compute=compute,
                             disk=store)  # type: ignore[arg-type]  # see above
         if workload is not sim.workload or shards is not sim.shards:
             node.executor = ComputeExecutor(
-                node.disk, self.revision.manifest, workload, shards, compute=compute)  # type: ignore[arg-type]  # see above
+                node.disk, self.revision.manifest, workload, shards, compute=compute)
         self.nodes[name] = ClusterNode(node)
         return self.nodes[name]
 

@@ -24,6 +24,7 @@ import numpy as np
 from peerloom.backends import attacks
 from peerloom.backends.behaviours import ByzantineWorkload
 from peerloom.backends.numpy.tensors import from_safetensors, tensor_digest, to_safetensors
+from peerloom.core import events as ev
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.leases import leases_of
 from peerloom.core.messages import Signed, decode_message, encode_message
@@ -176,8 +177,8 @@ class LeaseSquatting(Behaviour):
         for other in sim.links_of(node.name):
             if sim.nodes[other].role in ("validator", "reducer"):
                 sim.send(node.name, other, data)
-        if node.engine is not None:
-            node.engine.note_stored(ref)
+        if node.driver is not None:
+            node.driver.handle(ev.ArtifactAdded(now=sim.now, ref=ref))
 
 
 class Sybil(Behaviour):
@@ -357,9 +358,10 @@ class Equivocation(Behaviour):
             metrics = node.executor.run("evaluate", {"params": reduced["params"]})
         except (KeyError, ValueError):
             return None
-        engine.note_stored(reduced["params"])
+        assert node.driver is not None
+        node.driver.handle(ev.ArtifactAdded(now=sim.now, ref=reduced["params"]))
         if reduced.get("outer_state") is not None:
-            engine.note_stored(reduced["outer_state"])
+            node.driver.handle(ev.ArtifactAdded(now=sim.now, ref=reduced["outer_state"]))
         kept = [members[i] for i in reduced["kept"]]
         result = {"params": reduced["params"], "params_digest": reduced["params_digest"],
                   "kept": [u.id for u in kept], "candidates": tuple(kept), "outer_state": reduced.get("outer_state"),

@@ -57,6 +57,11 @@ class SimDisk:
             self.bytes_written += len(data)
         return ref
 
+    def put_parts(self, parts: Sequence[bytes | memoryview], *, durable: bool = True) -> ArtifactRef:
+        """`put` of the concatenation of `parts` (`adapters.compute.Store`); kept whatever `durable` says, as
+        every `put` is."""
+        return self.put(b"".join(parts))
+
     def get(self, digest: bytes) -> bytes:
         if digest not in self._refs:
             raise KeyError(digest.hex())

@@ -39,6 +39,7 @@ from peerloom.core.identity import Identity, PeerId
 from peerloom.core.leases import leases_of
 from peerloom.core.messages import DecodeMemo
 from peerloom.core.objects import PROTOCOL_VERSION, ArtifactRef, Head, QuorumCertificate, Revision, UpdateAnnouncement
+from peerloom.core.records import Record
 
 from .disk import SimDisk
 from .links import Links
@@ -591,10 +592,10 @@ class _NodeHost(Observer):
     def send(self, peer: PeerId, data: bytes) -> None:
         self.sim.send(self.node.name, self.sim.by_peer[peer].name, data)
 
-    def write_record(self, key: str, record: bytes, done: Callable[[], None]) -> None:
+    def write_record(self, record: Record, done: Callable[[], None]) -> None:
         """Pending on the `SimDisk`; done `persist_s` later, once synced (a crash loses it)."""
         node, token = self.node, next(self.writes)
-        node.disk.write_pending(token, key, record)
+        node.disk.write_pending(token, record.key, record.data)
         self.sim._push(self.sim.now + self.sim.persist_s, node.name, node.incarnation, _Done(done, token))
 
     def read_chunk(self, ref: ArtifactRef, index: int) -> bytes:

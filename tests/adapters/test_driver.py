@@ -17,6 +17,7 @@ from peerloom.core import effects as fx
 from peerloom.core import events as ev
 from peerloom.core.messages import Chunk, encode_message
 from peerloom.core.objects import make_artifact_ref
+from peerloom.core.records import LockRecord, VoteRecord
 from tests.helpers import ident
 
 MEMBERS = typing.get_args(fx.Effect)
@@ -25,7 +26,7 @@ REF = make_artifact_ref(b"artifact bytes", 4)
 SAMPLES: dict[type, object] = {
     fx.Send: fx.Send(peer=PEER, data=b"hello"),
     fx.HangUp: fx.HangUp(peer=PEER, reason="penalty-limit"),
-    fx.Persist: fx.Persist(token=7, key="vote/1", record=b"r"),
+    fx.Persist: fx.Persist(token=7, record=VoteRecord(window=1, round=0, step="prevote", data=b"r")),
     fx.RunTask: fx.RunTask(task_id="t1", kind="train", args={"seed": 1}),
     fx.ServeChunk: fx.ServeChunk(peer=PEER, ref=REF, index=1),
     fx.StoreChunk: fx.StoreChunk(ref=REF, index=0, data=b"arti"),
@@ -90,8 +91,8 @@ class PrimitivesOnly:
     def ban(self, peer, until):
         self.calls.append(("ban", peer, until))
 
-    def write_record(self, key, record, done):
-        self.calls.append(("write_record", key, record))
+    def write_record(self, record, done):
+        self.calls.append(("write_record", record.key, record.data))
         self._complete(done)
 
     def run_task(self, task, done):
@@ -137,7 +138,15 @@ def test_every_effect_class_is_a_member_of_the_union_and_has_a_sample():
     defined = {obj for obj in vars(fx).values() if inspect.isclass(obj) and attrs.has(obj)
                and obj.__module__ == fx.__name__}
     assert defined == set(MEMBERS)
-    assert set(SAMPLES) == set(MEMBERS), "a new effect needs a sample here, and a case in Driver._dispatch"
+    assert set(SAMPLES) == set(MEMBERS), "a new effect needs a sample here, and a case in the Driver"
+
+
+def test_commands_and_notifications_are_separate_unions_that_make_up_effect():
+    commands, notifications = set(typing.get_args(fx.Command)), set(typing.get_args(fx.Notification))
+    assert commands and notifications and not commands & notifications
+    assert commands | notifications == set(MEMBERS)
+    observed = {n for n, _ in inspect.getmembers(Observer, inspect.isfunction) if not n.startswith("_")}
+    assert len(observed) == len(notifications)  # one observer method per notification
 
 
 def test_the_host_protocol_is_primitives_and_the_observer_notifications():
@@ -154,7 +163,7 @@ def test_every_effect_reaches_a_primitives_only_host_and_what_it_completes_is_fe
     expected_host = {
         fx.Send: ("send", PEER, b"hello"),
         fx.HangUp: ("hang_up", PEER, "penalty-limit"),
-        fx.Persist: ("write_record", "vote/1", b"r"),
+        fx.Persist: ("write_record", "vote/1/0/prevote", b"r"),
         fx.RunTask: ("run_task", "train", {"seed": 1}),
         fx.ServeChunk: ("read_chunk", REF, 1),
         fx.StoreChunk: ("write_chunk", REF, 0, b"arti"),
@@ -170,6 +179,8 @@ def test_every_effect_reaches_a_primitives_only_host_and_what_it_completes_is_fe
         fx.Log: ("log", "vote", {"window": 1}),
     }
     assert set(expected_host) | set(expected_observer) == set(MEMBERS)
+    assert set(expected_host) == set(typing.get_args(fx.Command))  # commands reach the host, nothing else
+    assert set(expected_observer) == set(typing.get_args(fx.Notification))
     chunk = encode_message(Chunk(artifact=REF.digest, index=1, data=b"ct"))
     in_order = [call for cls in MEMBERS if cls in expected_host
                 for call in [expected_host[cls]] + ([("send", PEER, chunk)] if cls is fx.ServeChunk else [])]
@@ -188,13 +199,13 @@ def test_without_an_observer_notifications_are_dropped():
 
 
 def test_a_completion_inside_the_drain_is_fed_at_once_and_its_effects_follow_in_order():
-    persist, send = fx.Persist(token=1, key="k", record=b"r"), fx.Send(peer=PEER, data=b"held")
+    persist, send = fx.Persist(token=1, record=LockRecord(window=2, data=b"r")), fx.Send(peer=PEER, data=b"held")
     log = fx.Log(event="e", fields={})
     engine = FakeEngine([persist, log])
     engine.on_handle = lambda event: engine.effects.append(send) if isinstance(event, ev.Persisted) else None
     host, observer = PrimitivesOnly(), Recording()
     Driver(engine, host, observer).handle(ev.Start(now=0.0))  # type: ignore[arg-type]
-    assert host.calls == [("write_record", "k", b"r"), ("send", PEER, b"held"), ("arm_timer", 12.5)]
+    assert host.calls == [("write_record", "lock/2", b"r"), ("send", PEER, b"held"), ("arm_timer", 12.5)]
     assert observer.calls == [("log", "e", {})]
 
 

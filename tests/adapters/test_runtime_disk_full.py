@@ -12,6 +12,7 @@ import trio
 from peerloom.adapters import disk
 from peerloom.adapters.runtime import _Submit
 from peerloom.core.objects import JoinRequest, seal
+from peerloom.core.records import LockRecord
 from tests.adapters.test_host_runtime import validator_runtime
 from tests.helpers import ident
 
@@ -27,8 +28,9 @@ def test_records_wait_on_a_full_disk_and_are_written_in_order_when_space_is_back
             runtime._nursery = nursery
             flag.touch()
             with caplog.at_level(logging.ERROR, logger="peerloom.runtime"):
-                for token, key in enumerate(("rec/a", "rec/b", "rec/c")):
-                    runtime.write_record(key, key.encode(), functools.partial(fed.append, token))
+                for token, window in enumerate((901, 902, 903)):
+                    record = LockRecord(window=window, data=f"lock/{window}".encode())
+                    runtime.write_record(record, functools.partial(fed.append, token))
             assert runtime.disk_full and runtime.edge_view.health() == "disk-full" and fed == []
             assert runtime.metrics.registry.get_sample_value("peerloom_disk_full") == 1
             upload = _Submit(request_id=1, envelope=seal(ident(40), JoinRequest(revision=b"\x12\x20" + bytes(32),
@@ -47,8 +49,8 @@ def test_records_wait_on_a_full_disk_and_are_written_in_order_when_space_is_back
     try:
         trio.run(main)
         assert fed == [0, 1, 2]  # every record, in order, and only once written
-        assert {k: v for k, v in runtime.store.records().items() if k.startswith("rec/")} == \
-            {"rec/a": b"rec/a", "rec/b": b"rec/b", "rec/c": b"rec/c"}
+        assert {k: v for k, v in runtime.store.records().items() if k.startswith("lock/90")} == \
+            {"lock/901": b"lock/901", "lock/902": b"lock/902", "lock/903": b"lock/903"}
     finally:
         runtime.close()
 

@@ -114,8 +114,8 @@ class Host:
             case fx.Persist():
                 key = effect.key
                 if key.startswith("vote/"):
-                    assert key not in self.records or self.records[key] == effect.record, f"double vote {key}"
-                self.records[key] = effect.record
+                    assert key not in self.records or self.records[key] == effect.record.data, f"double vote {key}"
+                self.records[key] = effect.record.data
                 self.local.append(ev.Persisted(now=now, token=effect.token))
             case fx.RunTask():
                 self.local.append(ev.TaskFinished(now=now, task_id=effect.task_id, result=self.compute(effect)))

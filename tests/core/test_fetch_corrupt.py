@@ -50,7 +50,7 @@ def fetch(tmp_path, ref):
             engine.handle(ev.ArtifactStored(now=now, ref=effect.ref) if stored else
                           ev.ArtifactCorrupt(now=now, ref=effect.ref))
         elif isinstance(effect, fx.Persist):
-            store.put_record(effect.key, effect.record)
+            store.put_record(effect.key, effect.record.data)
         elif isinstance(effect, fx.StoreChunk):
             store.write_chunk(effect.ref, effect.index, effect.data)
         elif isinstance(effect, fx.Send):

@@ -2,16 +2,17 @@
 head's params and DiLoCo state from a validator every window while computing the same bytes)."""
 
 from peerloom.core import effects as fx
+from peerloom.core import events as ev
 from peerloom.core.messages import Chunk, ChunkRequest
 from tests.core.test_engine_attacks import GENESIS, MALLORY, VALIDATOR, deliver, drain, trainer_fetching_genesis
 
 
-def test_note_stored_finishes_a_fetch_in_flight_and_late_chunks_charge_nobody():
+def test_artifact_added_finishes_a_fetch_in_flight_and_late_chunks_charge_nobody():
     engine, rev = trainer_fetching_genesis()
     ref = rev.manifest.genesis_params
     asked = [e for e in drain(engine) if isinstance(e, fx.Send) and e.peer == VALIDATOR.peer_id]
     assert asked and ref.digest in engine.fetching.fetches
-    engine.note_stored(ref)  # the host computed (and stored) the same artifact
+    engine.handle(ev.ArtifactAdded(now=engine.now, ref=ref))  # the host computed (and stored) the same artifact
     effects = drain(engine)
     assert ref.digest not in engine.fetching.fetches
     assert any(isinstance(e, fx.RunTask) and e.kind == "train" for e in effects)  # the fetch's owner went on
