@@ -1239,6 +1239,8 @@ def openapi_document() -> dict[str, Any]:
                            "responses": {"200": {"description": "HTML"}, "404": _err("The bundle is not built"),
                                          **_RATE}}},
         "/train/{file}": {"get": {"summary": "The browser peer's bundle", "operationId": "trainFile",
+                                  "parameters": [{"name": "file", "in": "path", "required": True,
+                                                  "schema": {"type": "string", "maxLength": 64}}],
                                   "responses": {"200": {"description": "A file of the bundle"},
                                                 "404": _err("No such file, or the bundle is not built"), **_RATE}}},
     }

@@ -341,7 +341,8 @@ def _run_demo(*, profile: str, out: Path, seed: int, kill_trainer_at: int | None
     behaviours = [*p.trainers, *([LATE_JOINER] * p.late_joiners)]
     every_node: dict[str, Any] = {"threads": 1, "stop_after_window": p.windows}
     node_options: dict[str, dict[str, Any]] = {
-        f"trainer-{i}": {**every_node, **({"behaviour": b} if b in ATTACKS else {})} for i, b in enumerate(behaviours, 1)}
+        f"trainer-{i}": {**every_node, **({"behaviour": b} if b in ATTACKS else {})}
+        for i, b in enumerate(behaviours, 1)}
     node_options.update({name: every_node for name in [*(f"validator-{i}" for i in range(1, p.validators + 1)),
                                                        "reducer-1"]})
     experiment = Experiment(
