@@ -1,6 +1,6 @@
 """The REST edge's reference client (`LightTrainer` over `EdgeClient`) contributes accepted updates through
 ``POST /v1/join`` and ``/v1/updates`` (spec/design.md §6): the submit path third-party clients use. (`peerloom light`
-now runs a trainer node over the HTTP transport instead: tests/adapters/test_light_cli.py.)
+now runs a trainer node over the HTTP transport instead: tests/peerloom/test_light.py.)
 
 The edge here is backed by `InMemoryEdgeView`, which verifies submissions the way a node does (signature,
 revision, window and base, lease, delta bytes); the node-backed run is tests/adapters/test_node_edge.py.

@@ -14,9 +14,9 @@ from peerloom.backends.numpy.tensors import tensor_digest
 from peerloom.backends.registry import build_workload
 from peerloom.node import ConfigError, build_runtime, load_config, place_workload
 from peerloom.workloads import DeviceError, resolve_device, shards_for, torch_workload
-from tests.adapters.test_node_config import _config
 from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
 from tests.helpers import make_revision
+from tests.peerloom.test_node_config import _config
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from peerloom.backends.torch.pool import rank_batch, rank_share
 from peerloom.node import ConfigError, load_config
 from peerloom.workloads import all_gather, all_reduce, broadcast, pool_rank, pool_size
 from tests import pool_workloads
-from tests.adapters.test_node_config import AUTHORITY, BASE, _config
+from tests.peerloom.test_node_config import AUTHORITY, BASE, _config
 
 ROOT = Path(__file__).resolve().parents[2]
 # Equivalence tolerance (spec/pools.md "Equivalence"): float32 rounding of DDP's mean of the ranks'

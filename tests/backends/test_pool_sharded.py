@@ -157,7 +157,7 @@ def test_a_sharded_pool_refuses_a_workload_it_cannot_build_sharded():
 
 def test_node_config_takes_the_parallel_mode(tmp_path):
     from peerloom.node import ConfigError, load_config
-    from tests.adapters.test_node_config import _config
+    from tests.peerloom.test_node_config import _config
 
     table = load_config(_config(tmp_path, '[pool]\nranks = 4\nparallel = "pipeline"\nschedule = "1f1b"\n'))["pool"]
     assert (table["parallel"], table["schedule"]) == ("pipeline", "1f1b")

@@ -19,8 +19,8 @@ from peerloom.backends.numpy.tensors import schema_of, tensor_digest
 from peerloom.core.leases import leases_of
 from peerloom.node import build_node_workload, load_config
 from peerloom.workloads import NumpyWorkload, TorchWorkload, numpy_workload, shards_for, torch_workload
-from tests.adapters.test_node_config import _config
 from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
+from tests.peerloom.test_node_config import _config
 
 CLASSES = 4
 

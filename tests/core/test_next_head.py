@@ -9,7 +9,7 @@ from peerloom.core.encoding import encode
 from peerloom.core.errors import DecodeError
 from peerloom.core.messages import ChainEntries, ChainRequest, NextHead, decode_message, encode_message
 from peerloom.core.objects import Head, roster_digest
-from tests.core.test_engine_sync import REV, SEED, VALS, Node
+from tests.core.test_chainsync import REV, SEED, VALS, Node
 from tests.core.test_objects import certify, child
 from tests.helpers import ident
 

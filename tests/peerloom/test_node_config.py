@@ -88,10 +88,10 @@ def make_three_shards(seed, num_shards):
 
 
 def test_workload_factory_by_import_path(tmp_path):
-    config = load_config(_config(tmp_path, 'workload = "tests.adapters.test_node_config:make_tiny_workload"\n'))
+    config = load_config(_config(tmp_path, 'workload = "tests.peerloom.test_node_config:make_tiny_workload"\n'))
     workload, shards = build_node_workload(config, "digits-mlp", 5, 3)
     assert workload == ("tiny", 5) and shards == [[0], [1], [2]]
-    fixed = load_config(_config(tmp_path, 'workload = "tests.adapters.test_node_config:make_three_shards"\n'))
+    fixed = load_config(_config(tmp_path, 'workload = "tests.peerloom.test_node_config:make_three_shards"\n'))
     with pytest.raises(ConfigError, match="returned 3 shards, the manifest has 4"):
         build_node_workload(fixed, "digits-mlp", 5, 4)
     other = load_config(_config(tmp_path, 'workload = "digits-numpy"\n'))
@@ -171,7 +171,7 @@ def test_validators_under_sampled_audits_get_an_audit_worker(tmp_path, roles, ex
     manifest = attrs.evolve(make_revision().manifest, audit=True, audit_rate=0.5)
     revision = Revision.verify(manifest.seal(authority), authority.peer_id)
     (tmp_path / "m").write_bytes(revision.envelope.to_bytes())
-    text = _config(tmp_path, 'workload = "tests.adapters.test_node_config:make_counted_workload"\n' + extra)
+    text = _config(tmp_path, 'workload = "tests.peerloom.test_node_config:make_counted_workload"\n' + extra)
     text.write_text(text.read_text().replace('roles=["trainer"]', f"roles={roles}"))
     runtime = build_runtime(load_config(text))
     try:
@@ -191,7 +191,7 @@ def test_agreement_timeout_reaches_the_engine(tmp_path, extra, timeout_s):
     authority = ident(200)
     revision = Revision.verify(make_revision().manifest.seal(authority), authority.peer_id)
     (tmp_path / "m").write_bytes(revision.envelope.to_bytes())
-    text = _config(tmp_path, 'workload = "tests.adapters.test_node_config:make_counted_workload"\n' + extra)
+    text = _config(tmp_path, 'workload = "tests.peerloom.test_node_config:make_counted_workload"\n' + extra)
     runtime = build_runtime(load_config(text))
     try:
         assert runtime.engine.config.agreement_timeout_s == timeout_s

@@ -20,10 +20,10 @@ from peerloom.core.chain import decode_chain_entry
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.objects import AdmissionCertificate, JoinRequest, Revision, seal
 from peerloom.node import ConfigError, leave_roster, load_admission, load_config
-from tests.adapters.test_node_config import BASE, _config
 from tests.adapters.test_runtime_admission import TRAINER, running_node, trio_test, wait_for
 from tests.helpers import ident, make_revision
 from tests.node_cluster import make_fleet
+from tests.peerloom.test_node_config import BASE, _config
 
 AUTHORITY = ident(200)  # signs the manifest (BASE's authority)
 GATE = ident(201)  # the manifest's admission_authority
@@ -42,7 +42,7 @@ def certificate(revision: Revision, *, signer=GATE, peer=NODE, max_capacity=2) -
 
 def setup_node(tmp_path, admission: bytes | None, revision: Revision | None = None, key=NODE):
     """Write manifest "m", key "k" and (if given) "a.cbor"; return the config path
-    (tests/adapters/test_node_config.py)."""
+    (tests/peerloom/test_node_config.py)."""
     revision = revision or certificate_revision()
     atomic_write(tmp_path / "m", revision.envelope.to_bytes())
     if key is not None:
