@@ -1,5 +1,14 @@
-"""Small builders shared by tests: identities, a manifest, a revision."""
+"""Small builders shared by tests: identities, a manifest, a revision; and the pieces of a connection pair
+(a served handler, the peers at either end, a raw sender that plays a broken peer)."""
 
+import functools
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from peerloom.adapters.noise import frame
+from peerloom.adapters.tcp import SecureConnection, serve
+from peerloom.adapters.transport import LANE_BULK, LANE_CONTROL, TransportError
 from peerloom.core.identity import Identity
 from peerloom.core.objects import Manifest, Revision, make_artifact_ref
 
@@ -21,3 +30,64 @@ def make_revision(*, validators=None, quorum=1, trainers=(), shards=(10, 10, 10,
         chunk_size=chunk_size, genesis_params=ref, genesis_params_digest=params_digest or ref.digest,
         roster=tuple(sorted((t.peer_id, 1) for t in trainers)))
     return Revision.verify(manifest.seal(authority), authority.peer_id)
+
+
+# --- connection pairs ------------------------------------------------------------------------------------
+
+HOST = "127.0.0.1"
+SERVER = ident(1)  # the listening end
+CLIENT = ident(2)  # the dialing end
+OTHER = ident(3)  # a third peer: the one a dial did not expect, or a second server
+
+Handler = Callable[[SecureConnection], Awaitable[object]]
+
+
+async def echo(conn: SecureConnection) -> None:
+    """Send every message back on the lane it came on, until the connection ends."""
+    async def lane(n: int) -> None:
+        while True:
+            await conn.send_message(await conn.receive_message(n), lane=n)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lane, LANE_CONTROL)
+            nursery.start_soon(lane, LANE_BULK)
+    except* TransportError:
+        pass
+
+
+def collect_errors(errors: list[TransportError]) -> Callable[[SecureConnection], Awaitable[None]]:
+    """A handler that reads until the connection fails and appends the failure to `errors`."""
+    async def handler(conn: SecureConnection) -> None:
+        try:
+            while True:
+                await conn.receive_message()
+        except TransportError as exc:
+            errors.append(exc)
+
+    return handler
+
+
+async def wait_for(items: list, timeout: float = 10) -> None:
+    """Return once `items` holds something (a TooSlowError after `timeout` s)."""
+    with trio.fail_after(timeout):
+        while not items:
+            await trio.sleep(0.01)
+
+
+async def raw_send(conn: SecureConnection, plaintexts: list[bytes]) -> None:
+    """Encrypt and write Noise transport messages by hand: a lying or broken peer."""
+    await conn._stream.send_all(b"".join(frame(conn._transport.encrypt(p)) for p in plaintexts))
+
+
+def run_with_server(body: Callable[[int], Awaitable[None]], handler: Handler = echo, **server_kwargs) -> None:
+    """Serve TCP+Noise as SERVER on 127.0.0.1:0 with `handler`, run `body(port)` (30 s limit), then stop."""
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(functools.partial(serve, HOST, 0, SERVER, handler, **server_kwargs))
+            with trio.fail_after(30):
+                await body(port)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

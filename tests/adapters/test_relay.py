@@ -39,27 +39,12 @@ from peerloom.core.errors import DecodeError
 from peerloom.core.identity import Identity
 from peerloom.core.messages import parse_peer_address
 from peerloom.node import ConfigError, relay_settings
+from tests.helpers import CLIENT, OTHER, SERVER, echo
 
-SERVER = Identity(bytes([1]) * 32)  # the peer behind a NAT: reachable only through a relay
-CLIENT = Identity(bytes([2]) * 32)
-OTHER = Identity(bytes([3]) * 32)
+# SERVER (tests/helpers.py) is the peer behind a NAT: reachable only through a relay.
 RELAY = Identity(bytes([4]) * 32)
 RELAY_2 = Identity(bytes([5]) * 32)
 SERVER_ID = SERVER.peer_id.to_text()
-
-
-async def echo(conn: SecureConnection) -> None:
-    """Send every message back on the lane it came on."""
-    async def lane(n: int) -> None:
-        while True:
-            await conn.send_message(await conn.receive_message(n), lane=n)
-
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(lane, LANE_CONTROL)
-            nursery.start_soon(lane, LANE_BULK)
-    except* TransportError:
-        pass
 
 
 class Net:

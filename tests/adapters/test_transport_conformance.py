@@ -13,7 +13,6 @@ import trio
 
 from peerloom.adapters.http_transport import HttpTransport
 from peerloom.adapters.memory import MemoryNetwork, MemoryNetworkTransport
-from peerloom.adapters.noise import frame
 from peerloom.adapters.tcp import (
     KIND_START,
     LANE_WINDOW,
@@ -29,11 +28,8 @@ from peerloom.adapters.transport import (
     Transport,
     TransportError,
 )
-from peerloom.core.identity import Identity
+from tests.helpers import CLIENT, OTHER, SERVER, collect_errors, echo, raw_send, wait_for
 
-SERVER = Identity(bytes([1]) * 32)
-CLIENT = Identity(bytes([2]) * 32)
-OTHER = Identity(bytes([3]) * 32)
 KINDS = ("tcp", "http", "memory")
 
 
@@ -66,42 +62,6 @@ def run_with_listener(kind: str, body: Body, handler: Callable[[SecureConnection
             nursery.cancel_scope.cancel()
 
     trio.run(main)
-
-
-async def echo(conn: SecureConnection) -> None:
-    """Send every message back on the lane it came on."""
-    async def lane(n: int) -> None:
-        while True:
-            await conn.send_message(await conn.receive_message(n), lane=n)
-
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(lane, LANE_CONTROL)
-            nursery.start_soon(lane, LANE_BULK)
-    except* ConnectionClosed:
-        pass
-
-
-def collect_errors(errors: list[TransportError]) -> Callable[[SecureConnection], Awaitable[None]]:
-    async def handler(conn: SecureConnection) -> None:
-        try:
-            while True:
-                await conn.receive_message()
-        except TransportError as exc:
-            errors.append(exc)
-
-    return handler
-
-
-async def wait_for(items: list) -> None:
-    with trio.fail_after(10):
-        while not items:
-            await trio.sleep(0.01)
-
-
-async def raw_send(conn: SecureConnection, plaintexts: list[bytes]) -> None:
-    """Encrypt and write Noise transport messages by hand: a lying or broken peer."""
-    await conn._stream.send_all(b"".join(frame(conn._transport.encrypt(p)) for p in plaintexts))
 
 
 @pytest.mark.parametrize("kind", KINDS)
