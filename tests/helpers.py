@@ -1,5 +1,5 @@
-"""Small builders shared by tests: identities, a manifest, a revision; and the pieces of a connection pair
-(a served handler, the peers at either end, a raw sender that plays a broken peer)."""
+"""Small builders shared by tests: identities, a manifest, a revision, heads and their certificates; and the
+pieces of a connection pair (a served handler, the peers at either end, a raw sender that plays a broken peer)."""
 
 import functools
 from collections.abc import Awaitable, Callable
@@ -10,7 +10,7 @@ from peerloom.adapters.noise import frame
 from peerloom.adapters.tcp import SecureConnection, serve
 from peerloom.adapters.transport import LANE_BULK, LANE_CONTROL, TransportError
 from peerloom.core.identity import Identity
-from peerloom.core.objects import Manifest, Revision, make_artifact_ref
+from peerloom.core.objects import PRECOMMIT, Head, Manifest, QuorumCertificate, Revision, make_artifact_ref, sign_vote
 
 
 def ident(n: int) -> Identity:
@@ -30,6 +30,33 @@ def make_revision(*, validators=None, quorum=1, trainers=(), shards=(10, 10, 10,
         chunk_size=chunk_size, genesis_params=ref, genesis_params_digest=params_digest or ref.digest,
         roster=tuple(sorted((t.peer_id, 1) for t in trainers)))
     return Revision.verify(manifest.seal(authority), authority.peer_id)
+
+
+def certify(revision, head, signers, round_=0, step=PRECOMMIT):
+    """A quorum certificate for `head` from the votes of `signers`."""
+    votes = {s.peer_id: sign_vote(s, revision.id, head.window, round_, step, head.id).signature for s in signers}
+    return QuorumCertificate.from_votes(head.id, head.window, round_, votes)
+
+
+def child(revision, parent, **changes):
+    """The head after `parent` (one cohort update, the same params and roster), with `changes`."""
+    fields = dict(revision=revision.id, parent=parent.id, window=parent.window + 1, skipped=False,
+                  params=parent.params, params_digest=parent.params_digest, cohort=(b"\x12\x20" + b"\1" * 32,),
+                  roster=parent.roster, quarantine=(), metrics={"test_accuracy": 0.5})
+    fields.update(changes)
+    return Head(**fields)
+
+
+# A trainer's node config with every required key (the authority is make_revision's).
+NODE_AUTHORITY = ident(200).peer_id.to_text()
+NODE_CONFIG = f'name="n"\nroles=["trainer"]\nkey="k"\nmanifest="m"\nauthority="{NODE_AUTHORITY}"\nstore="s"\n'
+
+
+def node_config(tmp_path, extra=""):
+    """tmp_path/node.toml holding NODE_CONFIG and then `extra`."""
+    path = tmp_path / "node.toml"
+    path.write_text(NODE_CONFIG + extra)
+    return path
 
 
 # --- connection pairs ------------------------------------------------------------------------------------

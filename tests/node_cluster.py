@@ -18,6 +18,7 @@ import tomli_w
 from peerloom.adapters.keys import generate_identity, save_identity
 from peerloom.adapters.storage import ArtifactStore, atomic_write
 from peerloom.backends.numpy.tensors import schema_of, tensor_digest, to_safetensors
+from peerloom.core.chain import decode_chain_entry
 from peerloom.core.identity import Identity
 from peerloom.core.objects import Manifest, Revision
 from tests import node_zygote
@@ -180,3 +181,29 @@ def batchnorm_digits(seed: int, num_shards: int) -> tuple[Any, list[list[int]]]:
                               loss=nn.functional.cross_entropy, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
                               train_data=(x, y), eval_data=(xt, yt), batch_size=32)
     return workload, shard_indices(len(x), num_shards, seed)
+
+
+def chain(node) -> list:
+    """The heads in `node`'s chain directory so far (a file being written is skipped)."""
+    directory = node.directory / "store" / "chain"
+    heads = []
+    for path in sorted(directory.glob("*.cbor")) if directory.exists() else []:
+        try:
+            heads.append(decode_chain_entry(path.read_bytes())[0])
+        except Exception:
+            pass  # being written
+    return heads
+
+
+def wait_until(cond, timeout_s: float, what: str, nodes) -> None:
+    """Poll `cond` until it holds; fail naming `what` after `timeout_s`, or at once with the log of a node
+    that exited."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        for node in nodes:
+            if node.process is not None and node.process.poll() is not None:
+                raise AssertionError(f"{node.name} exited: {(node.directory / 'node.log').read_text()[-3000:]}")
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")

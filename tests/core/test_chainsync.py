@@ -24,8 +24,7 @@ from peerloom.core.messages import (
     encode_message,
 )
 from peerloom.core.objects import QuorumCertificate
-from tests.core.test_objects import certify, child
-from tests.helpers import ident, make_revision
+from tests.helpers import certify, child, ident, make_revision
 
 VALS = [ident(1), ident(2), ident(3), ident(4)]
 FAKES = [ident(61), ident(62), ident(63)]

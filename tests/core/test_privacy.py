@@ -10,8 +10,7 @@ from peerloom.core.errors import DecodeError, LocalProtocolError, VerificationEr
 from peerloom.core.objects import Head, JoinRequest, Manifest, PrivacyParams, UpdateAnnouncement
 from peerloom.core.privacy import budget_fault, ledger_epsilon, next_ledger, next_private, spent_steps
 from peerloom.verify import check_ledger, check_private
-from tests.core.test_objects import child
-from tests.helpers import ident, make_revision
+from tests.helpers import child, ident, make_revision
 
 PARAMS = PrivacyParams(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5, sample_rate=0.1, epsilon_budget=2.0)
 

@@ -20,8 +20,7 @@ from peerloom.adapters.storage import atomic_write
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.objects import AdmissionCertificate, Revision, seal
 from tests.fake_oidc import CLIENT_ID, FakeProvider
-from tests.node_cluster import free_port, make_fleet
-from tests.peerloom.test_node_membership import chain, wait_until
+from tests.node_cluster import chain, free_port, make_fleet, wait_until
 
 
 def peerloom(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:

@@ -27,8 +27,7 @@ from peerloom.core.identity import Identity
 from peerloom.core.messages import Chunk, ChunkRequest, Hello, decode_message, encode_message
 from peerloom.core.objects import Revision
 from tests.live_attacks import certified, head_events, wait_certified
-from tests.node_cluster import make_fleet
-from tests.peerloom.test_node_membership import chain
+from tests.node_cluster import chain, make_fleet
 
 pytestmark = pytest.mark.slow
 

@@ -20,8 +20,7 @@ import pytest
 
 from peerloom.adapters.keys import generate_identity, save_identity
 from tests.e2e.test_transports_e2e import chain_windows, check_chain
-from tests.node_cluster import Node, free_port, make_fleet
-from tests.peerloom.test_node_membership import chain
+from tests.node_cluster import Node, chain, free_port, make_fleet
 
 REPO = Path(__file__).resolve().parents[2]
 

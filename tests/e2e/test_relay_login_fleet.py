@@ -30,8 +30,7 @@ from peerloom.core.identity import PeerId
 from peerloom.core.objects import Revision
 from tests.e2e.test_auth_e2e import peerloom
 from tests.fake_oidc import CLIENT_ID, FakeProvider
-from tests.node_cluster import Node, free_port, make_fleet
-from tests.peerloom.test_node_membership import chain, wait_until
+from tests.node_cluster import Node, chain, free_port, make_fleet, wait_until
 
 
 def certified(validator: Node, peer: PeerId) -> bool:

@@ -26,8 +26,7 @@ from peerloom.core.errors import PeerloomError, VerificationError
 from peerloom.core.objects import make_artifact_ref
 from peerloom.export import METADATA_KEYS, ExportError, ParamsMismatchError, export_head, load_head
 from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
-from tests.core.test_objects import certify, child
-from tests.helpers import ident, make_revision
+from tests.helpers import certify, child, ident, make_revision
 from tests.node_zygote import run_cli
 
 torch = pytest.importorskip("torch")
