@@ -35,9 +35,11 @@ from . import effects as fx
 from . import events as ev
 from . import retention
 from .chain import decode_chain_entry, encode_chain_entry
+
+# HEAD_RECORD is the engine's interface too: hosts read the promoted head under it (adapters may not import
+# chainsync, tests/test_layers.py).
 from .chainsync import HEAD_RECORD as HEAD_RECORD
-from .chainsync import Archive, ChainSync, Promote
-from .chainsync import chain_key as chain_key
+from .chainsync import Archive, ChainSync, Promote, chain_key
 from .collector import REPLAY_WINDOWS
 from .config import EngineConfig as EngineConfig
 from .errors import DecodeError, LocalProtocolError, VerificationError

@@ -15,16 +15,14 @@ from peerloom.adapters.noise import frame
 from peerloom.adapters.tcp import (
     KIND_CREDIT,
     KIND_START,
-    LANE_BULK,
-    LANE_CONTROL,
     LANE_WINDOW,
     MessageAssembler,
     SecureConnection,
-    TransportError,
     connect,
     encode_frames,
     serve,
 )
+from peerloom.adapters.transport import LANE_BULK, LANE_CONTROL, TransportError
 from tests.helpers import CLIENT, HOST, OTHER, SERVER
 
 SERVER_A, SERVER_B = SERVER, OTHER

@@ -27,13 +27,11 @@ from peerloom.adapters.tcp import (
     KIND_CREDIT,
     KIND_PING,
     KIND_START,
-    LANE_BULK,
-    ConnectionClosed,
     SecureConnection,
-    TransportError,
     connect,
     encode_frames,
 )
+from peerloom.adapters.transport import LANE_BULK, ConnectionClosed, TransportError
 from peerloom.core.identity import Identity, public_key_protobuf
 from tests.helpers import CLIENT, HOST, OTHER, SERVER, collect_errors, raw_send, run_with_server, wait_for
 

@@ -263,7 +263,7 @@ def test_diloco_cluster_commits_outer_state_and_validators_agree(tmp_path, workl
 def test_metrics_must_match_including_nan_and_infinity():
     """A plain |a - b| > tol test passes whenever either side is NaN; claimed metrics must match ours
     exactly in kind (NaN for NaN, the same infinity) and within METRIC_TOLERANCE otherwise."""
-    from peerloom.core.validator import METRIC_TOLERANCE, metrics_match
+    from peerloom.core.screening import METRIC_TOLERANCE, metrics_match
 
     nan, inf = float("nan"), float("inf")
     assert metrics_match({"test_loss": 0.5}, {"test_loss": 0.5 + METRIC_TOLERANCE / 2})

@@ -8,12 +8,13 @@ import attrs
 import pytest
 
 from peerloom.backends.registry import build_workload
+from peerloom.core.admission import join_priority
 from peerloom.core.encoding import decode, encode
 from peerloom.core.errors import DecodeError, VerificationError
 from peerloom.core.identity import Identity
-from peerloom.core.leases import leases_of, rank_shards, unproven_cap
+from peerloom.core.leases import leases_of, next_unproven, rank_shards, undelivered, unproven_cap
 from peerloom.core.objects import Head, JoinRequest, Manifest, seal
-from peerloom.core.validator import ValidatorRole, join_priority, next_unproven, undelivered
+from peerloom.core.validator import ValidatorRole
 from peerloom.sim.adversary import make_behaviour
 from peerloom.sim.scenario import load_scenario, run_scenario
 from peerloom.verify import check_rules

@@ -13,6 +13,7 @@ import trio
 
 from peerloom.adapters import tcp
 from peerloom.adapters.noise import frame
+from peerloom.adapters.transport import LANE_CONTROL, TransportError
 from tests.live_attacks import PING, attacker, certified, honest_hello, write_plaintexts
 from tests.node_cluster import make_fleet
 
@@ -34,7 +35,7 @@ async def ping_flood_then_garbage(port: int) -> None:
 async def unknown_frame_kind(port: int) -> None:
     """A correctly encrypted frame of kind 15."""
     conn = await attacker(port)
-    await write_plaintexts(conn, [bytes([15 << 4 | tcp.LANE_CONTROL]) + b"\x00" * 8])
+    await write_plaintexts(conn, [bytes([15 << 4 | LANE_CONTROL]) + b"\x00" * 8])
     await trio.sleep(0.5)
     await conn._stream.aclose()
 
@@ -42,7 +43,7 @@ async def unknown_frame_kind(port: int) -> None:
 async def bad_credit_then_flood(port: int) -> None:
     """A CREDIT that overflows the window, written behind a PING flood."""
     conn = await attacker(port)
-    credit = bytes([tcp.KIND_CREDIT << 4 | tcp.LANE_CONTROL]) + (2**32 - 1).to_bytes(4, "big")
+    credit = bytes([tcp.KIND_CREDIT << 4 | LANE_CONTROL]) + (2**32 - 1).to_bytes(4, "big")
     with trio.move_on_after(10):
         await write_plaintexts(conn, [PING + os.urandom(8) for _ in range(5000)] + [credit, credit])
     await trio.sleep(0.5)
@@ -119,7 +120,7 @@ async def http_noise_attacks(port: int) -> None:
         try:
             conn = await _http_attacker(port)
             if attack == "unknown-kind":
-                await write_plaintexts(conn, [bytes([15 << 4 | tcp.LANE_CONTROL]) + b"\x00" * 8])
+                await write_plaintexts(conn, [bytes([15 << 4 | LANE_CONTROL]) + b"\x00" * 8])
             elif attack == "garbage":
                 for body in (os.urandom(200), b"\x82\x0f\x40"):
                     await conn.send_message(body)
@@ -130,7 +131,7 @@ async def http_noise_attacks(port: int) -> None:
                     await conn._stream.send_all(frame(os.urandom(64)))
             await trio.sleep(0.3)
             await conn.aclose()
-        except (tcp.TransportError, trio.BrokenResourceError, trio.ClosedResourceError):
+        except (TransportError, trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the node ending the connection is the expected outcome
 
 

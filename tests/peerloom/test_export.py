@@ -21,7 +21,7 @@ from peerloom.adapters.storage import ArtifactStore
 from peerloom.backends.numpy.tensors import tensor_digest, to_safetensors
 from peerloom.backends.registry import build_workload
 from peerloom.core.chain import decode_chain_entry, encode_chain_entry
-from peerloom.core.engine import HEAD_RECORD, chain_key
+from peerloom.core.chainsync import HEAD_RECORD, chain_key
 from peerloom.core.errors import PeerloomError, VerificationError
 from peerloom.core.objects import make_artifact_ref
 from peerloom.export import METADATA_KEYS, ExportError, ParamsMismatchError, export_head, load_head

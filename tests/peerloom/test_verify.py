@@ -9,7 +9,7 @@ import pytest
 
 from peerloom.adapters.storage import ArtifactStore
 from peerloom.core.chain import encode_chain_entry
-from peerloom.core.engine import HEAD_RECORD, chain_key
+from peerloom.core.chainsync import HEAD_RECORD, chain_key
 from peerloom.node import fill_chain_dir
 from peerloom.verify import run_verify
 from tests.helpers import certify, child, ident, make_revision
