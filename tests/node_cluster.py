@@ -207,3 +207,47 @@ def wait_until(cond, timeout_s: float, what: str, nodes) -> None:
                 raise AssertionError(f"{node.name} exited: {(node.directory / 'node.log').read_text()[-3000:]}")
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def peerloom(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
+    """`python -m peerloom ARGS` in a new process, its output captured as text."""
+    return subprocess.run([sys.executable, "-m", "peerloom", *args], capture_output=True, text=True,
+                          timeout=timeout_s)
+
+
+def run_fleet_until(nodes: list, done, timeout_s: float) -> None:
+    """Start every node, wait for their ports, poll `done()` until it holds (failing with the nodes' log
+    tails after `timeout_s`, or at once with the log of a node that exited), then stop them all."""
+    try:
+        for node in nodes:
+            node.start()
+        for node in nodes:
+            node.wait_port()
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            assert time.monotonic() < deadline, [n.directory.joinpath("node.log").read_text()[-2000:] for n in nodes]
+            for node in nodes:
+                assert node.process is not None and node.process.poll() is None, \
+                    node.directory.joinpath("node.log").read_text()[-3000:]
+            time.sleep(0.2)
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def chain_windows(node) -> list[int]:
+    """The windows (genesis left out) whose certified heads `node` has written to its chain directory."""
+    return sorted(int(p.stem) for p in (node.directory / "store" / "chain").glob("[0-9]*.cbor") if int(p.stem) > 0)
+
+
+def check_chain(validator, windows: int) -> None:
+    """`validator`'s store verifies (`peerloom verify`), reaches `windows` certified windows, and some window
+    certified a trainer's update."""
+    from peerloom.verify import run_verify
+
+    lines: list[str] = []
+    assert run_verify(validator.directory / "store", echo=lines.append) == 0, lines
+    entries = [decode_chain_entry(p.read_bytes()) for p in sorted((validator.directory / "store" / "chain")
+                                                                   .glob("[0-9]*.cbor"))]
+    assert max(h.window for h, _ in entries) >= windows
+    assert any(h.cohort for h, _ in entries), "no window certified any trainer's update"

@@ -6,7 +6,6 @@ alive, serves an honest newcomer (handshake and Hello), and the fleet still cert
 """
 
 import os
-import time
 
 import pytest
 import trio
@@ -14,7 +13,7 @@ import trio
 from peerloom.adapters import tcp
 from peerloom.adapters.noise import frame
 from peerloom.adapters.transport import LANE_CONTROL, TransportError
-from tests.live_attacks import PING, attacker, certified, honest_hello, write_plaintexts
+from tests.live_attacks import PING, attacker, certified, honest_hello, wait_certified, write_plaintexts
 from tests.node_cluster import make_fleet
 
 pytestmark = pytest.mark.slow
@@ -69,21 +68,14 @@ def test_no_attack_ends_any_node_process_and_windows_go_on(tmp_path):
             node.start()
         ports = [node.wait_port() for node in nodes]
         validator = nodes[0]
-        start = time.monotonic()
-        while certified(validator) < 1 and time.monotonic() - start < 60:
-            time.sleep(0.1)
-        assert certified(validator) >= 1, validator.events()[-5:]
+        assert wait_certified(validator, 1, 60), validator.events()[-5:]
         for attack in ATTACKS:
             for node, port in zip(nodes, ports, strict=True):  # validator, and both trainers
                 trio.run(attack, port)
                 assert node.process.poll() is None, f"{attack.__name__} ended {node.name}: " + \
                     (node.directory / "node.log").read_text()[-2000:]
                 trio.run(honest_hello, port)
-        before = certified(validator)
-        start = time.monotonic()
-        while certified(validator) < before + 2 and time.monotonic() - start < 60:
-            time.sleep(0.1)
-        assert certified(validator) >= before + 2, "windows stopped after the attacks"
+        assert wait_certified(validator, certified(validator) + 2, 60), "windows stopped after the attacks"
         assert all(node.process.poll() is None for node in nodes)
         errors = {e["reason"] for e in validator.events() if e["event"] == "connection-error"}
         assert {"decrypt-failed", "bad-frame"} <= errors, errors  # logged with a typed reason
@@ -189,10 +181,7 @@ def test_no_attack_on_the_http_transport_or_the_relay_ends_the_node(tmp_path):
         port = validator.wait_port()
         for node in nodes[1:]:
             node.wait_port()
-        start = time.monotonic()
-        while certified(validator) < 1 and time.monotonic() - start < 60:
-            time.sleep(0.1)
-        assert certified(validator) >= 1, validator.events()[-5:]
+        assert wait_certified(validator, 1, 60), validator.events()[-5:]
         for name, run in (("http-noise", lambda: trio.run(http_noise_attacks, http_port)),
                           ("raw-websocket", lambda: raw_websocket_garbage(http_port)),
                           ("relay", lambda: trio.run(relay_garbage, relay_port))):
@@ -200,11 +189,7 @@ def test_no_attack_on_the_http_transport_or_the_relay_ends_the_node(tmp_path):
             assert validator.process.poll() is None, f"{name} ended the validator: " + \
                 (validator.directory / "node.log").read_text()[-2000:]
             trio.run(honest_hello, port)
-        before = certified(validator)
-        start = time.monotonic()
-        while certified(validator) < before + 2 and time.monotonic() - start < 60:
-            time.sleep(0.1)
-        assert certified(validator) >= before + 2, "windows stopped after the attacks"
+        assert wait_certified(validator, certified(validator) + 2, 60), "windows stopped after the attacks"
         assert all(node.process.poll() is None for node in nodes)
         errors = {e["reason"] for e in validator.events() if e["event"] == "connection-error"}
         assert errors & {"bad-frame", "decrypt-failed"}, errors  # the HTTP transport's faults are typed too
