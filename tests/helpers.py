@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from peerloom.adapters.noise import frame
-from peerloom.adapters.tcp import SecureConnection, serve
+from peerloom.adapters.tcp import LANE_WINDOW, SecureConnection, serve
 from peerloom.adapters.transport import LANE_BULK, LANE_CONTROL, TransportError
 from peerloom.core.identity import Identity
 from peerloom.core.objects import PRECOMMIT, Head, Manifest, QuorumCertificate, Revision, make_artifact_ref, sign_vote
@@ -118,3 +118,59 @@ def run_with_server(body: Callable[[int], Awaitable[None]], handler: Handler = e
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+class StalledBulk:
+    """A bulk lane stalled by flow control (spec/transport.md §11): `handler` (the far end) echoes control
+    messages at once but reads no bulk until `stall` (the near end) has sent `count` bulk messages of `size`
+    bytes, seen its credit spent and control flowing both ways meanwhile; then it reads them all and answers
+    b"all". With `measure_queue` the handler records the most bulk bytes its connection queued."""
+
+    def __init__(self, size: int, count: int, *, measure_queue: bool = False) -> None:
+        self.size, self.count, self.measure_queue = size, count, measure_queue
+        self.release = trio.Event()
+        self.received: list[bytes] = []
+        self.peak_queued = 0
+
+    async def handler(self, conn) -> None:
+        async def control() -> None:
+            while True:
+                await conn.send_message(await conn.receive_message(LANE_CONTROL), lane=LANE_CONTROL)
+
+        async def bulk() -> None:
+            await self.release.wait()  # the application reads no bulk until released
+            while len(self.received) < self.count:
+                if self.measure_queue:
+                    self.peak_queued = max(self.peak_queued, conn.queued_bytes(LANE_BULK))
+                self.received.append(await conn.receive_message(LANE_BULK))
+            await conn.send_message(b"all", lane=LANE_CONTROL)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(control)
+                nursery.start_soon(bulk)
+        except* TransportError:
+            pass
+
+    async def stall(self, conn, credit: Callable[[], int], rounds: int) -> None:
+        """Send the bulk from `conn` until `credit()` (its bulk send credit) is spent, exchange `rounds`
+        control messages, check the sender stalled, release the far end and check everything arrived."""
+        sent = [0]
+
+        async def send_bulk() -> None:
+            for i in range(self.count):
+                await conn.send_message(bytes([i]) * self.size, lane=LANE_BULK)
+                sent[0] += 1
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send_bulk)
+            with trio.fail_after(10):
+                while credit() > 0 or sent[0] == 0:  # the sender has spent its credit
+                    await trio.sleep(0.01)
+            for i in range(rounds):  # control keeps flowing both ways while bulk is stalled
+                await conn.send_message(str(i).encode(), lane=LANE_CONTROL)
+                assert await conn.receive_message(LANE_CONTROL) == str(i).encode()
+            assert sent[0] <= LANE_WINDOW // self.size + 1 < self.count  # stalled by flow control, not finished
+            self.release.set()
+        assert await conn.receive_message(LANE_CONTROL) == b"all"
+        assert self.received == [bytes([i]) * self.size for i in range(self.count)]
