@@ -251,3 +251,24 @@ def check_chain(validator, windows: int) -> None:
                                                                    .glob("[0-9]*.cbor"))]
     assert max(h.window for h, _ in entries) >= windows
     assert any(h.cohort for h, _ in entries), "no window certified any trainer's update"
+
+
+def run_runtimes_until(runtimes: list, done, timeout_s: float) -> None:
+    """Run in-process `NodeRuntime`s in one trio run until `done()` holds (a TooSlowError after
+    `timeout_s`), then cancel them and close each."""
+    import trio
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            for runtime in runtimes:
+                await nursery.start(runtime.run)
+            with trio.fail_after(timeout_s):
+                while not done():
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        for runtime in runtimes:
+            runtime.close()

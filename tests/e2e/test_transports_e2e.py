@@ -11,11 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import trio
 
 from peerloom.adapters.memory import MemoryNetwork
 from peerloom.node import build_runtime, load_config
-from tests.node_cluster import Node, chain_windows, check_chain, make_fleet, run_fleet_until
+from tests.node_cluster import Node, chain_windows, check_chain, make_fleet, run_fleet_until, run_runtimes_until
 
 WINDOWS = 3  # certified windows each run must reach
 
@@ -50,24 +49,10 @@ def run_processes(nodes: list[Node]) -> None:
 def run_in_process(nodes: list[Node]) -> None:
     network = MemoryNetwork()
     runtimes = [build_runtime(load_config(n.config_path), memory_network=network) for n in nodes]
-
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            for runtime in runtimes:
-                await nursery.start(runtime.run)
-            with trio.fail_after(90):
-                while min(r.engine.head.window for r in runtimes if "validator" in r.engine.config.roles) < WINDOWS:
-                    await trio.sleep(0.1)
-                # the last head reaches the chain directory once durable: give the validators a moment
-                while min(len(chain_windows(n)) for n in nodes if n.role == "validator") < WINDOWS:
-                    await trio.sleep(0.05)
-            nursery.cancel_scope.cancel()
-
-    try:
-        trio.run(main)
-    finally:
-        for runtime in runtimes:
-            runtime.close()
+    # the last head reaches the chain directory once durable: the validators' chain files are waited for too
+    run_runtimes_until(
+        runtimes, lambda: min(r.engine.head.window for r in runtimes if "validator" in r.engine.config.roles)
+        >= WINDOWS and min(len(chain_windows(n)) for n in nodes if n.role == "validator") >= WINDOWS, 90)
 
 
 @pytest.mark.slow
