@@ -14,7 +14,7 @@ from peerloom.backends.numpy.tensors import tensor_digest
 from peerloom.backends.registry import build_workload
 from peerloom.node import ConfigError, build_runtime, load_config, place_workload
 from peerloom.workloads import DeviceError, resolve_device, shards_for, torch_workload
-from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
+from tests.engine_cluster import N_SHARDS, SEED, build, head_window
 from tests.helpers import make_revision, node_config
 
 

@@ -19,7 +19,7 @@ from peerloom.backends.numpy.tensors import schema_of, tensor_digest
 from peerloom.core.leases import leases_of
 from peerloom.node import build_node_workload, load_config
 from peerloom.workloads import NumpyWorkload, TorchWorkload, numpy_workload, shards_for, torch_workload
-from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
+from tests.engine_cluster import N_SHARDS, SEED, build, head_window
 from tests.helpers import node_config
 
 CLASSES = 4

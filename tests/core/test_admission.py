@@ -19,7 +19,7 @@ from peerloom.core.objects import (
     seal,
 )
 from peerloom.core.validator import ValidatorRole
-from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
+from tests.engine_cluster import N_SHARDS, SEED, build, head_window
 from tests.helpers import ident, make_revision
 
 AUTHORITY = ident(97)

@@ -13,7 +13,7 @@ from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.messages import Signed, decode_message, encode_message
 from peerloom.core.objects import PREVOTE, ReductionProposal, seal, sign_vote
 from peerloom.core.validator import proposer_of
-from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
+from tests.engine_cluster import N_SHARDS, SEED, build, head_window
 from tests.helpers import ident
 
 VALIDATORS = ["validator", "v1", "v2", "v3"]

@@ -12,7 +12,7 @@ from peerloom.core.errors import VerificationError
 from peerloom.core.objects import AdmissionCertificate, JoinRequest, seal
 from peerloom.core.validator import ValidatorRole
 from tests.core.test_admission import AUTHORITY
-from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
+from tests.engine_cluster import N_SHARDS, SEED, build, head_window
 from tests.helpers import ident
 
 

@@ -16,7 +16,7 @@ from peerloom.core.audit import train_seed
 from peerloom.core.chain import verify_chain
 from peerloom.core.errors import DecodeError
 from peerloom.core.objects import CODECS, Manifest
-from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
+from tests.engine_cluster import N_SHARDS, SEED, build, head_window
 from tests.helpers import ident, make_revision
 
 

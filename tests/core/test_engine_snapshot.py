@@ -10,7 +10,7 @@ from peerloom.core import events as ev
 from peerloom.core.encoding import decode
 from peerloom.core.engine import Engine, EngineConfig
 from peerloom.core.errors import DecodeError, LocalProtocolError
-from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
+from tests.engine_cluster import N_SHARDS, SEED, build, head_window
 from tests.helpers import make_revision
 
 

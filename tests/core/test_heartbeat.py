@@ -18,7 +18,7 @@ from peerloom.core.objects import Head, Heartbeat, Manifest, Revision, seal
 from peerloom.core.trainer import TrainerRole
 from peerloom.core.validator import ValidatorRole
 from peerloom.verify import check_rules
-from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
+from tests.engine_cluster import N_SHARDS, SEED, build, head_window
 from tests.helpers import ident
 
 VALIDATORS = ("validator", "v1", "v2", "v3")

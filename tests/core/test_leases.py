@@ -6,7 +6,7 @@ import pytest
 
 from peerloom.backends.registry import build_workload
 from peerloom.core.leases import claims_of, lease_weight, leases_of
-from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
+from tests.engine_cluster import N_SHARDS, SEED, build, head_window
 
 
 @pytest.fixture(scope="module")

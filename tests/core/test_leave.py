@@ -16,7 +16,7 @@ from peerloom.core.messages import Signed, encode_message
 from peerloom.core.objects import Head, LeaveRequest, seal
 from peerloom.core.validator import ValidatorRole
 from peerloom.verify import check_rules
-from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
+from tests.engine_cluster import N_SHARDS, SEED, build, head_window
 from tests.helpers import ident
 
 

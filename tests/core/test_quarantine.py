@@ -15,7 +15,7 @@ from peerloom.core.errors import VerificationError
 from peerloom.core.messages import Signed, encode_message
 from peerloom.core.objects import PRECOMMIT, PREVOTE, Head, Manifest, sign_vote
 from peerloom.core.quarantine import check_evidence, make_evidence, next_records
-from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
+from tests.engine_cluster import N_SHARDS, SEED, build, head_window
 from tests.helpers import ident, make_revision
 
 SCHEMA = (("a", "float32", (3,)), ("b", "float32", (2, 2)))

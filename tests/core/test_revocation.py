@@ -23,7 +23,7 @@ from peerloom.core.objects import (
 from peerloom.core.validator import ValidatorRole
 from peerloom.verify import check_rules
 from tests.core.test_admission import AUTHORITY, certificate, digits  # noqa: F401 (fixture)
-from tests.core.test_engine_pair import build, head_window
+from tests.engine_cluster import build, head_window
 from tests.helpers import ident, make_revision
 
 

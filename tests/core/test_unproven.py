@@ -18,7 +18,7 @@ from peerloom.core.validator import ValidatorRole
 from peerloom.sim.adversary import make_behaviour
 from peerloom.sim.scenario import load_scenario, run_scenario
 from peerloom.verify import check_rules
-from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
+from tests.engine_cluster import N_SHARDS, SEED, build, head_window
 from tests.helpers import ident, make_revision
 
 PROVEN = [(ident(10 + i).peer_id, 1) for i in range(2)]
