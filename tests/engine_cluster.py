@@ -4,6 +4,7 @@ other tests that run whole windows."""
 
 from pathlib import Path
 
+import attrs
 import pytest
 
 from peerloom.backends.numpy.tensors import tensor_digest, to_safetensors
@@ -62,6 +63,23 @@ def build(tmp_path: Path, workload, *, trainers=2, min_updates=1, window_s=5.0, 
         for other in names[j + 1:]:
             cluster.connect(name, other)
     return cluster
+
+
+def build_until(window: int, tmp_path: Path, workload, *, max_time: float = 60.0, **options):
+    """`build(tmp_path, workload, **options)`, run until the validator certified `window` (asserted, within
+    `max_time` virtual seconds)."""
+    cluster = build(tmp_path, workload, **options)
+    assert cluster.run_until(lambda c: head_window(c) >= window, max_time=max_time)
+    return cluster
+
+
+def first_head_without(cluster, trainer: str = "t0"):
+    """The validator's first two certified (head, certificate) pairs, `trainer`'s peer id, and the first head
+    with that peer taken out of its roster (nothing records why: a chain check must ask)."""
+    chain = [(h, c) for _, h, c in cluster.nodes["validator"].heads][:2]
+    peer = cluster.nodes[trainer].identity.peer_id
+    first = chain[0][0]
+    return chain, peer, attrs.evolve(first, roster=tuple(x for x in first.roster if x[0] != peer))
 
 
 def _schema(params):

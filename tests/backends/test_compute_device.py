@@ -14,7 +14,7 @@ from peerloom.backends.numpy.tensors import tensor_digest
 from peerloom.backends.registry import build_workload
 from peerloom.node import ConfigError, build_runtime, load_config, place_workload
 from peerloom.workloads import DeviceError, resolve_device, shards_for, torch_workload
-from tests.engine_cluster import N_SHARDS, SEED, build, head_window
+from tests.engine_cluster import N_SHARDS, SEED, build, build_until, head_window
 from tests.helpers import make_revision, node_config
 
 
@@ -46,8 +46,7 @@ def test_compute_torch_and_numpy_certify_the_same_heads(tmp_path, digits, monkey
 
 def test_a_fleet_may_mix_compute_backends(tmp_path, digits):
     """A torch validator confirms a numpy reducer's proposals (and the reverse would fail on any byte)."""
-    cluster = build(tmp_path, digits, trainers=2, rule="median", compute=["torch", "numpy"])
-    assert cluster.run_until(lambda c: head_window(c) >= 2, max_time=60.0)
+    cluster = build_until(2, tmp_path, digits, trainers=2, rule="median", compute=["torch", "numpy"])
     engine = cluster.nodes["validator"].engine
     assert engine.stats["proposals_confirmed"] >= 1
     assert engine.rejected_by_reason.get("proposal-mismatch", 0) == 0

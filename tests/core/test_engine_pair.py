@@ -16,7 +16,7 @@ from peerloom.core.errors import LocalProtocolError
 from peerloom.core.leases import leases_of
 from peerloom.core.messages import Signed, encode_message
 from peerloom.core.objects import UpdateAnnouncement, seal
-from tests.engine_cluster import build, head_window
+from tests.engine_cluster import build, build_until, head_window
 from tests.engine_cluster import workload as workload  # the fixture
 
 
@@ -44,15 +44,13 @@ def test_pair_certifies_three_windows_and_chain_verifies(tmp_path, workload):
 def test_same_seed_same_heads(tmp_path, workload):
     ids = []
     for run in ("a", "b"):
-        cluster = build(tmp_path / run, workload)
-        assert cluster.run_until(lambda c: head_window(c) >= 2, max_time=60.0)
+        cluster = build_until(2, tmp_path / run, workload)
         ids.append([h.id for _, h, _ in cluster.nodes["validator"].heads])
     assert ids[0] == ids[1]
 
 
 def test_crashed_trainer_window_closes_on_deadline(tmp_path, workload):
-    cluster = build(tmp_path, workload, trainers=3, min_updates=1, window_s=5.0)
-    assert cluster.run_until(lambda c: head_window(c) >= 1, max_time=60.0)
+    cluster = build_until(1, tmp_path, workload, trainers=3, min_updates=1, window_s=5.0)
     t_crash = cluster.now
     cluster.crash("t0")
     assert cluster.run_until(lambda c: head_window(c) >= 3, max_time=t_crash + 60.0)
@@ -67,16 +65,14 @@ def test_crashed_trainer_window_closes_on_deadline(tmp_path, workload):
 
 
 def test_too_few_updates_skips_window_loudly(tmp_path, workload):
-    cluster = build(tmp_path, workload, trainers=2, min_updates=3, window_s=2.0)
-    assert cluster.run_until(lambda c: head_window(c) >= 1, max_time=30.0)
+    cluster = build_until(1, tmp_path, workload, trainers=2, min_updates=3, window_s=2.0, max_time=30.0)
     head = cluster.nodes["validator"].engine.head
     assert head.skipped and head.cohort == () and head.params == cluster.revision.genesis().params
     assert any(e == "window-skipped" for _, _, e, _ in cluster.logs)
 
 
 def test_update_with_wrong_lease_is_rejected_and_charged(tmp_path, workload):
-    cluster = build(tmp_path, workload, trainers=2)
-    assert cluster.run_until(lambda c: head_window(c) >= 1, max_time=60.0)
+    cluster = build_until(1, tmp_path, workload, trainers=2)
     v = cluster.nodes["validator"].engine
     t0 = cluster.nodes["t0"]
     head = v.head
@@ -107,8 +103,7 @@ def test_engine_refuses_misuse(tmp_path, workload):
 
 @pytest.mark.parametrize("rule", ["median", "trimmed_mean", "centered_clip"])
 def test_robust_rules_certify_and_learn(tmp_path, workload, rule):
-    cluster = build(tmp_path, workload, trainers=3, rule=rule)
-    assert cluster.run_until(lambda c: head_window(c) >= 3, max_time=60.0)
+    cluster = build_until(3, tmp_path, workload, trainers=3, rule=rule)
     heads = [h for _, h, _ in cluster.nodes["validator"].heads]
     assert all(not h.skipped for h in heads[:3])
     assert heads[2].metrics["test_accuracy"] > 0.5

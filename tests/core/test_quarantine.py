@@ -15,7 +15,7 @@ from peerloom.core.errors import VerificationError
 from peerloom.core.messages import Signed, encode_message
 from peerloom.core.objects import PRECOMMIT, PREVOTE, Head, Manifest, sign_vote
 from peerloom.core.quarantine import check_evidence, make_evidence, next_records
-from tests.engine_cluster import N_SHARDS, SEED, build, head_window
+from tests.engine_cluster import N_SHARDS, SEED, build, build_until, head_window
 from tests.helpers import ident, make_revision
 
 SCHEMA = (("a", "float32", (3,)), ("b", "float32", (2, 2)))
@@ -219,8 +219,7 @@ def test_scaling_attacker_is_screened_struck_and_quarantined(tmp_path, workload)
 
 
 def test_equivocating_validator_is_quarantined_by_evidence_in_a_head(tmp_path, workload):
-    cluster = build(tmp_path, workload, trainers=2, validators=4, quorum=3)
-    assert cluster.run_until(lambda c: head_window(c) >= 1, max_time=120.0)
+    cluster = build_until(1, tmp_path, workload, trainers=2, validators=4, quorum=3, max_time=120.0)
     byzantine = cluster.nodes["v3"]
     bad = byzantine.identity.peer_id
     window = cluster.nodes["validator"].engine.head.window + 1

@@ -18,7 +18,7 @@ from peerloom.core.validator import ValidatorRole
 from peerloom.sim.adversary import make_behaviour
 from peerloom.sim.scenario import load_scenario, run_scenario
 from peerloom.verify import check_rules
-from tests.engine_cluster import N_SHARDS, SEED, build, head_window
+from tests.engine_cluster import N_SHARDS, SEED, build_until
 from tests.helpers import ident, make_revision
 
 PROVEN = [(ident(10 + i).peer_id, 1) for i in range(2)]
@@ -181,8 +181,7 @@ def test_a_join_flood_keeps_the_same_joins_whatever_their_order(tmp_path):
     """The backlog keeps the joins first by `join_priority`, so honest validators that hear the same flood
     in different orders hold (and propose) the same joiners; the flood cannot grow their state."""
     workload = build_workload("digits-mlp", SEED, N_SHARDS)
-    cluster = build(tmp_path, workload, trainers=2)
-    assert cluster.run_until(lambda c: head_window(c) >= 1, max_time=60.0)
+    cluster = build_until(1, tmp_path, workload, trainers=2)
     role = next(r for r in cluster.nodes["validator"].engine.roles if isinstance(r, ValidatorRole))
     flood = [Identity(os.urandom(32)) for _ in range(200)]
     window = role.window
@@ -210,8 +209,8 @@ def test_a_join_without_admission_evicts_no_admitted_join(tmp_path):
     from tests.core.test_admission import AUTHORITY, certificate
 
     workload = build_workload("digits-mlp", SEED, N_SHARDS)
-    cluster = build(tmp_path, workload, trainers=2, admission="certificate", admission_authority=AUTHORITY.peer_id)
-    assert cluster.run_until(lambda c: head_window(c) >= 1, max_time=60.0)
+    cluster = build_until(1, tmp_path, workload, trainers=2, admission="certificate",
+                          admission_authority=AUTHORITY.peer_id)
     role = next(r for r in cluster.nodes["validator"].engine.roles if isinstance(r, ValidatorRole))
     revision, window = cluster.revision, role.window
     admitted = [Identity(os.urandom(32)) for _ in range(64)]
