@@ -28,7 +28,7 @@ import attrs
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.errors import DecodeError, VerificationError
 from peerloom.core.identity import PeerId
-from peerloom.core.leases import lease_window, leases_of
+from peerloom.core.leases import lease_fault, lease_window, leases_of
 from peerloom.core.objects import (
     PROTOCOL_VERSION,
     AdmissionRevocation,
@@ -195,17 +195,20 @@ class EdgeView(Protocol):
         ...
 
 
+# A submission that passed `check_submission`: its envelope and the object it signs.
+Checked = tuple[SignedEnvelope, JoinRequest | UpdateAnnouncement | AdmissionRevocation]
+
+
 def check_submission(revision: Revision, head: Head, envelope: bytes, artifact: bytes | None, *,
-                     leases: Mapping[PeerId, tuple[int, ...]] | None = None,
-                     ) -> tuple[SignedEnvelope, JoinRequest | UpdateAnnouncement | AdmissionRevocation]:
+                     leases: Mapping[PeerId, tuple[int, ...]] | None = None) -> Checked:
     """Verify a submission the way the node's collector does, against the latest certified `head`.
 
     Joins: signature and revision. Revocations: the admission authority's, for this revision
     (``bad-revocation``; spec/auth.md §6). Updates: signature, revision, window and base (``wrong-base``), a lease
     in the window after `head` (``no-lease``; quarantined peers hold none), the leased shards
-    (``bad-lease``), and `artifact` matching the announced delta (``bad-artifact``). `leases` is the lease
-    table of the window after `head` when the caller has it cached. Raises DecodeError or VerificationError
-    with the collector's reason codes (core/collector.py).
+    (``bad-lease``; the collector's own rule, `core.leases.lease_fault`), and `artifact` matching the announced
+    delta (``bad-artifact``). `leases` is the lease table of the window after `head` when the caller has it
+    cached. Raises DecodeError or VerificationError with the collector's reason codes (core/collector.py).
     """
     env = SignedEnvelope.from_bytes(envelope)
     if env.kind == JoinRequest.KIND:
@@ -216,15 +219,13 @@ def check_submission(revision: Revision, head: Head, envelope: bytes, artifact: 
     if env.kind == AdmissionRevocation.KIND:
         return env, check_revocation(env, revision.id, revision.manifest)
     ann = UpdateAnnouncement.from_cbor(env.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
-    shards = (leases if leases is not None else leases_of(head, revision.manifest)).get(env.signer, ())
     if ann.revision != revision.id:
         raise VerificationError("wrong-revision", "update")
     if ann.window != head.window + 1 or ann.base != head.id:
         raise VerificationError("wrong-base", f"window {ann.window}")
-    if not shards:
-        raise VerificationError("no-lease", str(env.signer))
-    if ann.shards != shards:
-        raise VerificationError("bad-lease", str(env.signer))
+    table = leases if leases is not None else leases_of(head, revision.manifest)
+    if fault := lease_fault(env.signer, ann.shards, table):
+        raise VerificationError(fault, str(env.signer))
     if artifact is None or len(artifact) != ann.delta.size or \
             make_artifact_ref(artifact, ann.delta.chunk_size) != ann.delta:
         raise VerificationError("bad-artifact", "delta bytes do not match the announcement")
@@ -336,6 +337,15 @@ class ChainIndex:
                 self._leases = cached
         return head, cached[1]
 
+    def check_submission(self, revision: Revision, envelope: bytes, artifact: bytes | None) -> Checked | SubmitResult:
+        """`check_submission` against the latest certified head and its cached lease table: the envelope and
+        its object, or the refusal (`SubmitResult` with the reason) that every view's `submit` returns."""
+        try:
+            head, table = self.lease_table(revision)
+            return check_submission(revision, head, envelope, artifact, leases=table)
+        except (DecodeError, VerificationError) as exc:
+            return SubmitResult(accepted=False, reason=exc.reason)
+
     def lease_info(self, revision: Revision, peer: PeerId) -> LeaseInfo:
         """`peer`'s leases in the window after the latest head (empty if it holds none)."""
         head, table = self.lease_table(revision)
@@ -399,12 +409,8 @@ class NodeEdgeView(ChainIndex, ViewIdentity):
         return self.lease_info(self._revision, peer)
 
     def submit(self, envelope: bytes, artifact: bytes | None) -> SubmitResult:
-        try:
-            head, table = self.lease_table(self._revision)
-            env, _ = check_submission(self._revision, head, envelope, artifact, leases=table)
-        except (DecodeError, VerificationError) as exc:
-            return SubmitResult(accepted=False, reason=exc.reason)
-        return self._relay(env, artifact)
+        checked = self.check_submission(self._revision, envelope, artifact)
+        return checked if isinstance(checked, SubmitResult) else self._relay(checked[0], artifact)
 
     def peers(self) -> Sequence[PeerInfo]:
         return list(self._peers())

@@ -35,7 +35,7 @@ from peerloom.core.identity import Identity, PeerId
 from peerloom.core.messages import format_peer_address, parse_peer_address
 
 from .tcp import DEFAULT_MAX_MESSAGE_BYTES, Acceptor, SecureConnection, SecureOptions, secure_stream
-from .transport import ConnectionClosed, TransportError
+from .transport import TransportError
 
 log = logging.getLogger(__name__)
 
@@ -436,4 +436,4 @@ def _http_endpoint(address: str, *, listening: bool = False) -> tuple[str, int]:
     return host, port
 
 
-__all__ = ["HTTP_PATH", "MAX_WS_MESSAGE", "ConnectionClosed", "HttpTransport", "WebSocketStream"]
+__all__ = ["HTTP_PATH", "MAX_WS_MESSAGE", "HttpTransport", "WebSocketStream"]

@@ -62,7 +62,17 @@ from .peerstate import MAX_PEER_SERIES, MAX_SEEN_PEERS, BoundedLru, release_free
 from .relay import RelayServer, RelayTransport
 from .storage import ArtifactStore
 from .store_writer import CORRUPT, FAILED, STORED, Commit, Outcome, StoreWriter
-from .transport import Connection, Transport, canonical_address
+from .transport import (
+    LANE_BULK,
+    LANE_CONTROL,
+    PEER_FAULTS,
+    Connection,
+    Transport,
+    TransportError,
+    canonical_address,
+    fault_reason,
+    first_transport_error,
+)
 
 log = logging.getLogger("peerloom.runtime")
 engine_log = logging.getLogger("peerloom.engine")
@@ -156,8 +166,8 @@ class RuntimeOptions:
     # "memory://NAME" (needs `memory_network`); port 0 picks one. Empty: tcp on listen_host:listen_port.
     listen: tuple[str, ...] = ()
     dial_only: bool = False  # with `listen` empty: no listener at all; the node only dials (a light trainer)
-    # Addresses to dial and keep dialing: transport addresses, or (host, port) pairs meaning tcp.
-    bootstrap: tuple[str | tuple[str, int], ...] = ()
+    # Transport addresses to dial and keep dialing ("H:P" means tcp, as in `listen`).
+    bootstrap: tuple[str, ...] = ()
     memory_network: Any = None  # an adapters.memory.MemoryNetwork: dial and listen on memory:// addresses
     redial_s: float = 0.5  # base dial backoff (AddressBook: doubles per failure, with jitter)
     max_redial_s: float = 5.0  # cap: a restarted seed is found again within seconds
@@ -466,11 +476,10 @@ class NodeRuntime(Observer):
                 self.driver.start()
                 now = trio.current_time()
                 for address in self.options.bootstrap:
-                    text = _tcp_text(address) if isinstance(address, tuple) else address
-                    if self._transport_for(text) is not None:
-                        self.book.add(canonical_address(text), now=now)
+                    if self._transport_for(address) is not None:
+                        self.book.add(canonical_address(address), now=now)
                     else:
-                        log.warning("no transport for bootstrap address %s", text)
+                        log.warning("no transport for bootstrap address %s", address)
                 nursery.start_soon(self._dialer)
                 if self.options.mdns:
                     await trio.to_thread.run_sync(self._start_discovery)
@@ -801,8 +810,8 @@ class NodeRuntime(Observer):
         outbox = self._outboxes.get(peer)
         if outbox is None or outbox.full:
             return
-        lane = tcp.LANE_CONTROL if len(data) <= tcp.AUTO_CONTROL_MAX_BYTES else tcp.LANE_BULK
-        cap = self.options.max_control_outbox_bytes if lane == tcp.LANE_CONTROL else self.options.max_bulk_outbox_bytes
+        lane = LANE_CONTROL if len(data) <= tcp.AUTO_CONTROL_MAX_BYTES else LANE_BULK
+        cap = self.options.max_control_outbox_bytes if lane == LANE_CONTROL else self.options.max_bulk_outbox_bytes
         if outbox.queued[lane] + len(data) > cap:
             # The peer does not read fast enough (flow control holds our writer): drop it rather than queue more.
             outbox.full = True
@@ -810,7 +819,7 @@ class NodeRuntime(Observer):
             fields = {"peer": str(peer), "reason": "outbox-full", "lane": lane, "queued": outbox.queued[lane],
                       "cap": cap}
             log.warning("hanging up on %s: %s lane outbox over %d bytes (%d queued)", peer.short(),
-                        "control" if lane == tcp.LANE_CONTROL else "bulk", cap, outbox.queued[lane])
+                        "control" if lane == LANE_CONTROL else "bulk", cap, outbox.queued[lane])
             self._emit_line("hangup", fields)
             outbox.scope.cancel()
             return
@@ -854,12 +863,12 @@ class NodeRuntime(Observer):
         transport = self._transport_for(address)
         try:
             if transport is None:
-                raise tcp.TransportError("bad-address", f"no transport dials {address}")
+                raise TransportError("bad-address", f"no transport dials {address}")
             conn = await transport.dial(address, self.identity, max_message_bytes=self.options.max_message_bytes)
-        except (OSError, tcp.TransportError) as exc:
+        except (OSError, TransportError) as exc:
             log.debug("dial %s failed: %s", address, exc)
             # Only a failed handshake counts toward a ban; a refused connection (a peer still starting) never does.
-            handshake = isinstance(exc, tcp.TransportError) and exc.reason in HANDSHAKE_FAILURES
+            handshake = isinstance(exc, TransportError) and exc.reason in HANDSHAKE_FAILURES
             self.book.dial_failed(address, now=trio.current_time(), handshake=handshake)
             self._book_changed.set()
             return
@@ -947,8 +956,8 @@ class NodeRuntime(Observer):
                               bulk_in: trio.MemoryReceiveChannel[bytes]) -> None:
         """The reader loop here, one writer task per lane; returns when any of them stops."""
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._writer, conn, outbox, control_in, tcp.LANE_CONTROL, nursery.cancel_scope)
-            nursery.start_soon(self._writer, conn, outbox, bulk_in, tcp.LANE_BULK, nursery.cancel_scope)
+            nursery.start_soon(self._writer, conn, outbox, control_in, LANE_CONTROL, nursery.cancel_scope)
+            nursery.start_soon(self._writer, conn, outbox, bulk_in, LANE_BULK, nursery.cancel_scope)
             try:
                 first = True
                 while True:
@@ -959,8 +968,8 @@ class NodeRuntime(Observer):
                         first = False
                     self._inbox[peer] += len(data)
                     self._events.put(ev.MessageReceived(now=0.0, peer=peer, data=data), stranger=not outbox.admitted)
-            except tcp.TransportError as exc:
-                if tcp.fault_reason(exc) in tcp.PEER_FAULTS:
+            except TransportError as exc:
+                if fault_reason(exc) in PEER_FAULTS:
                     nursery.cancel_scope.cancel()
                     raise
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
@@ -987,12 +996,12 @@ class NodeRuntime(Observer):
 
     def _connection_failed(self, peer: PeerId, exc: Exception) -> None:
         """Log and count the failure that ended `peer`'s connection: a TransportError (found inside an
-        exception group too), charged to the peer when it is a peer fault (`tcp.PEER_FAULTS`), or any other
+        exception group too), charged to the peer when it is a peer fault (`PEER_FAULTS`), or any other
         exception: ``internal``, logged with its traceback and never charged to the peer (our own bug must
         not ban an honest peer)."""
-        transport = exc if isinstance(exc, tcp.TransportError) else \
-            tcp.first_transport_error(exc) if isinstance(exc, BaseExceptionGroup) else None
-        reason = tcp.fault_reason(transport) if transport is not None else "internal"
+        transport = exc if isinstance(exc, TransportError) else \
+            first_transport_error(exc) if isinstance(exc, BaseExceptionGroup) else None
+        reason = fault_reason(transport) if transport is not None else "internal"
         loud = self._may_log(f"connection-error/{reason}", peer)
         if transport is None:
             if loud:
@@ -1002,7 +1011,7 @@ class NodeRuntime(Observer):
         self.metrics.connection_errors.labels(reason).inc()
         if loud:
             self._emit_line("connection-error", {"peer": peer.to_text(), "reason": reason})
-        if transport is not None and reason in tcp.PEER_FAULTS:
+        if transport is not None and reason in PEER_FAULTS:
             if self.book.connection_failed(peer, now=trio.current_time()):
                 self._emit_line("peer-banned", {"peer": peer.to_text(), "reason": reason})
 
@@ -1012,7 +1021,7 @@ class NodeRuntime(Observer):
             async for data in channel:
                 await conn.send_message(data, lane=lane)  # waits while the peer's credit on `lane` is spent
                 outbox.queued[lane] -= len(data)
-        except (tcp.TransportError, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        except (TransportError, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             scope.cancel()
 
     # --- HTTP edge (EdgeView callables; called from the edge's thread unless noted) ------------------
@@ -1147,7 +1156,7 @@ class NodeRuntime(Observer):
 
 
 def _tcp_text(address: tuple[str, int]) -> str:
-    """"H:P" (or "[H6]:P") for a (host, port) pair: the legacy tcp address form."""
+    """"H:P" (or "[H6]:P") for a (host, port) pair: a tcp address."""
     host, port = address
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 

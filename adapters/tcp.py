@@ -19,7 +19,7 @@ Decoding is sans-IO (`FrameDecoder`, `MessageAssembler`) so it can be fuzzed byt
 adds the socket, the locks and the timers. `secure_stream` runs the handshake over any trio byte stream and
 `Acceptor` is the inbound side (caps, admission, containment), so the HTTP and in-memory transports reuse
 all of this (spec/transport.md §9-§11); `TcpTransport` is this module as an `adapters.transport.Transport`.
-The errors, lanes and `PEER_FAULTS` come from `adapters.transport` (re-exported here).
+The errors, lanes and `PEER_FAULTS` are `adapters.transport`'s: import them from there.
 
 Errors are `TransportError` with a stable ``reason``: ``connect-failed``, ``handshake-timeout``,
 ``message-too-large``, ``bad-frame`` (a frame breaking the rules of spec/transport.md §3), ``flow-control``
@@ -65,17 +65,13 @@ from .noise import (
 from .transport import (
     LANE_BULK,
     LANE_CONTROL,
-    PEER_FAULTS,
-    Connection,
     ConnectionClosed,
     TransportError,
-    fault_reason,
     first_transport_error,
 )
 
-__all__ = ["LANE_BULK", "LANE_CONTROL", "PEER_FAULTS", "Acceptor", "Connection", "ConnectionClosed", "FrameDecoder",
-           "FrameMessage", "MessageAssembler", "SecureConnection", "SecureOptions", "TcpTransport", "TransportError",
-           "connect", "encode_frames", "fault_reason", "first_transport_error", "secure_stream", "serve"]
+__all__ = ["Acceptor", "FrameDecoder", "FrameMessage", "MessageAssembler", "SecureConnection", "SecureOptions",
+           "TcpTransport", "connect", "encode_frames", "secure_stream", "serve"]
 
 log = logging.getLogger(__name__)
 

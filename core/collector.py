@@ -28,7 +28,7 @@ from .envelope import MAX_BODY_BYTES, SignedEnvelope
 from .errors import DecodeError, VerificationError
 from .fsm import Table, step
 from .identity import PeerId
-from .leases import claims_of, lease_weight, leases_of
+from .leases import claims_of, lease_fault, lease_weight, leases_of
 from .objects import PROTOCOL_VERSION, ArtifactRef, Head, Manifest, UpdateAnnouncement
 from .pending import Done, Failed, Outcome
 from .privacy import budget_fault
@@ -259,10 +259,8 @@ class Collector:
             e.reject(sender, "quarantined")
         elif fault := budget_fault(e.manifest, self.head, author, ann.privacy_steps, e.config.accountant):
             e.reject(sender, fault)  # spec/protocol.md §10: no spend declared, or past the author's budget
-        elif ann.claim is None and author not in self.leases:
-            e.reject(sender, "no-lease")
-        elif ann.claim is None and ann.shards != self.leases[author]:
-            e.reject(sender, "bad-lease")
+        elif ann.claim is None and (no_lease := lease_fault(author, ann.shards, self.leases)):
+            e.reject(sender, no_lease)
         elif ann.claim is not None and self.claims.get(author, {}).get(ann.claim) != ann.shards:
             e.reject(sender, "bad-claim")
         elif ann.claim is not None and not (self.claims_open or force):

@@ -153,6 +153,16 @@ def _compute_leases(head: Head, manifest: Manifest, window: int) -> dict[PeerId,
     return leases
 
 
+def lease_fault(author: PeerId, shards: Sequence[int], leases: Mapping[PeerId, Sequence[int]]) -> str | None:
+    """Why an update by `author` for `shards` holds no lease of `leases` (its window's lease table): ``no-lease``
+    when `author` holds none (quarantined peers hold none), ``bad-lease`` when it holds other shards; None
+    when it holds exactly these. The one rule that the collector and the HTTP edge both apply."""
+    held = leases.get(author)
+    if held is None:
+        return "no-lease"
+    return "bad-lease" if tuple(shards) != tuple(held) else None
+
+
 def lease_weight(manifest: Manifest, shards: Sequence[int]) -> int:
     """Sample weight of a lease: the number of samples in its shards, from the manifest only."""
     return sum(manifest.shards[s] for s in shards)

@@ -408,6 +408,7 @@ Message = (Hello | CertifiedHead | NextHead | Signed | ChunkRequest | Chunk | Ch
 MESSAGE_TYPES: dict[str, Any] = {m.KIND: m for m in (Hello, CertifiedHead, NextHead, Signed, ChunkRequest, Chunk,
                                                      ChunkMissing, ChainRequest, ChainEntries, PeerExchange,
                                                      UpdatesRequest)}
+# The role names, the one definition: a Hello announces them, an EngineConfig and a node config choose from them.
 ROLES = ("trainer", "reducer", "validator")
 
 

@@ -20,12 +20,9 @@ import hashlib
 from typing import Any
 
 from .admission import (
-    JOIN_BACKLOG_FACTOR,
-    MIN_JOIN_BACKLOG,
     WINDOWS_AHEAD,
     Admission,
     RevocationWrite,
-    join_priority,
 )
 from .agreement import WindowAgreement
 from .auditing import AuditTask, FetchCheckpoint, FetchTrajectory, PlanAudit, SampledAudits
@@ -34,7 +31,6 @@ from .deadlines import MAX_DEADLINE_WINDOWS, WAIT_WINDOWS, WindowClock
 from .envelope import SignedEnvelope
 from .fsm import Table, step
 from .identity import PeerId
-from .leases import next_unproven, undelivered
 from .messages import UpdatesRequest
 from .objects import (
     VOTE_KIND,
@@ -49,16 +45,11 @@ from .objects import (
 )
 from .pending import Outcome
 from .proposals import ProposalTracker
-from .records import lock_key, proposal_key, vote_key
 from .roles import RoleBase, Services
-from .screening import METRIC_TOLERANCE, Screening, ScreeningTask, Value, head_metrics, metrics_match
+from .screening import Screening, ScreeningTask, Value
 from .voting import Voting, VotingWrite
 
-__all__ = [
-    "JOIN_BACKLOG_FACTOR", "MAX_DEADLINE_WINDOWS", "MAX_HELD", "METRIC_TOLERANCE", "MIN_JOIN_BACKLOG", "TABLE",
-    "WAIT_WINDOWS", "WINDOWS_AHEAD", "ValidatorRole", "Value", "head_metrics", "join_priority", "lock_key",
-    "metrics_match", "next_unproven", "proposal_key", "proposer_of", "undelivered", "vote_key",
-]
+__all__ = ["MAX_HELD", "TABLE", "ValidatorRole", "proposer_of"]
 
 TABLE: Table = {
     ("collecting", "close"): "closed",

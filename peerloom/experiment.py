@@ -50,7 +50,6 @@ MANIFEST_FROM_EXPERIMENT = frozenset({
     "experiment", "workload", "workload_seed", "schema", "shards", "validators", "quorum", "window_s",
     "min_updates", "max_capacity", "aggregation", "outer_optimizer", "outer_lr", "inner_steps", "codec",
     "audit", "chunk_size", "genesis_params", "genesis_params_digest", "roster"})
-ROLES = ("validator", "reducer", "trainer")
 
 
 class ExperimentError(PeerloomError, ValueError):

@@ -172,6 +172,7 @@ from peerloom.core.config_checks import TableError, check_keys, typed
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.errors import PeerloomError
 from peerloom.core.identity import PeerId
+from peerloom.core.messages import ROLES
 from peerloom.core.objects import (
     PROTOCOL_VERSION,
     AdmissionCertificate,
@@ -184,7 +185,6 @@ from peerloom.core.objects import (
 )
 
 REQUIRED = ("name", "roles", "key", "manifest", "authority", "store")
-ROLES = frozenset({"trainer", "reducer", "validator"})
 # key -> accepted types; ``behaviour`` is read by the demo's Byzantine trainers.
 KEYS: dict[str, tuple[type, ...]] = {
     "name": (str,), "roles": (list,), "key": (str,), "manifest": (str,), "authority": (str,), "store": (str,),

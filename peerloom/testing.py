@@ -24,12 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from peerloom.adapters.compute import ComputeExecutor
-from peerloom.adapters.edge_view import ChainIndex, LeaseInfo, PeerInfo, SubmitResult, ViewIdentity, check_submission
+from peerloom.adapters.edge_view import ChainIndex, LeaseInfo, PeerInfo, SubmitResult, ViewIdentity
 from peerloom.adapters.storage import ArtifactStore
 from peerloom.core import events as ev
 from peerloom.core.engine import Engine
 from peerloom.core.envelope import SignedEnvelope
-from peerloom.core.errors import DecodeError, VerificationError
 from peerloom.core.identity import Identity, PeerId
 from peerloom.core.objects import (
     AdmissionRevocation,
@@ -160,13 +159,12 @@ class InMemoryEdgeView(ChainIndex, ViewIdentity):
         return self.lease_info(self._revision, peer)
 
     def submit(self, envelope: bytes, artifact: bytes | None) -> SubmitResult:
-        try:
-            head, table = self.lease_table(self._revision)
-            env, obj = check_submission(self._revision, head, envelope, artifact, leases=table)
-        except (DecodeError, VerificationError) as exc:
+        checked = self.check_submission(self._revision, envelope, artifact)
+        if isinstance(checked, SubmitResult):
             with self._lock:
-                self.rejected.append(exc.reason)
-            return SubmitResult(accepted=False, reason=exc.reason)
+                self.rejected.append(checked.reason)
+            return checked
+        env, obj = checked
         if isinstance(obj, JoinRequest):
             with self._lock:
                 self.joins.append((env.signer, obj.capacity))

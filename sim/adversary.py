@@ -37,7 +37,8 @@ from peerloom.core.objects import (
     seal,
     sign_vote,
 )
-from peerloom.core.validator import ValidatorRole, head_metrics
+from peerloom.core.screening import head_metrics
+from peerloom.core.validator import ValidatorRole
 
 from .kernel import Behaviour, derive_seed
 

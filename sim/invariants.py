@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from peerloom.core.engine import chain_key
+from peerloom.core.chainsync import chain_key
 from peerloom.core.errors import DecodeError, VerificationError
 from peerloom.core.identity import PeerId
 from peerloom.core.leases import claims_of, lease_window

@@ -11,17 +11,18 @@ from prometheus_client import CollectorRegistry, Counter
 from peerloom.adapters.edge_view import PeerInfo
 from peerloom.core.encoding import content_id
 from peerloom.core.identity import Identity
-from peerloom.core.objects import PRECOMMIT, Head, QuorumCertificate, Revision, make_artifact_ref, sign_vote
+from peerloom.core.objects import Head, QuorumCertificate, Revision, make_artifact_ref
 from peerloom.testing import InMemoryEdgeView
 
+from . import helpers
 from .helpers import ident, make_revision
 
 VALIDATOR = ident(1)
 
 
 def certify(revision: Revision, head: Head, validators: tuple[Identity, ...] = (VALIDATOR,)) -> QuorumCertificate:
-    votes = {v.peer_id: sign_vote(v, revision.id, head.window, 0, PRECOMMIT, head.id).signature for v in validators}
-    return QuorumCertificate.from_votes(head.id, head.window, 0, votes)
+    """`tests.helpers.certify` with the edge's one validator as the default signer."""
+    return helpers.certify(revision, head, validators)
 
 
 def next_head(revision: Revision, parent: Head, params: bytes, *, accuracy: float, loss: float,

@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
+import subprocess
+import sys
 import threading
 import time
 import urllib.parse
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import jwt
@@ -198,3 +202,50 @@ def running_service(service: Any):  # type: ignore[no-untyped-def]  # yields the
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+# --- the auth service under test (`peerloom auth serve`, spec/auth.md) ----------------------------------------
+
+
+def auth_config(provider: FakeProvider, port: int, *, edge_port: int | None = None, extra: str = "") -> str:
+    """An auth.toml for `peerloom auth serve` on 127.0.0.1:`port` against `provider`, with gate.key,
+    manifest.cbor and auth-state beside it; `edge_port`: the validator edge it reads the window from."""
+    edge = f'validity_windows = 1000\nedge = "http://127.0.0.1:{edge_port}"\n' if edge_port is not None else ""
+    return (f'listen = "127.0.0.1:{port}"\nkey = "gate.key"\nmanifest = "manifest.cbor"\nstate = "auth-state"\n'
+            f'{extra}{edge}'
+            f'[oidc]\nissuer = "{provider.issuer}"\nclient_id = "{CLIENT_ID}"\nemail_domains = ["example.edu"]\n')
+
+
+def serve_auth(config: Path, log_path: Path, timeout_s: float = 30.0) -> subprocess.Popen[bytes]:
+    """Start `peerloom auth serve --config config` (output appended to `log_path`) and wait for its
+    listening line."""
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen([sys.executable, "-m", "peerloom", "auth", "serve", "--config", str(config)],
+                                   stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+    deadline = time.monotonic() + timeout_s
+    while "auth service on" not in log_path.read_text():
+        assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()
+        time.sleep(0.1)
+    return process
+
+
+def log_in(node: Any, auth_port: int, log_path: Path) -> str:
+    """`peerloom login` of fleet `node` at the auth service on `auth_port` (the provider approves it); the
+    node's config then names the admission certificate it got. Returns what login printed."""
+    from tests.node_cluster import peerloom
+
+    login = peerloom("login", "--edge", f"http://127.0.0.1:{auth_port}", "--provider", "oidc",
+                     "--config", str(node.config_path), "--timeout", "60")
+    assert login.returncode == 0, login.stderr + log_path.read_text()
+    assert "valid for joins up to window" in login.stdout, login.stdout
+    node.write_config(admission="admission.cbor")
+    return login.stdout
+
+
+def stop_fleet(auth: subprocess.Popen[bytes] | None, nodes: Any) -> None:
+    """The auth service (when it started) and then every fleet node stopped: a fleet test's `finally`."""
+    if auth is not None:
+        auth.terminate()
+        auth.wait(timeout=15)
+    for node in nodes:
+        node.stop()

@@ -26,12 +26,13 @@ import trio
 
 from peerloom.adapters import tcp
 from peerloom.adapters.noise import frame
+from peerloom.adapters.transport import LANE_CONTROL, TransportError
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.identity import Identity
 from peerloom.core.messages import Hello, Signed, decode_message, encode_message
 from peerloom.core.objects import JoinRequest, Revision, seal
 
-PING = bytes([tcp.KIND_PING << 4 | tcp.LANE_CONTROL])
+PING = bytes([tcp.KIND_PING << 4 | LANE_CONTROL])
 
 
 @dataclass
@@ -59,7 +60,7 @@ async def _quietly(coro: Awaitable[object]) -> None:
     """Run one attacker step; the node ending the connection is the expected outcome, not an error."""
     try:
         await coro
-    except (tcp.TransportError, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+    except (TransportError, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
         pass
 
 
@@ -93,7 +94,7 @@ async def random_frames(target: Target, rng: random.Random, seconds: float) -> N
         for _ in range(1000):
             conn = await attacker(target.port)
             frames = [bytes([rng.randrange(256)]) + rng.randbytes(rng.randrange(0, 64)) for _ in range(20)]
-            frames.insert(0, bytes([15 << 4 | tcp.LANE_CONTROL]) + b"\x00" * 8)
+            frames.insert(0, bytes([15 << 4 | LANE_CONTROL]) + b"\x00" * 8)
             await _quietly(write_plaintexts(conn, frames[: rng.randrange(1, len(frames) + 1)]))
             await trio.sleep(0.05)
             await conn._stream.aclose()
@@ -143,7 +144,7 @@ async def _flood_one(target: Target, seconds: float) -> None:
         for _ in range(10_000):
             try:
                 await conn.send_message(blob)
-            except (tcp.TransportError, OSError):
+            except (TransportError, OSError):
                 return
 
 
@@ -241,7 +242,7 @@ async def honest_hello(port: int) -> None:
             try:
                 conn = await tcp.connect("127.0.0.1", port, Identity(os.urandom(32)), handshake_timeout=10.0)
                 break
-            except tcp.TransportError:
+            except TransportError:
                 await trio.sleep(0.5)
     with trio.fail_after(10):
         assert isinstance(decode_message(await conn.receive_message(), max_bytes=1 << 20), Hello)
@@ -265,7 +266,7 @@ async def _until_refused(attack: Attack, target: Target, rng: random.Random, sec
     """Run one attack; a dial the node refuses (its limits, spec/transport.md §13) ends it early."""
     try:
         await attack(target, rng, seconds)
-    except* tcp.TransportError:
+    except* TransportError:
         pass
 
 

@@ -18,6 +18,7 @@ import tomli_w
 from peerloom.adapters.keys import generate_identity, save_identity
 from peerloom.adapters.storage import ArtifactStore, atomic_write
 from peerloom.backends.numpy.tensors import schema_of, tensor_digest, to_safetensors
+from peerloom.core.chain import decode_chain_entry
 from peerloom.core.identity import Identity
 from peerloom.core.objects import Manifest, Revision
 from tests import node_zygote
@@ -180,3 +181,94 @@ def batchnorm_digits(seed: int, num_shards: int) -> tuple[Any, list[list[int]]]:
                               loss=nn.functional.cross_entropy, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
                               train_data=(x, y), eval_data=(xt, yt), batch_size=32)
     return workload, shard_indices(len(x), num_shards, seed)
+
+
+def chain(node) -> list:
+    """The heads in `node`'s chain directory so far (a file being written is skipped)."""
+    directory = node.directory / "store" / "chain"
+    heads = []
+    for path in sorted(directory.glob("*.cbor")) if directory.exists() else []:
+        try:
+            heads.append(decode_chain_entry(path.read_bytes())[0])
+        except Exception:
+            pass  # being written
+    return heads
+
+
+def wait_until(cond, timeout_s: float, what: str, nodes) -> None:
+    """Poll `cond` until it holds; fail naming `what` after `timeout_s`, or at once with the log of a node
+    that exited."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        for node in nodes:
+            if node.process is not None and node.process.poll() is not None:
+                raise AssertionError(f"{node.name} exited: {(node.directory / 'node.log').read_text()[-3000:]}")
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def peerloom(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
+    """`python -m peerloom ARGS` in a new process, its output captured as text."""
+    return subprocess.run([sys.executable, "-m", "peerloom", *args], capture_output=True, text=True,
+                          timeout=timeout_s)
+
+
+def run_fleet_until(nodes: list, done, timeout_s: float) -> None:
+    """Start every node, wait for their ports, poll `done()` until it holds (failing with the nodes' log
+    tails after `timeout_s`, or at once with the log of a node that exited), then stop them all."""
+    try:
+        for node in nodes:
+            node.start()
+        for node in nodes:
+            node.wait_port()
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            assert time.monotonic() < deadline, [n.directory.joinpath("node.log").read_text()[-2000:] for n in nodes]
+            for node in nodes:
+                assert node.process is not None and node.process.poll() is None, \
+                    node.directory.joinpath("node.log").read_text()[-3000:]
+            time.sleep(0.2)
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def chain_windows(node) -> list[int]:
+    """The windows (genesis left out) whose certified heads `node` has written to its chain directory."""
+    return sorted(int(p.stem) for p in (node.directory / "store" / "chain").glob("[0-9]*.cbor") if int(p.stem) > 0)
+
+
+def check_chain(validator, windows: int) -> None:
+    """`validator`'s store verifies (`peerloom verify`), reaches `windows` certified windows, and some window
+    certified a trainer's update."""
+    from peerloom.verify import run_verify
+
+    lines: list[str] = []
+    assert run_verify(validator.directory / "store", echo=lines.append) == 0, lines
+    entries = [decode_chain_entry(p.read_bytes()) for p in sorted((validator.directory / "store" / "chain")
+                                                                   .glob("[0-9]*.cbor"))]
+    assert max(h.window for h, _ in entries) >= windows
+    assert any(h.cohort for h, _ in entries), "no window certified any trainer's update"
+
+
+def run_runtimes_until(runtimes: list, done, timeout_s: float) -> None:
+    """Run in-process `NodeRuntime`s in one trio run until `done()` holds (a TooSlowError after
+    `timeout_s`), then cancel them and close each."""
+    import trio
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            for runtime in runtimes:
+                await nursery.start(runtime.run)
+            with trio.fail_after(timeout_s):
+                while not done():
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        for runtime in runtimes:
+            runtime.close()

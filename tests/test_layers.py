@@ -220,3 +220,37 @@ def test_the_cycle_check_catches_hidden_cycles(tmp_path):
     assert import_cycle(graph) == ["a", "b", "c", "a"]
     graph["c"] = set()
     assert import_cycle(graph) is None
+
+
+def stated_test_homes(readme: Path) -> dict[str, list[str]]:
+    """The rows `| core/x.py | tests/a.py, tests/b.py |` of tests/README.md: module -> its test files."""
+    rows = re.findall(r"^\| (core/\w+\.py) \| ([^|]+) \|$", readme.read_text(), re.MULTILINE)
+    return {module: [f.strip() for f in files.split(",")] for module, files in rows}
+
+
+def modules_without_tests(root: Path) -> list[str]:
+    """Every core/*.py with neither tests/core/test_<module>.py nor a row of tests/README.md, and every row
+    that names a module or a test file that does not exist."""
+    homes = stated_test_homes(root / "tests" / "README.md")
+    missing = [f"core/{p.name}" for p in sorted((root / "core").glob("*.py"))
+               if not (root / "tests" / "core" / f"test_{p.stem}.py").exists() and f"core/{p.name}" not in homes]
+    stale = [f"{module}: {f}" for module, files in homes.items() for f in [module, *files] if not (root / f).exists()]
+    return missing + stale
+
+
+def test_every_core_module_has_a_test_file_or_a_stated_home():
+    """A reader finds a core module's tests by its name, or in the table of tests/README.md."""
+    assert modules_without_tests(ROOT) == []
+
+
+def test_the_test_home_check_catches_a_module_without_tests(tmp_path):
+    (tmp_path / "core").mkdir()
+    (tmp_path / "tests" / "core").mkdir(parents=True)
+    for name in ("a", "b", "c"):
+        (tmp_path / "core" / f"{name}.py").write_text("")
+    (tmp_path / "tests" / "core" / "test_a.py").write_text("")
+    (tmp_path / "tests" / "README.md").write_text("| module | tests |\n| --- | --- |\n"
+                                                  "| core/b.py | tests/core/test_a.py |\n"
+                                                  "| core/gone.py | tests/core/test_gone.py |\n")
+    assert modules_without_tests(tmp_path) == ["core/c.py", "core/gone.py: core/gone.py",
+                                               "core/gone.py: tests/core/test_gone.py"]

@@ -118,6 +118,12 @@ class Lone:
                 return
             self.at(deadline)
 
+    def start_with_trainers(self, now: float = 0.0) -> None:
+        """`start`, then a hello from each of `trainers` as a trainer."""
+        self.start(now)
+        for trainer in self.trainers:
+            self.greet(trainer, ("trainer",))
+
     def greet(self, peer: Identity, roles: tuple[str, ...]) -> None:
         self.handle(ev.PeerConnected(now=self.now, peer=peer.peer_id))
         self.deliver(peer, Hello(revision=self.revision.id, roles=roles, head_window=0))

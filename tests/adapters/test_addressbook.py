@@ -172,7 +172,8 @@ def test_real_dial_failures_classify_as_the_book_expects() -> None:
     import trio
 
     from peerloom.adapters.addressbook import HANDSHAKE_FAILURES
-    from peerloom.adapters.tcp import TransportError, connect, serve
+    from peerloom.adapters.tcp import connect, serve
+    from peerloom.adapters.transport import TransportError
 
     reasons = []
 

@@ -67,7 +67,7 @@ def test_head_records_build_the_chain_view(tmp_path):
 
 
 def _entries(n):
-    from tests.core.test_objects import certify, child
+    from tests.helpers import certify, child
 
     revision = make_revision()
     head, out = revision.genesis(), []

@@ -15,22 +15,17 @@ from peerloom.adapters.noise import frame
 from peerloom.adapters.tcp import (
     KIND_CREDIT,
     KIND_START,
-    LANE_BULK,
-    LANE_CONTROL,
     LANE_WINDOW,
     MessageAssembler,
     SecureConnection,
-    TransportError,
     connect,
     encode_frames,
     serve,
 )
-from peerloom.core.identity import Identity
+from peerloom.adapters.transport import LANE_BULK, LANE_CONTROL, TransportError
+from tests.helpers import CLIENT, HOST, OTHER, SERVER
 
-HOST = "127.0.0.1"
-SERVER_A = Identity(bytes([1]) * 32)
-SERVER_B = Identity(bytes([3]) * 32)
-CLIENT = Identity(bytes([2]) * 32)
+SERVER_A, SERVER_B = SERVER, OTHER
 MESSAGE = 2 * 2**20  # bytes per bulk message
 COUNT = 10  # bulk messages per peer: 20 MiB, five times a lane window
 

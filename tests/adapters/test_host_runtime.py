@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import trio
 
-from peerloom.adapters import tcp
 from peerloom.adapters.runtime import OTHER_PEERS, NodeRuntime, RuntimeOptions, _Submit
 from peerloom.adapters.storage import ArtifactStore
+from peerloom.adapters.transport import TransportError
 from peerloom.core import effects as fx
 from peerloom.core.objects import JoinRequest, seal
 from tests.helpers import ident, make_revision
@@ -41,7 +41,7 @@ def test_an_internal_error_is_logged_and_counted_but_never_charged_to_the_peer(t
     async def main():
         for _ in range(runtime.book.ban_after_failures + 1):
             runtime._connection_failed(honest, RuntimeError("a bug of ours"))
-            runtime._connection_failed(faulty, tcp.TransportError("bad-frame", "garbage"))
+            runtime._connection_failed(faulty, TransportError("bad-frame", "garbage"))
         now = trio.current_time()
         return runtime.book.is_banned(honest, now=now), runtime.book.is_banned(faulty, now=now)
 

@@ -1,6 +1,6 @@
 """The REST edge's reference client (`LightTrainer` over `EdgeClient`) contributes accepted updates through
 ``POST /v1/join`` and ``/v1/updates`` (spec/design.md §6): the submit path third-party clients use. (`peerloom light`
-now runs a trainer node over the HTTP transport instead: tests/adapters/test_light_cli.py.)
+now runs a trainer node over the HTTP transport instead: tests/peerloom/test_light.py.)
 
 The edge here is backed by `InMemoryEdgeView`, which verifies submissions the way a node does (signature,
 revision, window and base, lease, delta bytes); the node-backed run is tests/adapters/test_node_edge.py.
@@ -64,10 +64,16 @@ def certify_update(view, ann) -> Head:
     return head
 
 
+def digits_view(tmp_path, digits):
+    """An edge view at the digits workload's genesis with no trainers, and the genesis bytes."""
+    revision, genesis = digits_revision(*digits)
+    return make_view(tmp_path, revision=revision, genesis=genesis, trainers=()), genesis
+
+
 def test_light_trainer_contributes_accepted_updates_over_http_only(tmp_path, digits):
     workload, shards = digits
-    revision, genesis = digits_revision(workload, shards)
-    view = make_view(tmp_path, revision=revision, genesis=genesis, trainers=())
+    view, _ = digits_view(tmp_path, digits)
+    revision = view.revision
     with EdgeServer(view) as server:
         client = EdgeClient(server.url)
         trainer = LightTrainer(client, LIGHT, authority=AUTHORITY.peer_id, workload=workload, shards=shards,
@@ -99,8 +105,7 @@ def test_light_trainer_contributes_accepted_updates_over_http_only(tmp_path, dig
 
 def test_a_newcomer_joins_over_http(tmp_path, digits):
     workload, shards = digits
-    revision, genesis = digits_revision(workload, shards)
-    view = make_view(tmp_path, revision=revision, genesis=genesis, trainers=())
+    view, _ = digits_view(tmp_path, digits)
     with EdgeServer(view) as server:
         trainer = LightTrainer(EdgeClient(server.url), NEWCOMER, authority=AUTHORITY.peer_id, capacity=2,
                                workload=workload, shards=shards, workdir=tmp_path / "n")
@@ -110,9 +115,8 @@ def test_a_newcomer_joins_over_http(tmp_path, digits):
 
 
 def test_client_refuses_what_does_not_verify(tmp_path, digits):
-    workload, shards = digits
-    revision, genesis = digits_revision(workload, shards)
-    view = make_view(tmp_path, revision=revision, genesis=genesis, trainers=())
+    view, _ = digits_view(tmp_path, digits)
+    revision = view.revision
     with EdgeServer(view) as server:
         client = EdgeClient(server.url)
         with pytest.raises(VerificationError, match="wrong-authority"):
@@ -137,9 +141,8 @@ def test_client_refuses_what_does_not_verify(tmp_path, digits):
 
 
 def test_ranged_fetch_rides_out_the_rate_limit(tmp_path, digits):
-    workload, shards = digits
-    revision, genesis = digits_revision(workload, shards)
-    view = make_view(tmp_path, revision=revision, genesis=genesis, trainers=())
+    view, genesis = digits_view(tmp_path, digits)
+    revision = view.revision
     with EdgeServer(view, limits=EdgeLimits(rate=10, burst=2)) as server:
         ref = revision.manifest.genesis_params
         client = EdgeClient(server.url, max_wait_s=0.1)

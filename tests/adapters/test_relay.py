@@ -22,7 +22,7 @@ from peerloom.adapters.relay import (
     decode_message,
     encode_message,
 )
-from peerloom.adapters.tcp import LANE_WINDOW, SecureConnection
+from peerloom.adapters.tcp import SecureConnection
 from peerloom.adapters.transport import (
     LANE_BULK,
     LANE_CONTROL,
@@ -39,27 +39,12 @@ from peerloom.core.errors import DecodeError
 from peerloom.core.identity import Identity
 from peerloom.core.messages import parse_peer_address
 from peerloom.node import ConfigError, relay_settings
+from tests.helpers import CLIENT, OTHER, SERVER, StalledBulk, echo
 
-SERVER = Identity(bytes([1]) * 32)  # the peer behind a NAT: reachable only through a relay
-CLIENT = Identity(bytes([2]) * 32)
-OTHER = Identity(bytes([3]) * 32)
+# SERVER (tests/helpers.py) is the peer behind a NAT: reachable only through a relay.
 RELAY = Identity(bytes([4]) * 32)
 RELAY_2 = Identity(bytes([5]) * 32)
 SERVER_ID = SERVER.peer_id.to_text()
-
-
-async def echo(conn: SecureConnection) -> None:
-    """Send every message back on the lane it came on."""
-    async def lane(n: int) -> None:
-        while True:
-            await conn.send_message(await conn.receive_message(n), lane=n)
-
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(lane, LANE_CONTROL)
-            nursery.start_soon(lane, LANE_BULK)
-    except* TransportError:
-        pass
 
 
 class Net:
@@ -187,51 +172,13 @@ def test_a_relayed_connection_proves_both_ends_and_keeps_messages_whole_and_orde
 
 
 def test_a_stalled_bulk_lane_stalls_only_its_sender_through_a_relay() -> None:
-    size, count = 2**20, 12  # three lane windows of bulk
-    release = trio.Event()
-    received: list[bytes] = []
-
-    async def handler(conn: SecureConnection) -> None:
-        async def control() -> None:
-            while True:
-                await conn.send_message(await conn.receive_message(LANE_CONTROL), lane=LANE_CONTROL)
-
-        async def bulk() -> None:
-            await release.wait()
-            while len(received) < count:
-                received.append(await conn.receive_message(LANE_BULK))
-            await conn.send_message(b"all", lane=LANE_CONTROL)
-
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(control)
-                nursery.start_soon(bulk)
-        except* TransportError:
-            pass
+    stalled = StalledBulk(2**20, 12)  # three lane windows of bulk
 
     async def body(net: Net) -> None:
         await net.relay("relay")
-        address = await net.reserve("relay", SERVER, handler)
+        address = await net.reserve("relay", SERVER, stalled.handler)
         conn = await net.client().dial(address, CLIENT)
-        sent = [0]
-
-        async def send_bulk() -> None:
-            for i in range(count):
-                await conn.send_message(bytes([i]) * size, lane=LANE_BULK)
-                sent[0] += 1
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(send_bulk)
-            with trio.fail_after(10):
-                while conn.inner.send_credit(LANE_BULK) > 0 or sent[0] == 0:
-                    await trio.sleep(0.01)
-            for i in range(10):  # control keeps flowing both ways while bulk is stalled
-                await conn.send_message(str(i).encode(), lane=LANE_CONTROL)
-                assert await conn.receive_message(LANE_CONTROL) == str(i).encode()
-            assert sent[0] <= LANE_WINDOW // size + 1 < count
-            release.set()
-        assert await conn.receive_message(LANE_CONTROL) == b"all"
-        assert received == [bytes([i]) * size for i in range(count)]
+        await stalled.stall(conn, lambda: conn.inner.send_credit(LANE_BULK), rounds=10)
         await conn.aclose()
 
     run(body)

@@ -13,6 +13,7 @@ import trio
 from peerloom.adapters import tcp
 from peerloom.adapters.runtime import NodeRuntime, RuntimeOptions
 from peerloom.adapters.storage import ArtifactStore
+from peerloom.adapters.transport import LANE_BULK, TransportError
 from peerloom.core.messages import Hello, decode_message
 from tests.helpers import ident, make_revision
 
@@ -68,7 +69,7 @@ async def test_per_ip_cap_refuses_before_handshake_and_frees_the_slot(tmp_path):
         a, b = await connect(runtime, 10), await connect(runtime, 11)
         assert isinstance(await first_message(a), Hello) and isinstance(await first_message(b), Hello)
         await wait_for(lambda: runtime.book.connections == 2)
-        with pytest.raises(tcp.TransportError):  # refused before any byte: the handshake cannot finish
+        with pytest.raises(TransportError):  # refused before any byte: the handshake cannot finish
             await connect(runtime, 12)
         await a.aclose()
         await wait_for(lambda: runtime.book.connections == 1)
@@ -86,7 +87,7 @@ async def test_peer_hung_up_for_penalties_is_not_readmitted(tmp_path):
         bad = await connect(runtime, 20)
         assert isinstance(await first_message(bad), Hello)
         limit = runtime.engine.config.penalty_limit
-        with pytest.raises(tcp.TransportError):  # garbage until the engine hangs up (penalty-limit)
+        with pytest.raises(TransportError):  # garbage until the engine hangs up (penalty-limit)
             with trio.fail_after(10):
                 for _ in range(limit):
                     await bad.send_message(b"\xff not cbor")
@@ -96,7 +97,7 @@ async def test_peer_hung_up_for_penalties_is_not_readmitted(tmp_path):
         await wait_for(lambda: runtime.book.connections == 0)
 
         again = await connect(runtime, 20)  # the handshake names the peer; the runtime then hangs up
-        with pytest.raises(tcp.TransportError):
+        with pytest.raises(TransportError):
             await first_message(again)
         assert ident(20).peer_id not in runtime._conns
         honest = await connect(runtime, 21)  # from the same IP: only the peer is banned
@@ -116,7 +117,7 @@ async def test_dialed_peer_hung_up_for_penalties_is_not_redialed(tmp_path):
 
     async with trio.open_nursery() as nursery:
         port = await nursery.start(functools.partial(tcp.serve, "127.0.0.1", 0, ident(40), garbage))
-        async with running_node(tmp_path, bootstrap=(("127.0.0.1", port),), redial_s=0.05,
+        async with running_node(tmp_path, bootstrap=(f"/ip4/127.0.0.1/tcp/{port}",), redial_s=0.05,
                                 max_redial_s=0.1) as runtime:
             await wait_for(lambda: runtime.book.is_banned(ident(40).peer_id, now=trio.current_time()))
             await wait_for(lambda: ident(40).peer_id not in runtime._conns)
@@ -136,7 +137,7 @@ async def test_outbox_over_its_byte_cap_hangs_up_a_slow_peer_only(tmp_path):
             try:
                 while True:
                     received[0] += len(await conn.receive_message())
-            except tcp.TransportError:
+            except TransportError:
                 pass
 
         async with trio.open_nursery() as nursery:
@@ -177,7 +178,7 @@ async def test_a_peer_faster_than_the_engine_is_held_back_by_flow_control(tmp_pa
         sent = 0
         with trio.move_on_after(3):
             for _ in range(3 * tcp.LANE_WINDOW // len(blob)):
-                await conn.send_message(blob, lane=tcp.LANE_BULK)
+                await conn.send_message(blob, lane=LANE_BULK)
                 sent += len(blob)
         # At most one message reached the engine, then the lane window, then nothing: the sender waits.
         assert sent <= tcp.LANE_WINDOW + 2 * len(blob), sent
@@ -186,9 +187,9 @@ async def test_a_peer_faster_than_the_engine_is_held_back_by_flow_control(tmp_pa
         with trio.move_on_after(10):
             try:
                 for _ in range(2 * tcp.LANE_WINDOW // len(blob)):
-                    await conn.send_message(blob, lane=tcp.LANE_BULK)
+                    await conn.send_message(blob, lane=LANE_BULK)
                     resumed += len(blob)
-            except tcp.TransportError:
+            except TransportError:
                 pass  # the engine may hang up on these meaningless messages once it reads them
         await wait_for(lambda: runtime._inbox[peer] == 0)  # everything read was handed to the engine
         assert resumed >= len(blob) or runtime.engine.rejected_by_reason, resumed
@@ -207,7 +208,7 @@ async def test_strangers_cannot_take_the_slots_of_known_peers(tmp_path):
         for conn in strangers:
             assert isinstance(await first_message(conn), Hello)
         refused = await connect(runtime, 32)
-        with pytest.raises(tcp.TransportError):
+        with pytest.raises(TransportError):
             await first_message(refused)
         assert runtime.limiter.refusals["stranger-cap"] == 1
         known = await tcp.connect("127.0.0.1", runtime.port, validator, expected_peer=TRAINER.peer_id)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable
 
 import pytest
 import trio
@@ -28,21 +27,13 @@ from peerloom.adapters.tcp import (
     KIND_CREDIT,
     KIND_PING,
     KIND_START,
-    LANE_BULK,
-    ConnectionClosed,
     SecureConnection,
-    TransportError,
     connect,
     encode_frames,
-    serve,
 )
+from peerloom.adapters.transport import LANE_BULK, ConnectionClosed, TransportError
 from peerloom.core.identity import Identity, public_key_protobuf
-
-HOST = "127.0.0.1"
-SERVER = Identity(bytes([1]) * 32)
-CLIENT = Identity(bytes([2]) * 32)
-OTHER = Identity(bytes([3]) * 32)
-
+from tests.helpers import CLIENT, HOST, OTHER, SERVER, collect_errors, raw_send, run_with_server, wait_for
 
 # --- sans-IO handshake -----------------------------------------------------------------------------------
 
@@ -180,28 +171,6 @@ def test_initiator_reading_random_message2_raises_only_noise_error(data: bytes) 
 
 
 # --- TCP -------------------------------------------------------------------------------------------------
-
-
-async def echo(conn: SecureConnection) -> None:
-    while True:
-        try:
-            message = await conn.receive_message()
-        except ConnectionClosed:
-            return
-        await conn.send_message(message)
-
-
-def run_with_server(body: Callable[[int], Awaitable[None]], handler=echo, **server_kwargs) -> None:
-    """Serve on 127.0.0.1:0 with `handler`, run `body(port)` (30 s limit), then stop the server."""
-
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(functools.partial(serve, HOST, 0, SERVER, handler, **server_kwargs))
-            with trio.fail_after(30):
-                await body(port)
-            nursery.cancel_scope.cancel()
-
-    trio.run(main)
 
 
 def test_handshake_gives_each_side_the_other_peer_id() -> None:
@@ -399,40 +368,18 @@ def test_tampered_ciphertext_byte_raises_transport_error() -> None:
     run_with_server(body, handler)
 
 
-def _raw_send(conn: SecureConnection, plaintexts: list[bytes]) -> Awaitable[None]:
-    """Encrypt and write Noise transport messages by hand: a lying or broken peer."""
-    return conn._stream.send_all(b"".join(frame(conn._transport.encrypt(p)) for p in plaintexts))
-
-
-def _collect_errors(errors: list[TransportError]) -> Callable[[SecureConnection], Awaitable[None]]:
-    async def handler(conn: SecureConnection) -> None:
-        try:
-            while True:
-                await conn.receive_message()
-        except TransportError as exc:
-            errors.append(exc)
-
-    return handler
-
-
-async def _wait_for(errors: list) -> None:
-    with trio.fail_after(5):
-        while not errors:
-            await trio.sleep(0.01)
-
-
 def test_length_over_limit_is_refused_before_the_body() -> None:
     """Only the START header is ever sent; the receiver must refuse without waiting for 4 GiB."""
     errors: list[TransportError] = []
 
     async def body(port: int) -> None:
         conn = await connect(HOST, port, CLIENT)
-        await _raw_send(conn, [bytes([KIND_START << 4 | LANE_BULK]) + (2**32 - 1).to_bytes(4, "big")])
-        await _wait_for(errors)
+        await raw_send(conn, [bytes([KIND_START << 4 | LANE_BULK]) + (2**32 - 1).to_bytes(4, "big")])
+        await wait_for(errors, 5)
         assert errors[0].reason == "message-too-large"
         await conn.aclose()
 
-    run_with_server(body, _collect_errors(errors), max_message_bytes=1000)
+    run_with_server(body, collect_errors(errors), max_message_bytes=1000)
 
 
 @pytest.mark.parametrize(("plaintexts", "reason"), [
@@ -458,13 +405,13 @@ def test_malformed_frames_are_refused(plaintexts: list[bytes], reason: str) -> N
 
     async def body(port: int) -> None:
         conn = await connect(HOST, port, CLIENT)
-        await _raw_send(conn, plaintexts)
+        await raw_send(conn, plaintexts)
         await conn._stream.send_eof()
-        await _wait_for(errors)
+        await wait_for(errors, 5)
         assert errors[0].reason == reason
         await conn.aclose()
 
-    run_with_server(body, _collect_errors(errors))
+    run_with_server(body, collect_errors(errors))
 
 
 @pytest.mark.parametrize(("raw", "reason"), [
@@ -480,11 +427,11 @@ def test_bad_noise_length_prefixes(raw: bytes, reason: str) -> None:
         conn = await connect(HOST, port, CLIENT)
         await conn._stream.send_all(raw)
         await conn._stream.send_eof()
-        await _wait_for(errors)
+        await wait_for(errors, 5)
         assert errors[0].reason == reason
         await conn.aclose()
 
-    run_with_server(body, _collect_errors(errors))
+    run_with_server(body, collect_errors(errors))
 
 
 def test_sender_limit_is_its_own() -> None:
@@ -925,7 +872,7 @@ def test_idle_timeout_drops_a_peer_that_stopped_answering() -> None:
 def test_ping_frame_is_answered_with_pong() -> None:
     async def body(port: int) -> None:
         conn = await connect(HOST, port, CLIENT)
-        await _raw_send(conn, [bytes([KIND_PING << 4]) + b"12345678"])
+        await raw_send(conn, [bytes([KIND_PING << 4]) + b"12345678"])
         await conn.send_message(b"after")
         assert await conn.receive_message() == b"after"
         await conn.aclose()

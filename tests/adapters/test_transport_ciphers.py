@@ -20,7 +20,7 @@ from peerloom.adapters.noise import (
     encode_transport_ciphers,
 )
 from peerloom.core.identity import Identity
-from tests.adapters.test_tcp import CLIENT, HOST, SERVER, run_with_server
+from tests.helpers import CLIENT, HOST, SERVER, run_with_server
 
 # --- the offer's encoding --------------------------------------------------------------------------------
 

@@ -13,7 +13,6 @@ import trio
 
 from peerloom.adapters.http_transport import HttpTransport
 from peerloom.adapters.memory import MemoryNetwork, MemoryNetworkTransport
-from peerloom.adapters.noise import frame
 from peerloom.adapters.tcp import (
     KIND_START,
     LANE_WINDOW,
@@ -25,15 +24,11 @@ from peerloom.adapters.transport import (
     LANE_CONTROL,
     PEER_FAULTS,
     Connection,
-    ConnectionClosed,
     Transport,
     TransportError,
 )
-from peerloom.core.identity import Identity
+from tests.helpers import CLIENT, OTHER, SERVER, StalledBulk, collect_errors, echo, raw_send, wait_for
 
-SERVER = Identity(bytes([1]) * 32)
-CLIENT = Identity(bytes([2]) * 32)
-OTHER = Identity(bytes([3]) * 32)
 KINDS = ("tcp", "http", "memory")
 
 
@@ -66,42 +61,6 @@ def run_with_listener(kind: str, body: Body, handler: Callable[[SecureConnection
             nursery.cancel_scope.cancel()
 
     trio.run(main)
-
-
-async def echo(conn: SecureConnection) -> None:
-    """Send every message back on the lane it came on."""
-    async def lane(n: int) -> None:
-        while True:
-            await conn.send_message(await conn.receive_message(n), lane=n)
-
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(lane, LANE_CONTROL)
-            nursery.start_soon(lane, LANE_BULK)
-    except* ConnectionClosed:
-        pass
-
-
-def collect_errors(errors: list[TransportError]) -> Callable[[SecureConnection], Awaitable[None]]:
-    async def handler(conn: SecureConnection) -> None:
-        try:
-            while True:
-                await conn.receive_message()
-        except TransportError as exc:
-            errors.append(exc)
-
-    return handler
-
-
-async def wait_for(items: list) -> None:
-    with trio.fail_after(10):
-        while not items:
-            await trio.sleep(0.01)
-
-
-async def raw_send(conn: SecureConnection, plaintexts: list[bytes]) -> None:
-    """Encrypt and write Noise transport messages by hand: a lying or broken peer."""
-    await conn._stream.send_all(b"".join(frame(conn._transport.encrypt(p)) for p in plaintexts))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -153,55 +112,15 @@ def test_messages_arrive_whole_and_in_order_per_lane(kind: str) -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_stalled_bulk_lane_stalls_only_its_sender(kind: str) -> None:
-    size, count = 2**20, 12  # 12 MiB of bulk: three lane windows
-    release = trio.Event()
-    peak_queued = [0]
-    received: list[bytes] = []
-
-    async def handler(conn: SecureConnection) -> None:
-        async def control() -> None:
-            while True:
-                await conn.send_message(await conn.receive_message(LANE_CONTROL), lane=LANE_CONTROL)
-
-        async def bulk() -> None:
-            await release.wait()  # the application reads no bulk until released
-            while len(received) < count:
-                peak_queued[0] = max(peak_queued[0], conn.queued_bytes(LANE_BULK))
-                received.append(await conn.receive_message(LANE_BULK))
-            await conn.send_message(b"all", lane=LANE_CONTROL)
-
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(control)
-                nursery.start_soon(bulk)
-        except* ConnectionClosed:
-            pass
+    stalled = StalledBulk(2**20, 12, measure_queue=True)  # 12 MiB of bulk: three lane windows
 
     async def body(transport: Transport, address: str) -> None:
         conn = await transport.dial(address, CLIENT, max_message_bytes=16 * 2**20)
-        sent = [0]
-
-        async def send_bulk() -> None:
-            for i in range(count):
-                await conn.send_message(bytes([i]) * size, lane=LANE_BULK)
-                sent[0] += 1
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(send_bulk)
-            with trio.fail_after(10):
-                while conn.send_credit(LANE_BULK) > 0 or sent[0] == 0:  # the sender has spent its credit
-                    await trio.sleep(0.01)
-            for i in range(20):  # control keeps flowing both ways while bulk is stalled
-                await conn.send_message(str(i).encode(), lane=LANE_CONTROL)
-                assert await conn.receive_message(LANE_CONTROL) == str(i).encode()
-            assert sent[0] <= LANE_WINDOW // size + 1 < count  # stalled by flow control, not finished
-            release.set()
-        assert await conn.receive_message(LANE_CONTROL) == b"all"
-        assert received == [bytes([i]) * size for i in range(count)]
-        assert peak_queued[0] <= LANE_WINDOW + size  # what the stalled receiver buffered stays bounded
+        await stalled.stall(conn, lambda: conn.send_credit(LANE_BULK), rounds=20)
+        assert stalled.peak_queued <= LANE_WINDOW + stalled.size  # what the stalled receiver buffered stays bounded
         await conn.aclose()
 
-    run_with_listener(kind, body, handler)
+    run_with_listener(kind, body, stalled.handler)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -41,10 +41,10 @@ from peerloom.adapters.tcp import (
     FrameMessage,
     MessageAssembler,
     SecureConnection,
-    TransportError,
     default_transport_ciphers,
     encode_frames,
 )
+from peerloom.adapters.transport import TransportError
 from peerloom.core.identity import Identity
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,10 +13,7 @@ import trio
 from peerloom.adapters.http_transport import HTTP_PATH, MAX_WS_MESSAGE, HttpTransport, _submit, _wait_future
 from peerloom.adapters.tcp import SecureOptions
 from peerloom.adapters.transport import PEER_FAULTS, TransportError
-from peerloom.core.identity import Identity
-
-SERVER = Identity(bytes([1]) * 32)
-CLIENT = Identity(bytes([2]) * 32)
+from tests.helpers import CLIENT, SERVER
 
 
 async def _raw_websocket(url: str, payload: str | bytes) -> None:

@@ -14,9 +14,8 @@ from peerloom.backends.numpy.tensors import tensor_digest
 from peerloom.backends.registry import build_workload
 from peerloom.node import ConfigError, build_runtime, load_config, place_workload
 from peerloom.workloads import DeviceError, resolve_device, shards_for, torch_workload
-from tests.adapters.test_node_config import _config
-from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
-from tests.helpers import make_revision
+from tests.engine_cluster import N_SHARDS, SEED, build, build_until, head_window
+from tests.helpers import make_revision, node_config
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +46,7 @@ def test_compute_torch_and_numpy_certify_the_same_heads(tmp_path, digits, monkey
 
 def test_a_fleet_may_mix_compute_backends(tmp_path, digits):
     """A torch validator confirms a numpy reducer's proposals (and the reverse would fail on any byte)."""
-    cluster = build(tmp_path, digits, trainers=2, rule="median", compute=["torch", "numpy"])
-    assert cluster.run_until(lambda c: head_window(c) >= 2, max_time=60.0)
+    cluster = build_until(2, tmp_path, digits, trainers=2, rule="median", compute=["torch", "numpy"])
     engine = cluster.nodes["validator"].engine
     assert engine.stats["proposals_confirmed"] >= 1
     assert engine.rejected_by_reason.get("proposal-mismatch", 0) == 0
@@ -94,7 +92,7 @@ def test_executor_backends_agree_on_every_rule(tmp_path):
 ])
 def test_compute_and_device_keys_are_checked(tmp_path, extra, message):
     with pytest.raises(ConfigError) as caught:
-        load_config(_config(tmp_path, extra))
+        load_config(node_config(tmp_path, extra))
     assert message in str(caught.value)
 
 
@@ -127,7 +125,8 @@ def test_node_runtime_takes_the_compute_and_device_keys(tmp_path):
     params = build_workload("digits-mlp", 0, 2)[0].initial_params(0)  # a node refuses a model the manifest lacks
     revision = make_revision(schema=tuple((name, "float32", tensor.shape) for name, tensor in params.items()))
     (tmp_path / "m").write_bytes(revision.envelope.to_bytes())
-    runtime = build_runtime(load_config(_config(tmp_path, 'compute = "torch"\ndevice = "auto"\ncompute_threads = 3\n')))
+    config = node_config(tmp_path, 'compute = "torch"\ndevice = "auto"\ncompute_threads = 3\n')
+    runtime = build_runtime(load_config(config))
     try:
         assert runtime.executor.compute.name == "torch" and runtime.executor.compute.threads == 3
         assert runtime.executor.workload.device.type == resolve_device("auto")

@@ -18,7 +18,7 @@ from peerloom.backends.torch.pool import rank_batch, rank_share
 from peerloom.node import ConfigError, load_config
 from peerloom.workloads import all_gather, all_reduce, broadcast, pool_rank, pool_size
 from tests import pool_workloads
-from tests.adapters.test_node_config import AUTHORITY, BASE, _config
+from tests.helpers import NODE_AUTHORITY, NODE_CONFIG, node_config
 
 ROOT = Path(__file__).resolve().parents[2]
 # Equivalence tolerance (spec/pools.md "Equivalence"): float32 rounding of DDP's mean of the ranks'
@@ -91,16 +91,16 @@ def test_bad_pool_tables_are_refused(table, message):
 
 
 def test_node_config_checks_the_pool(tmp_path):
-    assert load_config(_config(tmp_path, "[pool]\nranks = 2\ntimeout_s = 5.0\n"))["pool"]["ranks"] == 2
+    assert load_config(node_config(tmp_path, "[pool]\nranks = 2\ntimeout_s = 5.0\n"))["pool"]["ranks"] == 2
     with pytest.raises(ConfigError, match=r"pool\.ranks"):
-        load_config(_config(tmp_path, "[pool]\nranks = -1\n"))
+        load_config(node_config(tmp_path, "[pool]\nranks = -1\n"))
     with pytest.raises(ConfigError, match="behaviour"):
-        load_config(_config(tmp_path, 'behaviour = "alie"\n[pool]\nranks = 2\n'))
-    validator = BASE.replace('roles=["trainer"]', 'roles=["validator"]')
+        load_config(node_config(tmp_path, 'behaviour = "alie"\n[pool]\nranks = 2\n'))
+    validator = NODE_CONFIG.replace('roles=["trainer"]', 'roles=["validator"]')
     (tmp_path / "v.toml").write_text(validator + "[pool]\nranks = 2\n")
     with pytest.raises(ConfigError, match="trainer role"):
         load_config(tmp_path / "v.toml")
-    assert AUTHORITY in BASE
+    assert NODE_AUTHORITY in NODE_CONFIG
 
 
 # --- collectives --------------------------------------------------------------------------------------------

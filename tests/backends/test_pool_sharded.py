@@ -157,12 +157,12 @@ def test_a_sharded_pool_refuses_a_workload_it_cannot_build_sharded():
 
 def test_node_config_takes_the_parallel_mode(tmp_path):
     from peerloom.node import ConfigError, load_config
-    from tests.adapters.test_node_config import _config
+    from tests.helpers import node_config
 
-    table = load_config(_config(tmp_path, '[pool]\nranks = 4\nparallel = "pipeline"\nschedule = "1f1b"\n'))["pool"]
+    table = load_config(node_config(tmp_path, '[pool]\nranks = 4\nparallel = "pipeline"\nschedule = "1f1b"\n'))["pool"]
     assert (table["parallel"], table["schedule"]) == ("pipeline", "1f1b")
     with pytest.raises(ConfigError, match=r"pool\.parallel"):
-        load_config(_config(tmp_path, '[pool]\nranks = 2\nparallel = "zero3"\n'))
+        load_config(node_config(tmp_path, '[pool]\nranks = 2\nparallel = "zero3"\n'))
 
 
 def test_a_node_streams_a_sharded_pools_update_into_its_store_and_stores_nothing_when_a_rank_dies(

@@ -3,6 +3,7 @@ copy, and the same refusals of malformed (hostile) containers."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import numpy as np
@@ -67,10 +68,8 @@ def test_short_and_oversized_prefixes_are_refused() -> None:
 
 @given(st.binary(max_size=200))
 def test_arbitrary_bytes_raise_only_decode_error(data: bytes) -> None:
-    try:
+    with contextlib.suppress(DecodeError):  # anything else fails the test
         safetensors_views(data)
-    except DecodeError:
-        pass
 
 
 @given(st.binary(min_size=0, max_size=64), st.integers(0, 3))

@@ -19,8 +19,8 @@ from peerloom.backends.numpy.tensors import schema_of, tensor_digest
 from peerloom.core.leases import leases_of
 from peerloom.node import build_node_workload, load_config
 from peerloom.workloads import NumpyWorkload, TorchWorkload, numpy_workload, shards_for, torch_workload
-from tests.adapters.test_node_config import _config
-from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
+from tests.engine_cluster import N_SHARDS, SEED, build, head_window
+from tests.helpers import node_config
 
 CLASSES = 4
 
@@ -207,7 +207,7 @@ def test_user_cnn_trains_two_audited_windows_through_the_node_factory_path(tmp_p
     """The factory goes through the node's config path (``workload = "module:function"``); each node gets its
     own instance, as separate processes would; validator and reducer re-run every update (audit) and accept
     the honest ones."""
-    config = load_config(_config(tmp_path, 'workload = "tests.backends.test_user_workload:cnn_factory"\n'))
+    config = load_config(node_config(tmp_path, 'workload = "tests.backends.test_user_workload:cnn_factory"\n'))
     workload, shards = build_node_workload(config, "digits-mlp", SEED, N_SHARDS)
     assert isinstance(workload, TorchWorkload) and shards == shards_for(160, N_SHARDS, SEED)
     audits = []

@@ -19,7 +19,7 @@ from peerloom.core.objects import (
     seal,
 )
 from peerloom.core.validator import ValidatorRole
-from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
+from tests.engine_cluster import N_SHARDS, SEED, build, build_until, head_window
 from tests.helpers import ident, make_revision
 
 AUTHORITY = ident(97)
@@ -104,8 +104,8 @@ def test_only_admitted_joiners_enter_the_roster(tmp_path, digits):
 
 
 def test_proposal_adding_an_unadmitted_peer_is_invalid(tmp_path, digits):
-    cluster = build(tmp_path, digits, trainers=2, admission="certificate", admission_authority=AUTHORITY.peer_id)
-    assert cluster.run_until(lambda c: head_window(c) >= 1, max_time=60.0)
+    cluster = build_until(1, tmp_path, digits, trainers=2, admission="certificate",
+                          admission_authority=AUTHORITY.peer_id)
     role = next(r for r in cluster.nodes["validator"].engine.roles if isinstance(r, ValidatorRole))
     parent = role.collector.head
     skip = role.screening.skip_head(parent, ())
@@ -127,8 +127,7 @@ def test_proposal_adding_an_unadmitted_peer_is_invalid(tmp_path, digits):
 def test_a_private_join_needs_a_manifest_that_admits_private_data(tmp_path, digits, private_data):
     """spec/protocol.md §10: a join that declares private data is refused (``private-not-admitted``, charged to
     the sender) unless the manifest has ``private_data``; under one that does it is held, flagged private."""
-    cluster = build(tmp_path, digits, trainers=2, private_data=private_data)
-    assert cluster.run_until(lambda c: head_window(c) >= 1, max_time=60.0)
+    cluster = build_until(1, tmp_path, digits, trainers=2, private_data=private_data)
     role = next(r for r in cluster.nodes["validator"].engine.roles if isinstance(r, ValidatorRole))
     joiner = ident(30)
     join = seal(joiner, JoinRequest(revision=cluster.revision.id, window=role.admission.window, capacity=1,

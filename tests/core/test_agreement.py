@@ -13,7 +13,7 @@ from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.messages import Signed, decode_message, encode_message
 from peerloom.core.objects import PREVOTE, ReductionProposal, seal, sign_vote
 from peerloom.core.validator import proposer_of
-from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
+from tests.engine_cluster import N_SHARDS, SEED, build, build_until, head_window
 from tests.helpers import ident
 
 VALIDATORS = ["validator", "v1", "v2", "v3"]
@@ -96,8 +96,7 @@ def test_restarted_validator_never_double_votes(tmp_path, workload):
 
 
 def test_equivocating_validator_is_detected(tmp_path, workload):
-    cluster = build(tmp_path, workload, trainers=2, validators=4, quorum=3)
-    assert cluster.run_until(lambda c: head_window(c) >= 1, max_time=120.0)
+    cluster = build_until(1, tmp_path, workload, trainers=2, validators=4, quorum=3, max_time=120.0)
     v = cluster.nodes["validator"].engine
     byzantine = cluster.nodes["v3"]
     window = v.head.window + 1
@@ -109,8 +108,7 @@ def test_equivocating_validator_is_detected(tmp_path, workload):
 
 
 def test_wrong_reducer_aggregate_is_charged_and_validators_certify_their_own(tmp_path, workload):
-    cluster = build(tmp_path, workload, trainers=2)
-    assert cluster.run_until(lambda c: head_window(c) >= 1, max_time=60.0)
+    cluster = build_until(1, tmp_path, workload, trainers=2)
     v = cluster.nodes["validator"].engine
     reducer = cluster.nodes["reducer"]
     head = v.head

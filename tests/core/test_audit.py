@@ -14,7 +14,7 @@ from peerloom.backends.registry import build_workload
 from peerloom.core.audit import train_seed
 from peerloom.core.chain import verify_chain
 from peerloom.core.leases import leases_of
-from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
+from tests.engine_cluster import N_SHARDS, SEED, build, head_window
 from tests.helpers import ident, make_revision
 
 

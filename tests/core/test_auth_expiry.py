@@ -12,7 +12,7 @@ from peerloom.core.errors import VerificationError
 from peerloom.core.objects import AdmissionCertificate, JoinRequest, seal
 from peerloom.core.validator import ValidatorRole
 from tests.core.test_admission import AUTHORITY
-from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
+from tests.engine_cluster import N_SHARDS, SEED, build_until
 from tests.helpers import ident
 
 
@@ -22,8 +22,8 @@ def digits():
 
 
 def test_join_window_after_expires_window_is_refused_and_the_last_window_is_taken(tmp_path, digits):
-    cluster = build(tmp_path, digits, trainers=2, admission="certificate", admission_authority=AUTHORITY.peer_id)
-    assert cluster.run_until(lambda c: head_window(c) >= 1, max_time=60.0)
+    cluster = build_until(1, tmp_path, digits, trainers=2, admission="certificate",
+                          admission_authority=AUTHORITY.peer_id)
     role = next(r for r in cluster.nodes["validator"].engine.roles if isinstance(r, ValidatorRole))
     book, rid = role.admission, cluster.revision.id
     w = book.window  # the window this validator collects

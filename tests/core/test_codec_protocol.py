@@ -16,7 +16,7 @@ from peerloom.core.audit import train_seed
 from peerloom.core.chain import verify_chain
 from peerloom.core.errors import DecodeError
 from peerloom.core.objects import CODECS, Manifest
-from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
+from tests.engine_cluster import N_SHARDS, SEED, build, build_until
 from tests.helpers import ident, make_revision
 
 
@@ -109,8 +109,7 @@ def test_int8_audit_passes_an_honest_update_and_rejects_another(tmp_path, digits
 
 @pytest.mark.parametrize("codec", ["int8", "topk"])
 def test_cluster_with_codec_certifies_and_trains(tmp_path, digits, codec):
-    cluster = build(tmp_path, digits, trainers=3, codec=codec, codec_fraction=0.2)
-    assert cluster.run_until(lambda c: head_window(c) >= 3, max_time=90.0)
+    cluster = build_until(3, tmp_path, digits, trainers=3, codec=codec, codec_fraction=0.2, max_time=90.0)
     v = cluster.nodes["validator"]
     heads = [h for _, h, _ in v.heads]
     assert all(not h.skipped and len(h.cohort) >= 1 for h in heads[:3])

@@ -168,7 +168,7 @@ def test_a_peer_is_served_each_artifact_at_most_twice_per_window():
 def test_the_serving_budget_counts_artifacts_and_starts_again_at_the_next_head():
     """A peer is served at most 4 + 2 × shards + validators distinct artifacts in one window (what a window
     can hold); the next head gives every peer a new budget."""
-    from tests.core.test_objects import certify, child
+    from tests.helpers import certify, child
 
     vals = [ident(1), ident(2), ident(3), ident(4)]
     rev = make_revision(validators=vals, quorum=3, trainers=[TRAINER], shards=(10,), genesis=GENESIS,

@@ -5,85 +5,19 @@ is virtual, driven by the simulator's event heap (no wall clock is read).
 """
 
 import random
-from pathlib import Path
 
 import pytest
 
-from peerloom.backends.numpy.tensors import tensor_digest, to_safetensors
-from peerloom.backends.registry import build_workload
 from peerloom.core import events as ev
 from peerloom.core.chain import verify_chain
 from peerloom.core.encoding import encode
 from peerloom.core.engine import Engine, EngineConfig
 from peerloom.core.errors import LocalProtocolError
-from peerloom.core.identity import Identity
 from peerloom.core.leases import leases_of
 from peerloom.core.messages import Signed, encode_message
-from peerloom.core.objects import Manifest, Revision, UpdateAnnouncement, make_artifact_ref, seal
-from peerloom.testing import Cluster
-
-SEED = 3
-N_SHARDS = 4
-
-
-@pytest.fixture(scope="module")
-def workload():
-    return build_workload("digits-mlp", SEED, N_SHARDS)
-
-
-def ident(n: int) -> Identity:
-    return Identity(bytes([n]) * 32)
-
-
-def build(tmp_path: Path, workload, *, trainers=2, min_updates=1, window_s=5.0, validators=1, quorum=1,
-          rule="mean", compute="numpy", engine_options=None, **manifest_fields):
-    """A validator (or `validators` of them), a reducer and `trainers` trainers, connected, on `workload`'s
-    (workload, shards); validators and the reducer screen and reduce with the `compute` backend, either one
-    name for all or a list (validators, then the reducer)."""
-    wl, shards = workload
-    params = wl.initial_params(SEED)
-    genesis = to_safetensors(params)
-    vals = [ident(1)] + [ident(30 + i) for i in range(validators - 1)]
-    reducer = ident(2)
-    tr = [ident(10 + i) for i in range(trainers)]
-    authority = ident(99)
-    manifest = Manifest(
-        experiment="pair", workload="digits-mlp", workload_seed=SEED, schema=_schema(params),
-        shards=tuple(len(s) for s in shards), validators=tuple(v.peer_id for v in vals), quorum=quorum,
-        window_s=window_s,
-        min_updates=min_updates, max_capacity=4, aggregation=rule,
-        **dict({"outer_optimizer": "fedavg", "outer_lr": 1.0}, **manifest_fields),
-        chunk_size=16 * 1024, genesis_params=make_artifact_ref(genesis, 16 * 1024),
-        genesis_params_digest=tensor_digest(params), roster=tuple(sorted((t.peer_id, 1) for t in tr)))
-    revision = Revision.verify(manifest.seal(authority), authority.peer_id)
-    cluster = Cluster(revision, seed=SEED, engine_options=engine_options)
-    names = ["validator"] + [f"v{i}" for i in range(1, validators)]
-    computes = [compute] * (validators + 1) if isinstance(compute, str) else list(compute)
-    for name, identity, backend in zip(names, vals, computes[:-1], strict=True):
-        cluster.add_node(name, identity, {"validator"}, tmp_path / name, wl, shards, compute=backend).store.put(genesis)
-    reducer_node = cluster.add_node("reducer", reducer, {"reducer"}, tmp_path / "r", wl, shards, compute=computes[-1])
-    reducer_node.store.put(genesis)
-    for i, t in enumerate(tr):
-        cluster.add_node(f"t{i}", t, {"trainer"}, tmp_path / f"t{i}", wl, shards)
-    cluster.start()
-    for i in range(trainers):
-        for name in names:
-            cluster.connect(f"t{i}", name)
-        cluster.connect(f"t{i}", "reducer")
-    for j, name in enumerate(names):
-        cluster.connect("reducer", name)
-        for other in names[j + 1:]:
-            cluster.connect(name, other)
-    return cluster
-
-
-def _schema(params):
-    from peerloom.backends.numpy.tensors import schema_of
-    return schema_of(params)
-
-
-def head_window(cluster, name="validator"):
-    return cluster.nodes[name].engine.head.window
+from peerloom.core.objects import UpdateAnnouncement, seal
+from tests.engine_cluster import build, build_until, head_window
+from tests.engine_cluster import workload as workload  # the fixture
 
 
 def test_pair_certifies_three_windows_and_chain_verifies(tmp_path, workload):
@@ -110,15 +44,13 @@ def test_pair_certifies_three_windows_and_chain_verifies(tmp_path, workload):
 def test_same_seed_same_heads(tmp_path, workload):
     ids = []
     for run in ("a", "b"):
-        cluster = build(tmp_path / run, workload)
-        assert cluster.run_until(lambda c: head_window(c) >= 2, max_time=60.0)
+        cluster = build_until(2, tmp_path / run, workload)
         ids.append([h.id for _, h, _ in cluster.nodes["validator"].heads])
     assert ids[0] == ids[1]
 
 
 def test_crashed_trainer_window_closes_on_deadline(tmp_path, workload):
-    cluster = build(tmp_path, workload, trainers=3, min_updates=1, window_s=5.0)
-    assert cluster.run_until(lambda c: head_window(c) >= 1, max_time=60.0)
+    cluster = build_until(1, tmp_path, workload, trainers=3, min_updates=1, window_s=5.0)
     t_crash = cluster.now
     cluster.crash("t0")
     assert cluster.run_until(lambda c: head_window(c) >= 3, max_time=t_crash + 60.0)
@@ -133,16 +65,14 @@ def test_crashed_trainer_window_closes_on_deadline(tmp_path, workload):
 
 
 def test_too_few_updates_skips_window_loudly(tmp_path, workload):
-    cluster = build(tmp_path, workload, trainers=2, min_updates=3, window_s=2.0)
-    assert cluster.run_until(lambda c: head_window(c) >= 1, max_time=30.0)
+    cluster = build_until(1, tmp_path, workload, trainers=2, min_updates=3, window_s=2.0, max_time=30.0)
     head = cluster.nodes["validator"].engine.head
     assert head.skipped and head.cohort == () and head.params == cluster.revision.genesis().params
     assert any(e == "window-skipped" for _, _, e, _ in cluster.logs)
 
 
 def test_update_with_wrong_lease_is_rejected_and_charged(tmp_path, workload):
-    cluster = build(tmp_path, workload, trainers=2)
-    assert cluster.run_until(lambda c: head_window(c) >= 1, max_time=60.0)
+    cluster = build_until(1, tmp_path, workload, trainers=2)
     v = cluster.nodes["validator"].engine
     t0 = cluster.nodes["t0"]
     head = v.head
@@ -173,8 +103,7 @@ def test_engine_refuses_misuse(tmp_path, workload):
 
 @pytest.mark.parametrize("rule", ["median", "trimmed_mean", "centered_clip"])
 def test_robust_rules_certify_and_learn(tmp_path, workload, rule):
-    cluster = build(tmp_path, workload, trainers=3, rule=rule)
-    assert cluster.run_until(lambda c: head_window(c) >= 3, max_time=60.0)
+    cluster = build_until(3, tmp_path, workload, trainers=3, rule=rule)
     heads = [h for _, h, _ in cluster.nodes["validator"].heads]
     assert all(not h.skipped for h in heads[:3])
     assert heads[2].metrics["test_accuracy"] > 0.5

@@ -10,7 +10,7 @@ from peerloom.core import events as ev
 from peerloom.core.encoding import decode
 from peerloom.core.engine import Engine, EngineConfig
 from peerloom.core.errors import DecodeError, LocalProtocolError
-from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
+from tests.engine_cluster import N_SHARDS, SEED, build_until, head_window
 from tests.helpers import make_revision
 
 
@@ -20,8 +20,7 @@ def workload():
 
 
 def test_snapshot_round_trips_and_restored_validator_continues(tmp_path, workload):
-    cluster = build(tmp_path, workload, trainers=2)
-    assert cluster.run_until(lambda c: head_window(c) >= 2, max_time=60.0)
+    cluster = build_until(2, tmp_path, workload, trainers=2)
     node = cluster.nodes["validator"]
     engine = node.engine
     snap = engine.snapshot()

@@ -3,7 +3,7 @@ Storage): an update's delta, which the node can fetch again and neither signs no
 heads' params and everything else must be."""
 
 from peerloom.sim import kernel
-from tests.core.test_engine_pair import build, head_window, workload  # noqa: F401  (the fixture)
+from tests.engine_cluster import build, head_window, workload  # noqa: F401  (the fixture)
 
 
 def test_only_fetched_update_deltas_are_committed_without_fsync(tmp_path, workload, monkeypatch):  # noqa: F811

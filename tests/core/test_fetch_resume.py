@@ -81,6 +81,18 @@ class Harness:
         self.requests += asked
         return asked
 
+    def quit_after_five_chunks(self) -> set[int]:
+        """A fetch of REF from QUITTER only, which sends five chunks and disconnects (the fetch then fails with
+        no-provider); the chunk indexes verified by then."""
+        self.engine.fetch(REF, [QUITTER], "test", WAITER)
+        for peer, index in self.drain()[:5]:
+            self.answer(peer, index)
+        self.drain()
+        verified = set(self.stored)
+        self.event(ev.PeerDisconnected, peer=QUITTER)
+        self.drain()
+        return verified
+
     def answer(self, peer, index: int, *, lie: bool = False) -> None:
         data = DATA[index * CHUNK:(index + 1) * CHUNK]
         if lie:
@@ -160,13 +172,7 @@ def test_a_chunk_from_a_provider_not_asked_is_refused_and_charged() -> None:
 
 def test_a_new_fetch_after_every_provider_left_resumes_from_the_verified_chunks() -> None:
     h = Harness()
-    h.engine.fetch(REF, [QUITTER], "test", WAITER)
-    for peer, index in h.drain()[:5]:
-        h.answer(peer, index)
-    h.drain()
-    verified = set(h.stored)
-    h.event(ev.PeerDisconnected, peer=QUITTER)
-    h.drain()
+    verified = h.quit_after_five_chunks()
     assert h.done == ["no-provider"]
     h.engine.fetch(REF, [HONEST], "test", WAITER)
     again = {i for _, i in h.drain()}
@@ -192,12 +198,7 @@ def test_a_silent_provider_costs_at_most_one_chunk_timeout() -> None:
 
 def test_a_resumed_fetch_stores_each_chunk_once_and_commits() -> None:
     h = Harness()
-    h.engine.fetch(REF, [QUITTER], "test", WAITER)
-    for peer, index in h.drain()[:5]:
-        h.answer(peer, index)
-    h.drain()
-    h.event(ev.PeerDisconnected, peer=QUITTER)
-    h.drain()
+    h.quit_after_five_chunks()
     h.engine.fetch(REF, [HONEST], "test", WAITER)
     pending = h.drain()
     while pending and not h.commits:
@@ -211,12 +212,7 @@ def test_a_resumed_fetch_stores_each_chunk_once_and_commits() -> None:
 
 def test_the_verified_chunks_of_another_ref_with_the_same_digest_are_not_trusted() -> None:
     h = Harness()
-    h.engine.fetch(REF, [QUITTER], "test", WAITER)
-    for peer, index in h.drain()[:5]:
-        h.answer(peer, index)
-    h.drain()
-    h.event(ev.PeerDisconnected, peer=QUITTER)
-    h.drain()
+    h.quit_after_five_chunks()
     # Same digest, different chunking: no such ref decodes (the digest is the id of the chunks, spec/wire.md
     # §5), but the engine does not rely on that: nothing is skipped.
     other = attrs.evolve(make_artifact_ref(DATA, CHUNK // 2), digest=REF.digest)

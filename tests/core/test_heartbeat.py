@@ -18,7 +18,7 @@ from peerloom.core.objects import Head, Heartbeat, Manifest, Revision, seal
 from peerloom.core.trainer import TrainerRole
 from peerloom.core.validator import ValidatorRole
 from peerloom.verify import check_rules
-from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
+from tests.engine_cluster import N_SHARDS, SEED, build, build_until, first_head_without, head_window
 from tests.helpers import ident
 
 VALIDATORS = ("validator", "v1", "v2", "v3")
@@ -121,8 +121,7 @@ def test_live_trainer_without_a_lease_keeps_its_place(tmp_path, digits, monkeypa
 
 
 def test_proposal_expiring_a_peer_heard_here_is_refused(tmp_path, digits):
-    cluster = build(tmp_path, digits, trainers=2, idle_windows=2)
-    assert cluster.run_until(lambda c: head_window(c) >= 3, max_time=60.0)
+    cluster = build_until(3, tmp_path, digits, trainers=2, idle_windows=2)
     role = validator_role(cluster)
     parent = role.collector.head
     t0 = cluster.nodes["t0"].identity.peer_id
@@ -168,8 +167,7 @@ def test_a_proposer_with_a_wrong_view_costs_a_round_not_the_peer(tmp_path, digit
 
 
 def test_heartbeats_over_quota_are_charged_and_stale_ones_ignored(tmp_path, digits):
-    cluster = build(tmp_path, digits, trainers=2, validators=4, quorum=3, idle_windows=2)
-    assert cluster.run_until(lambda c: head_window(c) >= 1, max_time=60.0)
+    cluster = build_until(1, tmp_path, digits, trainers=2, validators=4, quorum=3, idle_windows=2)
     role = validator_role(cluster)
     window = role.window
     cluster.run_until(lambda c: False, max_time=cluster.now + 0.5)  # heartbeats and relays arrive
@@ -201,12 +199,9 @@ def test_heartbeats_over_quota_are_charged_and_stale_ones_ignored(tmp_path, digi
 
 
 def test_check_rules_refuses_a_shrink_not_covered_by_left_or_expired(tmp_path, digits):
-    cluster = build(tmp_path, digits, trainers=2, idle_windows=2)
-    assert cluster.run_until(lambda c: head_window(c) >= 2, max_time=60.0)
-    chain = [(h, c) for _, h, c in cluster.nodes["validator"].heads][:2]
-    t0 = cluster.nodes["t0"].identity.peer_id
+    cluster = build_until(2, tmp_path, digits, trainers=2, idle_windows=2)
+    chain, t0, shrunk = first_head_without(cluster)
     first, cert = chain[0]
-    shrunk = attrs.evolve(first, roster=tuple(x for x in first.roster if x[0] != t0))
     with pytest.raises(VerificationError) as info:
         check_rules(cluster.revision, [(shrunk, cert)])
     assert info.value.reason == "roster-shrunk"

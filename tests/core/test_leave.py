@@ -16,7 +16,7 @@ from peerloom.core.messages import Signed, encode_message
 from peerloom.core.objects import Head, LeaveRequest, seal
 from peerloom.core.validator import ValidatorRole
 from peerloom.verify import check_rules
-from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
+from tests.engine_cluster import N_SHARDS, SEED, build, build_until, first_head_without, head_window
 from tests.helpers import ident
 
 
@@ -113,12 +113,9 @@ def test_an_old_join_replayed_after_the_trainer_left_has_no_effect(tmp_path, dig
 
 
 def test_check_rules_refuses_a_roster_that_shrinks_without_left(tmp_path, digits):
-    cluster = build(tmp_path, digits, trainers=2)
-    assert cluster.run_until(lambda c: head_window(c) >= 2, max_time=60.0)
-    chain = [(h, c) for _, h, c in cluster.nodes["validator"].heads][:2]
-    t0 = cluster.nodes["t0"].identity.peer_id
+    cluster = build_until(2, tmp_path, digits, trainers=2)
+    chain, t0, shrunk = first_head_without(cluster)
     first, cert = chain[0]
-    shrunk = attrs.evolve(first, roster=tuple(x for x in first.roster if x[0] != t0))
     with pytest.raises(VerificationError) as info:
         check_rules(cluster.revision, [(shrunk, cert), chain[1]])
     assert info.value.reason == "roster-shrunk"
@@ -132,8 +129,7 @@ def test_check_rules_refuses_a_roster_that_shrinks_without_left(tmp_path, digits
 
 
 def test_proposal_check_refuses_departures_without_a_leave(tmp_path, digits):
-    cluster = build(tmp_path, digits, trainers=2)
-    assert cluster.run_until(lambda c: head_window(c) >= 1, max_time=60.0)
+    cluster = build_until(1, tmp_path, digits, trainers=2)
     role = validator_role(cluster)
     parent = role.collector.head
     t0 = cluster.nodes["t0"].identity.peer_id

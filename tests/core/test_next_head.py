@@ -9,9 +9,8 @@ from peerloom.core.encoding import encode
 from peerloom.core.errors import DecodeError
 from peerloom.core.messages import ChainEntries, ChainRequest, NextHead, decode_message, encode_message
 from peerloom.core.objects import Head, roster_digest
-from tests.core.test_engine_sync import REV, SEED, VALS, Node
-from tests.core.test_objects import certify, child
-from tests.helpers import ident
+from tests.core.test_chainsync import REV, SEED, VALS, Node
+from tests.helpers import certify, child, ident
 
 T = [ident(i).peer_id for i in (20, 21, 22, 23)]
 

@@ -12,31 +12,15 @@ from peerloom.core.encoding import encode
 from peerloom.core.errors import DecodeError, VerificationError
 from peerloom.core.leases import assign_shards, lease_weight, leases_of, rank_shards
 from peerloom.core.objects import (
-    PRECOMMIT,
     PREVOTE,
     ArtifactRef,
     Head,
     Manifest,
-    QuorumCertificate,
     Revision,
     artifact_id,
     make_artifact_ref,
-    sign_vote,
 )
-from tests.helpers import ident, make_revision
-
-
-def certify(revision, head, signers, round_=0, step=PRECOMMIT):
-    votes = {s.peer_id: sign_vote(s, revision.id, head.window, round_, step, head.id).signature for s in signers}
-    return QuorumCertificate.from_votes(head.id, head.window, round_, votes)
-
-
-def child(revision, parent, **changes):
-    fields = dict(revision=revision.id, parent=parent.id, window=parent.window + 1, skipped=False,
-                  params=parent.params, params_digest=parent.params_digest, cohort=(b"\x12\x20" + b"\1" * 32,),
-                  roster=parent.roster, quarantine=(), metrics={"test_accuracy": 0.5})
-    fields.update(changes)
-    return Head(**fields)
+from tests.helpers import certify, child, ident, make_revision
 
 
 def test_manifest_round_trip_and_revision_id_is_envelope_id():

@@ -16,7 +16,7 @@ from peerloom.core.leases import lease_window, leases_of
 from peerloom.core.messages import Signed
 from peerloom.core.objects import MAX_OVERLAP, PROTOCOL_VERSION, Manifest, UpdateAnnouncement, seal
 from peerloom.verify import check_rules
-from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
+from tests.engine_cluster import N_SHARDS, SEED, build, head_window
 from tests.helpers import ident, make_revision
 from tests.validator_harness import Lone, delta_of
 

@@ -10,8 +10,7 @@ from peerloom.core.errors import DecodeError, LocalProtocolError, VerificationEr
 from peerloom.core.objects import Head, JoinRequest, Manifest, PrivacyParams, UpdateAnnouncement
 from peerloom.core.privacy import budget_fault, ledger_epsilon, next_ledger, next_private, spent_steps
 from peerloom.verify import check_ledger, check_private
-from tests.core.test_objects import child
-from tests.helpers import ident, make_revision
+from tests.helpers import child, ident, make_revision
 
 PARAMS = PrivacyParams(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5, sample_rate=0.1, epsilon_budget=2.0)
 
@@ -218,7 +217,7 @@ def test_a_private_join_needs_a_manifest_that_admits_private_data_and_is_recorde
             assert joiner.peer_id in again.role.admission.private_joins
 
 
-# --- a simulated fleet (tests/core/test_engine_pair.py's cluster) ---------------------------------------
+# --- a simulated fleet (tests/engine_cluster.py's cluster) -------------------------------------------
 
 def test_trainers_stop_at_their_budget_leave_and_the_chain_shows_why(tmp_path):
     """Each trainer may afford exactly two windows: it trains two, then leaves the roster with a signed leave
@@ -228,7 +227,7 @@ def test_trainers_stop_at_their_budget_leave_and_the_chain_shows_why(tmp_path):
     from peerloom.backends.privacy import accountant as rdp
     from peerloom.backends.registry import build_workload
     from peerloom.verify import check_rules
-    from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
+    from tests.engine_cluster import N_SHARDS, SEED, build, head_window
 
     h = 2
     params = PrivacyParams(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5, sample_rate=0.1,

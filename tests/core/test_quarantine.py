@@ -15,7 +15,7 @@ from peerloom.core.errors import VerificationError
 from peerloom.core.messages import Signed, encode_message
 from peerloom.core.objects import PRECOMMIT, PREVOTE, Head, Manifest, sign_vote
 from peerloom.core.quarantine import check_evidence, make_evidence, next_records
-from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
+from tests.engine_cluster import N_SHARDS, SEED, build, build_until, head_window
 from tests.helpers import ident, make_revision
 
 SCHEMA = (("a", "float32", (3,)), ("b", "float32", (2, 2)))
@@ -219,8 +219,7 @@ def test_scaling_attacker_is_screened_struck_and_quarantined(tmp_path, workload)
 
 
 def test_equivocating_validator_is_quarantined_by_evidence_in_a_head(tmp_path, workload):
-    cluster = build(tmp_path, workload, trainers=2, validators=4, quorum=3)
-    assert cluster.run_until(lambda c: head_window(c) >= 1, max_time=120.0)
+    cluster = build_until(1, tmp_path, workload, trainers=2, validators=4, quorum=3, max_time=120.0)
     byzantine = cluster.nodes["v3"]
     bad = byzantine.identity.peer_id
     window = cluster.nodes["validator"].engine.head.window + 1
@@ -263,7 +262,7 @@ def test_diloco_cluster_commits_outer_state_and_validators_agree(tmp_path, workl
 def test_metrics_must_match_including_nan_and_infinity():
     """A plain |a - b| > tol test passes whenever either side is NaN; claimed metrics must match ours
     exactly in kind (NaN for NaN, the same infinity) and within METRIC_TOLERANCE otherwise."""
-    from peerloom.core.validator import METRIC_TOLERANCE, metrics_match
+    from peerloom.core.screening import METRIC_TOLERANCE, metrics_match
 
     nan, inf = float("nan"), float("inf")
     assert metrics_match({"test_loss": 0.5}, {"test_loss": 0.5 + METRIC_TOLERANCE / 2})

@@ -7,8 +7,8 @@ from __future__ import annotations
 import attrs
 
 from peerloom.core import effects as fx
-from tests.core.test_engine_pair import build, head_window
-from tests.core.test_engine_pair import workload as workload  # the fixture
+from tests.engine_cluster import build, head_window
+from tests.engine_cluster import workload as workload  # the fixture
 
 
 def _stored_files(cluster, name):

@@ -23,7 +23,7 @@ from peerloom.core.objects import (
 from peerloom.core.validator import ValidatorRole
 from peerloom.verify import check_rules
 from tests.core.test_admission import AUTHORITY, certificate, digits  # noqa: F401 (fixture)
-from tests.core.test_engine_pair import build, head_window
+from tests.engine_cluster import build, build_until, head_window
 from tests.helpers import ident, make_revision
 
 
@@ -101,8 +101,8 @@ def _validator(cluster, name="validator"):
 
 
 def test_a_head_removes_a_rostered_peer_only_with_the_authoritys_revocation(tmp_path, digits):  # noqa: F811
-    cluster = build(tmp_path, digits, trainers=2, admission="certificate", admission_authority=AUTHORITY.peer_id)
-    assert cluster.run_until(lambda c: head_window(c) >= 1, max_time=60.0)
+    cluster = build_until(1, tmp_path, digits, trainers=2, admission="certificate",
+                          admission_authority=AUTHORITY.peer_id)
     role = _validator(cluster)
     parent = role.collector.head
     victim = parent.roster[0][0]
@@ -184,8 +184,8 @@ def test_a_revoked_trainer_leaves_the_roster_and_cannot_rejoin(tmp_path, digits)
 
 
 def test_revocations_are_records_that_survive_a_restart_and_a_snapshot(tmp_path, digits):  # noqa: F811
-    cluster = build(tmp_path, digits, trainers=2, admission="certificate", admission_authority=AUTHORITY.peer_id)
-    assert cluster.run_until(lambda c: head_window(c) >= 1, max_time=60.0)
+    cluster = build_until(1, tmp_path, digits, trainers=2, admission="certificate",
+                          admission_authority=AUTHORITY.peer_id)
     node = cluster.nodes["validator"]
     victim = ident(50).peer_id
     envelope = revocation(cluster.revision.id, victim)

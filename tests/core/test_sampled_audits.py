@@ -28,7 +28,7 @@ from peerloom.core.audit import (
 from peerloom.core.errors import DecodeError, VerificationError
 from peerloom.core.objects import AuditFailure, Manifest, make_artifact_ref, seal
 from peerloom.verify import check_audits, check_rules
-from tests.core.test_engine_pair import N_SHARDS, SEED, build
+from tests.engine_cluster import N_SHARDS, SEED, build
 from tests.helpers import ident, make_revision
 
 

@@ -8,16 +8,17 @@ import attrs
 import pytest
 
 from peerloom.backends.registry import build_workload
+from peerloom.core.admission import join_priority
 from peerloom.core.encoding import decode, encode
 from peerloom.core.errors import DecodeError, VerificationError
 from peerloom.core.identity import Identity
-from peerloom.core.leases import leases_of, rank_shards, unproven_cap
+from peerloom.core.leases import leases_of, next_unproven, rank_shards, undelivered, unproven_cap
 from peerloom.core.objects import Head, JoinRequest, Manifest, seal
-from peerloom.core.validator import ValidatorRole, join_priority, next_unproven, undelivered
+from peerloom.core.validator import ValidatorRole
 from peerloom.sim.adversary import make_behaviour
 from peerloom.sim.scenario import load_scenario, run_scenario
 from peerloom.verify import check_rules
-from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
+from tests.engine_cluster import N_SHARDS, SEED, build_until
 from tests.helpers import ident, make_revision
 
 PROVEN = [(ident(10 + i).peer_id, 1) for i in range(2)]
@@ -180,8 +181,7 @@ def test_a_join_flood_keeps_the_same_joins_whatever_their_order(tmp_path):
     """The backlog keeps the joins first by `join_priority`, so honest validators that hear the same flood
     in different orders hold (and propose) the same joiners; the flood cannot grow their state."""
     workload = build_workload("digits-mlp", SEED, N_SHARDS)
-    cluster = build(tmp_path, workload, trainers=2)
-    assert cluster.run_until(lambda c: head_window(c) >= 1, max_time=60.0)
+    cluster = build_until(1, tmp_path, workload, trainers=2)
     role = next(r for r in cluster.nodes["validator"].engine.roles if isinstance(r, ValidatorRole))
     flood = [Identity(os.urandom(32)) for _ in range(200)]
     window = role.window
@@ -209,8 +209,8 @@ def test_a_join_without_admission_evicts_no_admitted_join(tmp_path):
     from tests.core.test_admission import AUTHORITY, certificate
 
     workload = build_workload("digits-mlp", SEED, N_SHARDS)
-    cluster = build(tmp_path, workload, trainers=2, admission="certificate", admission_authority=AUTHORITY.peer_id)
-    assert cluster.run_until(lambda c: head_window(c) >= 1, max_time=60.0)
+    cluster = build_until(1, tmp_path, workload, trainers=2, admission="certificate",
+                          admission_authority=AUTHORITY.peer_id)
     role = next(r for r in cluster.nodes["validator"].engine.roles if isinstance(r, ValidatorRole))
     revision, window = cluster.revision, role.window
     admitted = [Identity(os.urandom(32)) for _ in range(64)]

@@ -7,9 +7,6 @@ by its own node at start; `peerloom verify` accepts the chain."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import urllib.request
 
 import attrs
@@ -19,14 +16,8 @@ from peerloom.adapters.keys import generate_identity, save_identity
 from peerloom.adapters.storage import atomic_write
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.objects import AdmissionCertificate, Revision, seal
-from tests.adapters.test_node_membership import chain, wait_until
-from tests.fake_oidc import CLIENT_ID, FakeProvider
-from tests.node_cluster import free_port, make_fleet
-
-
-def peerloom(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "peerloom", *args], capture_output=True, text=True,
-                          timeout=timeout_s)
+from tests.fake_oidc import FakeProvider, auth_config, log_in, serve_auth, stop_fleet
+from tests.node_cluster import chain, free_port, make_fleet, peerloom, wait_until
 
 
 @pytest.mark.slow
@@ -60,29 +51,16 @@ def test_login_admits_a_trainer_that_trains_and_bad_certificates_are_refused(tmp
 
     auth = None
     with FakeProvider(auto={"claims": {"sub": "volunteer-42"}}) as provider:
-        (tmp_path / "auth.toml").write_text(
-            f'listen = "127.0.0.1:{auth_port}"\nkey = "gate.key"\nmanifest = "manifest.cbor"\nstate = "auth-state"\n'
-            f'validity_windows = 1000\nedge = "http://127.0.0.1:{edge_port}"\n'
-            f'[oidc]\nissuer = "{provider.issuer}"\nclient_id = "{CLIENT_ID}"\nemail_domains = ["example.edu"]\n')
+        (tmp_path / "auth.toml").write_text(auth_config(provider, auth_port, edge_port=edge_port))
         try:
             for node in (validator, member, expired):
                 node.start()
             for node in (validator, member, expired):
                 node.wait_port()
             wait_until(lambda: bool(chain(validator)), 30.0, "a first head", nodes)
-            auth_log = open(tmp_path / "auth.log", "wb")
-            auth = subprocess.Popen([sys.executable, "-m", "peerloom", "auth", "serve", "--config",
-                                     str(tmp_path / "auth.toml")], stdout=auth_log, stderr=subprocess.STDOUT,
-                                    env={**os.environ})
-            auth_log.close()
-            wait_until(lambda: "auth service on" in (tmp_path / "auth.log").read_text(), 30.0, "the auth service",
-                       nodes)
+            auth = serve_auth(tmp_path / "auth.toml", tmp_path / "auth.log")
 
-            login = peerloom("login", "--edge", f"http://127.0.0.1:{auth_port}", "--provider", "oidc",
-                             "--config", str(volunteer.config_path), "--timeout", "60")
-            assert login.returncode == 0, login.stderr + (tmp_path / "auth.log").read_text()
-            assert "enter the code" in login.stdout and "valid for joins up to window" in login.stdout
-            volunteer.write_config(admission="admission.cbor")
+            assert "enter the code" in log_in(volunteer, auth_port, tmp_path / "auth.log")
             volunteer.start()
             volunteer.wait_port()
 
@@ -140,11 +118,7 @@ def test_login_admits_a_trainer_that_trains_and_bad_certificates_are_refused(tmp
             assert all(expired.identity.peer_id not in h.roster_peers for h in heads)
             assert all(forged.identity.peer_id not in h.roster_peers for h in heads)
         finally:
-            if auth is not None:
-                auth.terminate()
-                auth.wait(timeout=15)
-            for node in nodes:
-                node.stop()
+            stop_fleet(auth, nodes)
     check = peerloom("verify", str(validator.directory), "--authority", authority.peer_id.to_text())
     assert check.returncode == 0, check.stdout + check.stderr
     assert auth is not None and auth.returncode == 0

@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import subprocess
-import sys
 import time
 import urllib.request
 from collections import Counter
@@ -27,32 +26,14 @@ import pytest
 from peerloom.adapters.keys import save_identity
 from peerloom.adapters.storage import atomic_write
 from tests.adapters.test_auth_service import GATE, REVISION
-from tests.fake_oidc import CLIENT_ID, FakeProvider
+from tests.fake_oidc import FakeProvider, auth_config, serve_auth
 from tests.helpers import ident
-from tests.node_cluster import free_port
+from tests.node_cluster import free_port, peerloom
 
 pytestmark = pytest.mark.slow
 
 FLOOD = 2000
 PER_ADDRESS = 8  # the default max_sessions_per_address
-
-
-def peerloom(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "peerloom", *args], capture_output=True, text=True,
-                          timeout=timeout_s)
-
-
-def serve(config, log_path) -> subprocess.Popen[bytes]:
-    """Start `peerloom auth serve` and wait for its listening line."""
-    log = open(log_path, "ab")
-    process = subprocess.Popen([sys.executable, "-m", "peerloom", "auth", "serve", "--config", str(config)],
-                               stdout=log, stderr=subprocess.STDOUT)
-    log.close()
-    deadline = time.monotonic() + 30
-    while "auth service on" not in log_path.read_text():
-        assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()
-        time.sleep(0.1)
-    return process
 
 
 def stop(process: subprocess.Popen[bytes]) -> None:
@@ -88,12 +69,9 @@ def test_a_login_flood_from_one_address_locks_no_one_out_and_used_tokens_survive
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with FakeProvider() as provider:  # nothing approved: the flood's logins stay pending
-        (tmp_path / "auth.toml").write_text(
-            f'listen = "127.0.0.1:{port}"\nkey = "gate.key"\nmanifest = "manifest.cbor"\nstate = "auth-state"\n'
-            f'starts_per_minute = 1000000\n'
-            f'[oidc]\nissuer = "{provider.issuer}"\nclient_id = "{CLIENT_ID}"\nemail_domains = ["example.edu"]\n')
+        (tmp_path / "auth.toml").write_text(auth_config(provider, port, extra="starts_per_minute = 1000000\n"))
         log = tmp_path / "auth.log"
-        service = serve(tmp_path / "auth.toml", log)
+        service = serve_auth(tmp_path / "auth.toml", log)
         try:
             started = time.monotonic()
             statuses = asyncio.run(flood(url, ident(13).peer_id.to_text(), FLOOD))
@@ -113,7 +91,7 @@ def test_a_login_flood_from_one_address_locks_no_one_out_and_used_tokens_survive
             assert f"{url}/v1/login/approve/" in login.stdout
             stop(service)
 
-            service = serve(tmp_path / "auth.toml", tmp_path / "auth-restarted.log")  # the restart
+            service = serve_auth(tmp_path / "auth.toml", tmp_path / "auth-restarted.log")  # the restart
             replay = peerloom("login", "--edge", url, "--provider", "oidc", "--key", str(tmp_path / "thief.key"),
                               "--out", str(tmp_path / "thief.cbor"), "--timeout", "60")
             assert replay.returncode == 1 and "replayed" in replay.stderr, replay.stdout + replay.stderr

@@ -31,6 +31,7 @@ import trio
 from peerloom.adapters import tcp
 from peerloom.adapters.http_transport import HTTP_PATH, HttpTransport
 from peerloom.adapters.runtime import LOG_INTERVAL_S
+from peerloom.adapters.transport import TransportError
 from peerloom.core.identity import Identity
 from peerloom.core.messages import Hello, decode_message
 from tests.live_attacks import certified, longest_skip_run, wait_certified
@@ -127,7 +128,7 @@ async def honest_hello(address: str, within_s: float = 30.0) -> None:
                 await conn.aclose()
                 assert isinstance(message, Hello)
                 return
-            except (tcp.TransportError, trio.BrokenResourceError, trio.ClosedResourceError):
+            except (TransportError, trio.BrokenResourceError, trio.ClosedResourceError):
                 await trio.sleep(0.3)
 
 
@@ -187,7 +188,7 @@ def test_descriptor_exhaustion_under_ulimit_1024_and_strangers_holding_slots(fle
             try:
                 conn = await tcp.connect("127.0.0.1", fleet.tcp_port, Identity(os.urandom(32)), handshake_timeout=10)
                 strangers.append(conn)
-            except tcp.TransportError:
+            except TransportError:
                 pass
         before = certified(fleet.validator)
         await trio.to_thread.run_sync(fleet.trainer.kill)
@@ -283,7 +284,7 @@ def test_handshake_flood_from_one_address_is_refused_by_its_bucket(fleet: Fleet)
                         conn = await tcp.connect("127.0.0.1", fleet.tcp_port, Identity(os.urandom(32)))
                         done["ok"] += 1
                         await conn.aclose()
-                    except tcp.TransportError:
+                    except TransportError:
                         done["refused"] += 1
 
         async with trio.open_nursery() as nursery:

@@ -22,13 +22,13 @@ import pytest
 import trio
 
 from peerloom.adapters import tcp
+from peerloom.adapters.transport import TransportError
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.identity import Identity
 from peerloom.core.messages import Chunk, ChunkRequest, Hello, decode_message, encode_message
 from peerloom.core.objects import Revision
-from tests.adapters.test_node_membership import chain
 from tests.live_attacks import certified, head_events, wait_certified
-from tests.node_cluster import make_fleet
+from tests.node_cluster import chain, make_fleet
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +59,7 @@ async def puller(port: int, revision: Revision, validator, pulls: Pulls, seconds
             got = 0
             try:
                 conn = await tcp.connect("127.0.0.1", port, Identity(os.urandom(32)), handshake_timeout=10.0)
-            except (OSError, tcp.TransportError):
+            except (OSError, TransportError):
                 await trio.sleep(0.05)  # refused by the validator's admission (its handshake rate): dial again
                 continue
             pulls.identities += 1
@@ -76,7 +76,7 @@ async def puller(port: int, revision: Revision, validator, pulls: Pulls, seconds
                         if isinstance(message, Chunk):
                             got += len(message.data)
                             pulls.bytes += len(message.data)
-            except* (OSError, tcp.TransportError, trio.BrokenResourceError, trio.ClosedResourceError):
+            except* (OSError, TransportError, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass  # hung up on (banned): come back as someone else
             finally:
                 pulls.per_identity.append(got)

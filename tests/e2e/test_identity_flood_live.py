@@ -34,6 +34,7 @@ import trio
 
 from peerloom.adapters import tcp
 from peerloom.adapters.disk import TEST_FAULT_ENV
+from peerloom.adapters.transport import TransportError
 from peerloom.core.identity import Identity
 from tests.live_attacks import certified, honest_hello, longest_skip_run, wait_certified
 from tests.node_cluster import free_port, make_fleet
@@ -56,14 +57,14 @@ async def identity_flood(port: int, identities: int, concurrency: int = 8) -> in
         for _ in remaining:
             try:
                 conn = await tcp.connect("127.0.0.1", port, Identity(os.urandom(32)), handshake_timeout=10.0)
-            except (tcp.TransportError, OSError):
+            except (TransportError, OSError):
                 continue
             done += 1
             try:
                 for message in NON_CANONICAL:
                     await conn.send_message(message)
                 await trio.sleep(0.01)
-            except (tcp.TransportError, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+            except (TransportError, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
             await conn.aclose()
 

@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 import pytest
 import tomli_w
-import trio
 
 from peerloom.adapters.keys import save_identity
 from peerloom.adapters.memory import MemoryNetwork
@@ -45,6 +44,7 @@ from peerloom.core.identity import Identity
 from peerloom.core.objects import Manifest
 from peerloom.node import build_runtime, load_config
 from peerloom.verify import verified_chain
+from tests.node_cluster import run_runtimes_until
 
 # DiLoCo (outer lr 0.7), deterministic fleets: see the module docstring for the gaps by seed and window count; plain
 # FedAvg (outer lr 1) was 3.5-5.5 points behind at 60-80 windows with Dirichlet(1.0), 0.2 with Dirichlet(3.0).
@@ -123,22 +123,9 @@ def run_fleet(root: Path, *, private: bool) -> dict[str, Any]:
 
     validator.executor._audit = counting_audit
 
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            for runtime in runtimes:
-                await nursery.start(runtime.run)
-            with trio.fail_after(240):
-                while validator.engine.head.window < WINDOWS:
-                    await trio.sleep(0.05)
-                while len(list((root / "validator" / "store" / "chain").glob("[0-9]*.cbor"))) < WINDOWS:
-                    await trio.sleep(0.05)
-            nursery.cancel_scope.cancel()
-
-    try:
-        trio.run(main)
-    finally:
-        for runtime in runtimes:
-            runtime.close()
+    chain_dir = root / "validator" / "store" / "chain"
+    run_runtimes_until(runtimes, lambda: validator.engine.head.window >= WINDOWS
+                       and len(list(chain_dir.glob("[0-9]*.cbor"))) >= WINDOWS, 240)
     _, entries = verified_chain(root / "validator" / "store")
     heads = [h for h, _ in entries]
     return {"heads": heads, "audits": len(audited), "trainers": [r.identity.peer_id for r in runtimes[1:]]}

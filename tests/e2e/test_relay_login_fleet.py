@@ -15,9 +15,6 @@ reached only through the relay, and `peerloom verify` accepts both validators' c
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import attrs
@@ -28,10 +25,8 @@ from peerloom.adapters.storage import atomic_write
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.identity import PeerId
 from peerloom.core.objects import Revision
-from tests.adapters.test_node_membership import chain, wait_until
-from tests.e2e.test_auth_e2e import peerloom
-from tests.fake_oidc import CLIENT_ID, FakeProvider
-from tests.node_cluster import Node, free_port, make_fleet
+from tests.fake_oidc import FakeProvider, auth_config, log_in, serve_auth, stop_fleet
+from tests.node_cluster import Node, chain, free_port, make_fleet, peerloom, wait_until
 
 
 def certified(validator: Node, peer: PeerId) -> bool:
@@ -86,29 +81,17 @@ def test_relayed_logged_in_and_refused_trainers_in_one_certificate_fleet(tmp_pat
 
     auth = None
     with FakeProvider(auto={"claims": {"sub": "volunteer-42"}}) as provider:
-        (tmp_path / "auth.toml").write_text(
-            f'listen = "127.0.0.1:{auth_port}"\nkey = "gate.key"\nmanifest = "manifest.cbor"\nstate = "auth-state"\n'
-            f'validity_windows = 1000\nedge = "http://127.0.0.1:{edge_port}"\n'
-            f'[oidc]\nissuer = "{provider.issuer}"\nclient_id = "{CLIENT_ID}"\nemail_domains = ["example.edu"]\n')
+        (tmp_path / "auth.toml").write_text(auth_config(provider, auth_port, edge_port=edge_port))
         early = (validator_1, validator_2, member, hidden, expired)
         try:
             for node in early:
                 node.start()
-            with open(tmp_path / "auth.log", "wb") as auth_log:
-                auth = subprocess.Popen([sys.executable, "-m", "peerloom", "auth", "serve", "--config",
-                                         str(tmp_path / "auth.toml")], stdout=auth_log, stderr=subprocess.STDOUT,
-                                        env={**os.environ})
+            auth = serve_auth(tmp_path / "auth.toml", tmp_path / "auth.log", timeout_s=60.0)
             for node in early:
                 node.wait_port(timeout_s=60.0)
-            wait_until(lambda: "auth service on" in (tmp_path / "auth.log").read_text(), 60.0, "the auth service",
-                       nodes)
             wait_until(lambda: bool(chain(validator_1)), 60.0, "a first head", nodes)
 
-            login = peerloom("login", "--edge", f"http://127.0.0.1:{auth_port}", "--provider", "oidc",
-                             "--config", str(volunteer.config_path), "--timeout", "60")
-            assert login.returncode == 0, login.stderr + (tmp_path / "auth.log").read_text()
-            assert "valid for joins up to window" in login.stdout, login.stdout
-            volunteer.write_config(admission="admission.cbor")
+            log_in(volunteer, auth_port, tmp_path / "auth.log")
             volunteer.start()
             volunteer.wait_port(timeout_s=60.0)
 
@@ -118,11 +101,7 @@ def test_relayed_logged_in_and_refused_trainers_in_one_certificate_fleet(tmp_pat
             wait_until(lambda: all(refused_as_expired(v, expired.identity.peer_id) for v in validators), 60.0,
                        "the expired certificate's join refused by both validators", nodes)
         finally:
-            if auth is not None:
-                auth.terminate()
-                auth.wait(timeout=15)
-            for node in nodes:
-                node.stop()
+            stop_fleet(auth, nodes)
 
     assert auth is not None and auth.returncode == 0, (tmp_path / "auth.log").read_text()[-3000:]
     for validator in validators:

@@ -21,6 +21,7 @@ import pytest
 import trio
 
 from peerloom.adapters import tcp
+from peerloom.adapters.transport import TransportError
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.identity import Identity
 from peerloom.core.messages import Hello, encode_message
@@ -50,7 +51,7 @@ async def liar(port: int, revision: bytes, seconds: float) -> None:
         with trio.move_on_after(seconds):
             while True:
                 await conn.receive_message()
-    except (OSError, tcp.TransportError, trio.BrokenResourceError, trio.ClosedResourceError):
+    except (OSError, TransportError, trio.BrokenResourceError, trio.ClosedResourceError):
         return  # the node hanging up on a liar is its right
 
 

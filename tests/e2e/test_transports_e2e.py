@@ -8,17 +8,13 @@ one trio run sharing one `MemoryNetwork` (the in-memory transport reaches only i
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
-import trio
 
 from peerloom.adapters.memory import MemoryNetwork
-from peerloom.core.chain import decode_chain_entry
 from peerloom.node import build_runtime, load_config
-from peerloom.verify import run_verify
-from tests.node_cluster import Node, make_fleet
+from tests.node_cluster import Node, chain_windows, check_chain, make_fleet, run_fleet_until, run_runtimes_until
 
 WINDOWS = 3  # certified windows each run must reach
 
@@ -41,62 +37,22 @@ def configure(nodes: list[Node], kinds: dict[str, str]) -> None:
         node.write_config()
 
 
-def chain_windows(node: Node) -> list[int]:
-    return sorted(int(p.stem) for p in (node.directory / "store" / "chain").glob("[0-9]*.cbor") if int(p.stem) > 0)
-
-
 def transports_used(nodes: list[Node]) -> set[str]:
     return {e.get("transport") for n in nodes for e in n.events() if e.get("event") == "connected"}
 
 
-def check_chain(validator: Node) -> None:
-    lines: list[str] = []
-    assert run_verify(validator.directory / "store", echo=lines.append) == 0, lines
-    entries = [decode_chain_entry(p.read_bytes()) for p in sorted((validator.directory / "store" / "chain")
-                                                                   .glob("[0-9]*.cbor"))]
-    assert max(h.window for h, _ in entries) >= WINDOWS
-    assert any(h.cohort for h, _ in entries), "no window certified any trainer's update"
-
-
 def run_processes(nodes: list[Node]) -> None:
-    try:
-        for node in nodes:
-            node.start()
-        for node in nodes:
-            node.wait_port()
-        deadline = time.monotonic() + 90
-        while min(len(chain_windows(n)) for n in nodes if n.role == "validator") < WINDOWS:
-            assert time.monotonic() < deadline, [n.directory.joinpath("node.log").read_text()[-2000:] for n in nodes]
-            for node in nodes:
-                assert node.process is not None and node.process.poll() is None, \
-                    node.directory.joinpath("node.log").read_text()[-3000:]
-            time.sleep(0.2)
-    finally:
-        for node in nodes:
-            node.stop()
+    run_fleet_until(nodes, lambda: min(len(chain_windows(n)) for n in nodes if n.role == "validator") >= WINDOWS,
+                    90)
 
 
 def run_in_process(nodes: list[Node]) -> None:
     network = MemoryNetwork()
     runtimes = [build_runtime(load_config(n.config_path), memory_network=network) for n in nodes]
-
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            for runtime in runtimes:
-                await nursery.start(runtime.run)
-            with trio.fail_after(90):
-                while min(r.engine.head.window for r in runtimes if "validator" in r.engine.config.roles) < WINDOWS:
-                    await trio.sleep(0.1)
-                # the last head reaches the chain directory once durable: give the validators a moment
-                while min(len(chain_windows(n)) for n in nodes if n.role == "validator") < WINDOWS:
-                    await trio.sleep(0.05)
-            nursery.cancel_scope.cancel()
-
-    try:
-        trio.run(main)
-    finally:
-        for runtime in runtimes:
-            runtime.close()
+    # the last head reaches the chain directory once durable: the validators' chain files are waited for too
+    run_runtimes_until(
+        runtimes, lambda: min(r.engine.head.window for r in runtimes if "validator" in r.engine.config.roles)
+        >= WINDOWS and min(len(chain_windows(n)) for n in nodes if n.role == "validator") >= WINDOWS, 90)
 
 
 @pytest.mark.slow
@@ -116,4 +72,4 @@ def test_the_smoke_fleet_certifies_over_every_transport(tmp_path: Path, mode: st
     assert transports_used(nodes) == expected
     for node in nodes:
         if node.role == "validator":
-            check_chain(node)
+            check_chain(node, WINDOWS)

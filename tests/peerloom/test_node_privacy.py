@@ -9,8 +9,7 @@ import pytest
 from peerloom.core.objects import PrivacyParams
 from peerloom.node import ConfigError, apply_privacy
 from peerloom.verify import check_ledger
-from tests.core.test_objects import child
-from tests.helpers import ident, make_revision
+from tests.helpers import child, ident, make_revision
 
 PARAMS = PrivacyParams(noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5, sample_rate=0.1, epsilon_budget=8.0)
 

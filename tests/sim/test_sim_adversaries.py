@@ -3,6 +3,7 @@
 from collections import Counter
 from pathlib import Path
 
+from peerloom.core.messages import ROLES
 from peerloom.sim.adversary import BEHAVIOURS, make_behaviour, role_of_behaviour
 from peerloom.sim.scenario import load_scenario, run_scenario
 
@@ -66,4 +67,4 @@ def test_label_flip_on_the_real_digits_workload():
 def test_every_behaviour_name_builds_for_its_role():
     for name in BEHAVIOURS:
         behaviour = make_behaviour(name)
-        assert behaviour.byzantine and role_of_behaviour(name) in ("trainer", "reducer", "validator")
+        assert behaviour.byzantine and role_of_behaviour(name) in ROLES

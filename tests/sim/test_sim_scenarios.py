@@ -365,7 +365,7 @@ def test_restarted_nodes_fill_in_the_windows_they_missed_before_they_move_on(see
     checked on every promotion), and at the end every node's store holds windows 1..its head. Not vacuous:
     t1 comes back with an empty disk to a fleet windows ahead, and t0 comes back at least two windows
     behind, so each could only move on by fetching what it missed."""
-    from peerloom.core.engine import chain_key
+    from peerloom.core.chainsync import chain_key
 
     result = run_scenario(CRASH_RESTART, seed=seed, trace=False)
     assert result.ok, result.summary["invariants"]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import attrs
 import pytest
@@ -16,16 +15,14 @@ import trio
 from peerloom.adapters.keys import generate_identity, save_identity
 from peerloom.adapters.storage import atomic_write
 from peerloom.cli import main as cli_main
-from peerloom.core.chain import decode_chain_entry
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.objects import AdmissionCertificate, JoinRequest, Revision, seal
 from peerloom.node import ConfigError, leave_roster, load_admission, load_config
-from tests.adapters.test_node_config import BASE, _config
 from tests.adapters.test_runtime_admission import TRAINER, running_node, trio_test, wait_for
-from tests.helpers import ident, make_revision
-from tests.node_cluster import make_fleet
+from tests.helpers import NODE_CONFIG, ident, make_revision, node_config
+from tests.node_cluster import chain, make_fleet, wait_until
 
-AUTHORITY = ident(200)  # signs the manifest (BASE's authority)
+AUTHORITY = ident(200)  # signs the manifest (NODE_CONFIG's authority)
 GATE = ident(201)  # the manifest's admission_authority
 NODE = ident(5)  # the trainer whose key is "k"
 
@@ -42,14 +39,14 @@ def certificate(revision: Revision, *, signer=GATE, peer=NODE, max_capacity=2) -
 
 def setup_node(tmp_path, admission: bytes | None, revision: Revision | None = None, key=NODE):
     """Write manifest "m", key "k" and (if given) "a.cbor"; return the config path
-    (tests/adapters/test_node_config.py)."""
+    (tests/peerloom/test_node_config.py)."""
     revision = revision or certificate_revision()
     atomic_write(tmp_path / "m", revision.envelope.to_bytes())
     if key is not None:
         save_identity(key, tmp_path / "k")
     if admission is not None:
         atomic_write(tmp_path / "a.cbor", admission)
-    return _config(tmp_path, 'admission = "a.cbor"\n')
+    return node_config(tmp_path, 'admission = "a.cbor"\n')
 
 
 def test_valid_certificate_is_accepted(tmp_path):
@@ -99,15 +96,15 @@ def test_bad_admission_is_a_config_error(tmp_path, case, message):
 ])
 def test_membership_keys_are_checked(tmp_path, roles, extra, message):
     path = tmp_path / "node.toml"
-    path.write_text(BASE.replace('["trainer"]', roles) + extra)
+    path.write_text(NODE_CONFIG.replace('["trainer"]', roles) + extra)
     with pytest.raises(ConfigError, match=message):
         load_config(path)
 
 
 def test_leave_keys_on_a_trainer(tmp_path):
-    config = load_config(_config(tmp_path, "leave_on_exit = true\nleave_grace_s = 5\n"))
+    config = load_config(node_config(tmp_path, "leave_on_exit = true\nleave_grace_s = 5\n"))
     assert config["leave_on_exit"] is True and config["leave_grace_s"] == 5
-    assert "leave_on_exit" not in load_config(_config(tmp_path))  # off unless asked for
+    assert "leave_on_exit" not in load_config(node_config(tmp_path))  # off unless asked for
 
 
 def test_admit_cli_issues_a_certificate_load_config_accepts(tmp_path, capsys):
@@ -225,29 +222,6 @@ async def test_leave_with_a_pending_join_withdraws_it_and_waits_for_one_head():
 
 
 # --- end to end: real `peerloom node` processes on 127.0.0.1 --------------------------------------------
-
-def chain(node) -> list:
-    directory = node.directory / "store" / "chain"
-    heads = []
-    for path in sorted(directory.glob("*.cbor")) if directory.exists() else []:
-        try:
-            heads.append(decode_chain_entry(path.read_bytes())[0])
-        except Exception:
-            pass  # being written
-    return heads
-
-
-def wait_until(cond, timeout_s: float, what: str, nodes) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        for node in nodes:
-            if node.process is not None and node.process.poll() is not None:
-                raise AssertionError(f"{node.name} exited: {(node.directory / 'node.log').read_text()[-3000:]}")
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
 
 @pytest.mark.slow
 def test_certificate_admits_and_leave_on_exit_leaves_before_exiting(tmp_path):

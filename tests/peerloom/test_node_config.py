@@ -4,17 +4,8 @@
 import pytest
 
 from peerloom.node import ConfigError, build_node_workload, build_runtime, load_config
-from tests.helpers import ident, make_revision
+from tests.helpers import NODE_AUTHORITY, NODE_CONFIG, ident, make_revision, node_config
 from tests.node_zygote import run_cli
-
-AUTHORITY = ident(200).peer_id.to_text()
-BASE = f'name="n"\nroles=["trainer"]\nkey="k"\nmanifest="m"\nauthority="{AUTHORITY}"\nstore="s"\n'
-
-
-def _config(tmp_path, extra=""):
-    path = tmp_path / "node.toml"
-    path.write_text(BASE + extra)
-    return path
 
 
 def test_missing_keys_are_named(tmp_path):
@@ -32,7 +23,7 @@ def test_bad_toml_is_reported(tmp_path):
 
 
 def test_relative_paths_resolve_next_to_config(tmp_path):
-    assert load_config(_config(tmp_path))["store"] == tmp_path / "s"
+    assert load_config(node_config(tmp_path))["store"] == tmp_path / "s"
 
 
 @pytest.mark.parametrize(("extra", "message"), [
@@ -57,22 +48,22 @@ def test_relative_paths_resolve_next_to_config(tmp_path):
 ])
 def test_bad_values_are_named(tmp_path, extra, message):
     with pytest.raises(ConfigError) as caught:
-        load_config(_config(tmp_path, extra))
+        load_config(node_config(tmp_path, extra))
     assert message in str(caught.value)
 
 
 def test_bad_roles_and_authority(tmp_path):
     path = tmp_path / "node.toml"
-    path.write_text(BASE.replace('["trainer"]', '["trainer", "miner"]'))
+    path.write_text(NODE_CONFIG.replace('["trainer"]', '["trainer", "miner"]'))
     with pytest.raises(ConfigError, match="roles must be"):
         load_config(path)
-    path.write_text(BASE.replace(AUTHORITY, "12D3KooWnotapeer"))
+    path.write_text(NODE_CONFIG.replace(NODE_AUTHORITY, "12D3KooWnotapeer"))
     with pytest.raises(ConfigError, match="is not a peer id"):
         load_config(path)
 
 
 def test_missing_manifest_is_a_config_error(tmp_path):
-    config = load_config(_config(tmp_path))
+    config = load_config(node_config(tmp_path))
     with pytest.raises(ConfigError, match="manifest"):
         build_runtime(config)
     assert (tmp_path / "k").exists()  # the identity key was created first, with 0600 (tests/adapters/test_storage.py)
@@ -88,19 +79,19 @@ def make_three_shards(seed, num_shards):
 
 
 def test_workload_factory_by_import_path(tmp_path):
-    config = load_config(_config(tmp_path, 'workload = "tests.adapters.test_node_config:make_tiny_workload"\n'))
+    config = load_config(node_config(tmp_path, 'workload = "tests.peerloom.test_node_config:make_tiny_workload"\n'))
     workload, shards = build_node_workload(config, "digits-mlp", 5, 3)
     assert workload == ("tiny", 5) and shards == [[0], [1], [2]]
-    fixed = load_config(_config(tmp_path, 'workload = "tests.adapters.test_node_config:make_three_shards"\n'))
+    fixed = load_config(node_config(tmp_path, 'workload = "tests.peerloom.test_node_config:make_three_shards"\n'))
     with pytest.raises(ConfigError, match="returned 3 shards, the manifest has 4"):
         build_node_workload(fixed, "digits-mlp", 5, 4)
-    other = load_config(_config(tmp_path, 'workload = "digits-numpy"\n'))
+    other = load_config(node_config(tmp_path, 'workload = "digits-numpy"\n'))
     with pytest.raises(ConfigError, match="differs from the manifest"):
         build_node_workload(other, "digits-mlp", 0, 4)
 
 
 def test_cli_reports_config_errors_without_a_traceback(tmp_path):
-    path = _config(tmp_path, "capacity = 0\n")
+    path = node_config(tmp_path, "capacity = 0\n")
     out = run_cli(["node", "--config", path])
     assert out.returncode != 0 and "capacity must be at least 1" in out.stderr and "Traceback" not in out.stderr
 
@@ -116,12 +107,12 @@ def test_keygen_prints_peer_id_and_refuses_overwrite(tmp_path):
 
 def test_behaviour_is_checked_and_applies_to_trainers_only(tmp_path):
     with pytest.raises(ConfigError, match="behaviour must be honest or one of"):
-        load_config(_config(tmp_path, 'behaviour = "nice"\n'))
+        load_config(node_config(tmp_path, 'behaviour = "nice"\n'))
     path = tmp_path / "node.toml"
-    path.write_text(BASE.replace('["trainer"]', '["validator"]') + 'behaviour = "alie"\n')
+    path.write_text(NODE_CONFIG.replace('["trainer"]', '["validator"]') + 'behaviour = "alie"\n')
     with pytest.raises(ConfigError, match="only role is trainer"):
         load_config(path)
-    assert load_config(_config(tmp_path, 'behaviour = "sign-flip-scale"\n'))["behaviour"] == "sign-flip-scale"
+    assert load_config(node_config(tmp_path, 'behaviour = "sign-flip-scale"\n'))["behaviour"] == "sign-flip-scale"
 
 
 def test_byzantine_workload_sends_the_attack_update():
@@ -171,7 +162,7 @@ def test_validators_under_sampled_audits_get_an_audit_worker(tmp_path, roles, ex
     manifest = attrs.evolve(make_revision().manifest, audit=True, audit_rate=0.5)
     revision = Revision.verify(manifest.seal(authority), authority.peer_id)
     (tmp_path / "m").write_bytes(revision.envelope.to_bytes())
-    text = _config(tmp_path, 'workload = "tests.adapters.test_node_config:make_counted_workload"\n' + extra)
+    text = node_config(tmp_path, 'workload = "tests.peerloom.test_node_config:make_counted_workload"\n' + extra)
     text.write_text(text.read_text().replace('roles=["trainer"]', f"roles={roles}"))
     runtime = build_runtime(load_config(text))
     try:
@@ -191,7 +182,7 @@ def test_agreement_timeout_reaches_the_engine(tmp_path, extra, timeout_s):
     authority = ident(200)
     revision = Revision.verify(make_revision().manifest.seal(authority), authority.peer_id)
     (tmp_path / "m").write_bytes(revision.envelope.to_bytes())
-    text = _config(tmp_path, 'workload = "tests.adapters.test_node_config:make_counted_workload"\n' + extra)
+    text = node_config(tmp_path, 'workload = "tests.peerloom.test_node_config:make_counted_workload"\n' + extra)
     runtime = build_runtime(load_config(text))
     try:
         assert runtime.engine.config.agreement_timeout_s == timeout_s

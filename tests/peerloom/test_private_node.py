@@ -86,7 +86,7 @@ def _node(tmp_path, *, private_data=True, roles='["trainer"]', roster=(), extra=
         np.savez(tmp_path / "d.npz", **npz)
     path = tmp_path / "node.toml"
     path.write_text(f'name="n"\nroles={roles}\nkey="k"\nmanifest="m"\nauthority="{AUTHORITY.peer_id.to_text()}"\n'
-                    'store="s"\nworkload="tests.adapters.test_private_node:make_recorder"\ndata="d.npz"\n' + extra)
+                    'store="s"\nworkload="tests.peerloom.test_private_node:make_recorder"\ndata="d.npz"\n' + extra)
     return path
 
 
@@ -130,8 +130,8 @@ def test_data_that_does_not_fit_the_workload_is_named(tmp_path) -> None:
     digits = build_workload("digits-numpy", 0, 4)[0]
     path = _node(tmp_path, npz={"x": np.zeros((5, 40), np.float32), "y": np.zeros(5, np.int64)},
                  schema=digits.schema())
-    path.write_text(path.read_text().replace('workload="tests.adapters.test_private_node:make_recorder"',
-                                             'workload="tests.adapters.test_private_node:make_digits"'))
+    path.write_text(path.read_text().replace('workload="tests.peerloom.test_private_node:make_recorder"',
+                                             'workload="tests.peerloom.test_private_node:make_digits"'))
     with pytest.raises(ConfigError, match=r"data .*d\.npz: does not fit the workload NumpyWorkload: x must be "
                                           r"\[n, 64\]"):
         build_runtime(load_config(path))

@@ -1,7 +1,7 @@
 """`peerloom export` and `peerloom.load_head`: a certified head's weights out of a verified
 chain, as safetensors with the head's metadata, and back into numpy or a torch module.
 
-The store with weights is a real one: the in-process cluster of tests/core/test_engine_pair.py (real training,
+The store with weights is a real one: the in-process cluster of tests/engine_cluster.py (real training,
 screening, reduction, signatures and SQLite + artifact storage on a virtual clock) certifies three windows.
 """
 
@@ -21,13 +21,12 @@ from peerloom.adapters.storage import ArtifactStore
 from peerloom.backends.numpy.tensors import tensor_digest, to_safetensors
 from peerloom.backends.registry import build_workload
 from peerloom.core.chain import decode_chain_entry, encode_chain_entry
-from peerloom.core.engine import HEAD_RECORD, chain_key
+from peerloom.core.chainsync import HEAD_RECORD, chain_key
 from peerloom.core.errors import PeerloomError, VerificationError
 from peerloom.core.objects import make_artifact_ref
 from peerloom.export import METADATA_KEYS, ExportError, ParamsMismatchError, export_head, load_head
-from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
-from tests.core.test_objects import certify, child
-from tests.helpers import ident, make_revision
+from tests.engine_cluster import N_SHARDS, SEED, build, head_window
+from tests.helpers import certify, child, ident, make_revision
 from tests.node_zygote import run_cli
 
 torch = pytest.importorskip("torch")

@@ -4,7 +4,7 @@ timeout, and validators certify their own reduction whatever a reducer proposes.
 import pytest
 
 from peerloom.backends.registry import build_workload
-from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
+from tests.engine_cluster import N_SHARDS, SEED, build, head_window
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """The demo report's verdicts and log reading (peerloom/demo_report.py); the whole report is checked end to
-end in test_demo_e2e.py."""
+end in tests/e2e/test_demo_e2e.py."""
 
 import json
 

@@ -66,9 +66,7 @@ def test_deadline_closes_a_window_that_got_some_updates():
 
 def test_a_failed_recomputation_builds_no_head_and_agreement_moves_on():
     v = Lone(trainers=2)
-    v.start()
-    for t in v.trainers:
-        v.greet(t, ("trainer",))
+    v.start_with_trainers()
     run_window(v)
     (task,) = v.pending("reduce")
     v.fail(task)
@@ -78,9 +76,7 @@ def test_a_failed_recomputation_builds_no_head_and_agreement_moves_on():
 
 def test_updates_rejected_by_screening_leave_a_short_window_skipped():
     v = Lone(trainers=2, min_updates=2)
-    v.start()
-    for t in v.trainers:
-        v.greet(t, ("trainer",))
+    v.start_with_trainers()
     for t in v.trainers:
         v.announce(t)
     v.screen_all(ok=False)

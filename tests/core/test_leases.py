@@ -6,7 +6,7 @@ import pytest
 
 from peerloom.backends.registry import build_workload
 from peerloom.core.leases import claims_of, lease_weight, leases_of
-from tests.core.test_engine_pair import N_SHARDS, SEED, build, head_window
+from tests.engine_cluster import N_SHARDS, SEED, build, build_until, head_window
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +43,7 @@ def test_silent_leaseholder_is_replaced_by_next_ranked_claims(tmp_path, workload
 
 
 def test_claims_lose_to_a_leaseholder_that_reports(tmp_path, workload):
-    cluster = build(tmp_path, workload, trainers=3, window_s=6.0, lease_s=1.5)
-    assert cluster.run_until(lambda c: head_window(c) >= 2, max_time=40.0)
+    cluster = build_until(2, tmp_path, workload, trainers=3, window_s=6.0, lease_s=1.5, max_time=40.0)
     genesis = cluster.revision.genesis()
     head = cluster.nodes["validator"].heads[0][1]
     own = announced(cluster, "announce")

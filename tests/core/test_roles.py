@@ -7,6 +7,7 @@ import random
 from peerloom.core.chainsync import ChainSync
 from peerloom.core.engine import Engine, EngineConfig
 from peerloom.core.fetching import Fetcher
+from peerloom.core.messages import ROLES
 from peerloom.core.reducer import ReducerRole
 from peerloom.core.roles import Role, RoleBase
 from peerloom.core.sessions import Sessions
@@ -34,7 +35,7 @@ def test_every_role_implements_every_hook_with_the_protocols_signature():
 
 def test_an_engine_holds_one_typed_role_per_configured_role():
     rev = make_revision(trainers=[ident(10)])
-    engine = Engine(EngineConfig(roles={"validator", "reducer", "trainer"}, revision=rev), ident(1),
+    engine = Engine(EngineConfig(roles=set(ROLES), revision=rev), ident(1),
                     random.Random(0))
     assert [type(r) for r in engine.roles] == [ValidatorRole, ReducerRole, TrainerRole]
     assert engine._validator is engine.roles[0] and engine._trainer is engine.roles[2]

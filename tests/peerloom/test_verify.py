@@ -9,11 +9,10 @@ import pytest
 
 from peerloom.adapters.storage import ArtifactStore
 from peerloom.core.chain import encode_chain_entry
-from peerloom.core.engine import HEAD_RECORD, chain_key
+from peerloom.core.chainsync import HEAD_RECORD, chain_key
 from peerloom.node import fill_chain_dir
 from peerloom.verify import run_verify
-from tests.core.test_objects import certify, child
-from tests.helpers import ident, make_revision
+from tests.helpers import certify, child, ident, make_revision
 from tests.node_zygote import run_cli
 
 VALS = [ident(1), ident(2), ident(3), ident(4)]

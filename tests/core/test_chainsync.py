@@ -12,8 +12,8 @@ import random
 from peerloom.core import effects as fx
 from peerloom.core import events as ev
 from peerloom.core.chain import decode_chain_entry, encode_chain_entry, verify_chain
-from peerloom.core.chainsync import CHAIN_SILENT_LIMIT
-from peerloom.core.engine import HEAD_RECORD, Engine, EngineConfig, chain_key
+from peerloom.core.chainsync import CHAIN_SILENT_LIMIT, HEAD_RECORD, chain_key
+from peerloom.core.engine import Engine, EngineConfig
 from peerloom.core.messages import (
     CertifiedHead,
     ChainEntries,
@@ -24,8 +24,7 @@ from peerloom.core.messages import (
     encode_message,
 )
 from peerloom.core.objects import QuorumCertificate
-from tests.core.test_objects import certify, child
-from tests.helpers import ident, make_revision
+from tests.helpers import certify, child, ident, make_revision
 
 VALS = [ident(1), ident(2), ident(3), ident(4)]
 FAKES = [ident(61), ident(62), ident(63)]

@@ -38,9 +38,7 @@ def test_a_waiting_join_starts_the_clock():
 
 def test_a_short_window_waits_on_in_half_steps_up_to_the_limit():
     v = Lone(trainers=2, window_s=WINDOW_S, min_updates=1)
-    v.start()
-    for t in v.trainers:
-        v.greet(t, ("trainer",))
+    v.start_with_trainers()
     v.at(WINDOW_S)
     extended = v.logs("window-extended")
     assert extended and v.role.state == "collecting"
@@ -52,9 +50,7 @@ def test_a_short_window_waits_on_in_half_steps_up_to_the_limit():
 
 def test_a_window_that_reached_its_minimum_is_not_extended():
     v = Lone(trainers=2, window_s=WINDOW_S, min_updates=1)
-    v.start()
-    for t in v.trainers:
-        v.greet(t, ("trainer",))
+    v.start_with_trainers()
     v.announce(v.trainers[0])
     v.screen_all()
     v.at(WINDOW_S)
@@ -64,9 +60,7 @@ def test_a_window_that_reached_its_minimum_is_not_extended():
 @pytest.mark.parametrize("slowest, expected", [(1.0, WINDOW_S), (3.0, 4.5), (10.0, MAX_DEADLINE_WINDOWS * WINDOW_S)])
 def test_the_next_deadline_is_one_and_a_half_times_the_slowest_update_within_bounds(slowest, expected):
     v = Lone(trainers=2, window_s=WINDOW_S)
-    v.start()
-    for t in v.trainers:
-        v.greet(t, ("trainer",))
+    v.start_with_trainers()
     v.now = 0.5
     v.announce(v.trainers[0])
     v.screen_all()
@@ -79,9 +73,7 @@ def test_the_next_deadline_is_one_and_a_half_times_the_slowest_update_within_bou
 
 def test_a_window_closed_at_its_deadline_with_leases_unreported_lengthens_the_next():
     v = Lone(trainers=2, window_s=WINDOW_S)
-    v.start()
-    for t in v.trainers:
-        v.greet(t, ("trainer",))
+    v.start_with_trainers()
     v.announce(v.trainers[0])
     v.screen_all()
     v.at(WINDOW_S)
@@ -94,9 +86,7 @@ def test_a_window_closed_late_is_still_agreed_in_round_0():
     its own collection, and so any proposal's check, is still running, which cost every late window a
     round (a round's timeouts) before the head came."""
     v = Lone(trainers=2, window_s=WINDOW_S, min_updates=1)
-    v.start()
-    for t in v.trainers:
-        v.greet(t, ("trainer",))
+    v.start_with_trainers()
     v.at(WINDOW_S)  # short: extended in half-window steps
     v.at(2.5 * WINDOW_S)
     v.announce(v.trainers[0])  # at last an update, long after window_s + agreement_timeout_s

@@ -21,9 +21,7 @@ ME, V2 = ident(1), ident(2)
 def collected(trainers=2, **kw):
     """A lone validator whose window 1 closed with every trainer's update accepted (reduce task pending)."""
     v = Lone(trainers=trainers, **kw)
-    v.start()
-    for t in v.trainers:
-        v.greet(t, ("trainer",))
+    v.start_with_trainers()
     for n, t in enumerate(v.trainers):
         v.announce(t, train_loss=0.25 * (n + 1))
     v.screen_all()
@@ -73,9 +71,7 @@ def test_the_same_inputs_give_equal_pending_work_and_other_inputs_do_not():
     a, b = collected(), collected()
     assert list(a.role.screening.tasks.values()) == list(b.role.screening.tasks.values())
     c = Lone(trainers=2)
-    c.start()
-    for t in c.trainers:
-        c.greet(t, ("trainer",))
+    c.start_with_trainers()
     for t in c.trainers:
         c.announce(t, train_loss=0.75)
     c.screen_all()
