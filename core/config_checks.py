@@ -59,5 +59,13 @@ def typed(table: Mapping[str, Any], key: str, types: type | tuple[type, ...], de
     return value
 
 
+def check_table(table: Mapping[str, Any], keys: Mapping[str, type | tuple[type, ...]], where: str = "") -> None:
+    """TableError for the first unknown key of `table` (`check_keys`) or the first value of a known key that is
+    not of its types (`typed`); `keys` maps each allowed key to its types."""
+    check_keys(table, keys, where)
+    for key, types in keys.items():
+        typed(table, key, types, where=where)
+
+
 def _at(where: str, key: str) -> str:
     return f"{where}.{key}" if where else key

@@ -168,7 +168,7 @@ from peerloom.adapters.transport import address_kind, canonical_address
 from peerloom.backends.behaviours import wrap_workload
 from peerloom.backends.devices import DeviceError, resolve_device
 from peerloom.core.chain import encode_chain_entry
-from peerloom.core.config_checks import TableError, check_keys, typed
+from peerloom.core.config_checks import TableError, check_keys, check_table, typed
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.errors import PeerloomError
 from peerloom.core.identity import PeerId
@@ -316,9 +316,7 @@ def load_private_data(path: Path) -> tuple[Any, Any]:
 
 def _check(config: dict[str, Any]) -> None:
     try:
-        check_keys(config, KEYS)
-        for key, types in KEYS.items():
-            typed(config, key, types)
+        check_table(config, KEYS)
     except TableError as exc:
         raise ConfigError(str(exc)) from None
     roles = config["roles"]
@@ -429,9 +427,7 @@ def transport_listens(config: dict[str, Any]) -> tuple[str, ...]:
         if not isinstance(table, dict):
             raise ConfigError("transport entries must be tables with kind and listen")
         try:
-            check_keys(table, TRANSPORT_KEYS, "transport")
-            for key, types in TRANSPORT_KEYS.items():
-                typed(table, key, types, where="transport")
+            check_table(table, TRANSPORT_KEYS, "transport")
         except TableError as exc:
             raise ConfigError(str(exc)) from None
         kind = table.get("kind")
@@ -484,9 +480,7 @@ def relay_settings(config: dict[str, Any]) -> tuple[str | None, RelayLimits | No
     ConfigError names an unknown key, a bad type or value, or an address that is not a direct one."""
     table = config.get("relay", {})
     try:
-        check_keys(table, RELAY_KEYS, "relay")
-        for key, types in RELAY_KEYS.items():
-            typed(table, key, types, where="relay")
+        check_table(table, RELAY_KEYS, "relay")
     except TableError as exc:
         raise ConfigError(str(exc)) from None
 

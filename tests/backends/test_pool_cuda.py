@@ -17,15 +17,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
                                                                       "is False on this machine")
 
 
-def test_an_nccl_pool_computes_the_single_gpu_pseudo_gradient(monkeypatch):
-    ranks = min(2, torch.cuda.device_count())
-    monkeypatch.setenv("PEERLOOM_TEST_POOL_DEVICE", "cuda")
-    single = pool_workloads.make().to_device("cuda:0")
+def _single_and_pool(make, argv: str, ranks: int, **pool_options):
+    """(single-GPU delta, the pool's delta, the pool's delta of the same task again, its metrics) of one lease."""
+    single = make().to_device("cuda:0")
     params = single.initial_params(1)
     lease = list(range(40))
     expected, _ = single.train(params, lease, seed=11)
-    pool = TrainerPool(pool_workloads.make().to_device("cuda:0"), ranks=ranks, timeout_s=60.0,
-                       argv=pool_workloads.worker_argv("ddp"))
+    pool = TrainerPool(make().to_device("cuda:0"), ranks=ranks, timeout_s=60.0,
+                       argv=pool_workloads.worker_argv(argv), **pool_options)
     assert pool.backend == "nccl"
     try:
         pool.start()
@@ -34,10 +33,17 @@ def test_an_nccl_pool_computes_the_single_gpu_pseudo_gradient(monkeypatch):
     finally:
         pool.close()
     assert metrics["samples"] == len(lease)
-    for name in expected:  # spec/pools.md §3's tolerance; one rank adds nothing to round
+    for name in expected:  # spec/pools.md §3's tolerance
         assert delta[name].dtype == np.float32
         np.testing.assert_allclose(delta[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
-        assert np.array_equal(delta[name], again[name])  # the same task twice: the same bytes
+    return expected, delta, again, metrics
+
+
+def test_an_nccl_pool_computes_the_single_gpu_pseudo_gradient(monkeypatch):
+    monkeypatch.setenv("PEERLOOM_TEST_POOL_DEVICE", "cuda")
+    expected, delta, again, _ = _single_and_pool(pool_workloads.make, "ddp", min(2, torch.cuda.device_count()))
+    for name in expected:  # one rank adds nothing to round: the same task twice gives the same bytes
+        assert np.array_equal(delta[name], again[name])
     assert os.environ["PEERLOOM_TEST_POOL_DEVICE"] == "cuda"
 
 
@@ -49,21 +55,6 @@ def test_a_sharded_nccl_pool_computes_the_single_gpu_pseudo_gradient(monkeypatch
     if parallel == "pipeline" and ranks < 2:
         pytest.skip("a pipeline of nccl ranks needs 2 GPUs (nccl puts one rank on each)")
     monkeypatch.setenv("PEERLOOM_TEST_POOL_DEVICE", "cuda")
-    single = pool_workloads.make_deep().to_device("cuda:0")
-    params = single.initial_params(1)
-    lease = list(range(40))
-    expected, _ = single.train(params, lease, seed=11)
-    pool = TrainerPool(pool_workloads.make_deep().to_device("cuda:0"), ranks=ranks, timeout_s=60.0,
-                       parallel=parallel, argv=pool_workloads.worker_argv("deep"))
-    assert pool.backend == "nccl"
-    try:
-        pool.start()
-        delta, metrics = pool.train(params, lease, 11)
-        again, _ = pool.train(params, lease, 11)
-    finally:
-        pool.close()
-    assert metrics["samples"] == len(lease)
+    expected, delta, again, _ = _single_and_pool(pool_workloads.make_deep, "deep", ranks, parallel=parallel)
     for name in expected:
-        assert delta[name].dtype == np.float32
-        np.testing.assert_allclose(delta[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
         np.testing.assert_allclose(again[name], delta[name], rtol=1e-6, atol=1e-7, err_msg=name)
