@@ -1,5 +1,5 @@
 """Browser peers end to end (issue 31, spec/browser.md): a real fleet (a validator with the HTTP transport and
-edge, a native numpy trainer) and headless Chromium, through Playwright, opening `/train` in two browser
+edge, a reducer on the HTTP transport, a native numpy trainer) and headless Chromium, through Playwright, opening `/train` in two browser
 contexts, each a separate browser peer with its key in its own IndexedDB. Both peers' updates are accepted into
 certified heads, `peerloom verify` accepts the chain, and the head's accuracy rises at least 20 points above
 genesis. Skips, saying why, without Chromium, Playwright or npm (tests/web/webbuild.py)."""
@@ -16,7 +16,8 @@ import pytest
 
 from peerloom.adapters.http_client import EdgeClient
 from peerloom.core.identity import PeerId
-from tests.node_cluster import free_port, make_fleet, numpy_digits
+from peerloom.adapters.keys import generate_identity, save_identity
+from tests.node_cluster import Node, free_port, make_fleet, numpy_digits
 from tests.web.webbuild import built
 
 CHROMIUM = next((p for p in (shutil.which("chromium"), shutil.which("chromium-browser"), "/usr/bin/chromium")
@@ -27,6 +28,8 @@ pytestmark = [pytest.mark.slow,
 
 
 def _fleet(tmp_path):
+    """A validator (HTTP transport and edge), a reducer (HTTP transport, which the browser peers dial once the
+    validator's `peers` message lists it) and a native trainer."""
     validator, trainer = make_fleet(tmp_path, validators=1, trainers=1, quorum=1, window_s=2.0, min_updates=1,
                                     shards=8)
     edge_port = free_port()
@@ -34,7 +37,28 @@ def _fleet(tmp_path):
     validator.write_config(transport={"kind": "http", "listen": f"http://127.0.0.1:{validator.port}"},
                            http={"enabled": True, "listen": f"127.0.0.1:{edge_port}"})
     trainer.write_config(bootstrap=[f"http://127.0.0.1:{validator.port}"])
-    return validator, trainer, f"http://127.0.0.1:{edge_port}"
+    reducer = Node("reducer-1", "reducer", generate_identity(), tmp_path / "reducer-1", port=free_port())
+    reducer.directory.mkdir()
+    save_identity(reducer.identity, reducer.directory / "key")
+    reducer.config = {**{k: v for k, v in trainer.config.items() if k != "listen"}, "name": "reducer-1",
+                      "roles": ["reducer"], "transport": {"kind": "http",
+                                                          "listen": f"http://127.0.0.1:{reducer.port}"}}
+    reducer.write_config()
+    return validator, reducer, trainer, f"http://127.0.0.1:{edge_port}"
+
+
+def _wait_connected(url: str, peer: str, timeout_s: float = 30.0) -> None:
+    """Until the edge's node lists `peer` among its connected peers (so its `peers` message to a browser that
+    connects later names it)."""
+    client = EdgeClient(url)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        doc = client.get_json("/v1/peers")
+        listed = doc.get("peers", doc) if isinstance(doc, dict) else doc
+        if any(p.get("peer") == peer for p in listed):
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"{peer} never connected to the validator")
 
 
 def _genesis_accuracy() -> float:
@@ -45,12 +69,15 @@ def _genesis_accuracy() -> float:
 def test_two_browser_tabs_train_into_certified_heads(tmp_path):
     sync_api = pytest.importorskip("playwright.sync_api")
     built()
-    validator, trainer, url = _fleet(tmp_path)
+    validator, reducer, trainer, url = _fleet(tmp_path)
     authority = (tmp_path / "authority").read_text().strip()
     validator.start()
+    reducer.start()
     trainer.start()
     try:
         validator.wait_port()
+        reducer.wait_port()
+        _wait_connected(url, reducer.identity.peer_id.to_text())
         with sync_api.sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
             pages, errors = [], []
@@ -89,8 +116,17 @@ def test_two_browser_tabs_train_into_certified_heads(tmp_path):
                 break
             time.sleep(1.0)
         assert latest.metrics["test_accuracy"] >= genesis + 0.20, (genesis, dict(latest.metrics))
+        # The reducer fetched the browser peers' deltas over the connections they opened to it: in a window
+        # that certified a browser update, the validator confirmed the reducer's proposal (the same cohort).
+        dialed = {e["peer"] for e in reducer.events() if e.get("event") == "connected"}
+        assert set(peers) <= dialed, (peers, dialed)
+        browser_windows = {e["window"] for tab in accepted for e in tab}
+        confirmed = {e["window"] for e in validator.events() if e.get("event") == "proposal-confirmed"}
+        assert browser_windows & confirmed, (browser_windows, sorted(confirmed),
+                                             [e for e in validator.events() if "proposal" in str(e.get("event"))][-10:])
     finally:
         trainer.stop()
+        reducer.stop()
         validator.stop()
     check = subprocess.run([sys.executable, "-m", "peerloom", "verify", str(validator.directory), "--authority",
                             authority], capture_output=True, text=True, timeout=120)
