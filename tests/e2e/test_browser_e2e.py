@@ -1,8 +1,9 @@
-"""Browser peers end to end (issue 31, spec/browser.md): a real fleet (a validator with the HTTP transport and
-edge, a reducer on the HTTP transport, a native numpy trainer) and headless Chromium, through Playwright, opening `/train` in two browser
-contexts, each a separate browser peer with its key in its own IndexedDB. Both peers' updates are accepted into
-certified heads, `peerloom verify` accepts the chain, and the head's accuracy rises at least 20 points above
-genesis. Skips, saying why, without Chromium, Playwright or npm (tests/web/webbuild.py)."""
+"""Browser peers end to end (spec/browser.md): a real fleet of `peerloom node` processes (a validator with the
+HTTP transport and edge, a reducer on the HTTP transport, a native numpy trainer; audits on, unauditable
+trainers admitted) and headless Chromium, through Playwright, opening `/train` in two browser contexts, each a
+separate browser peer with its key in its own IndexedDB. Both peers' updates are accepted into certified
+heads, `peerloom verify` accepts the chain, and the head's accuracy rises at least 20 points above genesis.
+Skips, saying why, without Chromium, Playwright or npm (tests/web/webbuild.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import time
 import pytest
 
 from peerloom.adapters.http_client import EdgeClient
-from peerloom.core.identity import PeerId
 from peerloom.adapters.keys import generate_identity, save_identity
+from peerloom.core.identity import PeerId
 from tests.node_cluster import Node, free_port, make_fleet, numpy_digits
 from tests.web.webbuild import built
 
@@ -27,11 +28,16 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium)")]
 
 
-def _fleet(tmp_path):
+# Audits on: the native trainer's updates are replayed inline; the browser peers', which say `unauditable`,
+# are admitted because the manifest allows unauditable trainers (spec/protocol.md §6.4).
+MANIFEST = {"audit": True, "unauditable_trainers": True}
+
+
+def _fleet(tmp_path, manifest=MANIFEST):
     """A validator (HTTP transport and edge), a reducer (HTTP transport, which the browser peers dial once the
     validator's `peers` message lists it) and a native trainer."""
     validator, trainer = make_fleet(tmp_path, validators=1, trainers=1, quorum=1, window_s=2.0, min_updates=1,
-                                    shards=8)
+                                    shards=8, manifest_options=manifest)
     edge_port = free_port()
     validator.config.pop("listen")
     validator.write_config(transport={"kind": "http", "listen": f"http://127.0.0.1:{validator.port}"},

@@ -295,7 +295,9 @@ export class BrowserPeer {
     if (!rostered) {
       if (this.joinedFor < next) {
         this.joinedFor = next;
-        const join = Envelope.sign(this.options.identity, "join", new Map<string, Value>([["revision", revision], ["window", next], ["capacity", this.options.capacity ?? 1]]));
+        // `unauditable`: a browser's training cannot be replayed (spec/browser.md §3, protocol.md §6.4)
+        const join = Envelope.sign(this.options.identity, "join", new Map<string, Value>([["revision", revision], ["window", next],
+          ["capacity", this.options.capacity ?? 1], ["unauditable", true]]));
         void this.sendTo(["validator"], ["signed", join.toValue()]);
         this.emit({ type: "status", text: `asked to join for window ${next}` });
       }
@@ -406,7 +408,7 @@ export class BrowserPeer {
     this.served.set(toHex(ref.digest), bytes);
     const update = Envelope.sign(this.options.identity, "update", new Map<string, Value>([
       ["revision", m.revision], ["window", window], ["base", head.id], ["shards", shards], ["delta", artifactValue(ref)],
-      ["delta_digest", digest], ["train_loss", new Float(result.trainLoss)],
+      ["delta_digest", digest], ["train_loss", new Float(result.trainLoss)], ["unauditable", true],
     ]));
     const id = toHex(update.id);
     this.pending.set(id, window);
