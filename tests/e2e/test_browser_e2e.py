@@ -7,6 +7,7 @@ Skips, saying why, without Chromium, Playwright or npm (tests/web/webbuild.py)."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -72,10 +73,13 @@ def _genesis_accuracy() -> float:
     return workload.evaluate(workload.initial_params(0))["accuracy"]
 
 
-def test_two_browser_tabs_train_into_certified_heads(tmp_path):
+@contextlib.contextmanager
+def _running(tmp_path, manifest=MANIFEST):
+    """The fleet of `_fleet`, started, the reducer connected to the validator; yields (validator, reducer,
+    trainer, edge url, authority) and a Playwright Chromium; stops everything after."""
     sync_api = pytest.importorskip("playwright.sync_api")
     built()
-    validator, reducer, trainer, url = _fleet(tmp_path)
+    validator, reducer, trainer, url = _fleet(tmp_path, manifest)
     authority = (tmp_path / "authority").read_text().strip()
     validator.start()
     reducer.start()
@@ -86,24 +90,47 @@ def test_two_browser_tabs_train_into_certified_heads(tmp_path):
         _wait_connected(url, reducer.identity.peer_id.to_text())
         with sync_api.sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-            pages, errors = [], []
-            for _ in range(2):
-                page = browser.new_context().new_page()  # its own IndexedDB: its own key, its own peer
-                page.on("pageerror", lambda exc: errors.append(str(exc)))
-                page.goto(f"{url}/train")
-                pages.append(page)
-            deadline = time.monotonic() + 150
-            accepted: list[list[dict]] = [[], []]
-            while time.monotonic() < deadline:
-                for i, page in enumerate(pages):
-                    events = page.evaluate("window.peerloomEvents || []")
-                    accepted[i] = [e for e in events if e["type"] == "verdict" and e["accepted"]]
-                if all(accepted):
-                    break
-                time.sleep(1.0)
-            texts = [page.inner_text("body") for page in pages]
-            peers = [page.inner_text("#peer") for page in pages]
-            browser.close()
+            try:
+                yield (validator, reducer, trainer, url, authority), browser
+            finally:
+                browser.close()
+    finally:
+        trainer.stop()
+        reducer.stop()
+        validator.stop()
+
+
+def _tab(browser, url: str, errors: list[str], query: str = ""):
+    page = browser.new_context().new_page()  # its own IndexedDB: its own key, its own peer
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(f"{url}/train{query}")
+    return page
+
+
+def _events(page) -> list[dict]:
+    return page.evaluate("window.peerloomEvents || []")
+
+
+def _verify(validator, authority: str) -> None:
+    check = subprocess.run([sys.executable, "-m", "peerloom", "verify", str(validator.directory), "--authority",
+                            authority], capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_two_browser_tabs_train_into_certified_heads(tmp_path):
+    with _running(tmp_path) as ((validator, reducer, _trainer, url, authority), browser):
+        errors: list[str] = []
+        pages = [_tab(browser, url, errors) for _ in range(2)]
+        deadline = time.monotonic() + 150
+        accepted: list[list[dict]] = [[], []]
+        while time.monotonic() < deadline:
+            for i, page in enumerate(pages):
+                accepted[i] = [e for e in _events(page) if e["type"] == "verdict" and e["accepted"]]
+            if all(accepted):
+                break
+            time.sleep(1.0)
+        texts = [page.inner_text("body") for page in pages]
+        peers = [page.inner_text("#peer") for page in pages]
         assert not errors, errors
         assert all(accepted), texts
         assert peers[0] != peers[1]
@@ -130,10 +157,68 @@ def test_two_browser_tabs_train_into_certified_heads(tmp_path):
         confirmed = {e["window"] for e in validator.events() if e.get("event") == "proposal-confirmed"}
         assert browser_windows & confirmed, (browser_windows, sorted(confirmed),
                                              [e for e in validator.events() if "proposal" in str(e.get("event"))][-10:])
-    finally:
-        trainer.stop()
-        reducer.stop()
-        validator.stop()
-    check = subprocess.run([sys.executable, "-m", "peerloom", "verify", str(validator.directory), "--authority",
-                            authority], capture_output=True, text=True, timeout=120)
-    assert check.returncode == 0, check.stdout + check.stderr
+    _verify(validator, authority)
+
+
+def test_closing_a_tab_mid_window_loses_no_window(tmp_path):
+    """spec/browser.md §4: a tab that holds a lease and closes before delivering is a silent leaseholder. With
+    `lease_s` the native trainer claims its lease in the window itself; with `idle_windows` the chain expires
+    the tab. No window after the close is skipped."""
+    manifest = {**MANIFEST, "lease_s": 1.0, "idle_windows": 2}
+    with _running(tmp_path, manifest) as ((validator, _reducer, trainer, url, authority), browser):
+        errors: list[str] = []
+        # `?delay`: the tab waits a minute before training each leased window (a slow device), so it holds
+        # a lease it has not delivered when the test closes it
+        page = _tab(browser, url, errors, "?ephemeral=1&delay=60000")
+        client = EdgeClient(url)
+        revision = client.revision(PeerId.from_text(authority))
+        peer, leased = page.inner_text("#peer"), None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and leased is None:
+            latest = client.chain(revision, 1, 256)[-1][0].window
+            leased = next((e["window"] for e in _events(page) if e["type"] == "lease" and e["window"] > latest),
+                          None)  # a lease of the open window
+            time.sleep(0.2)
+        assert leased is not None, page.inner_text("body")
+        page.context.close()  # the tab goes mid-window, its lease undelivered
+        assert not errors, errors
+        deadline = time.monotonic() + 60
+        heads: list = []
+        while time.monotonic() < deadline:
+            heads = [h for h, _ in client.chain(revision, 1, 256)]
+            if heads[-1].window >= leased + 4 and any(PeerId.from_text(peer) in h.expired for h in heads):
+                break
+            time.sleep(0.5)
+        after = [h for h in heads if h.window >= leased]
+        assert after and after[-1].window >= leased + 4, [h.window for h in heads]
+        assert not any(h.skipped for h in after), [(h.window, h.skipped) for h in after]
+        assert any(PeerId.from_text(peer) in h.expired for h in after), "the closed tab never expired"
+        assert PeerId.from_text(peer) not in heads[-1].roster_peers
+        # the native trainer, next-ranked, claimed the closed tab's lease of that window
+        claims = [e for e in trainer.events() if e.get("event") == "lease-claim" and e.get("holder") == peer]
+        assert claims, [e for e in trainer.events() if "claim" in str(e.get("event"))][-10:]
+    _verify(validator, authority)
+
+
+def test_a_tampered_browser_update_is_rejected_and_the_page_shows_why(tmp_path):
+    """spec/browser.md §3: a tab whose delta does not match the digest it signed (the test injects it with
+    the page's `?tamper` test flag) is rejected by the validator with a typed reason, and the page shows it."""
+    with _running(tmp_path) as ((validator, _reducer, _trainer, url, authority), browser):
+        errors: list[str] = []
+        page = _tab(browser, url, errors, "?ephemeral=1&tamper=1")
+        peer = page.inner_text("#peer")
+        deadline = time.monotonic() + 60
+        verdicts: list[dict] = []
+        while time.monotonic() < deadline and not verdicts:
+            verdicts = [e for e in _events(page) if e["type"] == "verdict"]
+            time.sleep(0.5)
+        assert verdicts and not verdicts[0]["accepted"], _events(page)
+        assert verdicts[0]["reason"].startswith("screen-digest-mismatch"), verdicts
+        reasons = {e.get("reason") for e in validator.events() if e.get("peer") == peer and e.get("reason")}
+        assert "screen-digest-mismatch" in reasons, reasons
+        page.wait_for_function("document.querySelector('#updates').innerText.includes('screen-digest-mismatch')",
+                               timeout=5000)
+        row = page.inner_text("#updates tr")
+        assert "rejected: screen-digest-mismatch" in row, row
+        assert not errors, errors
+    _verify(validator, authority)

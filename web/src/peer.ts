@@ -45,6 +45,7 @@ export type PeerEvent =
   | { type: "status"; text: string }
   | { type: "error"; reason: string; detail: string }
   | { type: "head"; window: number; accuracy: number | null; rostered: boolean; id: string }
+  | { type: "lease"; window: number; shards: number[] }
   | { type: "progress"; window: number; done: number; total: number }
   | { type: "announced"; window: number; update: string; shards: number[]; trainLoss: number; samplesPerS: number }
   | { type: "verdict"; window: number; update: string; accepted: boolean; reason: string }
@@ -61,6 +62,9 @@ export interface PeerOptions {
   onEvent?: (e: PeerEvent) => void;
   /** Tests only: change the encoded delta after the digest is signed (a tampered update, §3). */
   tamper?: boolean;
+  /** Tests and demos: wait this long before training each leased window, as a slow device would (a lease
+   * held and not delivered, §4). */
+  delayMs?: number;
 }
 
 export class BrowserPeer {
@@ -380,7 +384,10 @@ export class BrowserPeer {
 
   private async trainWindow(head: Head, window: number, shards: number[]): Promise<void> {
     const m = this.manifest;
+    this.emit({ type: "lease", window, shards });
     this.emit({ type: "progress", window, done: 0, total: 1 });
+    if (this.options.delayMs) await new Promise((resolve) => setTimeout(resolve, this.options.delayMs));
+    if (this.stopped) return;
     const params = fromSafetensors(await this.fetchArtifact(head.params));
     if (!equal(tensorDigest(params), head.paramsDigest)) throw new PeerloomError("params-digest-mismatch");
     const { x, y } = await this.samples(shards);
