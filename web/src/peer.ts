@@ -47,7 +47,7 @@ export type PeerEvent =
   | { type: "head"; window: number; accuracy: number | null; rostered: boolean; id: string }
   | { type: "lease"; window: number; shards: number[] }
   | { type: "progress"; window: number; done: number; total: number }
-  | { type: "announced"; window: number; update: string; shards: number[]; trainLoss: number; samplesPerS: number }
+  | { type: "announced"; window: number; update: string; delta: string; shards: number[]; trainLoss: number; samplesPerS: number }
   | { type: "verdict"; window: number; update: string; accepted: boolean; reason: string }
   | { type: "rejected"; reason: string; detail: string }
   | { type: "bytes"; sent: number; received: number };
@@ -422,7 +422,7 @@ export class BrowserPeer {
     const message: Value = ["signed", update.toValue()];
     this.announcement = { window, message };
     await this.sendTo(["validator", "reducer"], message);
-    this.emit({ type: "announced", window, update: id, shards, trainLoss: result.trainLoss,
+    this.emit({ type: "announced", window, update: id, delta: toHex(ref.digest), shards, trainLoss: result.trainLoss,
       samplesPerS: (result.steps * Math.min(hyper.batchSize, result.samples)) / Math.max(seconds, 1e-6) });
   }
 
