@@ -2,10 +2,11 @@
 of a workload that can run in a browser, in shard order, so a lease is one range request per run of
 consecutive shards, and the page's bundle (`web/dist`, built by `make web`).
 
-A workload can run in a browser when it is an MLP the page's kernel implements: `NumpyWorkload` (the bundled
-digits and mnist1d workloads) exposes ``sizes``, ``lr``, ``batch_size``, ``local_epochs``, ``inner_steps``
-and its training arrays, and labels below 256. Anything else has no `BrowserData` and the edge answers 404
-(``not-browser-trainable``).
+A workload declares that it can run in a browser with a true ``browser`` attribute: `NumpyWorkload` (the
+bundled digits and mnist1d workloads) does when the page's kernel implements its training (its docstring
+says when), and it exposes ``sizes``, ``lr``, ``batch_size``, ``local_epochs``, ``inner_steps`` and its
+training arrays. Anything else has no `BrowserData`, and the edge answers 404 (``not-browser-trainable``) to
+`/train` and the data routes, saying why.
 """
 
 from __future__ import annotations
@@ -54,10 +55,10 @@ class BrowserData:
 
     @classmethod
     def of(cls, workload: Any, shards: Sequence[Sequence[int]], name: str) -> BrowserData | None:
-        """The browser data of `workload`, or None when it cannot run in a browser."""
-        if not all(hasattr(workload, a) for a in ("sizes", "lr", "batch_size", "local_epochs", "x_train", "y_train")):
+        """The browser data of `workload`, or None when it does not declare that it can run in a browser."""
+        if getattr(workload, "browser", False) is not True:
             return None
-        if not getattr(workload, "BROWSER", True):
+        if not all(hasattr(workload, a) for a in ("sizes", "lr", "batch_size", "local_epochs", "x_train", "y_train")):
             return None
         try:
             return cls(workload, shards, name)

@@ -475,8 +475,21 @@ class HttpEdge:
 
     def _browser_data(self) -> Any:
         if self.browser_data is None:
-            raise ApiError(404, "not-browser-trainable", "this node's workload does not run in a browser")
+            raise ApiError(404, "not-browser-trainable",
+                           f"this revision's workload ({self.view.revision.manifest.workload}) does not declare that "
+                           "it can run in a browser: train with `peerloom light` or a trainer node instead")
         return self.browser_data
+
+    def _browser_refusal(self) -> None:
+        """ApiError 404 ``not-browser-trainable`` when a browser peer cannot train in this revision: its
+        workload does not declare that it runs in a browser, or the manifest audits without admitting
+        unauditable trainers (spec/browser.md §3)."""
+        self._browser_data()
+        m = self.view.revision.manifest
+        if m.audit and not m.unauditable_trainers:
+            raise ApiError(404, "not-browser-trainable",
+                           "this revision audits every update (audit = true) and admits no unauditable trainers "
+                           "(unauditable_trainers): a browser's training cannot be replayed")
 
     async def data_index(self, request: web.Request) -> web.Response:
         return web.json_response(self._browser_data().index())
@@ -491,6 +504,8 @@ class HttpEdge:
         return web.Response(status=206 if rng is not None else 200, body=blob[start:end + 1], headers=headers)
 
     async def train_page(self, request: web.Request) -> web.Response:
+        if "view" not in request.query:  # the viewer trains nothing
+            self._browser_refusal()
         return self._bundle_file("index.html")
 
     async def train_file(self, request: web.Request) -> web.Response:
@@ -1236,7 +1251,9 @@ def openapi_document() -> dict[str, Any]:
             "206": {"description": "A range of records"},
             "404": _err("The workload does not run in a browser"), **_RATE}}},
         "/train": {"get": {"summary": "The browser peer's page (spec/browser.md §5)", "operationId": "trainPage",
-                           "responses": {"200": {"description": "HTML"}, "404": _err("The bundle is not built"),
+                           "responses": {"200": {"description": "HTML"},
+                                         "404": _err("The bundle is not built, or a browser cannot train in this "
+                                                     "revision (not-browser-trainable)"),
                                          **_RATE}}},
         "/train/{file}": {"get": {"summary": "The browser peer's bundle", "operationId": "trainFile",
                                   "parameters": [{"name": "file", "in": "path", "required": True,

@@ -1085,15 +1085,29 @@ class Acceptor:
             await self.handler(conn)
         except TransportError as exc:
             log.info("connection from %s ended: %s", conn.remote_peer.short(), exc)
+        except BaseExceptionGroup as group:
+            # A handler's nursery: the connection's own end (eof as the peer goes) may come beside a Cancelled
+            # (the listener is being cancelled at that moment). The errors end this connection only
+            # (containment); only the rest (Cancelled, KeyboardInterrupt) goes on up.
+            errors, rest = group.split(Exception)
+            if errors is not None:
+                self._ended(conn, errors)
+            if rest is not None:
+                raise rest from None
         except Exception as exc:  # containment (spec/transport.md §6): it ends this connection only
-            transport = first_transport_error(exc) if isinstance(exc, BaseExceptionGroup) else None
-            if transport is not None:
-                log.info("connection from %s ended: %s", conn.remote_peer.short(), transport)
-            else:
-                log.exception("connection from %s ended by an error in its handler", conn.remote_peer.short())
+            self._ended(conn, exc)
         finally:
             with trio.CancelScope(shield=True):
                 await conn.aclose()
+
+    @staticmethod
+    def _ended(conn: SecureConnection, exc: Exception) -> None:
+        transport = first_transport_error(exc) if isinstance(exc, BaseExceptionGroup) else None
+        if transport is not None:
+            log.info("connection from %s ended: %s", conn.remote_peer.short(), transport)
+        else:
+            log.error("connection from %s ended by an error in its handler", conn.remote_peer.short(),
+                      exc_info=exc)
 
 
 async def serve(host: str, port: int, identity: Identity, handler: Handler, *,

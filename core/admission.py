@@ -28,6 +28,7 @@ from .objects import (
     LeaveRequest,
     check_admission,
     check_revocation,
+    unauditable_fault,
 )
 from .privacy import next_private
 from .records import REVOCATION_PREFIX as REVOCATION_PREFIX
@@ -143,6 +144,9 @@ class Admission:
             raise VerificationError("wrong-revision", "join")
         if join.private and not e.manifest.private_data:
             raise VerificationError("private-not-admitted", "the manifest admits no private-data trainers")
+        if unauditable_fault(e.manifest, join.unauditable):
+            raise VerificationError("unauditable-not-admitted",
+                                    "the manifest audits and admits no unauditable trainers")
         if self.head is None or join.window < self.window or join.window > self.window + WINDOWS_AHEAD:
             e.stats["stale_joins"] += 1  # an old join (a replay cannot re-roster a trainer that left)
             return False

@@ -112,6 +112,8 @@ def check_audit_evidence(verdicts: AuditEvidence, revision_id: bytes,
     ann = UpdateAnnouncement.from_cbor(update.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
     if ann.revision != revision_id:
         raise VerificationError("wrong-revision", "audited update")
+    if ann.unauditable:
+        raise VerificationError("bad-audit", "the update says it is unauditable: it gets no audit")
     return update, ann
 
 

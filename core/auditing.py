@@ -149,8 +149,10 @@ class SampledAudits:
             if not audit_selected(head.id, update_id, m.audit_rate):
                 continue
             entry = collector.by_id.get(update_id)
-            if entry is not None and entry.envelope.signer in collector.head.private_peers:
-                continue  # nobody else holds a private-data trainer's samples (spec/protocol.md §10)
+            if entry is not None and (entry.envelope.signer in collector.head.private_peers
+                                      or entry.announcement.unauditable):
+                continue  # nobody else holds a private-data trainer's samples (spec/protocol.md §10); an
+                # unauditable update cannot be replayed (§6.4)
             if entry is None:  # a head we adopted with an update we never screened: others audit it
                 e.stats["audits_unavailable"] += 1
                 continue

@@ -30,7 +30,9 @@ class UpdateAnnouncement:
     the window's parent and missing from the older `base`: training started from the base moved by it
     (`core.audit.start_args`, spec/protocol.md §5.2). `privacy_steps` (manifests with `privacy` only, else None
     and absent) is the trainer's privacy spend for the window: the DP-SGD steps it took at the manifest's
-    parameters, which must be the manifest's `inner_steps` (spec/protocol.md §10).
+    parameters, which must be the manifest's `inner_steps` (spec/protocol.md §10). `unauditable` (present,
+    as true, only when set) says its training cannot be replayed (a browser peer): taken only where the
+    manifest has `unauditable_trainers` (or no audits), and then never audited (spec/protocol.md §6.4).
     """
 
     KIND: ClassVar[str] = "update"
@@ -46,6 +48,7 @@ class UpdateAnnouncement:
     trajectory: ArtifactRef | None = None
     prior: bytes | None = None
     privacy_steps: int | None = None
+    unauditable: bool = False
 
     def to_cbor(self) -> dict[str, Any]:
         body = {"revision": self.revision, "window": self.window, "base": self.base, "shards": list(self.shards),
@@ -58,13 +61,17 @@ class UpdateAnnouncement:
             body["prior"] = self.prior
         if self.privacy_steps is not None:
             body["privacy_steps"] = self.privacy_steps
+        if self.unauditable:
+            body["unauditable"] = True
         return body
 
     @classmethod
     def from_cbor(cls, obj: Any) -> UpdateAnnouncement:
         keys = frozenset({"revision", "window", "base", "shards", "delta", "delta_digest", "train_loss"})
-        optional = {"claim", "trajectory", "prior", "privacy_steps"} & set(obj) if isinstance(obj, dict) else set()
+        optional = {"claim", "trajectory", "prior", "privacy_steps", "unauditable"} & set(obj) \
+            if isinstance(obj, dict) else set()
         body = f.exact_keys(obj, keys | optional, "update")
+        unauditable = _flag(body, "unauditable", "update")
         shards = f.array(body, "shards", max_len=MAX_SHARDS)
         if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shards) or \
                 shards != sorted(set(shards)):
@@ -75,7 +82,24 @@ class UpdateAnnouncement:
                    claim=f.peer(body, "claim") if "claim" in body else None,
                    trajectory=ArtifactRef.from_cbor(body["trajectory"]) if "trajectory" in body else None,
                    prior=f.cid(body, "prior") if "prior" in body else None,
-                   privacy_steps=f.uint(body, "privacy_steps", maximum=1 << 24) if "privacy_steps" in body else None)
+                   privacy_steps=f.uint(body, "privacy_steps", maximum=1 << 24) if "privacy_steps" in body else None,
+                   unauditable=unauditable)
+
+
+def _flag(body: dict[str, Any], key: str, what: str) -> bool:
+    """An optional flag: present only as true (one encoding per body)."""
+    if key not in body:
+        return False
+    if not f.boolean(body, key):
+        raise DecodeError("bad-field", f"{what}: {key} is absent when false")
+    return True
+
+
+def unauditable_fault(manifest: Manifest, unauditable: bool) -> str:
+    """``unauditable-not-admitted`` for a join or update that says `unauditable` under audits without the
+    manifest's `unauditable_trainers` (spec/protocol.md §6.4), else ""."""
+    return "unauditable-not-admitted" if unauditable and manifest.audit and not manifest.unauditable_trainers \
+        else ""
 
 
 @attrs.frozen(kw_only=True)
@@ -173,7 +197,9 @@ class JoinRequest:
     (`AdmissionCertificate`), needed when the manifest's admission policy is "certificate"; the key is
     absent from the encoding when None. `private` says the trainer trains on data only it holds
     (spec/protocol.md §10; present, as true, only when set): validators take it only under a manifest with
-    `private_data`, and the head lists the trainer in `private`.
+    `private_data`, and the head lists the trainer in `private`. `unauditable` (present, as true, only when
+    set) says the trainer's training cannot be replayed (a browser peer): under audits validators take the
+    join only where the manifest has `unauditable_trainers` (spec/protocol.md §6.4).
     """
 
     KIND: ClassVar[str] = "join"
@@ -183,6 +209,7 @@ class JoinRequest:
     capacity: int
     admission: SignedEnvelope | None = None
     private: bool = False
+    unauditable: bool = False
 
     def to_cbor(self) -> dict[str, Any]:
         body: dict[str, Any] = {"revision": self.revision, "window": self.window, "capacity": self.capacity}
@@ -190,12 +217,14 @@ class JoinRequest:
             body["admission"] = self.admission.to_cbor()
         if self.private:
             body["private"] = True
+        if self.unauditable:
+            body["unauditable"] = True
         return body
 
     @classmethod
     def from_cbor(cls, obj: Any) -> JoinRequest:
         keys = frozenset({"revision", "window", "capacity"})
-        optional = {"admission", "private"} & set(obj) if isinstance(obj, dict) else set()
+        optional = {"admission", "private", "unauditable"} & set(obj) if isinstance(obj, dict) else set()
         body = f.exact_keys(obj, keys | optional, "join")
         private = f.boolean(body, "private") if "private" in body else False
         if "private" in body and not private:
@@ -203,7 +232,7 @@ class JoinRequest:
         return cls(revision=f.cid(body, "revision"), window=f.uint(body, "window"),
                    capacity=f.uint(body, "capacity", maximum=1 << 16),
                    admission=SignedEnvelope.from_cbor(body["admission"]) if "admission" in body else None,
-                   private=private)
+                   private=private, unauditable=_flag(body, "unauditable", "join"))
 
 
 @attrs.frozen(kw_only=True)

@@ -29,7 +29,7 @@ from .errors import DecodeError, VerificationError
 from .fsm import Table, step
 from .identity import PeerId
 from .leases import claims_of, lease_fault, lease_weight, leases_of
-from .objects import PROTOCOL_VERSION, ArtifactRef, Head, Manifest, UpdateAnnouncement
+from .objects import PROTOCOL_VERSION, ArtifactRef, Head, Manifest, UpdateAnnouncement, unauditable_fault
 from .pending import Done, Failed, Outcome
 from .privacy import budget_fault
 from .quarantine import STRIKE_REASONS
@@ -259,6 +259,8 @@ class Collector:
             e.reject(sender, "quarantined")
         elif fault := budget_fault(e.manifest, self.head, author, ann.privacy_steps, e.config.accountant):
             e.reject(sender, fault)  # spec/protocol.md §10: no spend declared, or past the author's budget
+        elif fault := unauditable_fault(e.manifest, ann.unauditable):
+            e.reject(sender, fault, "the manifest audits and admits no unauditable trainers")
         elif ann.claim is None and (no_lease := lease_fault(author, ann.shards, self.leases)):
             e.reject(sender, no_lease)
         elif ann.claim is not None and self.claims.get(author, {}).get(ann.claim) != ann.shards:
@@ -385,9 +387,11 @@ class Collector:
             start = start_args(manifest, entry.base, entry.prior_delta)
             if start is not None:
                 args["loss_check"]["start"] = start
-        if manifest.audit and not manifest.audit_rate and entry.envelope.signer not in self.head.private_peers:
+        if manifest.audit and not manifest.audit_rate and entry.envelope.signer not in self.head.private_peers \
+                and not ann.unauditable:
             # Re-run the author's training exactly as it had to run it (core/audit.py); nobody else holds a
-            # private-data trainer's samples (spec/protocol.md §10).
+            # private-data trainer's samples (spec/protocol.md §10); an unauditable update is never replayed
+            # (§6.4).
             args["audit"] = audit_args(manifest, entry.base, entry.envelope.signer, ann, entry.prior_delta)
         self.engine.run_task("screen", args, self.owner, Screen(window=window, slot=slot))
 

@@ -290,6 +290,12 @@ class Manifest:
     # from the encoding): neither.
     private_data: bool = False
     privacy: PrivacyParams | None = None
+    # Unauditable trainers (spec/protocol.md §6.4): with `audit`, a trainer whose training cannot be replayed
+    # bit for bit (a browser peer, spec/browser.md §3) may join and announce updates that say `unauditable`;
+    # those get no recomputation audit, only the checks every update gets (screening, the loss check).
+    # Needs `audit`; False (absent from the encoding): a join or update that says `unauditable` under audits
+    # is refused (`unauditable-not-admitted`).
+    unauditable_trainers: bool = False
     # The trainers of the genesis `roster` that train on private data (sorted; needs `private_data`; absent
     # when empty): the genesis head lists them in `private`, as a later head lists a joiner whose join says so.
     private: tuple[PeerId, ...] = ()
@@ -355,6 +361,8 @@ class Manifest:
         if self.private and (not self.private_data or not _strictly_ascending(self.private)
                              or not set(self.private) <= {p for p, _ in self.roster}):
             raise DecodeError("bad-field", "private must be sorted distinct peers of the roster, with private_data")
+        if self.unauditable_trainers and not self.audit:
+            raise DecodeError("bad-field", "unauditable_trainers needs audit (without audits every trainer is one)")
         if self.privacy is not None and (not self.inner_steps or self.audit_segments):
             # The accountant counts DP-SGD steps, so a window's must be fixed (H); a segment audit would
             # resume DP-SGD mid-window from a committed state, which the DP workload does not support.
@@ -401,6 +409,8 @@ class Manifest:
             body["private_data"] = True
         if self.privacy is not None:
             body["privacy"] = self.privacy.to_cbor()
+        if self.unauditable_trainers:
+            body["unauditable_trainers"] = True
         if self.private:
             body["private"] = [p.to_bytes() for p in self.private]
         return body
@@ -419,6 +429,7 @@ class Manifest:
         norm_mads = f.uint(body, "norm_mads", maximum=MAX_NORM_MADS) if "norm_mads" in body else 0
         overlap = f.uint(body, "overlap", maximum=MAX_OVERLAP) if "overlap" in body else 0
         private_data = f.boolean(body, "private_data") if "private_data" in body else False
+        unauditable = f.boolean(body, "unauditable_trainers") if "unauditable_trainers" in body else False
         privacy = PrivacyParams.from_cbor(body["privacy"]) if "privacy" in body else None
         private = tuple(f.peer({"p": p}, "p") for p in f.array(body, "private", max_len=MAX_ROSTER)) \
             if "private" in body else ()
@@ -429,9 +440,11 @@ class Manifest:
                 or ("audit_segments" in body and audit_segments == 0) \
                 or ("loss_check_samples" in body and loss_check_samples == 0) \
                 or ("loss_min_drop" in body and loss_min_drop == 0.0) or ("norm_mads" in body and norm_mads == 0) \
-                or ("overlap" in body and overlap == 0) or ("private_data" in body and not private_data):
+                or ("overlap" in body and overlap == 0) or ("private_data" in body and not private_data) \
+                or ("unauditable_trainers" in body and not unauditable):
             raise DecodeError("bad-field", "idle_windows, unproven_share, max_joins, audit_rate, loss_check_samples, "
-                                           "loss_min_drop, norm_mads, overlap and private_data are absent when off")
+                                           "loss_min_drop, norm_mads, overlap, private_data and "
+                                           "unauditable_trainers are absent when off")
         schema = []
         for item in f.array(body, "schema", max_len=MAX_TENSORS):
             if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
@@ -468,7 +481,7 @@ class Manifest:
             idle_windows=idle_windows, unproven_share=unproven_share, max_joins=max_joins,
             audit_rate=audit_rate, loss_check_samples=loss_check_samples, loss_min_drop=loss_min_drop,
             audit_segments=audit_segments, norm_mads=norm_mads, overlap=overlap, private_data=private_data,
-            privacy=privacy, private=private,
+            privacy=privacy, private=private, unauditable_trainers=unauditable,
         )
 
     def seal(self, authority: Identity) -> SignedEnvelope:
@@ -485,4 +498,4 @@ _MANIFEST_KEYS = frozenset({
 })
 _MANIFEST_OPTIONAL = frozenset({"idle_windows", "unproven_share", "max_joins", "audit_rate", "loss_check_samples",
                                 "loss_min_drop", "audit_segments", "norm_mads", "overlap", "private_data",
-                                "privacy", "private"})  # present only when not off
+                                "privacy", "private", "unauditable_trainers"})  # present only when not off

@@ -20,6 +20,7 @@ from .bodies import (
     UpdateAnnouncement,
     check_admission,
     seal,
+    unauditable_fault,
 )
 from .certified import (
     MAX_HEAD_AUDITS,
@@ -136,5 +137,6 @@ __all__ = [
     "roster_to_cbor",
     "seal",
     "sign_vote",
+    "unauditable_fault",
     "vote_body",
 ]

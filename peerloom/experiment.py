@@ -875,6 +875,10 @@ def add_parsers(subparsers: Any) -> None:
                       help="admit trainers that train on data only they hold (manifest private_data; "
                            "spec/protocol.md §10); give each its file with --data or the data key of its node.toml "
                            "(it must then be a late joiner: a genesis-roster trainer never joins as private)")
+    init.add_argument("--unauditable-trainers", action="store_true",
+                      help="with audits, admit trainers whose training cannot be replayed, e.g. browser peers "
+                           "(manifest unauditable_trainers; spec/protocol.md §6.4): their updates get screening "
+                           "and the loss check but no recomputation audit")
     init.add_argument("--data", action="append", default=[], metavar="TRAINER=PATH",
                       help="trainer TRAINER (e.g. trainer-1) trains on the .npz file PATH (arrays x and y) that only "
                            "it holds, and joins instead of being in the genesis roster; implies --private-data; "
@@ -954,7 +958,8 @@ def _experiment_from(args: Any) -> Experiment:
                                                ("audit_segments", args.audit_segments),
                                                ("loss_check_samples", args.loss_check),
                                                ("overlap", args.overlap),
-                                               ("private_data", args.private_data or bool(args.data))) if v},
+                                               ("private_data", args.private_data or bool(args.data)),
+                                               ("unauditable_trainers", args.unauditable_trainers)) if v},
                           **_privacy_option(args),
                           **{k: v for k, v in (("norm_ratio", args.norm_ratio), ("norm_mads", args.norm_mads),
                                                 ("min_cosine", args.min_cosine))

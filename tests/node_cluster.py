@@ -121,8 +121,9 @@ class Node:
 
 def make_fleet(root: Path, *, validators: int, trainers: int, quorum: int, window_s: float = 1.0,
                min_updates: int = 1, shards: int = 4, stop_after_window: int | None = None,
-               extra_roster: tuple[Identity, ...] = ()) -> list[Node]:
-    """Write keys, a signed manifest (digits workload) and one node.toml per node; start nothing."""
+               extra_roster: tuple[Identity, ...] = (), manifest_options: dict[str, Any] | None = None) -> list[Node]:
+    """Write keys, a signed manifest (digits workload; `manifest_options`: other `Manifest` fields) and one
+    node.toml per node; start nothing."""
     model, shard_lists = numpy_digits(0, shards)
     authority = generate_identity()
     nodes = [Node(f"validator-{i}", "validator", generate_identity(), root / f"validator-{i}")
@@ -145,7 +146,7 @@ def make_fleet(root: Path, *, validators: int, trainers: int, quorum: int, windo
         outer_optimizer="fedavg", outer_lr=1.0, chunk_size=64 * 1024, genesis_params=refs[0],
         genesis_params_digest=tensor_digest(params),
         roster=tuple(sorted([(n.identity.peer_id, 1) for n in nodes if n.role == "trainer"]
-                            + [(i.peer_id, 1) for i in extra_roster])))
+                            + [(i.peer_id, 1) for i in extra_roster])), **(manifest_options or {}))
     envelope = manifest.seal(authority)
     Revision.verify(envelope, authority.peer_id)
     atomic_write(root / "manifest.cbor", envelope.to_bytes())

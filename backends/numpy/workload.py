@@ -131,6 +131,15 @@ class NumpyWorkload:
         self._v = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
         self._saved: dict[Any, tuple[int, TensorDict, TensorDict]] = {}
 
+    @property
+    def browser(self) -> bool:
+        """Whether this workload can run in a browser (spec/browser.md §2): the browser peer's kernel
+        (web/src/mlp.ts) implements this MLP with Adam at the default betas and eps, a fresh optimizer each
+        window, and labels that fit a byte. A subclass that trains otherwise must say False. The node's HTTP
+        edge serves `/train` and the samples only for a workload that declares True."""
+        return (not self.keep_optimizer_state and self.betas == (0.9, 0.999) and self.eps == 1e-8
+                and (len(self.y_train) == 0 or (int(self.y_train.min()) >= 0 and int(self.y_train.max()) < 256)))
+
     # ---------------------------------------------------------------- interface
 
     @property

@@ -450,3 +450,69 @@ def test_privacy_ledger_and_budget_in_the_heads_and_manifest_json(tmp_path):
         manifest = json.loads(fetch(server.url + "/v1/manifest")[2])
     assert (latest["privacy"], latest["private"]) == ([], [])
     assert (manifest["privacy"], manifest["private_data"]) == (None, False)
+
+
+# --- the browser peer's routes (spec/browser.md §2, §3, §5) ----------------------------------------------
+
+def _browser_edge(tmp_path, *, audit: bool = False, unauditable: bool = False, workload_options=None):
+    """An edge whose revision has `audit` / `unauditable_trainers`, serving a stand-in bundle, with the
+    browser data of a numpy digits workload built with `workload_options`."""
+    import attrs as _attrs
+
+    from peerloom.adapters.edge_data import BrowserData
+    from peerloom.backends.datasets import load_digits_split, shard_indices
+    from peerloom.backends.numpy.workload import make_digits_numpy_workload
+    from peerloom.core.objects import Revision
+    from tests.helpers import make_revision
+
+    rev = make_revision(validators=(ident(1),), trainers=(ident(10),))
+    if audit:
+        authority = ident(200)
+        manifest = _attrs.evolve(rev.manifest, audit=True, unauditable_trainers=unauditable)
+        rev = Revision.verify(manifest.seal(authority), authority.peer_id)
+    view = make_view(tmp_path, revision=rev)
+    workload = make_digits_numpy_workload(seed=0, **(workload_options or {}))
+    dist = tmp_path / "dist"
+    dist.mkdir()
+    (dist / "index.html").write_text("<html>peer</html>")
+    server = EdgeServer(view)
+    server.edge.web_dist = dist
+    server.edge.browser_data = BrowserData.of(workload, shard_indices(len(load_digits_split(0)[0]), 4, 0), "digits")
+    return server
+
+
+def test_train_is_served_only_for_a_workload_that_declares_it_runs_in_a_browser(tmp_path):
+    with _browser_edge(tmp_path) as server:
+        status, _, body = fetch(server.url + "/train")
+        assert status == 200 and body == b"<html>peer</html>"
+        status, _, body = fetch(server.url + "/v1/data/index")
+        assert status == 200 and json.loads(body)["record_bytes"] == 4 * 64 + 1
+    # Adam state kept across windows: the page's kernel does not train it so, and the workload says so
+    with _browser_edge(tmp_path / "kept", workload_options={"keep_optimizer_state": True}) as server:
+        assert server.edge.browser_data is None
+        for path in ("/train", "/v1/data/index", "/v1/data/train"):
+            status, _, body = fetch(server.url + path)
+            assert status == 404 and error_code(body) == "not-browser-trainable", path
+        assert "does not declare that it can run in a browser" in json.loads(body)["error"]["message"]
+        status, _, _ = fetch(server.url + "/train?view=1")  # the viewer trains nothing
+        assert status == 200
+
+
+def test_train_is_refused_under_audits_unless_the_manifest_admits_unauditable_trainers(tmp_path):
+    with _browser_edge(tmp_path, audit=True) as server:
+        status, _, body = fetch(server.url + "/train")
+        assert status == 404 and error_code(body) == "not-browser-trainable"
+        assert "unauditable_trainers" in json.loads(body)["error"]["message"]
+    with _browser_edge(tmp_path / "admits", audit=True, unauditable=True) as server:
+        status, _, _ = fetch(server.url + "/train")
+        assert status == 200
+
+
+def test_a_workload_declares_whether_it_runs_in_a_browser():
+    from peerloom.backends.numpy.workload import make_digits_numpy_workload
+
+    assert make_digits_numpy_workload(seed=0).browser is True
+    assert make_digits_numpy_workload(seed=0, keep_optimizer_state=True).browser is False
+    other = make_digits_numpy_workload(seed=0)
+    other.betas = (0.8, 0.99)  # not the kernel's Adam
+    assert other.browser is False

@@ -24,6 +24,7 @@ from peerloom.adapters.transport import (
     LANE_CONTROL,
     PEER_FAULTS,
     Connection,
+    ConnectionClosed,
     Transport,
     TransportError,
 )
@@ -214,6 +215,33 @@ def test_the_listener_survives_a_handler_exception(kind: str) -> None:
         await second.aclose()
 
     run_with_listener(kind, body, handler)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_connection_error_beside_the_listeners_cancellation_stays_contained(kind: str) -> None:
+    """The listener is cancelled just as a connection ends (its peer left: a handler task's eof comes beside
+    the others' Cancelled, in one exception group). The connection's error ends that connection only: the
+    listener's owner sees a clean cancellation, not the eof (tests/web/test_web_interop.py hit this under load
+    when the node client's exit raced the test's cancellation)."""
+    started: list[bool] = []
+
+    async def eof_on_cancel() -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            raise ConnectionClosed("eof")  # the peer's eof lands as the cancellation does
+
+    async def handler(conn: SecureConnection) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(eof_on_cancel)
+            nursery.start_soon(trio.sleep_forever)
+            started.append(True)
+
+    async def body(transport: Transport, address: str) -> None:
+        await transport.dial(address, CLIENT, max_message_bytes=1000)
+        await wait_for(started)
+
+    run_with_listener(kind, body, handler)  # raised ExceptionGroup([ConnectionClosed('eof')]) before
 
 
 @pytest.mark.parametrize("kind", KINDS)

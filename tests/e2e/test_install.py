@@ -21,11 +21,13 @@ pytestmark = pytest.mark.slow
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dist")
     work = tmp_path_factory.mktemp("build")
-    # Build from a copy so that build/ and *.egg-info never land in the checkout.
+    # Build from a copy so that build/ and *.egg-info never land in the checkout. The top-level dist/ (old
+    # wheels) stays out; web/dist, the browser peer's bundle, goes in the wheel (pyproject package-data).
     src = work / "src"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv", ".git", "build", "dist", "*.egg-info",
-                                                             "__pycache__", ".pytest_cache", ".hypothesis",
-                                                             "peerloom-demo", "peerloom-sim"))
+    skip = shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "__pycache__", ".pytest_cache",
+                                  ".hypothesis", "peerloom-demo", "peerloom-sim", "node_modules", ".typecheck")
+    shutil.copytree(ROOT, src, ignore=lambda d, names: skip(d, names) | ({"dist"} & set(names)
+                                                                          if Path(d) == ROOT else set()))
     subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out), str(src)],
                    check=True, capture_output=True, timeout=300)
     (found,) = out.glob("peerloom-*.whl")
@@ -97,6 +99,19 @@ assert metrics["privacy_steps"] == 2
 """
 
 
+BUNDLE = ("index.html", "train.js")
+BUILT = all((ROOT / "web" / "dist" / f).is_file() for f in BUNDLE)
+
+
+@pytest.mark.skipif(not BUILT, reason="the browser peer is not built here (make web): the wheel carries no bundle")
+def test_the_wheel_carries_the_browser_peer_bundle(wheel):
+    import zipfile
+
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {f"peerloom/web/dist/{f}" for f in BUNDLE} <= names
+    assert not any(n.startswith("peerloom/web/") and n.endswith((".ts", ".mjs", ".json")) for n in names)
+
+
 @pytest.mark.parametrize("extra", ["", "torch", "node", "demo", "dp"])
 def test_each_extra_installs_alone_and_its_commands_work(tmp_path, wheel, constraints, extra):
     bin_dir = _venv(tmp_path, wheel, constraints, extra)
@@ -119,6 +134,10 @@ def test_each_extra_installs_alone_and_its_commands_work(tmp_path, wheel, constr
                              capture_output=True, text=True, cwd=tmp_path, env=_clean_env())
         assert out.returncode != 0 and "PrivacyUnavailable: differential privacy needs opacus: pip install " \
             "'peerloom[dp]'" in out.stderr.strip().splitlines()[-1], out.stderr
+    if extra == "node" and BUILT:  # the installed edge finds the bundle it serves at /train
+        subprocess.run([python, "-c", "from peerloom.adapters.edge_data import BUNDLE_FILES, WEB_DIST\n"
+                        "assert all((WEB_DIST / f).is_file() for f in BUNDLE_FILES), WEB_DIST"],
+                       check=True, cwd=tmp_path, env=_clean_env())
     if extra in ("node", "demo"):
         # the node extra gets past imports to the config check
         out = _peerloom(bin_dir, tmp_path, "node", "--config", "node.toml")

@@ -152,6 +152,16 @@ export function decodePayload(data: Uint8Array): { key: Uint8Array; sig: Uint8Ar
   return { key, sig };
 }
 
+/** X25519 of our secret and their public key; a low-order or malformed public key (whose shared secret
+ * would be all zeros) is the typed `bad-handshake`, not the library's exception. */
+function dh(secret: Uint8Array, publicKey: Uint8Array): Uint8Array {
+  try {
+    return x25519.getSharedSecret(secret, publicKey);
+  } catch {
+    throw new TransportError("bad-handshake", "a low-order or invalid X25519 public key");
+  }
+}
+
 /** The initiator's side of the XX handshake, message by message (the caller frames and carries them). */
 export class Initiator {
   private ss = new SymmetricState();
@@ -175,9 +185,9 @@ export class Initiator {
     if (msg.length < 32 + 48 + TAG) throw new TransportError("bad-handshake", "message 2 too short");
     this.re = msg.slice(0, 32);
     this.ss.mixHash(this.re);
-    this.ss.mixKey(x25519.getSharedSecret(this.e, this.re));
+    this.ss.mixKey(dh(this.e, this.re));
     const rs = this.ss.decryptAndHash(msg.slice(32, 80));
-    this.ss.mixKey(x25519.getSharedSecret(this.e, rs));
+    this.ss.mixKey(dh(this.e, rs));
     const payload = decodePayload(this.ss.decryptAndHash(msg.slice(80)));
     if (payload.key.length !== 36 || !equal(payload.key.subarray(0, 4), KEY_PROTOBUF_PREFIX)) {
       throw new TransportError("bad-identity-key", "not an Ed25519 key");
@@ -193,7 +203,7 @@ export class Initiator {
   /** Message 3 (`s, se` + our payload), and the transport ciphers (send, receive). */
   message3(): { message: Uint8Array; send: CipherState; receive: CipherState } {
     const s = this.ss.encryptAndHash(this.sPub);
-    this.ss.mixKey(x25519.getSharedSecret(this.s, this.re));
+    this.ss.mixKey(dh(this.s, this.re));
     const payload = encodePayload(concat(KEY_PROTOBUF_PREFIX, this.identity.publicKey),
       this.identity.sign(concat(SIGNATURE_PREFIX, this.sPub)));
     const message = concat(s, this.ss.encryptAndHash(payload));

@@ -51,6 +51,7 @@ export interface Manifest {
   chunkSize: number;
   innerSteps: number;
   audit: boolean;
+  unauditableTrainers: boolean;
   overlap: number;
   idleWindows: number;
   windowS: number;
@@ -74,6 +75,7 @@ export function parseManifest(data: Uint8Array, authority: Uint8Array | null): M
     unprovenShare: body.has("unproven_share") ? asNum(get("unproven_share"), "unproven_share") : 1.0,
     codec: asText(get("codec"), "codec"), chunkSize: asUint(get("chunk_size"), "chunk_size"),
     innerSteps: asUint(get("inner_steps"), "inner_steps"), audit: asBool(get("audit"), "audit"),
+    unauditableTrainers: body.has("unauditable_trainers") && asBool(get("unauditable_trainers"), "unauditable_trainers"),
     overlap: body.has("overlap") ? asUint(get("overlap"), "overlap") : 0,
     idleWindows: body.has("idle_windows") ? asUint(get("idle_windows"), "idle_windows") : 0,
     windowS: asNum(get("window_s"), "window_s"),
@@ -82,7 +84,10 @@ export function parseManifest(data: Uint8Array, authority: Uint8Array | null): M
 
 /** Why this page cannot train under `m` (spec/browser.md §2-§3), or null. */
 export function browserRefusal(m: Manifest): string | null {
-  if (m.audit) return "the revision audits every update (audit = true): a browser update cannot be replayed";
+  if (m.audit && !m.unauditableTrainers) {
+    return "the revision audits every update (audit = true) and admits no unauditable trainers " +
+      "(unauditable_trainers): a browser update cannot be replayed";
+  }
   if (m.codec !== "none" && m.codec !== "fp16") return `the browser does not implement the ${m.codec} codec`;
   if (m.overlap) return "overlapped windows are not implemented in the browser";
   if (m.body.has("privacy") || m.body.has("audit_segments")) return "DP-SGD and segment audits are not implemented in the browser";

@@ -48,6 +48,7 @@ function show(e: PeerEvent): void {
   if (e.type !== "progress" && e.type !== "bytes") log.push(e);
   switch (e.type) {
     case "status": $("status").textContent = e.text; break;
+    case "lease": $("status").textContent = `training window ${e.window} on shards ${e.shards.join(" ")}`; break;
     case "error": banner(`${e.reason}: ${e.detail}`); break;
     case "head":
       $("window").textContent = String(e.window);
@@ -101,6 +102,7 @@ async function main(): Promise<void> {
   }
   $("peer").textContent = identity.text;
   const peer = new BrowserPeer({ edge: location.origin, identity, onEvent: show, tamper: params.has("tamper"),
+    delayMs: Number(params.get("delay") ?? 0) || 0,
     capacity: Number(params.get("capacity") ?? 1) || 1 });
   (window as unknown as { peerloomPeer: BrowserPeer }).peerloomPeer = peer;
   try {

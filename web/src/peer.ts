@@ -16,6 +16,18 @@ import {
 
 export const MAX_MESSAGE = 16 * 1024 * 1024;
 const CONTROL_MAX = 1 << 20;
+/** Connections the peer holds at most: the edge's node and the validators and reducers it learns of. */
+export const MAX_LINKS = 8;
+const HTTP_ADDRESS = /^http:\/\/(\d{1,3}(\.\d{1,3}){3}|\[[0-9a-fA-F:.]{2,45}\]):\d{1,5}$/;
+
+/** One connection: to the edge's node (`primary`) or to a server a `peers` message listed, and the roles its
+ * `hello` gave (empty until then). */
+export interface Link {
+  conn: Connection;
+  address: string;
+  roles: string[];
+  primary: boolean;
+}
 
 export interface DataIndex {
   dim: number;
@@ -33,8 +45,9 @@ export type PeerEvent =
   | { type: "status"; text: string }
   | { type: "error"; reason: string; detail: string }
   | { type: "head"; window: number; accuracy: number | null; rostered: boolean; id: string }
+  | { type: "lease"; window: number; shards: number[] }
   | { type: "progress"; window: number; done: number; total: number }
-  | { type: "announced"; window: number; update: string; shards: number[]; trainLoss: number; samplesPerS: number }
+  | { type: "announced"; window: number; update: string; delta: string; shards: number[]; trainLoss: number; samplesPerS: number }
   | { type: "verdict"; window: number; update: string; accepted: boolean; reason: string }
   | { type: "rejected"; reason: string; detail: string }
   | { type: "bytes"; sent: number; received: number };
@@ -49,12 +62,18 @@ export interface PeerOptions {
   onEvent?: (e: PeerEvent) => void;
   /** Tests only: change the encoded delta after the digest is signed (a tampered update, §3). */
   tamper?: boolean;
+  /** Tests and demos: wait this long before training each leased window, as a slow device would (a lease
+   * held and not delivered, §4). */
+  delayMs?: number;
 }
 
 export class BrowserPeer {
   manifest!: Manifest;
   head: Head | null = null;
-  conn: Connection | null = null;
+  conn: Connection | null = null; // the primary link's connection (the edge's node)
+  readonly links = new Map<string, Link>(); // remote peer id hex -> link
+  private dialing = new Set<string>(); // addresses being dialed
+  private announcement: { window: number; message: Value } | null = null; // the current window's update
   private index!: DataIndex;
   private params = new Map<string, Uint8Array>(); // artifact digest hex -> bytes (the head's params)
   private served = new Map<string, Uint8Array>(); // delta digest hex -> bytes
@@ -98,29 +117,84 @@ export class BrowserPeer {
     this.emit({ type: "status", text: `dialing ${addresses[0]}` });
     const conn = await Connection.dial(addresses[0]!, this.options.identity, { WebSocket: this.options.WebSocket, maxMessageBytes: MAX_MESSAGE });
     this.conn = conn;
-    conn.onMessage = (data) => this.receive(data);
+    await this.attach(conn, addresses[0]!, true);
+    this.emit({ type: "status", text: `connected to ${peerText(conn.remotePeer)} as ${this.options.identity.text}` });
+  }
+
+  /** Take a handshaken connection as a link: route its messages, say `hello`. Closing the primary link is
+   * an error the page shows; another link just goes. */
+  private async attach(conn: Connection, address: string, primary: boolean): Promise<void> {
+    const key = toHex(conn.remotePeer);
+    if (this.links.has(key) || this.stopped) {
+      conn.close(); // a second connection to a peer we hold one to
+      return;
+    }
+    const link: Link = { conn, address, roles: [], primary };
+    this.links.set(key, link);
+    conn.onMessage = (data) => this.receive(link, data);
     conn.onClose = (e) => {
+      if (this.links.get(key) === link) this.links.delete(key);
+      if (!primary) return;
       this.emit({ type: "error", reason: e.reason, detail: `connection closed: ${e.message}` });
       for (const f of this.fetches.values()) f.reject(e);
       this.fetches.clear();
     };
-    await this.send(["hello", new Map<string, Value>([["revision", this.manifest.revision], ["roles", ["trainer"]], ["head_window", 0]])]);
-    this.emit({ type: "status", text: `connected to ${peerText(conn.remotePeer)} as ${this.options.identity.text}` });
+    await this.sendOn(link, ["hello", new Map<string, Value>([["revision", this.manifest.revision], ["roles", ["trainer"]], ["head_window", 0]])]);
+  }
+
+  /** Dial a server a `peers` message listed (spec/browser.md §1): an `http://` address, a peer we hold no
+   * link to, within `MAX_LINKS`. A failed dial is reported and forgotten. */
+  private dialPeer(peer: Uint8Array, address: string): void {
+    const key = toHex(peer);
+    if (!HTTP_ADDRESS.test(address) || equal(peer, this.options.identity.peerId) || this.links.has(key)
+      || this.dialing.has(address) || this.links.size + this.dialing.size >= MAX_LINKS || this.stopped) return;
+    this.dialing.add(address);
+    Connection.dial(address, this.options.identity, { WebSocket: this.options.WebSocket, maxMessageBytes: MAX_MESSAGE, expectedPeer: peer })
+      .then((conn) => this.attach(conn, address, false))
+      .catch((e) => {
+        const err = e instanceof PeerloomError ? e : new PeerloomError("connect-failed", String(e));
+        this.emit({ type: "rejected", reason: err.reason, detail: `dialing ${address}: ${err.detail}` });
+      })
+      .finally(() => this.dialing.delete(address));
   }
 
   stop(): void {
     this.stopped = true;
-    this.conn?.close();
+    for (const link of [...this.links.values()]) link.conn.close();
   }
 
+  /** Send on the primary link. */
   private async send(message: Value): Promise<void> {
-    const conn = this.conn;
-    if (!conn || conn.closed) return;
-    await conn.send(encode(message));
-    this.emit({ type: "bytes", sent: conn.bytesSent, received: conn.bytesReceived });
+    const link = [...this.links.values()].find((l) => l.primary);
+    if (link) await this.sendOn(link, message);
   }
 
-  private receive(data: Uint8Array): void {
+  private async sendOn(link: Link, message: Value): Promise<void> {
+    const conn = link.conn;
+    if (conn.closed) return;
+    try {
+      await conn.send(encode(message));
+    } catch {
+      return; // the connection closed meanwhile: its onClose reports it
+    }
+    this.emit({ type: "bytes", sent: this.bytes("bytesSent"), received: this.bytes("bytesReceived") });
+  }
+
+  private bytes(which: "bytesSent" | "bytesReceived"): number {
+    let n = 0;
+    for (const l of this.links.values()) n += l.conn[which];
+    return n;
+  }
+
+  /** Send to every link whose hello named one of `roles` (validators for joins and heartbeats; validators
+   * and reducers for updates), or to the primary link when no link has said its roles yet. */
+  private async sendTo(roles: string[], message: Value): Promise<void> {
+    const targets = [...this.links.values()].filter((l) => l.roles.some((r) => roles.includes(r)));
+    if (!targets.length) return this.send(message);
+    await Promise.all(targets.map((l) => this.sendOn(l, message)));
+  }
+
+  private receive(link: Link, data: Uint8Array): void {
     try {
       const msg = asArray(decode(data, data.length > CONTROL_MAX ? MAX_MESSAGE : CONTROL_MAX), "message");
       if (msg.length !== 2) throw new PeerloomError("bad-message", "not a [kind, body] array");
@@ -128,8 +202,18 @@ export class BrowserPeer {
       const body = msg[1]!;
       switch (kind) {
         case "hello": {
-          const w = asUint(asMap(body, "hello").get("head_window"), "head_window");
-          if (w > 0 && (this.head === null || w > this.head.window)) void this.send(["chain-get", new Map<string, Value>([["from_window", w], ["to_window", w]])]);
+          const hello = asMap(body, "hello");
+          const w = asUint(hello.get("head_window"), "head_window");
+          link.roles = asArray(hello.get("roles"), "roles", 8).map((r) => asText(r, "role"));
+          const server = link.roles.includes("validator") || link.roles.includes("reducer");
+          if (!link.primary && !server) {
+            link.conn.close(); // another trainer: nothing to send it
+            return;
+          }
+          if (server && this.announcement && this.announcement.window > (this.head?.window ?? 0)) {
+            void this.sendOn(link, this.announcement.message); // a server that connected while the window is open
+          }
+          if (w > 0 && (this.head === null || w > this.head.window)) void this.sendOn(link, ["chain-get", new Map<string, Value>([["from_window", w], ["to_window", w]])]);
           return;
         }
         case "head":
@@ -140,7 +224,7 @@ export class BrowserPeer {
         case "next-head": {
           const header = asMap(asMap(body, "next-head").get("header"), "header");
           const w = asUint(header.get("window"), "window");
-          if (this.head === null || w > this.head.window) void this.send(["chain-get", new Map<string, Value>([["from_window", w], ["to_window", w]])]);
+          if (this.head === null || w > this.head.window) void this.sendOn(link, ["chain-get", new Map<string, Value>([["from_window", w], ["to_window", w]])]);
           return;
         }
         case "chunk": {
@@ -160,9 +244,16 @@ export class BrowserPeer {
           return;
         }
         case "chunk-get":
-          return this.serve(body);
+          return this.serve(link, body);
+        case "peers": {
+          const entries = asArray(asMap(body, "peers", { required: ["peers"] }).get("peers"), "peers", 32);
+          for (const e of entries) {
+            const [peer, address] = asArray(e, "peer-entry", 2);
+            this.dialPeer(asBytes(peer, "peer"), asText(address, "address"));
+          }
+          return;
+        }
         case "signed":
-        case "peers":
         case "updates-get":
           return; // not a trainer's business (spec/browser.md §1)
         default:
@@ -208,15 +299,17 @@ export class BrowserPeer {
     if (!rostered) {
       if (this.joinedFor < next) {
         this.joinedFor = next;
-        const join = Envelope.sign(this.options.identity, "join", new Map<string, Value>([["revision", revision], ["window", next], ["capacity", this.options.capacity ?? 1]]));
-        void this.send(["signed", join.toValue()]);
+        // `unauditable`: a browser's training cannot be replayed (spec/browser.md §3, protocol.md §6.4)
+        const join = Envelope.sign(this.options.identity, "join", new Map<string, Value>([["revision", revision], ["window", next],
+          ["capacity", this.options.capacity ?? 1], ["unauditable", true]]));
+        void this.sendTo(["validator"], ["signed", join.toValue()]);
         this.emit({ type: "status", text: `asked to join for window ${next}` });
       }
       return;
     }
     if (this.manifest.idleWindows > 0) {
       const hb = Envelope.sign(this.options.identity, "heartbeat", new Map<string, Value>([["revision", revision], ["window", next]]));
-      void this.send(["signed", hb.toValue()]);
+      void this.sendTo(["validator"], ["signed", hb.toValue()]);
     }
     const shards = leasesOf(head, this.manifest, next).get(toHex(me));
     if (shards && this.trainingFor < next) {
@@ -291,7 +384,10 @@ export class BrowserPeer {
 
   private async trainWindow(head: Head, window: number, shards: number[]): Promise<void> {
     const m = this.manifest;
+    this.emit({ type: "lease", window, shards });
     this.emit({ type: "progress", window, done: 0, total: 1 });
+    if (this.options.delayMs) await new Promise((resolve) => setTimeout(resolve, this.options.delayMs));
+    if (this.stopped) return;
     const params = fromSafetensors(await this.fetchArtifact(head.params));
     if (!equal(tensorDigest(params), head.paramsDigest)) throw new PeerloomError("params-digest-mismatch");
     const { x, y } = await this.samples(shards);
@@ -319,26 +415,28 @@ export class BrowserPeer {
     this.served.set(toHex(ref.digest), bytes);
     const update = Envelope.sign(this.options.identity, "update", new Map<string, Value>([
       ["revision", m.revision], ["window", window], ["base", head.id], ["shards", shards], ["delta", artifactValue(ref)],
-      ["delta_digest", digest], ["train_loss", new Float(result.trainLoss)],
+      ["delta_digest", digest], ["train_loss", new Float(result.trainLoss)], ["unauditable", true],
     ]));
     const id = toHex(update.id);
     this.pending.set(id, window);
-    await this.send(["signed", update.toValue()]);
-    this.emit({ type: "announced", window, update: id, shards, trainLoss: result.trainLoss,
+    const message: Value = ["signed", update.toValue()];
+    this.announcement = { window, message };
+    await this.sendTo(["validator", "reducer"], message);
+    this.emit({ type: "announced", window, update: id, delta: toHex(ref.digest), shards, trainLoss: result.trainLoss,
       samplesPerS: (result.steps * Math.min(hyper.batchSize, result.samples)) / Math.max(seconds, 1e-6) });
   }
 
-  private serve(body: Value): void {
+  private serve(link: Link, body: Value): void {
     const m = asMap(body, "chunk-get", { required: ["artifact", "index"] });
     const artifact = asBytes(m.get("artifact"), "artifact", 34);
     const index = asUint(m.get("index"), "index");
     const bytes = this.served.get(toHex(artifact));
     const ref = this.manifest.chunkSize;
     if (!bytes || index * ref >= Math.max(bytes.length, 1)) {
-      void this.send(["chunk-missing", new Map<string, Value>([["artifact", artifact], ["index", index]])]);
+      void this.sendOn(link, ["chunk-missing", new Map<string, Value>([["artifact", artifact], ["index", index]])]);
       return;
     }
-    void this.send(["chunk", new Map<string, Value>([["artifact", artifact], ["index", index],
+    void this.sendOn(link, ["chunk", new Map<string, Value>([["artifact", artifact], ["index", index],
       ["data", bytes.subarray(index * ref, (index + 1) * ref)]])]);
   }
 }

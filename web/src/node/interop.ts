@@ -8,13 +8,15 @@ import { PeerloomError } from "../errors.js";
 import { Envelope, Identity, peerText } from "../identity.js";
 import { layersOf, train } from "../mlp.js";
 import { BrowserPeer, type PeerEvent } from "../peer.js";
+import { fuzz } from "./fuzz.js";
 
 type Command =
   | { op: "cbor"; vectors: { hex: string }[]; invalid: { hex: string }[] }
   | { op: "sign"; seed: string; kind: string; body: string }
   | { op: "echo"; address: string; seed: string; expect: string | null; messages: { size: number; lane: number }[] }
   | { op: "bench"; sizes: number[]; rows: number; epochs: number; batch_size: number; x: string; y: string }
-  | { op: "train"; edge: string; seed: string; updates: number; timeout_s: number; tamper?: boolean; log?: boolean };
+  | { op: "train"; edge: string; seed: string; updates: number; timeout_s: number; tamper?: boolean; log?: boolean }
+  | { op: "fuzz"; seed: number; ms: number; manifest: string; messages: string[] };
 
 /** Run a BrowserPeer until `updates` of its updates have a verdict (accepted or not) or the timeout. */
 async function trainRun(cmd: Extract<Command, { op: "train" }>): Promise<unknown> {
@@ -81,6 +83,7 @@ async function main(): Promise<unknown> {
     return { envelope: toHex(env.toBytes()), id: toHex(env.id), peer: peerText(id.peerId) };
   }
   if (cmd.op === "train") return trainRun(cmd);
+  if (cmd.op === "fuzz") return fuzz(cmd);
   if (cmd.op === "bench") {
     const params = new Map();
     for (let l = 0; l + 1 < cmd.sizes.length; l++) {
