@@ -57,6 +57,7 @@ from peerloom.backends.numpy.tensors import (
     tensor_digest,
     to_safetensors,
 )
+from peerloom.backends.workload import LossCheckable, Resumable, Workload, streams_delta, takes_step
 from peerloom.core.encoding import decode, encode
 from peerloom.core.errors import DecodeError, VerificationError
 from peerloom.core.identity import PeerId
@@ -207,12 +208,12 @@ class ComputeExecutor:
     bytes) makes train tasks use `private_seed` (module docstring); None trains with the task's seed.
     """
 
-    def __init__(self, store: Store, manifest: Manifest, workload: Any,
+    def __init__(self, store: Store, manifest: Manifest, workload: Workload | None,
                  shards: Sequence[Sequence[int]], *, state_dir: Path | None = None, compute: str = "numpy",
                  compute_threads: int | None = None, seed_key: bytes | None = None) -> None:
         self.store = store
         self.manifest = manifest
-        self.workload = workload
+        self.workload = workload  # None: an executor that only screens without a loss check or audit, and reduces
         self.shards = shards
         self.seed_key = seed_key
         self.state_dir = state_dir
@@ -350,6 +351,12 @@ class ComputeExecutor:
             case _:
                 assert_never(task)
 
+    def _workload(self) -> Workload:
+        """The workload tasks train and evaluate with; ValueError for an executor built without one."""
+        if self.workload is None:
+            raise ValueError("this compute executor has no workload (it reduces and screens only)")
+        return self.workload
+
     def train_seed(self, seed: int) -> int:
         """The seed a train task passes to the workload: `seed` itself, or `private_seed` of it under the
         executor's `seed_key` (a private-data trainer)."""
@@ -371,7 +378,7 @@ class ComputeExecutor:
             def keep(j: int, state: dict[str, np.ndarray]) -> None:
                 checkpoints.append(self._store_state(state, durable=False))
             indices = [i for s in task.shards for i in self.shards[s]]
-            delta, metrics = self.workload.train(params, indices, self.train_seed(task.seed),
+            delta, metrics = self._workload().train(params, indices, self.train_seed(task.seed),
                                                  inner_steps=inner_steps,
                                                  checkpoints=segments, on_checkpoint=keep,
                                                  **self._global_step(task.window, inner_steps))
@@ -397,8 +404,7 @@ class ComputeExecutor:
         """Whether a train task streams its head and pseudo-gradient (spec/pools.md §6): the workload takes a
         ``sink`` (a sharded trainer pool, ``STREAMS_DELTA``), the delta is stored as trained (codec none) and
         the store streams (`_streams`)."""
-        return bool(getattr(self.workload, "STREAMS_DELTA", False)) and self.manifest.codec == "none" \
-            and self._streams()
+        return streams_delta(self.workload) and self.manifest.codec == "none" and self._streams()
 
     def _train_streamed(self, task: TrainTask, stack: ExitStack) -> TrainResult:
         """The ``train`` task of a sharded pool: the head is read from its file one tensor at a time (`open`)
@@ -406,7 +412,7 @@ class ComputeExecutor:
         rank 0 gathers it, so this process never holds the whole model (spec/pools.md §6). The artifact is
         committed only when the pool's task returned; a failed task aborts it (`writer`'s stack): an update
         built from some ranks' shards is never stored, let alone announced."""
-        workload = self.workload
+        workload = self._workload()
         inner_steps = task.inner_steps
         params = self.open(task.params, stack)
         made = self.writer(workload.schema(), stack)
@@ -505,8 +511,11 @@ class ComputeExecutor:
         params = self.start_params(check.params, check.start)
         if applied_params is None:
             applied_params = self._applied(params, delta, -1.0)
-        applied = float(self.workload.loss(applied_params, batch))
-        opposite = float(self.workload.loss(self._applied(params, delta, 1.0), batch))
+        workload = self._workload()
+        if not isinstance(workload, LossCheckable):
+            raise AttributeError(f"the workload {type(workload).__name__} has no loss (the loss check needs it)")
+        applied = float(workload.loss(applied_params, batch))
+        opposite = float(workload.loss(self._applied(params, delta, 1.0), batch))
         detail = f"loss {applied:.6g} applied, {opposite:.6g} opposite, on {len(batch)} samples"
         ok = loss_check_passes(applied, opposite, float(check.min_drop))
         return ok, "" if ok else "loss", detail
@@ -524,7 +533,7 @@ class ComputeExecutor:
         """Every metric the workload's ``evaluate`` reports, as a float by its name (``loss`` and ``accuracy``
         for the bundled workloads; heads carry each as ``test_<name>``). ValueError for more than
         `MAX_EVAL_METRICS` metrics, a name that is not a non-empty string, or a value that is not a number."""
-        metrics = self.workload.evaluate(params)
+        metrics = self._workload().evaluate(params)
         if not 1 <= len(metrics) <= MAX_EVAL_METRICS:
             raise ValueError(f"a workload reports 1 to {MAX_EVAL_METRICS} metrics, got {len(metrics)}")
         out: dict[str, float] = {}
@@ -536,9 +545,9 @@ class ComputeExecutor:
 
     def _global_step(self, window: int | None, inner_steps: int) -> dict[str, int]:
         """``{"step": (window - 1) * inner_steps}``, the run's global step when window `window` starts training
-        (spec/protocol.md §5.1), for a workload whose class sets ``TAKES_STEP`` (`TorchWorkload`: its LR schedule
+        (spec/protocol.md §5.1), for a workload that takes it (`takes_step`: `TorchWorkload`, its LR schedule
         spans windows); ``{}`` for other workloads, FedAvg's local epochs (`inner_steps` 0) or no window."""
-        if not getattr(type(self.workload), "TAKES_STEP", False) or not window or inner_steps <= 0:
+        if not takes_step(self.workload) or not window or inner_steps <= 0:
             return {}
         return {"step": (window - 1) * inner_steps}
 
@@ -552,8 +561,8 @@ class ComputeExecutor:
         """
         indices = [i for s in shards for i in self.shards[s]]
         if inner_steps <= 0:
-            return self.workload.train(params, indices, seed)
-        return self.workload.train(params, indices, seed, inner_steps=inner_steps,
+            return self._workload().train(params, indices, seed)
+        return self._workload().train(params, indices, seed, inner_steps=inner_steps,
                                    **self._global_step(window, inner_steps))
 
     def _residual_of(self, author: PeerId | None, delta: dict[str, np.ndarray]) -> np_codecs.ErrorFeedback:
@@ -708,7 +717,10 @@ class ComputeExecutor:
         if start is None:
             return False, "bad-checkpoint"
         indices = [i for s in audit.shards for i in self.shards[s]]
-        replayed = self.workload.resume(dict(start), indices, audit.seed, inner_steps=audit.inner_steps,
+        workload = self._workload()
+        if not isinstance(workload, Resumable):
+            raise AttributeError(f"the workload {type(workload).__name__} cannot resume (segment audits need it)")
+        replayed = workload.resume(dict(start), indices, audit.seed, inner_steps=audit.inner_steps,
                                         start=segment.from_step, stop=segment.to_step,
                                         **self._global_step(audit.window, audit.inner_steps))
         if set(replayed) != set(stop):

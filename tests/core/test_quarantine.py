@@ -180,6 +180,8 @@ def test_head_and_manifest_round_trip_new_fields():
 class ScalingAttack:
     """Wraps a workload: trains honestly, then multiplies the delta (a model-poisoning scaling attack)."""
 
+    TAKES_STEP = False  # its own schedule (`peerloom.backends.workload.TakesStep`)
+
     def __init__(self, inner, factor):
         self.inner, self.factor = inner, factor
 
