@@ -1,6 +1,6 @@
 """Executes the engine's `RunTask` effects with a backend workload and the artifact store.
 
-Task kinds and their results are documented on `peerloom.core.effects.RunTask`. Tensors cross the store
+Task kinds and their results are the classes of `peerloom.core.tasks` (`ComputeExecutor.run`). Tensors cross the store
 as safetensors bytes (never pickle); results name the artifacts they stored.
 
 Update codecs (spec/protocol.md §6): a trainer's delta artifact is the manifest's `codec` encoding of its
@@ -199,7 +199,9 @@ SINK_BLOCK = 1 << 20
 
 
 class ComputeExecutor:
-    """Runs train / screen / reduce / evaluate tasks synchronously (hosts put it on a worker thread).
+    """Runs the compute tasks (`peerloom.core.tasks`: train, screen, audit, audit-plan, reduce, evaluate)
+    synchronously (hosts put it on a worker thread), with `workload` (a `peerloom.backends.workload.Workload`;
+    None for an executor that only reduces and screens without a loss check or audit).
 
     `compute` picks the backend of screening statistics, aggregation and outer steps (``"numpy"`` or
     ``"torch"``, module docstring) and `compute_threads` how many threads their kernels run on (None:
