@@ -1,6 +1,6 @@
 """Executes the engine's `RunTask` effects with a backend workload and the artifact store.
 
-Task kinds and their results are documented on `peerloom.core.effects.RunTask`. Tensors cross the store
+Task kinds and their results are the classes of `peerloom.core.tasks` (`ComputeExecutor.run`). Tensors cross the store
 as safetensors bytes (never pickle); results name the artifacts they stored.
 
 Update codecs (spec/protocol.md §6): a trainer's delta artifact is the manifest's `codec` encoding of its
@@ -39,7 +39,7 @@ import os
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, assert_never
 
 import numpy as np
 
@@ -57,10 +57,33 @@ from peerloom.backends.numpy.tensors import (
     tensor_digest,
     to_safetensors,
 )
+from peerloom.backends.workload import LossCheckable, Resumable, Workload, streams_delta, takes_step
 from peerloom.core.encoding import decode, encode
 from peerloom.core.errors import DecodeError, VerificationError
 from peerloom.core.identity import PeerId
 from peerloom.core.objects import ERROR_FEEDBACK_CODECS, ArtifactRef, Manifest, Trajectory
+from peerloom.core.tasks import (
+    AuditPlanResult,
+    AuditPlanTask,
+    AuditResult,
+    AuditTask,
+    EagerStart,
+    EvaluateResult,
+    EvaluateTask,
+    LossCheck,
+    Outlier,
+    Recomputation,
+    ReduceResult,
+    ReduceTask,
+    ScreenResult,
+    ScreenTask,
+    SegmentAudit,
+    SegmentPlan,
+    Task,
+    TaskResult,
+    TrainResult,
+    TrainTask,
+)
 
 from .storage import ArtifactStore, atomic_write
 
@@ -176,7 +199,9 @@ SINK_BLOCK = 1 << 20
 
 
 class ComputeExecutor:
-    """Runs train / screen / reduce / evaluate tasks synchronously (hosts put it on a worker thread).
+    """Runs the compute tasks (`peerloom.core.tasks`: train, screen, audit, audit-plan, reduce, evaluate)
+    synchronously (hosts put it on a worker thread), with `workload` (a `peerloom.backends.workload.Workload`;
+    None for an executor that only reduces and screens without a loss check or audit).
 
     `compute` picks the backend of screening statistics, aggregation and outer steps (``"numpy"`` or
     ``"torch"``, module docstring) and `compute_threads` how many threads their kernels run on (None:
@@ -185,12 +210,12 @@ class ComputeExecutor:
     bytes) makes train tasks use `private_seed` (module docstring); None trains with the task's seed.
     """
 
-    def __init__(self, store: Store, manifest: Manifest, workload: Any,
+    def __init__(self, store: Store, manifest: Manifest, workload: Workload | None,
                  shards: Sequence[Sequence[int]], *, state_dir: Path | None = None, compute: str = "numpy",
                  compute_threads: int | None = None, seed_key: bytes | None = None) -> None:
         self.store = store
         self.manifest = manifest
-        self.workload = workload
+        self.workload = workload  # None: an executor that only screens without a loss check or audit, and reduces
         self.shards = shards
         self.seed_key = seed_key
         self.state_dir = state_dir
@@ -240,26 +265,25 @@ class ComputeExecutor:
             self._params = (ref.digest, self.load(ref))
         return self._params[1]
 
-    def start_params(self, spec: dict[str, Any]) -> dict[str, np.ndarray]:
-        """The params a training, a loss check or an audit starts from: `spec["params"]` (`load_params`), or
-        with ``spec["start"]`` (`core.audit.start_args`, an overlapped update with a prior; spec/protocol.md
-        §5.2) ``params - scale * outer_state - decode(prior delta)``: per element in float64, in that order,
+    def start_params(self, params_ref: ArtifactRef, start: EagerStart | None) -> dict[str, np.ndarray]:
+        """The params a training, a loss check or an audit starts from: `params_ref`'s (`load_params`), or
+        with a `start` (`core.audit.start_args`, an overlapped update with a prior; spec/protocol.md §5.2)
+        ``params - scale * outer_state - decode(prior delta)``: per element in float64, in that order,
         rounded once to the params' dtype, into a buffer this executor reuses. The last one is kept, as
         `load_params` keeps its params (a screen's loss check and audit start from the same point)."""
-        params = self.load_params(spec["params"])
-        start = spec.get("start")
-        if not start:
+        params = self.load_params(params_ref)
+        if start is None:
             return params
-        state_ref = start.get("outer_state")
-        key = (spec["params"].digest, start["prior"].digest, None if state_ref is None else state_ref.digest,
-               float(start["scale"]))
+        state_ref = start.outer_state
+        key = (params_ref.digest, start.prior.digest, None if state_ref is None else state_ref.digest,
+               float(start.scale))
         if self._start is not None and self._start[0] == key:
             return self._start[1]
-        prior = self._decode(self.load(start["prior"]))
+        prior = self._decode(self.load(start.prior))
         state = None if state_ref is None else self.load(state_ref)
         buffers = self._start[1] if self._start is not None else {}
         self._start = None
-        out = eager_start(params, state, prior, float(start["scale"]), out=buffers)
+        out = eager_start(params, state, prior, float(start.scale), out=buffers)
         self._start = (key, out)
         return out
 
@@ -307,83 +331,93 @@ class ComputeExecutor:
         container allows (`safetensors_parts`; else serialized first). Returns (ref, tensor digest)."""
         return self._store_state(tensors), tensor_digest(tensors)
 
-    def run(self, kind: str, args: dict[str, Any]) -> dict[str, Any]:
-        """Run one task; raises on failure (the host turns that into TaskFailed)."""
-        match kind:
-            case "train":
-                return self._train_task(args)
-            case "screen":
+    def run(self, task: Task) -> TaskResult:
+        """Run one task (a `core.tasks` class) and return its kind's result class; raises on failure (the host
+        turns that into TaskFailed): KeyError for an artifact the store lacks, ValueError for a workload
+        that misbehaves, VerificationError for a stored file of the wrong size, OSError from the store."""
+        match task:
+            case TrainTask():
+                return self._train_task(task)
+            case ScreenTask():
                 with ExitStack() as stack:
-                    return self._screen_task(args, stack)
-            case "reduce":
+                    return self._screen_task(task, stack)
+            case ReduceTask():
                 with ExitStack() as stack:
-                    return self._reduce(args, stack)
-            case "evaluate":
-                return self._evaluate(self.load_params(args["params"]))
-            case "audit":
-                return self._audit_task(args)
-            case "audit-plan":
-                return self._audit_plan(args)
-        raise ValueError(f"unknown task kind {kind!r}")
+                    return self._reduce(task, stack)
+            case EvaluateTask():
+                return EvaluateResult(metrics=self._evaluate(self.load_params(task.params)))
+            case AuditTask():
+                return self._audit_task(task)
+            case AuditPlanTask():
+                return self._audit_plan(task)
+            case _:
+                assert_never(task)
+
+    def _workload(self) -> Workload:
+        """The workload tasks train and evaluate with; ValueError for an executor built without one."""
+        if self.workload is None:
+            raise ValueError("this compute executor has no workload (it reduces and screens only)")
+        return self.workload
 
     def train_seed(self, seed: int) -> int:
         """The seed a train task passes to the workload: `seed` itself, or `private_seed` of it under the
         executor's `seed_key` (a private-data trainer)."""
         return int(seed) if self.seed_key is None else private_seed(self.seed_key, int(seed))
 
-    def _train_task(self, args: dict[str, Any]) -> dict[str, Any]:
+    def _train_task(self, task: TrainTask) -> TrainResult:
         """The ``train`` task: train, encode (error feedback for biased codecs), store the delta. With
         ``segments`` S > 0 (segment audits, spec/protocol.md §6.3) the workload's whole training state after
         each segment is stored as a checkpoint artifact, the residual the encoding starts from too, and both
         are committed in a `Trajectory` artifact: result ``trajectory`` (its ref) and ``committed`` (every
         artifact the trainer must serve: checkpoints 1..S, the residual, the trajectory)."""
-        inner_steps, segments = int(args.get("inner_steps", 0)), int(args.get("segments", 0))
-        if not segments and self._streams_train() and not args.get("start"):
+        inner_steps, segments = task.inner_steps, task.segments
+        if not segments and self._streams_train() and task.start is None:
             with ExitStack() as stack:
-                return self._train_streamed(args, inner_steps, stack)
-        params = self.start_params(args)
+                return self._train_streamed(task, stack)
+        params = self.start_params(task.params, task.start)
         checkpoints: list[ArtifactRef] = []
         if segments:
             def keep(j: int, state: dict[str, np.ndarray]) -> None:
                 checkpoints.append(self._store_state(state, durable=False))
-            indices = [i for s in args["shards"] for i in self.shards[s]]
-            delta, metrics = self.workload.train(params, indices, self.train_seed(args["seed"]),
+            indices = [i for s in task.shards for i in self.shards[s]]
+            delta, metrics = self._workload().train(params, indices, self.train_seed(task.seed),
                                                  inner_steps=inner_steps,
                                                  checkpoints=segments, on_checkpoint=keep,
-                                                 **self._global_step(args.get("window"), inner_steps))
+                                                 **self._global_step(task.window, inner_steps))
             if len(checkpoints) != segments:
                 raise ValueError(f"the workload took {len(checkpoints)} checkpoints, not {segments}")
         else:
-            delta, metrics = self._train(params, args["shards"], self.train_seed(args["seed"]), inner_steps,
-                                         args.get("window"))
-        author = args.get("author")
+            delta, metrics = self._train(params, task.shards, self.train_seed(task.seed), inner_steps, task.window)
+        author = task.author
         residual = None
         if segments and self.manifest.codec in ERROR_FEEDBACK_CODECS:
             state = self._residual_of(author, delta)
             residual = self._store_state(state.residual, durable=False)
         ref, digest = self.save(self._encode(delta, author))
-        out: dict[str, Any] = {"delta": ref, "delta_digest": digest, "train_loss": float(metrics["train_loss"])}
-        if segments:
-            trajectory = self.store.put(encode(Trajectory(checkpoints=tuple(checkpoints), residual=residual).to_cbor()))
-            out["trajectory"] = trajectory
-            out["committed"] = [*checkpoints, *([residual] if residual is not None else []), trajectory]
-        return out
+        train_loss = float(metrics["train_loss"])
+        if not segments:
+            return TrainResult(delta=ref, delta_digest=digest, train_loss=train_loss)
+        trajectory = self.store.put(encode(Trajectory(checkpoints=tuple(checkpoints), residual=residual).to_cbor()))
+        committed = (*checkpoints, *([residual] if residual is not None else []), trajectory)
+        return TrainResult(delta=ref, delta_digest=digest, train_loss=train_loss, trajectory=trajectory,
+                           committed=committed)
 
     def _streams_train(self) -> bool:
         """Whether a train task streams its head and pseudo-gradient (spec/pools.md §6): the workload takes a
         ``sink`` (a sharded trainer pool, ``STREAMS_DELTA``), the delta is stored as trained (codec none) and
         the store streams (`_streams`)."""
-        return bool(getattr(self.workload, "STREAMS_DELTA", False)) and self.manifest.codec == "none" \
-            and self._streams()
+        return streams_delta(self.workload) and self.manifest.codec == "none" and self._streams()
 
-    def _train_streamed(self, args: dict[str, Any], inner_steps: int, stack: ExitStack) -> dict[str, Any]:
+    def _train_streamed(self, task: TrainTask, stack: ExitStack) -> TrainResult:
         """The ``train`` task of a sharded pool: the head is read from its file one tensor at a time (`open`)
         and the pseudo-gradient written into a new artifact one tensor at a time, in blocks, as the pool's
         rank 0 gathers it, so this process never holds the whole model (spec/pools.md §6). The artifact is
         committed only when the pool's task returned; a failed task aborts it (`writer`'s stack): an update
         built from some ranks' shards is never stored, let alone announced."""
-        params = self.open(args["params"], stack)
-        made = self.writer(self.workload.schema(), stack)
+        workload = self._workload()
+        inner_steps = task.inner_steps
+        params = self.open(task.params, stack)
+        made = self.writer(workload.schema(), stack)
         if made is None:
             raise ValueError("this schema's safetensors bytes are not streamed (several dtypes or odd names)")
         writer, artifact = made
@@ -393,12 +427,12 @@ class ComputeExecutor:
             for start in range(0, values.size, SINK_BLOCK):
                 flat[start:start + SINK_BLOCK][...] = values[start:start + SINK_BLOCK]
 
-        indices = [i for s in args["shards"] for i in self.shards[s]]
-        options = {"inner_steps": inner_steps, **self._global_step(args.get("window"), inner_steps)} \
+        indices = [i for s in task.shards for i in self.shards[s]]
+        options = {"inner_steps": inner_steps, **self._global_step(task.window, inner_steps)} \
             if inner_steps > 0 else {}
-        _, metrics = self.workload.train(params, indices, self.train_seed(args["seed"]), sink=sink, **options)
+        _, metrics = workload.train(params, indices, self.train_seed(task.seed), sink=sink, **options)
         digest = writer.finish()
-        return {"delta": artifact.commit(), "delta_digest": digest, "train_loss": float(metrics["train_loss"])}
+        return TrainResult(delta=artifact.commit(), delta_digest=digest, train_loss=float(metrics["train_loss"]))
 
     def _store_state(self, tensors: dict[str, np.ndarray], *, durable: bool = True) -> ArtifactRef:
         """Store tensors (`save` without the tensor digest); ``durable=False`` for a trainer's checkpoints
@@ -408,62 +442,60 @@ class ComputeExecutor:
             return self.store.put(to_safetensors(tensors))
         return self.store.put_parts(parts) if durable else self.store.put_parts(parts, durable=False)
 
-    def _audit_plan(self, args: dict[str, Any]) -> dict[str, Any]:
+    def _audit_plan(self, task: AuditPlanTask) -> AuditPlanResult:
         """The ``audit-plan`` task of a segment audit (spec/protocol.md §6.3): read the author's stored
-        `Trajectory` (hostile input: decoded with a size bound) and name the artifacts segment
-        ``args["segment"]`` needs: ``{"ok": True, "start": ref | None (segment 0 starts from the base params),
-        "stop": ref, "final": ref, "residual": ref | None}``, or ``{"ok": False, "reason": "bad-trajectory"}``
-        when it is not a trajectory of ``args["segments"]`` checkpoints (with a residual exactly when the
-        codec uses error feedback)."""
-        segments, j = int(args["segments"]), int(args["segment"])
+        `Trajectory` (hostile input: decoded with a size bound) and name the artifacts segment `task.segment`
+        needs (`SegmentPlan`: start None for segment 0, which starts from the base params), or ok False with
+        reason ``bad-trajectory`` when it is not a trajectory of `task.segments` checkpoints (with a residual
+        exactly when the codec uses error feedback)."""
+        segments, j = task.segments, task.segment
         try:
-            trajectory = Trajectory.from_cbor(decode(self.store.get(args["trajectory"].digest), max_bytes=1 << 24))
+            trajectory = Trajectory.from_cbor(decode(self.store.get(task.trajectory.digest), max_bytes=1 << 24))
         except (DecodeError, VerificationError):
-            return {"ok": False, "reason": "bad-trajectory"}
+            return AuditPlanResult(ok=False, reason="bad-trajectory")
         if len(trajectory.checkpoints) != segments or \
                 (trajectory.residual is not None) != (self.manifest.codec in ERROR_FEEDBACK_CODECS):
-            return {"ok": False, "reason": "bad-trajectory"}
-        return {"ok": True, "start": trajectory.checkpoints[j - 1] if j > 0 else None,
-                "stop": trajectory.checkpoints[j], "final": trajectory.checkpoints[-1],
-                "residual": trajectory.residual}
+            return AuditPlanResult(ok=False, reason="bad-trajectory")
+        plan = SegmentPlan(start=trajectory.checkpoints[j - 1] if j > 0 else None, stop=trajectory.checkpoints[j],
+                           final=trajectory.checkpoints[-1], residual=trajectory.residual)
+        return AuditPlanResult(ok=True, plan=plan)
 
-    def _screen_task(self, args: dict[str, Any], stack: ExitStack) -> dict[str, Any]:
+    def _screen_task(self, task: ScreenTask, stack: ExitStack) -> ScreenResult:
         """The ``screen`` task: decode, screen, check the tensor digest and the norm bound, the loss check,
         audit. A delta in the ``none`` codec is read block by block where the backend streams (`open`), once
         for the statistics, the digest and the update applied of the loss check (`screen_stored`), then
         once more for the opposite side."""
         try:
-            encoded = self.open(args["delta"], stack) if self.manifest.codec == "none" else self.load(args["delta"])
+            encoded = self.open(task.delta, stack) if self.manifest.codec == "none" else self.load(task.delta)
             delta = self._decode(encoded)
         except DecodeError:
-            return {"ok": False, "reason": "undecodable", "norm": float("nan")}
-        loss_check = args.get("loss_check")
+            return ScreenResult(ok=False, reason="undecodable", norm=float("nan"))
+        loss_check = task.loss_check
         applied = None
         if not schema_matches(delta, self.manifest.schema):
             ok, reason, norm = False, "schema", float("nan")
         elif isinstance(encoded, StoredTensors):  # the none codec, streamed: one read for all of it
-            base = None if loss_check is None else self.start_params(loss_check)
+            base = None if loss_check is None else self.start_params(loss_check.params, loss_check.start)
             applied = None if base is None else self._scratch_for(base)
             stats, digest = screen_stored(encoded, base=base, applied=applied, threads=self.compute.threads)
             ok, reason, norm = self._verdict(stats)
-            if ok and digest != args["delta_digest"]:
+            if ok and digest != task.delta_digest:
                 ok, reason = False, "digest-mismatch"
         else:
             ok, reason, norm = self._verdict(self.compute.stats(delta))
-            if ok and self.digest(encoded) != args["delta_digest"]:
+            if ok and self.digest(encoded) != task.delta_digest:
                 ok, reason = False, "digest-mismatch"
-        max_norm = float(args.get("max_norm", 0.0))
+        max_norm = float(task.max_norm)
         if ok and max_norm > 0.0 and not norm <= max_norm:
             ok, reason = False, "norm-bound"
         detail = ""
         if ok and loss_check is not None:
             ok, reason, detail = self._loss_check(delta, loss_check, applied)
-        audit = args.get("audit")
-        if ok and audit is not None:
-            ok, reason = self._audit(delta, audit)
-        return {"ok": ok, "reason": reason, "norm": norm, "detail": detail}
+        if ok and task.audit is not None:
+            ok, reason = self._audit(delta, task.audit)
+        return ScreenResult(ok=ok, reason=reason, norm=norm, detail=detail)
 
-    def _loss_check(self, delta: dict[str, Any], check: dict[str, Any],
+    def _loss_check(self, delta: dict[str, Any], check: LossCheck,
                     applied_params: dict[str, np.ndarray] | None = None) -> tuple[bool, str, str]:
         """The loss check (spec/protocol.md §6.1): the workload's loss on a batch of the author's leased
         samples at the base params with the decoded `delta` applied (``applied = base - delta``) and with
@@ -473,19 +505,21 @@ class ComputeExecutor:
         two sides cancels the second-order term an honest update that overshoots pays on both, which a
         before/after comparison charges it (spec §6.1 gives the measurement).
 
-        The batch is ``check["samples"]`` of the lease's sample indices (all when fewer), drawn without
-        replacement by ``np.random.default_rng(check["seed"])`` (the update's `loss_batch_seed`), in lease
+        The batch is ``check.samples`` of the lease's sample indices (all when fewer), drawn without
+        replacement by ``np.random.default_rng(check.seed)`` (the update's `loss_batch_seed`), in lease
         order. A workload without ``loss`` raises AttributeError (a task failure, never a strike).
         `applied_params`: ``base - delta`` already computed into this executor's buffer (`screen_stored`)."""
-        batch = loss_check_batch([i for s in check["shards"] for i in self.shards[s]], int(check["samples"]),
-                                 int(check["seed"]))
-        params = self.start_params(check)
+        batch = loss_check_batch([i for s in check.shards for i in self.shards[s]], check.samples, check.seed)
+        params = self.start_params(check.params, check.start)
         if applied_params is None:
             applied_params = self._applied(params, delta, -1.0)
-        applied = float(self.workload.loss(applied_params, batch))
-        opposite = float(self.workload.loss(self._applied(params, delta, 1.0), batch))
+        workload = self._workload()
+        if not isinstance(workload, LossCheckable):
+            raise AttributeError(f"the workload {type(workload).__name__} has no loss (the loss check needs it)")
+        applied = float(workload.loss(applied_params, batch))
+        opposite = float(workload.loss(self._applied(params, delta, 1.0), batch))
         detail = f"loss {applied:.6g} applied, {opposite:.6g} opposite, on {len(batch)} samples"
-        ok = loss_check_passes(applied, opposite, float(check["min_drop"]))
+        ok = loss_check_passes(applied, opposite, float(check.min_drop))
         return ok, "" if ok else "loss", detail
 
     @staticmethod
@@ -501,7 +535,7 @@ class ComputeExecutor:
         """Every metric the workload's ``evaluate`` reports, as a float by its name (``loss`` and ``accuracy``
         for the bundled workloads; heads carry each as ``test_<name>``). ValueError for more than
         `MAX_EVAL_METRICS` metrics, a name that is not a non-empty string, or a value that is not a number."""
-        metrics = self.workload.evaluate(params)
+        metrics = self._workload().evaluate(params)
         if not 1 <= len(metrics) <= MAX_EVAL_METRICS:
             raise ValueError(f"a workload reports 1 to {MAX_EVAL_METRICS} metrics, got {len(metrics)}")
         out: dict[str, float] = {}
@@ -513,9 +547,9 @@ class ComputeExecutor:
 
     def _global_step(self, window: int | None, inner_steps: int) -> dict[str, int]:
         """``{"step": (window - 1) * inner_steps}``, the run's global step when window `window` starts training
-        (spec/protocol.md §5.1), for a workload whose class sets ``TAKES_STEP`` (`TorchWorkload`: its LR schedule
+        (spec/protocol.md §5.1), for a workload that takes it (`takes_step`: `TorchWorkload`, its LR schedule
         spans windows); ``{}`` for other workloads, FedAvg's local epochs (`inner_steps` 0) or no window."""
-        if not getattr(type(self.workload), "TAKES_STEP", False) or not window or inner_steps <= 0:
+        if not takes_step(self.workload) or not window or inner_steps <= 0:
             return {}
         return {"step": (window - 1) * inner_steps}
 
@@ -529,8 +563,8 @@ class ComputeExecutor:
         """
         indices = [i for s in shards for i in self.shards[s]]
         if inner_steps <= 0:
-            return self.workload.train(params, indices, seed)
-        return self.workload.train(params, indices, seed, inner_steps=inner_steps,
+            return self._workload().train(params, indices, seed)
+        return self._workload().train(params, indices, seed, inner_steps=inner_steps,
                                    **self._global_step(window, inner_steps))
 
     def _residual_of(self, author: PeerId | None, delta: dict[str, np.ndarray]) -> np_codecs.ErrorFeedback:
@@ -560,17 +594,17 @@ class ComputeExecutor:
             return encoded
         return np_codecs.decode(codec, encoded, schema=self.manifest.schema)
 
-    def _audit(self, delta: dict[str, np.ndarray], audit: dict[str, Any]) -> tuple[bool, str]:
+    def _audit(self, delta: dict[str, np.ndarray], audit: Recomputation) -> tuple[bool, str]:
         """Recompute the author's training (core/audit.py) and compare: (ok, reason).
 
         `delta` is the announced update, decoded. The recomputation goes through the same codec (encode,
         decode; no error feedback: a manifest refuses audits with an error-feedback codec), so an honest
         update reproduces it. Their cosine (`screening_stats`, float64 sums over all tensors) must be at least
-        ``audit["min_cosine"]``; an honest update on the same platform reproduces bit for bit, and on
+        ``audit.min_cosine``; an honest update on the same platform reproduces bit for bit, and on
         another platform stays within floating-point drift of 1.
         """
-        expected, _ = self._train(self.start_params(audit), audit["shards"], int(audit["seed"]),
-                                  int(audit["inner_steps"]), audit.get("window"))
+        expected, _ = self._train(self.start_params(audit.params, audit.start), audit.shards, audit.seed,
+                                  audit.inner_steps, audit.window)
         if self.manifest.codec != "none":
             encoded, _ = np_codecs.encode(self.manifest.codec, expected, fraction=self.manifest.codec_fraction)
             expected = self._decode(encoded)
@@ -579,7 +613,7 @@ class ComputeExecutor:
         cosine = stats["cosine"]
         if math.isnan(cosine):  # a zero norm on one side: only "both zero" reproduces
             cosine = 1.0 if stats["global_norm"] == 0.0 and self.compute.stats(expected)["global_norm"] == 0.0 else 0.0
-        return (True, "") if cosine >= float(audit["min_cosine"]) else (False, "audit")
+        return (True, "") if cosine >= float(audit.min_cosine) else (False, "audit")
 
     def _applied(self, params: dict[str, np.ndarray], delta: dict[str, Any], sign: float) -> dict[str, np.ndarray]:
         """``params + sign * delta`` (`sign` -1: the update applied, +1: the opposite way) in float32, written
@@ -608,27 +642,25 @@ class ComputeExecutor:
             self._scratch = {n: np.empty(shape, np.float32) for n, shape in shapes.items()}
         return self._scratch
 
-    def _audit_task(self, args: dict[str, Any]) -> dict[str, Any]:
+    def _audit_task(self, task: AuditTask) -> AuditResult:
         """The ``audit`` task of a sampled audit (spec/protocol.md §6.2): decode the stored delta and recompute
-        it, whole (`_audit`) or, with ``args["segment"]``, one committed segment (`_audit_segment`). Result
-        ``{"ok": bool, "reason": "audit" | "segment" | "inconsistent" | "bad-checkpoint" | "undecodable" |
-        "schema" | ""}``. Where the backend streams, an uncompressed delta and the committed checkpoints
+        it, whole (`_audit`) or, with `task.segment`, one committed segment (`_audit_segment`). Result: ok,
+        or reason ``audit``, ``segment``, ``inconsistent``, ``bad-checkpoint``, ``undecodable`` or
+        ``schema``. Where the backend streams, an uncompressed delta and the committed checkpoints
         but the segment's start are read block by block (the memory of a validator auditing a large model)."""
         with ExitStack() as stack:
             try:
-                encoded = self.open(args["delta"], stack) if self.manifest.codec == "none" else \
-                    self.load(args["delta"])
+                encoded = self.open(task.delta, stack) if self.manifest.codec == "none" else self.load(task.delta)
                 delta = self._decode(encoded)
             except DecodeError:
-                return {"ok": False, "reason": "undecodable"}
+                return AuditResult(ok=False, reason="undecodable")
             if not schema_matches(delta, self.manifest.schema):
-                return {"ok": False, "reason": "schema"}
-            segment = args.get("segment")
-            if segment is None:
-                ok, reason = self._audit(delta, args["audit"])
+                return AuditResult(ok=False, reason="schema")
+            if task.segment is None:
+                ok, reason = self._audit(delta, task.audit)
             else:
-                ok, reason = self._audit_segment(encoded, delta, args["audit"], segment, stack)
-            return {"ok": ok, "reason": reason}
+                ok, reason = self._audit_segment(encoded, delta, task.audit, task.segment, stack)
+            return AuditResult(ok=ok, reason=reason)
 
     def _checkpoint(self, ref: ArtifactRef, like: dict[str, Any] | None,
                     stack: ExitStack | None) -> dict[str, Any] | None:
@@ -647,20 +679,21 @@ class ComputeExecutor:
             return None
         return state
 
-    def _audit_segment(self, encoded: dict[str, Any], delta: dict[str, Any], audit: dict[str, Any],
-                       segment: dict[str, Any], stack: ExitStack) -> tuple[bool, str]:
+    def _audit_segment(self, encoded: dict[str, Any], delta: dict[str, Any], audit: Recomputation,
+                       segment: SegmentAudit, stack: ExitStack) -> tuple[bool, str]:
         """Replay one committed segment and check that the trajectory ends in the announced delta
-        (spec/protocol.md §6.3). ``segment``: start (checkpoint ref, None = the base params), stop, final
-        (checkpoint refs), residual (ref or None), from / to (inner-step bounds). (ok, reason):
+        (spec/protocol.md §6.3). ``segment.plan``: start (checkpoint ref, None = the base params), stop, final
+        (checkpoint refs), residual (ref or None); from_step / to_step (inner-step bounds). (ok, reason):
 
         - ``bad-checkpoint``: a checkpoint is not a state of this workload's layout;
         - ``inconsistent``: the announced delta is not the manifest's codec of ``base - final params`` (plus
           the committed residual under error feedback), bit for bit;
         - ``segment``: the replay from `start` does not reach `stop` (`_moved_alike`).
         """
-        base = self.start_params(audit)
-        stop = self._checkpoint(segment["stop"], None, stack)
-        final = stop if segment["final"] == segment["stop"] else self._checkpoint(segment["final"], stop, stack)
+        plan = segment.plan
+        base = self.start_params(audit.params, audit.start)
+        stop = self._checkpoint(plan.stop, None, stack)
+        final = stop if plan.final == plan.stop else self._checkpoint(plan.final, stop, stack)
         if stop is None or final is None:
             return False, "bad-checkpoint"
         names = [n for n, _, _ in self.manifest.schema]
@@ -672,7 +705,7 @@ class ComputeExecutor:
             expected = {n: np.subtract(base[n], _whole(final[n]), dtype=np.float32) for n in names}
             state = None
             if codec in ERROR_FEEDBACK_CODECS:
-                residual = None if segment["residual"] is None else self._checkpoint(segment["residual"], None, None)
+                residual = None if plan.residual is None else self._checkpoint(plan.residual, None, None)
                 if residual is None or set(residual) != set(expected):
                     return False, "inconsistent"
                 state = np_codecs.ErrorFeedback({n: np.array(t, dtype=np.float32) for n, t in residual.items()})
@@ -682,19 +715,22 @@ class ComputeExecutor:
             del expected
         if not consistent:
             return False, "inconsistent"
-        start = base if segment["start"] is None else self._checkpoint(segment["start"], stop, None)
+        start = base if plan.start is None else self._checkpoint(plan.start, stop, None)
         if start is None:
             return False, "bad-checkpoint"
-        indices = [i for s in audit["shards"] for i in self.shards[s]]
-        replayed = self.workload.resume(dict(start), indices, int(audit["seed"]), inner_steps=int(audit["inner_steps"]),
-                                        start=int(segment["from"]), stop=int(segment["to"]),
-                                        **self._global_step(audit.get("window"), int(audit["inner_steps"])))
+        indices = [i for s in audit.shards for i in self.shards[s]]
+        workload = self._workload()
+        if not isinstance(workload, Resumable):
+            raise AttributeError(f"the workload {type(workload).__name__} cannot resume (segment audits need it)")
+        replayed = workload.resume(dict(start), indices, audit.seed, inner_steps=audit.inner_steps,
+                                        start=segment.from_step, stop=segment.to_step,
+                                        **self._global_step(audit.window, audit.inner_steps))
         if set(replayed) != set(stop):
             return False, "segment"
-        alike = _moved_alike(start, stop, replayed, names, float(audit["min_cosine"]))
+        alike = _moved_alike(start, stop, replayed, names, float(audit.min_cosine))
         return (True, "") if alike else (False, "segment")
 
-    def _reduce(self, args: dict[str, Any], stack: ExitStack) -> dict[str, Any]:
+    def _reduce(self, task: ReduceTask, stack: ExitStack) -> ReduceResult:
         """Cohort screening, then aggregation and the outer optimizer step (spec/protocol.md §6-7).
 
         The candidates (canonical order) are screened against each other: the robust centre is their
@@ -703,8 +739,8 @@ class ComputeExecutor:
         else one whose cosine to the centre is below ``min_cosine`` is (``cosine``): `cohort_outliers`. The
         rest are aggregated with the manifest's rule and the outer optimizer applied: FedAvg (SGD, lr
         `outer_lr`) or DiLoCo (Nesterov momentum `outer_momentum`, state = the parent head's `outer_state`
-        artifact or zeros). Result: params, params_digest, outer_state (ArtifactRef or None),
-        outer_state_digest, outliers ([[candidate index, reason, detail]]: the detail gives the numbers) and kept
+        artifact or zeros). Result (`ReduceResult`): params, params_digest, outer_state (ArtifactRef or None),
+        outer_state_digest, outliers (`Outlier`: candidate index, reason, detail, the numbers) and kept
         (candidate indices reduced).
 
         Memory (spec/design.md §5): where the backend streams (`open`, `writer`), the params, the optimizer state and
@@ -714,47 +750,50 @@ class ComputeExecutor:
         dropped once used: about five model sizes.
         """
         read = (lambda ref: self.open(ref, stack)) if self.manifest.codec == "none" else self.load
-        deltas = [self._decode(read(ref)) for ref in args["deltas"]]
-        weights = list(args["weights"])
-        outliers = cohort_outliers(self.compute, deltas, float(args.get("norm_ratio", 0.0)),
-                                   float(args.get("min_cosine", -1.0)), int(args.get("norm_mads", 0)))
-        bad = {i for i, *_ in outliers}
-        kept = [i for i in range(len(deltas)) if i not in bad]
-        out: dict[str, Any] = {"outliers": outliers, "kept": kept, "outer_state": None, "outer_state_digest": None}
+        deltas = [self._decode(read(ref)) for ref in task.deltas]
+        weights = list(task.weights)
+        outliers = tuple(Outlier(index=int(i), reason=str(reason), detail=str(rest[0]) if rest else "")
+                         for i, reason, *rest in cohort_outliers(self.compute, deltas, float(task.norm_ratio),
+                                                                 float(task.min_cosine), int(task.norm_mads)))
+        bad = {o.index for o in outliers}
+        kept = tuple(i for i in range(len(deltas)) if i not in bad)
         if not kept:
-            out.update(params=args["params"], params_digest=self.digest(self.open(args["params"], stack)))
-            return out
-        centre = self.compute.aggregate(args["rule"], [deltas[i] for i in kept], [weights[i] for i in kept])
+            return ReduceResult(params=task.params, params_digest=self.digest(self.open(task.params, stack)),
+                                outliers=outliers, kept=kept)
+        centre = self.compute.aggregate(task.rule, [deltas[i] for i in kept], [weights[i] for i in kept])
         del deltas
-        params = self.open(args["params"], stack)
-        optimizer = args["outer_optimizer"]
+        params = self.open(task.params, stack)
+        optimizer = task.outer_optimizer
         if optimizer not in ("fedavg", "diloco"):
             raise ValueError(f"unknown outer optimizer {optimizer!r}")
         schema = schema_of(centre)
         new_writer = self.writer(schema, stack)
         state_writer = self.writer(schema, stack) if optimizer == "diloco" and new_writer is not None else None
         state = None
-        if optimizer == "diloco" and args.get("outer_state") is not None:
-            state = self.open(args["outer_state"], stack)
+        if optimizer == "diloco" and task.outer_state is not None:
+            state = self.open(task.outer_state, stack)
         new, new_state = self.compute.outer(
-            optimizer, params, centre, state, args["outer_lr"],
-            args.get("outer_momentum", 0.9) if optimizer == "diloco" else 0.0,
+            optimizer, params, centre, state, task.outer_lr,
+            task.outer_momentum if optimizer == "diloco" else 0.0,
             out=None if new_writer is None else new_writer[0].tensors,
             out_state=None if state_writer is None else state_writer[0].tensors)
         del params, centre, state
+        outer_state: ArtifactRef | None = None
+        outer_state_digest: bytes | None = None
         if new_state is not None:
             if state_writer is None:
-                out["outer_state"], out["outer_state_digest"] = self.save(new_state)
+                outer_state, outer_state_digest = self.save(new_state)
             else:
-                out["outer_state_digest"] = state_writer[0].finish()
-                out["outer_state"] = state_writer[1].commit()
+                outer_state_digest = state_writer[0].finish()
+                outer_state = state_writer[1].commit()
             del new_state
         if new_writer is None:
-            out["params"], out["params_digest"] = self.save(new)
+            new_params, params_digest = self.save(new)
         else:
-            out["params_digest"] = new_writer[0].finish()
-            out["params"] = new_writer[1].commit()
-        return out
+            params_digest = new_writer[0].finish()
+            new_params = new_writer[1].commit()
+        return ReduceResult(params=new_params, params_digest=params_digest, outer_state=outer_state,
+                            outer_state_digest=outer_state_digest, outliers=outliers, kept=kept)
 
 
 MIN_SCREEN_COHORT = 3

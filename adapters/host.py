@@ -36,10 +36,11 @@ from peerloom.core.identity import PeerId
 from peerloom.core.messages import Chunk, encode_message
 from peerloom.core.objects import ArtifactRef, Head, QuorumCertificate
 from peerloom.core.records import Record
+from peerloom.core.tasks import TaskResult
 
-TaskOutcome = dict[str, Any] | Exception
-"""What a compute task gives its `done` callback: the task kind's result map (`core.effects.RunTask`), or the
-exception it raised (fed back as `TaskFailed` with its repr)."""
+TaskOutcome = TaskResult | Exception
+"""What a compute task gives its `done` callback: the result class of its kind (`core.tasks`), or the exception
+it raised (fed back as `TaskFailed` with its repr)."""
 
 
 class Host(Protocol):
@@ -67,8 +68,8 @@ class Host(Protocol):
         (fsync), then, not before, call `done()`."""
 
     def run_task(self, task: fx.RunTask, done: Callable[[TaskOutcome], None]) -> None:
-        """Run the compute task off the engine (`task.kind`, `task.args`: `core.effects.RunTask`); call
-        `done(result)`, or `done(exception)` if it failed."""
+        """Run the compute task `task.task` (a `core.tasks` class) off the engine; call `done(result)` with its
+        kind's result class, or `done(exception)` if it failed."""
 
     def read_chunk(self, ref: ArtifactRef, index: int) -> bytes:
         """Chunk `index` of the stored artifact `ref` (the driver sends it as a `Chunk` message)."""
@@ -209,7 +210,7 @@ class Driver:
 # --- primitives that do not differ between hosts ------------------------------------------------------
 
 
-def outcome(fn: Callable[..., dict[str, Any]], *args: Any) -> TaskOutcome:
+def outcome(fn: Callable[..., TaskResult], *args: Any) -> TaskOutcome:
     """`fn(*args)`, or the exception it raised: what a task's `done` takes (a failed task is an event for the
     engine, not a crash of the host)."""
     try:

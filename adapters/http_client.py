@@ -46,6 +46,7 @@ from peerloom.core.objects import (
     artifact_id,
     seal,
 )
+from peerloom.core.tasks import TrainResult, TrainTask
 
 from .storage import ArtifactStore
 
@@ -282,13 +283,13 @@ class LightTrainer:
         if not self.store.has(head.params.digest):
             self.store.put(self.client.artifact(head.params))
         # The protocol fixes the training seed (core/audit.py), so validators can recompute the update.
-        args = {"params": head.params, "shards": shards, "seed": train_seed(head.id, window, shards, me),
-                "window": window, "inner_steps": self.revision.manifest.inner_steps}
-        result = self.executor.run("train", args)
-        delta: ArtifactRef = result["delta"]
+        result = self.executor.run(TrainTask(params=head.params, shards=shards,
+                                             seed=train_seed(head.id, window, shards, me), window=window,
+                                             inner_steps=self.revision.manifest.inner_steps))
+        assert isinstance(result, TrainResult)
+        delta = result.delta
         ann = UpdateAnnouncement(revision=self.revision.id, window=window, base=head.id, shards=shards,
-                                 delta=delta, delta_digest=result["delta_digest"],
-                                 train_loss=float(result["train_loss"]))
+                                 delta=delta, delta_digest=result.delta_digest, train_loss=float(result.train_loss))
         update_id = self.client.submit_update(seal(self.identity, ann), self.store.get(delta.digest))
         self.last_window = window
         return StepResult(window=window, shards=shards, joined=joined, update_id=update_id,

@@ -43,6 +43,8 @@ from typing import Any
 
 import attrs
 
+from peerloom.backends.workload import takes_step
+
 __all__ = ["DEFAULT_TIMEOUT_S", "PoolError", "PoolWorkload", "RankEnv", "TrainerPool", "check_pool_table",
            "run_worker"]
 
@@ -351,7 +353,7 @@ class TrainerPool:
                                 "restart torchrun to re-form it; no update")
             if self.shrunk:
                 options = {k: v for k, v in (("epochs", epochs), ("inner_steps", inner_steps)) if v is not None}
-                if step and getattr(type(self.workload), "TAKES_STEP", False):
+                if step and takes_step(self.workload):
                     options["step"] = step
                 return self.workload.train(params, indices, seed, **options)
             if not self.formed:

@@ -830,7 +830,7 @@ class NodeRuntime(Observer):
         try:
             background = effect.kind in BACKGROUND_TASKS
             executor = self.audit_executor if background and self.audit_executor is not None else self.executor
-            started, result = await self._compute.run(background, executor.run, effect.kind, effect.args)
+            started, result = await self._compute.run(background, executor.run, effect.task)
         except Exception as exc:
             if disk.is_disk_full(exc):
                 self._disk_is_full(f"task {effect.kind}", exc)

@@ -89,6 +89,10 @@ class ByzantineWorkload:
     ``"replay"``, ``"no-noise"`` or ``"crafted"`` (a `craft_update` attack).
     """
 
+    TAKES_STEP = False
+    """`train` is never handed the run's global step, whatever the wrapped workload takes
+    (`peerloom.backends.workload.TakesStep`): an attacker's learning-rate schedule is its own."""
+
     def __init__(self, inner: Any, attack: str, *, params: dict[str, Any] | None = None, seed: int = 0) -> None:
         if attack not in ATTACKS and attack not in TRAINING_ATTACKS:
             raise ValueError(f"unknown behaviour {attack!r}; known: honest, {', '.join((*ATTACKS, *TRAINING_ATTACKS))}")

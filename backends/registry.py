@@ -21,7 +21,23 @@ the digits workloads; ``dim``, ``local_steps``, ``num_train`` for ``quadratic``)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .numpy.workload import NumpyWorkload
+    from .synthetic import QuadraticWorkload
+    from .torch.workload import TorchWorkload
+    from .workload import LossCheckable, Resumable, Workload
+
+    def _bundled_workloads_are_workloads(a: NumpyWorkload, b: TorchWorkload, c: QuadraticWorkload) -> None:
+        """Type checking only: each bundled workload class implements `Workload` and the loss check's and segment
+        audits' capabilities (mypy fails here otherwise)."""
+        _a: Workload = a
+        _b: Workload = b
+        _c: Workload = c
+        for w in (a, b, c):
+            _l: LossCheckable = w
+            _r: Resumable = w
 
 WORKLOADS = ("digits-mlp", "digits-numpy", "mnist1d-mlp", "mnist1d-numpy", "quadratic", "charlm")
 

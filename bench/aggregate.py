@@ -26,6 +26,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,6 +60,7 @@ def reduce_bench(args: argparse.Namespace) -> dict:
 
     from peerloom.adapters.compute import ComputeExecutor
     from peerloom.adapters.storage import ArtifactStore
+    from peerloom.core.tasks import ReduceTask
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' manifest helper, from a checkout
     from tests.helpers import make_revision
@@ -72,21 +74,21 @@ def reduce_bench(args: argparse.Namespace) -> dict:
         ex = {t: ComputeExecutor(store, manifest, None, [], compute_threads=t) for t in counts}
         rng = np.random.default_rng(args.seed)
 
-        def saved() -> object:
+        def saved() -> Any:
             return ex[counts[0]].save({"w": rng.standard_normal(args.size, dtype=np.float32)})[0]
 
         params, state = saved(), saved()
         deltas = [saved() for _ in range(args.members)]
-        task = {"params": params, "deltas": deltas, "weights": [1] * args.members, "rule": args.rule,
-                "outer_optimizer": "diloco", "outer_lr": 0.7, "outer_momentum": 0.9, "outer_state": state,
-                "norm_ratio": 3.0, "min_cosine": -1.0}
-        outputs = {t: ex[t].run("reduce", task) for t in counts}  # warm-up, and the bytes to compare
+        task = ReduceTask(params=params, deltas=tuple(deltas), weights=(1,) * args.members, rule=args.rule,
+                          outer_optimizer="diloco", outer_lr=0.7, outer_momentum=0.9, outer_state=state,
+                          norm_ratio=3.0, min_cosine=-1.0)
+        outputs = {t: ex[t].run(task) for t in counts}  # warm-up, and the bytes to compare
         same = all(outputs[t] == outputs[counts[0]] for t in counts)
         times: dict[int, list[float]] = {t: [] for t in counts}
         for _ in range(args.repeats):
             for t in counts:
                 start = time.perf_counter()
-                ex[t].run("reduce", task)
+                ex[t].run(task)
                 times[t].append(time.perf_counter() - start)
     medians = {t: statistics.median(v) for t, v in times.items()}
     results = [{"threads": t, "seconds": medians[t], "all": times[t], "speedup": medians[counts[0]] / medians[t]}

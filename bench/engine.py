@@ -59,6 +59,15 @@ from peerloom.core.objects import (
     seal,
     sign_vote,
 )
+from peerloom.core.tasks import (
+    EvaluateResult,
+    EvaluateTask,
+    ReduceResult,
+    ReduceTask,
+    ScreenResult,
+    ScreenTask,
+    TaskResult,
+)
 
 
 def _identity(n: int) -> Identity:
@@ -149,19 +158,18 @@ class Bench(Observer):
     def rejected(self, peer: Any, reason: str, detail: str) -> None:
         self.rejections += 1  # reported: a correct benchmark has none
 
-    def _result(self, task: fx.RunTask) -> dict[str, Any]:
-        if task.kind == "screen":
-            return {"ok": True, "reason": "", "norm": 1.0}
-        if task.kind == "evaluate":
-            return {"loss": 0.5}
-        if task.kind == "reduce":
-            self.serial += 1
-            params = make_artifact_ref(b"params %d" % self.serial, 1 << 20)
-            self.driver.handle(ev.ArtifactAdded(now=self.now, ref=params))  # untimed, as before
-            deltas = task.args["deltas"]
-            return {"params": params, "params_digest": params.digest, "outer_state": None,
-                    "outer_state_digest": None, "outliers": [], "kept": list(range(len(deltas)))}
-        raise ValueError(f"task {task.kind}")
+    def _result(self, effect: fx.RunTask) -> TaskResult:
+        match effect.task:
+            case ScreenTask():
+                return ScreenResult(ok=True, reason="", norm=1.0)
+            case EvaluateTask():
+                return EvaluateResult(metrics={"loss": 0.5})
+            case ReduceTask() as task:
+                self.serial += 1
+                params = make_artifact_ref(b"params %d" % self.serial, 1 << 20)
+                self.driver.handle(ev.ArtifactAdded(now=self.now, ref=params))  # untimed, as before
+                return ReduceResult(params=params, params_digest=params.digest, kept=tuple(range(len(task.deltas))))
+        raise ValueError(f"task {effect.kind}")
 
     def _mirror_vote(self, data: bytes) -> None:
         """Each vote the engine signs comes back signed by the other validators (enough for a quorum)."""

@@ -46,6 +46,7 @@ from peerloom.adapters.compute import NumpyCompute, cohort_outliers, loss_check_
 from peerloom.backends.datasets import shard_indices
 from peerloom.backends.numpy.aggregate import aggregate, outer_step
 from peerloom.backends.registry import build_workload
+from peerloom.backends.workload import takes_step
 from peerloom.core.audit import loss_batch_seed
 from peerloom.core.objects import Manifest
 
@@ -122,14 +123,14 @@ def run(name: str, trainers: int, windows: int, seed: int) -> dict[str, Any]:
     compute = NumpyCompute()
     params = workload.initial_params(seed)
     state = None
-    takes_step = getattr(type(workload), "TAKES_STEP", False) and inner > 0
+    step_taken = takes_step(workload) and inner > 0
     screened = loss_rejected = updates = 0
     spread: list[float] = []
     for w in range(1, windows + 1):
         deltas = []
         for i in range(trainers):
             options: dict[str, Any] = {"inner_steps": inner} if inner else {}
-            if takes_step:
+            if step_taken:
                 options["step"] = (w - 1) * inner
             deltas.append(workload.train(params, shards[i], seed * 100_003 + w * 101 + i, **options)[0])
         updates += trainers

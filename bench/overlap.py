@@ -61,6 +61,7 @@ import numpy as np
 
 from peerloom.adapters.compute import NumpyCompute, eager_start
 from peerloom.backends.registry import build_workload
+from peerloom.backends.workload import takes_step
 from peerloom.core.objects import DILOCO_MOMENTUM
 from peerloom.experiment import Experiment
 
@@ -99,7 +100,7 @@ def run(workload: Any, shards: list[list[int]], *, overlap: int, windows: int, t
     given, is called after every ``workload.train`` with its wall seconds and its metrics (bench/privacy.py's
     throughput)."""
     compute = NumpyCompute()
-    takes_step = getattr(type(workload), "TAKES_STEP", False) and inner_steps > 0
+    step_taken = takes_step(workload) and inner_steps > 0
     heads = [workload.initial_params(seed)]  # heads[k] = head of window k (0 = genesis); the last 2 kept
     first = 0  # window number of heads[0]
     state = None  # the outer optimizer's momentum, carried by each head
@@ -118,7 +119,7 @@ def run(workload: Any, shards: list[list[int]], *, overlap: int, windows: int, t
             if eager and lag == 1 and i in previous:  # the protocol's eager start (spec/protocol.md §5.2)
                 start = eager_start(base, base_state, previous[i], scale)
             options: dict[str, Any] = {"inner_steps": inner_steps} if inner_steps else {}
-            if takes_step:
+            if step_taken:
                 options["step"] = (w - 1) * inner_steps
             began = time.perf_counter()
             delta, metrics = workload.train(start, indices, seed * 100_003 + w * 101 + i, **options)

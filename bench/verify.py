@@ -94,6 +94,15 @@ def measure(name: str, backend: str, workload: Any, shards: list[list[int]], arg
     from peerloom.core.audit import audit_segment, loss_batch_seed, segment_bounds, train_seed
     from peerloom.core.identity import Identity
     from peerloom.core.objects import Manifest, make_artifact_ref
+    from peerloom.core.tasks import (
+        AuditPlanTask,
+        AuditTask,
+        LossCheck,
+        Recomputation,
+        ScreenTask,
+        SegmentAudit,
+        TrainTask,
+    )
 
     validators = [Identity((1_000_000 + i).to_bytes(4, "big") * 8) for i in range(args.validators)]
     author = Identity((7).to_bytes(4, "big") * 8).peer_id
@@ -128,41 +137,39 @@ def measure(name: str, backend: str, workload: Any, shards: list[list[int]], arg
             seed = train_seed(base, 2, lease, author)
             indices = [i for s in lease for i in shards[s]]
             run("workload_train", lambda: workload.train(params, indices, seed_plain, inner_steps=args.inner_steps))
-            plain = run("train", lambda: ex.run("train", {"params": params_ref, "shards": lease, "seed": seed_plain,
-                                                          "inner_steps": args.inner_steps, "author": author}))
-            out = run("train_segments", lambda: ex.run("train", {
-                "params": params_ref, "shards": lease, "seed": seed, "inner_steps": args.inner_steps,
-                "segments": args.segments, "author": author}))
-            screen = {"delta": out["delta"], "delta_digest": out["delta_digest"]}
-            check = {"params": params_ref, "shards": lease, "seed": loss_batch_seed(base + out["delta"].digest),
-                     "samples": args.loss_samples, "min_drop": 0.0}
-            screened = run("screen", lambda: ex.run("screen", screen))
-            checked = run("screen_loss_check", lambda: ex.run("screen", dict(screen, loss_check=check)))
-            audit = {"params": params_ref, "shards": lease, "seed": seed, "inner_steps": args.inner_steps,
-                     "min_cosine": 0.99}
-            full = run("audit_full", lambda: ex.run("audit", {"delta": out["delta"], "audit": audit}))
-            j = audit_segment(base, out["delta"].digest, args.segments)
+            plain = run("train", lambda: ex.run(TrainTask(params=params_ref, shards=lease, seed=seed_plain,
+                                                          inner_steps=args.inner_steps, author=author)))
+            out = run("train_segments", lambda: ex.run(TrainTask(
+                params=params_ref, shards=lease, seed=seed, inner_steps=args.inner_steps,
+                segments=args.segments, author=author)))
+            screen = ScreenTask(delta=out.delta, delta_digest=out.delta_digest)
+            check = LossCheck(params=params_ref, shards=lease, seed=loss_batch_seed(base + out.delta.digest),
+                              samples=args.loss_samples, min_drop=0.0)
+            screened = run("screen", lambda: ex.run(screen))
+            checked = run("screen_loss_check", lambda: ex.run(attrs.evolve(screen, loss_check=check)))
+            audit = Recomputation(params=params_ref, shards=lease, seed=seed, inner_steps=args.inner_steps,
+                                  min_cosine=0.99)
+            full = run("audit_full", lambda: ex.run(AuditTask(delta=out.delta, audit=audit)))
+            j = audit_segment(base, out.delta.digest, args.segments)
 
-            def segment_audit() -> dict[str, Any]:
-                plan = ex.run("audit-plan", {"trajectory": out["trajectory"], "segment": j,
-                                             "segments": args.segments})
-                if not plan["ok"]:
-                    return plan
-                return ex.run("audit", {"delta": out["delta"], "audit": audit, "segment": {
-                    **{k: plan[k] for k in ("start", "stop", "final", "residual")},
-                    "from": bounds[j], "to": bounds[j + 1]}})
+            def segment_audit() -> Any:
+                planned = ex.run(AuditPlanTask(trajectory=out.trajectory, segment=j, segments=args.segments))
+                if planned.plan is None:
+                    return planned
+                return ex.run(AuditTask(delta=out.delta, audit=audit, segment=SegmentAudit(
+                    plan=planned.plan, from_step=bounds[j], to_step=bounds[j + 1])))
 
             seg = run("segment_audit", segment_audit)
-            plan = ex.run("audit-plan", {"trajectory": out["trajectory"], "segment": j, "segments": args.segments})
-            start_state = params if plan["start"] is None else ex.load(plan["start"])
+            plan = ex.run(AuditPlanTask(trajectory=out.trajectory, segment=j, segments=args.segments)).plan
+            start_state = params if plan.start is None else ex.load(plan.start)
             run("segment_replay", lambda: workload.resume(dict(start_state), indices, seed,
                                                           inner_steps=args.inner_steps, start=bounds[j],
                                                           stop=bounds[j + 1]))
-            verdicts = {"screen": screened["ok"], "loss_check": checked["ok"], "audit_full": full["ok"],
-                        "segment_audit": seg["ok"]}
+            verdicts = {"screen": screened.ok, "loss_check": checked.ok, "audit_full": full.ok,
+                        "segment_audit": seg.ok}
             if not all(verdicts.values()):
                 raise SystemExit(f"{name}: an honest update failed a check: {verdicts} {checked} {full} {seg}")
-            ex.store.remove([plain["delta"].digest, *out["committed"], out["delta"].digest])
+            ex.store.remove([plain.delta.digest, *out.committed, out.delta.digest])
             if r:
                 log(f"  {name} rep {r}/{repeats}: " + ", ".join(
                     f"{k} {v[-1][0] * 1e3:.1f}" for k, v in times.items()) + " ms CPU (segment "

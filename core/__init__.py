@@ -42,6 +42,7 @@ from .events import (
 from .identity import Identity, PeerId
 from .objects import ArtifactRef, Head, Manifest, QuorumCertificate, Revision
 from .roles import Role
+from .tasks import Task, TaskResult
 
 __all__ = [
     "ArtifactAdded", "ArtifactCorrupt", "ArtifactRef", "ArtifactStored", "Ban", "Command", "CommitArtifact",
@@ -49,6 +50,6 @@ __all__ = [
     "Identity", "JoinRequested", "LeaveRequested", "LocalProtocolError", "Log", "Manifest", "MessageReceived",
     "Notification", "PeerConnected", "PeerDisconnected", "PeerId", "PeerloomError", "PeersDiscovered", "Persist",
     "Persisted", "QuorumCertificate", "Rejected", "RemoteProtocolError", "Revision", "Role", "RunTask", "Send",
-    "ServeChunk", "Start", "StoreChunk", "Submit", "SubmitReply", "TaskFailed", "TaskFinished", "TimerDue",
-    "VerificationError", "verify_chain",
+    "ServeChunk", "Start", "StoreChunk", "Submit", "SubmitReply", "Task", "TaskFailed", "TaskFinished", "TaskResult",
+    "TimerDue", "VerificationError", "verify_chain",
 ]

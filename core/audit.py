@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any
 
 from .envelope import SignedEnvelope
 from .errors import VerificationError
 from .identity import PeerId
 from .objects import PROTOCOL_VERSION, ArtifactRef, AuditEvidence, AuditFailure, Head, Manifest, UpdateAnnouncement
+from .tasks import EagerStart
 
 AUDIT_WINDOWS = 8
 """A failed audit enters a head at most this many windows after the update's own window (spec/protocol.md
@@ -46,11 +46,11 @@ def train_seed(base: bytes, window: int, shards: Sequence[int], author: PeerId) 
     return int.from_bytes(h.digest()[:4], "big")
 
 
-def start_args(manifest: Manifest, base: Head, prior_delta: ArtifactRef | None) -> dict[str, Any] | None:
-    """Where an overlapped update's training starts (spec/protocol.md §5.2), as the ``start`` argument of the
-    ``train``, ``screen`` (loss check) and ``audit`` tasks: None (its base's params) unless it names a
-    `prior`, the author's own update that the base lacks; then the base's params moved by the part of the
-    next outer step every cohort shares (``outer_lr * outer_momentum^2`` times the base's DiLoCo momentum
+def start_args(manifest: Manifest, base: Head, prior_delta: ArtifactRef | None) -> EagerStart | None:
+    """Where an overlapped update's training starts (spec/protocol.md §5.2), as the ``start`` of the ``train``,
+    ``screen`` (loss check) and ``audit`` tasks (`core.tasks.EagerStart`): None (its base's params) unless it
+    names a `prior`, the author's own update that the base lacks; then the base's params moved by the part of
+    the next outer step every cohort shares (``outer_lr * outer_momentum^2`` times the base's DiLoCo momentum
     buffer, `outer_state`; none under FedAvg) and by the prior's pseudo-gradient: ``params - scale *
     outer_state - decode(prior delta)``, computed in float64 and rounded once to the params' dtype. This is
     the "eager update" of Kale et al. 2025 (arXiv 2502.12996): the trainer's own pseudo-gradient stands in
@@ -58,7 +58,7 @@ def start_args(manifest: Manifest, base: Head, prior_delta: ArtifactRef | None) 
     if prior_delta is None:
         return None
     scale = manifest.outer_lr * manifest.outer_momentum ** 2 if base.outer_state is not None else 0.0
-    return {"prior": prior_delta, "outer_state": base.outer_state if scale else None, "scale": scale}
+    return EagerStart(prior=prior_delta, outer_state=base.outer_state if scale else None, scale=scale)
 
 
 def loss_batch_seed(update_id: bytes) -> int:

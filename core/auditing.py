@@ -10,8 +10,8 @@ into the next head's ``audits``; that head quarantines its author (`core/quarant
 verdicts from the head alone (`check_audit_evidence`); `peerloom verify` also checks the selection against
 the chain.
 
-The work in flight is plain data (`AuditTask`), resumed by `SampledAudits.on_task`. Verdicts are held in
-memory only: a restarted validator forgets those it held (its peers still hold theirs).
+The work in flight is plain data (`Replay`, `PlanAudit`, fetches), resumed by `SampledAudits.on_task`. Verdicts
+are held in memory only: a restarted validator forgets those it held (its peers still hold theirs).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from .objects import (
 )
 from .pending import Done, Failed, Outcome
 from .roles import Services
+from .tasks import AuditPlanResult, AuditPlanTask, AuditResult, AuditTask, SegmentAudit, SegmentPlan
 
 MAX_VERDICTS_PER_SIGNER = 64  # verdicts held per validator at a time (a faulty one cannot grow our state)
 UNSERVED_GRACE_WINDOWS = 2
@@ -52,8 +53,9 @@ UNSERVED_AT_ONCE = ("ref-mismatch", "corrupt-artifact")  # the author served oth
 
 
 @attrs.frozen(kw_only=True)
-class AuditTask:
-    """The ``audit`` task of the cohort update `update_id` of the head of `window` is in flight."""
+class Replay:
+    """The ``audit`` task (`core.tasks.AuditTask`) of the cohort update `update_id` of the head of `window` is in
+    flight."""
 
     update_id: bytes
     window: int
@@ -84,7 +86,7 @@ class FetchCheckpoint:
     digest: bytes
 
 
-AuditWork = AuditTask | FetchTrajectory | PlanAudit | FetchCheckpoint
+AuditWork = Replay | FetchTrajectory | PlanAudit | FetchCheckpoint
 
 
 @attrs.define
@@ -98,7 +100,7 @@ class _Run:
     segment: int | None
     window: int  # of the head that selected it
     prior: ArtifactRef | None = None  # the delta an overlapped update's start subtracts (spec/protocol.md §5.2)
-    plan: dict[str, ArtifactRef | None] = attrs.Factory(dict)
+    plan: SegmentPlan | None = None
     waiting: set[bytes] = attrs.Factory(set)
     stalled: list[FetchTrajectory | FetchCheckpoint] = attrs.Factory(list)  # failed fetches to try again
 
@@ -182,7 +184,7 @@ class SampledAudits:
                 run.stalled.append(work)  # unreachable for now: tried again on reconnect and at each head
                 e.log("audit-stalled", window=work.window, author=str(run.envelope.signer), reason=outcome.reason)
             return
-        if isinstance(work, (AuditTask, PlanAudit)) and isinstance(outcome, Failed):
+        if isinstance(work, (Replay, PlanAudit)) and isinstance(outcome, Failed):
             del self.running[work.update_id]
             e.stats["audits_errored"] += 1  # this validator's trouble, never the author's
             e.log("audit-error", window=work.window, author=str(run.envelope.signer), reason=outcome.reason)
@@ -191,16 +193,16 @@ class SampledAudits:
         match work:
             case FetchTrajectory():
                 assert run.announcement.trajectory is not None and run.segment is not None
-                e.run_task("audit-plan", {"trajectory": run.announcement.trajectory, "segment": run.segment,
-                                          "segments": e.manifest.audit_segments}, "validator",
+                e.run_task(AuditPlanTask(trajectory=run.announcement.trajectory, segment=run.segment,
+                                         segments=e.manifest.audit_segments), "validator",
                            PlanAudit(update_id=work.update_id, window=work.window))
             case PlanAudit():
-                assert result is not None
-                if not result["ok"]:
-                    self._concluded(work, False, result["reason"])
+                assert isinstance(result, AuditPlanResult)
+                if result.plan is None:
+                    self._concluded(work, False, result.reason)
                     return
-                run.plan = {k: result[k] for k in ("start", "stop", "final", "residual")}
-                needed = {ref.digest: ref for ref in run.plan.values() if ref is not None}
+                run.plan = result.plan
+                needed = {ref.digest: ref for ref in run.plan.refs()}
                 run.waiting = set(needed)
                 for digest, ref in needed.items():
                     e.fetch(ref, [run.envelope.signer], "validator",
@@ -209,9 +211,9 @@ class SampledAudits:
                 run.waiting.discard(work.digest)
                 if not run.waiting:
                     self._replay(work.update_id, work.window, run)
-            case AuditTask():
-                assert result is not None
-                self._concluded(work, bool(result["ok"]), str(result["reason"]))
+            case Replay():
+                assert isinstance(result, AuditResult)
+                self._concluded(work, result.ok, result.reason)
 
     def on_peer_ready(self, peer: PeerId) -> None:
         """`peer` (re)connected: fetch again what stalled audits need from it."""
@@ -238,19 +240,22 @@ class SampledAudits:
                 assert run.announcement.trajectory is not None
                 ref: ArtifactRef | None = run.announcement.trajectory
             else:
-                ref = next((r for r in run.plan.values() if r is not None and r.digest == work.digest), None)
+                refs = () if run.plan is None else run.plan.refs()
+                ref = next((r for r in refs if r.digest == work.digest), None)
             if ref is not None:
                 e.fetch(ref, [run.envelope.signer], "validator", work)
 
     def _replay(self, update_id: bytes, window: int, run: _Run) -> None:
         """Start the ``audit`` task: the whole training, or the run's segment from its checkpoints."""
         e, m = self.engine, self.engine.manifest
-        args: dict[str, object] = {"delta": run.announcement.delta,
-                                   "audit": audit_args(m, run.base, run.envelope.signer, run.announcement, run.prior)}
+        segment = None
         if run.segment is not None:
+            assert run.plan is not None  # its checkpoints are all fetched
             bounds = segment_bounds(m.inner_steps, m.audit_segments)
-            args["segment"] = {**run.plan, "from": bounds[run.segment], "to": bounds[run.segment + 1]}
-        e.run_task("audit", args, "validator", AuditTask(update_id=update_id, window=window))
+            segment = SegmentAudit(plan=run.plan, from_step=bounds[run.segment], to_step=bounds[run.segment + 1])
+        task = AuditTask(delta=run.announcement.delta, segment=segment,
+                         audit=audit_args(m, run.base, run.envelope.signer, run.announcement, run.prior))
+        e.run_task(task, "validator", Replay(update_id=update_id, window=window))
 
     def _concluded(self, work: AuditWork, ok: bool, reason: str) -> None:
         """An audit ended: a failure is signed, kept and sent to every validator."""

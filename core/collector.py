@@ -34,6 +34,7 @@ from .pending import Done, Failed, Outcome
 from .privacy import budget_fault
 from .quarantine import STRIKE_REASONS
 from .roles import Services
+from .tasks import LossCheck, Recomputation, ReduceTask, ScreenResult, ScreenTask
 
 TABLE: Table = {
     ("announced", "fetched"): "screening",
@@ -66,12 +67,6 @@ class Entry:
 
 
 Slot = PeerId | tuple[PeerId, PeerId]  # a lease: its holder, or (claimant, leaseholder) for a claim
-
-
-def outlier_detail(rest: list[Any]) -> str:
-    """The detail of a cohort-screening outlier ``[index, reason, detail]`` from the reduce task: its numbers
-    (the norm, the cohort's median, the ratio, the threshold), "" when the task gave none."""
-    return str(rest[0]) if rest else ""
 
 
 def slot_of(author: PeerId, ann: UpdateAnnouncement) -> Slot:
@@ -133,16 +128,14 @@ def screen_needs_base(manifest: Manifest) -> bool:
 
 
 def audit_args(manifest: Manifest, base: Head, author: PeerId, ann: UpdateAnnouncement,
-               prior_delta: ArtifactRef | None = None) -> dict[str, Any]:
-    """The ``audit`` arguments of a recomputation of `author`'s update `ann` trained on `base` (core/audit.py):
-    the training exactly as the author had to run it (its window fixes the global step, spec/protocol.md §5.1; an
+               prior_delta: ArtifactRef | None = None) -> Recomputation:
+    """The recomputation of `author`'s update `ann` trained on `base` that an audit runs (core/audit.py): the
+    training exactly as the author had to run it (its window fixes the global step, spec/protocol.md §5.1; an
     overlapped update with a prior starts from `start_args`, §5.2), and the cosine it must reach."""
-    args = {"params": base.params, "shards": ann.shards, "seed": train_seed(ann.base, ann.window, ann.shards, author),
-            "window": ann.window, "inner_steps": manifest.inner_steps, "min_cosine": manifest.audit_min_cosine}
-    start = start_args(manifest, base, prior_delta)
-    if start is not None:
-        args["start"] = start
-    return args
+    return Recomputation(params=base.params, shards=ann.shards,
+                         seed=train_seed(ann.base, ann.window, ann.shards, author), window=ann.window,
+                         inner_steps=manifest.inner_steps, min_cosine=manifest.audit_min_cosine,
+                         start=start_args(manifest, base, prior_delta))
 
 
 def resume_collector(engine: Services, collector: Collector | None, work: CollectorWork, outcome: Outcome) -> None:
@@ -313,8 +306,8 @@ class Collector:
         check (`screen_needs_base`)."""
         if not screen_needs_base(self.engine.manifest):
             return []
-        start = start_args(self.engine.manifest, entry.base, entry.prior_delta) or {}
-        refs = [entry.base.params, start.get("outer_state"), start.get("prior")]
+        start = start_args(self.engine.manifest, entry.base, entry.prior_delta)
+        refs = [entry.base.params] + ([] if start is None else [start.outer_state, start.prior])
         return [r for r in refs if r is not None and not self.engine.is_stored(r.digest)]
 
     def _fetch_inputs(self, entry: Entry, sender: PeerId) -> None:
@@ -377,23 +370,22 @@ class Collector:
         entry.state = step("collector", TABLE, entry.state, "fetched")
         ann = entry.announcement
         manifest = self.engine.manifest
-        args: dict[str, Any] = {"delta": ann.delta, "delta_digest": ann.delta_digest,
-                                "max_norm": manifest.max_update_norm}
+        loss_check = None
         if manifest.loss_check_samples:
             # The loss before and after the update on a batch of the author's leased samples (§6.1).
-            args["loss_check"] = {"params": entry.base.params, "shards": ann.shards,
-                                  "seed": loss_batch_seed(entry.envelope.id),
-                                  "samples": manifest.loss_check_samples, "min_drop": manifest.loss_min_drop}
-            start = start_args(manifest, entry.base, entry.prior_delta)
-            if start is not None:
-                args["loss_check"]["start"] = start
+            loss_check = LossCheck(params=entry.base.params, shards=ann.shards, seed=loss_batch_seed(entry.envelope.id),
+                                   samples=manifest.loss_check_samples, min_drop=manifest.loss_min_drop,
+                                   start=start_args(manifest, entry.base, entry.prior_delta))
+        audit = None
         if manifest.audit and not manifest.audit_rate and entry.envelope.signer not in self.head.private_peers \
                 and not ann.unauditable:
             # Re-run the author's training exactly as it had to run it (core/audit.py); nobody else holds a
             # private-data trainer's samples (spec/protocol.md §10); an unauditable update is never replayed
             # (§6.4).
-            args["audit"] = audit_args(manifest, entry.base, entry.envelope.signer, ann, entry.prior_delta)
-        self.engine.run_task("screen", args, self.owner, Screen(window=window, slot=slot))
+            audit = audit_args(manifest, entry.base, entry.envelope.signer, ann, entry.prior_delta)
+        task = ScreenTask(delta=ann.delta, delta_digest=ann.delta_digest, max_norm=manifest.max_update_norm,
+                          loss_check=loss_check, audit=audit)
+        self.engine.run_task(task, self.owner, Screen(window=window, slot=slot))
 
     def resume(self, work: Screen | FetchDelta | FetchAuditParams, outcome: Outcome) -> None:
         """Go on with `work` of this collector's window once it ended with `outcome`; work of an earlier
@@ -412,7 +404,7 @@ class Collector:
             case FetchAuditParams(), Failed(reason=reason):
                 self._fetch_failed(work.window, work.slot, f"params-{reason}")
             case Screen(), Done(result=result):
-                assert result is not None
+                assert isinstance(result, ScreenResult)
                 self._screened(work.slot, result)
             case Screen(), Failed(reason=reason):
                 self._screen_failed(work.slot, reason)
@@ -422,16 +414,16 @@ class Collector:
         if window == self.window and entry is not None and entry.state == "announced":
             self._move(entry, "fetch-failed", f"fetch-{reason}")
 
-    def _screened(self, slot: Slot, result: dict[str, Any]) -> None:
+    def _screened(self, slot: Slot, result: ScreenResult) -> None:
         entry = self.entries[slot]
         if entry.state != "screening":
             return
-        if result["ok"]:
+        if result.ok:
             seen = self.engine.seen_deltas
             seen.setdefault(entry.announcement.delta_digest, self.window)
             self._move(entry, "screened-ok")
         else:
-            self._move(entry, "screened-bad", f"screen-{result['reason']}", str(result.get("detail", "")))
+            self._move(entry, "screened-bad", f"screen-{result.reason}", result.detail)
 
     def _screen_failed(self, slot: Slot, reason: str) -> None:
         if self.entries[slot].state == "screening":
@@ -480,11 +472,11 @@ class Collector:
     def weights(self, cohort: list[Entry]) -> tuple[int, ...]:
         return tuple(lease_weight(self.engine.manifest, x.announcement.shards) for x in cohort)
 
-    def reduce_args(self, cohort: list[Entry]) -> dict[str, Any]:
-        """Arguments of the ``reduce`` task for candidates `cohort` (canonical order) onto this window's base:
-        cohort screening thresholds and the outer optimizer with the parent head's state."""
+    def reduce_task(self, cohort: list[Entry]) -> ReduceTask:
+        """The ``reduce`` task of candidates `cohort` (canonical order) onto this window's base: cohort
+        screening thresholds and the outer optimizer with the parent head's state."""
         m = self.engine.manifest
-        return {"params": self.head.params, "deltas": tuple(x.announcement.delta for x in cohort),
-                "weights": self.weights(cohort), "rule": m.aggregation, "outer_optimizer": m.outer_optimizer,
-                "outer_lr": m.outer_lr, "outer_momentum": m.outer_momentum, "outer_state": self.head.outer_state,
-                "norm_ratio": m.norm_ratio, "min_cosine": m.min_cosine, "norm_mads": m.norm_mads}
+        return ReduceTask(params=self.head.params, deltas=tuple(x.announcement.delta for x in cohort),
+                          weights=self.weights(cohort), rule=m.aggregation, outer_optimizer=m.outer_optimizer,
+                          outer_lr=m.outer_lr, outer_momentum=m.outer_momentum, outer_state=self.head.outer_state,
+                          norm_ratio=m.norm_ratio, min_cosine=m.min_cosine, norm_mads=m.norm_mads)

@@ -20,6 +20,7 @@ import attrs
 from .identity import PeerId
 from .objects import ArtifactRef, Head, QuorumCertificate
 from .records import Record
+from .tasks import Task
 
 
 @attrs.frozen(kw_only=True)
@@ -55,25 +56,22 @@ class Persist:
 
 @attrs.frozen(kw_only=True)
 class RunTask:
-    """Run heavy compute off the engine; feed back `TaskFinished` or `TaskFailed` with `task_id`.
+    """Run heavy compute off the engine; feed back `TaskFinished` (with `task`'s result class) or `TaskFailed`
+    with `task_id`.
 
-    kinds and args (artifact refs as `ArtifactRef`):
-    - ``train``: params, shards (tuple[int]), seed, inner_steps (manifest H; 0 = workload default), author
-      (PeerId: whose error-feedback residual) -> result delta (ArtifactRef of the delta encoded with the
-      manifest's codec), delta_digest (tensor digest of the encoded tensors), train_loss
-    - ``screen``: delta, delta_digest, max_norm, optional loss_check (params, shards, seed, samples,
-      min_drop; spec/protocol.md §6.1), optional audit -> result ok (bool), reason (str), norm (float),
-      detail (str); the delta is decoded with the manifest's codec first
-    - ``audit``: delta, audit (params, shards, seed, inner_steps, min_cosine) -> result ok (bool), reason
-      (str): a sampled audit's recomputation (spec/protocol.md §6.2)
-    - ``reduce``: params, deltas (tuple[ArtifactRef]), weights (tuple[int]), rule, outer_optimizer,
-      outer_lr -> result params (ArtifactRef), params_digest
-    - ``evaluate``: params -> result {metric name: float}, every metric the workload reports (``loss`` and
-      ``accuracy`` for the bundled workloads; at most 63); heads carry each as ``test_<name>``
+    `task` is one of the `core.tasks` classes, its fields typed (artifacts as `ArtifactRef`): ``train``
+    (`TrainTask` -> `TrainResult`), ``screen`` (`ScreenTask` -> `ScreenResult`), ``audit`` (`AuditTask` ->
+    `AuditResult`), ``audit-plan`` (`AuditPlanTask` -> `AuditPlanResult`), ``reduce`` (`ReduceTask` ->
+    `ReduceResult`) and ``evaluate`` (`EvaluateTask` -> `EvaluateResult`). `task_id` is ``<kind>-<n>``, unique
+    within the engine's life.
     """
     task_id: str
-    kind: str
-    args: dict[str, Any]
+    task: Task
+
+    @property
+    def kind(self) -> str:
+        """The task's kind (``train``, ``screen``...: `core.tasks`), for logs and per-kind accounting."""
+        return self.task.kind
 
 
 @attrs.frozen(kw_only=True)

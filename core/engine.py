@@ -67,6 +67,7 @@ from .records import chain_key as chain_key
 from .reducer import ReducerRole
 from .roles import Role
 from .sessions import PeerState, Sessions
+from .tasks import Task
 from .trainer import TrainerRole
 from .validator import ValidatorRole
 
@@ -329,13 +330,14 @@ class Engine:
         self.records[key] = record.data
         self.emit(fx.Persist(token=self._seq, record=record))
 
-    def run_task(self, kind: str, args: dict[str, Any], owner: str, work: Any) -> str:
-        """Emit `RunTask(kind, args)` and return its task id. When it ends, `owner` (a `pending.OWNERS`
-        name) resumes `work`, its attrs frozen record, with `Done(result)` or `Failed(reason)`."""
+    def run_task(self, task: Task, owner: str, work: Any) -> str:
+        """Emit `RunTask(task)` (a `core.tasks` class) and return its task id, ``<kind>-<n>``. When it ends,
+        `owner` (a `pending.OWNERS` name) resumes `work`, its attrs frozen record, with `Done(result)` (the
+        task's result class) or `Failed(reason)`."""
         self._seq += 1
-        task_id = f"{kind}-{self._seq}"
+        task_id = f"{task.kind}-{self._seq}"
         self._tasks[task_id] = Pending(owner=owner, work=work)
-        self.emit(fx.RunTask(task_id=task_id, kind=kind, args=args))
+        self.emit(fx.RunTask(task_id=task_id, task=task))
         return task_id
 
     def note_stored(self, ref: ArtifactRef) -> None:

@@ -5,13 +5,12 @@ Events are frozen, keyword-only value objects; don't subclass them.
 
 from __future__ import annotations
 
-from typing import Any
-
 import attrs
 
 from .envelope import SignedEnvelope
 from .identity import PeerId
 from .objects import ArtifactRef
+from .tasks import TaskResult
 
 
 @attrs.frozen(kw_only=True)
@@ -50,10 +49,11 @@ class TimerDue:
 
 @attrs.frozen(kw_only=True)
 class TaskFinished:
-    """A compute task asked for by a `RunTask` effect finished; `result` is the task kind's result map."""
+    """A compute task asked for by a `RunTask` effect finished; `result` is its kind's result class
+    (`core.tasks.TaskResult`: a `TrainTask` gives a `TrainResult`...)."""
     now: float
     task_id: str
-    result: dict[str, Any]
+    result: TaskResult
 
 
 @attrs.frozen(kw_only=True)

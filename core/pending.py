@@ -14,6 +14,7 @@ from typing import Any
 import attrs
 
 from .objects import ArtifactRef
+from .tasks import TaskResult
 
 OWNERS = ("engine", "validator", "reducer", "trainer")
 """Who resumes a pending record: the engine itself, or one of its roles."""
@@ -30,10 +31,10 @@ class Pending:
 
 @attrs.frozen(kw_only=True)
 class Done:
-    """The work succeeded: a compute task's result map (`result`), or None for a fetch (the artifact is now
-    stored) and a write (the record is durable)."""
+    """The work succeeded: a compute task's result (`result`, the `core.tasks` result class of its kind), or None
+    for a fetch (the artifact is now stored) and a write (the record is durable)."""
 
-    result: dict[str, Any] | None = None
+    result: TaskResult | None = None
 
 
 @attrs.frozen(kw_only=True)

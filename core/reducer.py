@@ -18,7 +18,6 @@ from .collector import (
     FetchBase,
     FetchDelta,
     Screen,
-    outlier_detail,
     resume_collector,
 )
 from .envelope import SignedEnvelope
@@ -28,6 +27,7 @@ from .messages import Signed
 from .objects import Head, ReductionProposal, seal
 from .pending import Failed, Outcome
 from .roles import RoleBase, Services
+from .tasks import ReduceResult
 
 TABLE: Table = {
     ("collecting", "close"): "reducing",
@@ -90,8 +90,8 @@ class ReducerRole(RoleBase):
             self._step("close-skip")
             return
         self._step("close")
-        args = c.reduce_args(cohort)
-        e.run_task("reduce", args, "reducer", Reduce(window=c.window, cohort=tuple(x.envelope.id for x in cohort)))
+        work = Reduce(window=c.window, cohort=tuple(x.envelope.id for x in cohort))
+        e.run_task(c.reduce_task(cohort), "reducer", work)
 
     def resume(self, work: Any, outcome: Outcome) -> None:
         """Go on with work of ours the engine held (a task, fetch or write) once it ended with `outcome`."""
@@ -110,22 +110,22 @@ class ReducerRole(RoleBase):
                 self._step("reduce-failed")
             return
         result = outcome.result
-        assert result is not None
-        e.note_stored(result["params"])
-        if result.get("outer_state") is not None:  # the head's optimizer state: never fetched again
-            e.note_stored(result["outer_state"])
+        assert isinstance(result, ReduceResult)
+        e.note_stored(result.params)
+        if result.outer_state is not None:  # the head's optimizer state: never fetched again
+            e.note_stored(result.outer_state)
         if c is None or c.window != work.window or self.state != "reducing":
             return
-        for i, reason, *rest in result["outliers"]:
-            c.reject_outlier(work.cohort[i], f"screen-{reason}", outlier_detail(rest))
-        ids = tuple(work.cohort[i] for i in result["kept"])
+        for outlier in result.outliers:
+            c.reject_outlier(work.cohort[outlier.index], f"screen-{outlier.reason}", outlier.detail)
+        ids = tuple(work.cohort[i] for i in result.kept)
         if len(ids) < e.manifest.min_updates:
             self._step("reduce-failed")
             return
         self._step("reduced")
         proposal = seal(e.identity, ReductionProposal(
-            revision=e.revision.id, window=work.window, base=c.head.id, cohort=ids, params=result["params"],
-            params_digest=result["params_digest"]))
+            revision=e.revision.id, window=work.window, base=c.head.id, cohort=ids, params=result.params,
+            params_digest=result.params_digest))
         e.stats["proposals_sent"] += 1
         e.log("proposal", window=work.window, cohort=len(ids))
         e.broadcast(Signed(envelope=proposal), roles=("validator",))

@@ -23,7 +23,7 @@ import attrs
 
 from .admission import WINDOWS_AHEAD
 from .auditing import audit_authors
-from .collector import outlier_detail, slot_of
+from .collector import slot_of
 from .envelope import SignedEnvelope
 from .errors import DecodeError, VerificationError
 from .identity import PeerId
@@ -42,6 +42,7 @@ from .objects import (
 from .pending import Failed, Outcome
 from .privacy import budget_fault, next_ledger
 from .quarantine import STRIKE_REASONS, check_evidence, next_records
+from .tasks import EvaluateResult, EvaluateTask, ReduceResult, Task
 from .validating import ValidatorParts
 
 METRIC_TOLERANCE = 1e-4
@@ -273,45 +274,45 @@ class Screening:
         assert all(x is not None for x in entries)
         losses = tuple(x.announcement.train_loss for x in entries if x is not None)
         work = Recompute(window=c.window, candidates=candidates, train_losses=losses, check=check, outliers=outliers)
-        self._run("reduce", c.reduce_args([x for x in entries if x is not None]), work)
+        self._run(c.reduce_task([x for x in entries if x is not None]), work)
 
-    def _run(self, kind: str, args: dict[str, Any], work: Recompute | Evaluate) -> None:
+    def _run(self, task: Task, work: Recompute | Evaluate) -> None:
         self._seq += 1
         self.tasks[self._seq] = work
-        self.engine.run_task(kind, args, "validator", ScreeningTask(seq=self._seq))
+        self.engine.run_task(task, "validator", ScreeningTask(seq=self._seq))
 
     def on_task(self, seq: int, outcome: Outcome) -> None:
-        """The task `seq` ended with `outcome` (`Done` with the task kind's result map): go on with its work."""
+        """The task `seq` ended with `outcome` (`Done` with the task's result class): go on with its work."""
         if isinstance(outcome, Failed):
             self.on_task_failed(seq, outcome.reason)
             return
         e, result = self.engine, outcome.result
-        assert result is not None
         match self.tasks.pop(seq):
             case Recompute() as work:
-                e.note_stored(result["params"])
-                if result.get("outer_state") is not None:
-                    e.note_stored(result["outer_state"])
+                assert isinstance(result, ReduceResult)
+                e.note_stored(result.params)
+                if result.outer_state is not None:
+                    e.note_stored(result.outer_state)
                 candidates = work.candidates
-                outliers = tuple((candidates[i].id, f"screen-{reason}", outlier_detail(rest))
-                                 for i, reason, *rest in result["outliers"])
-                kept = tuple(candidates[i].id for i in result["kept"])
+                outliers = tuple((candidates[o.index].id, f"screen-{o.reason}", o.detail) for o in result.outliers)
+                kept = tuple(candidates[i].id for i in result.kept)
                 if not kept:
                     self._finish(work, {"window": work.window, "outliers": list(outliers), "kept": list(kept),
                                         "candidates": candidates})
                     return
-                train_loss = sum(work.train_losses[i] for i in result["kept"]) / len(kept)
-                self._run("evaluate", {"params": result["params"]},
-                          Evaluate(recompute=work, outliers=outliers, kept=kept, params=result["params"],
-                                   params_digest=result["params_digest"], outer_state=result.get("outer_state"),
-                                   outer_state_digest=result.get("outer_state_digest"), train_loss=train_loss))
+                train_loss = sum(work.train_losses[i] for i in result.kept) / len(kept)
+                self._run(EvaluateTask(params=result.params),
+                          Evaluate(recompute=work, outliers=outliers, kept=kept, params=result.params,
+                                   params_digest=result.params_digest, outer_state=result.outer_state,
+                                   outer_state_digest=result.outer_state_digest, train_loss=train_loss))
             case Evaluate() as work:
+                assert isinstance(result, EvaluateResult)
                 rc = work.recompute
                 self._finish(rc, {"window": rc.window, "outliers": list(work.outliers), "kept": list(work.kept),
                                   "candidates": rc.candidates, "params": work.params,
                                   "params_digest": work.params_digest, "outer_state": work.outer_state,
                                   "outer_state_digest": work.outer_state_digest,
-                                  "metrics": head_metrics(result, work.train_loss)})
+                                  "metrics": head_metrics(result.metrics, work.train_loss)})
 
     def on_task_failed(self, seq: int, reason: str) -> None:
         """The task `seq` failed: its recomputation has no result."""

@@ -41,6 +41,7 @@ from .privacy import ledger_epsilon, spent_steps
 from .records import ClaimRecord
 from .records import claim_key as claim_key
 from .roles import RoleBase, Services
+from .tasks import EagerStart, TrainResult, TrainTask
 from .trainer_work import Announce, FetchParams, FetchState, Prefetch, Train, announcement_of, prior_of
 
 TABLE: Table = {
@@ -150,9 +151,9 @@ class TrainerRole(RoleBase):
         if drop:
             e.drop_stored(drop)
 
-    def _commit(self, window: int, envelope: SignedEnvelope, result: dict[str, Any]) -> None:
-        """Serve the artifacts a trajectory commits to (`result["committed"]`) until its head decides."""
-        committed = tuple(result.get("committed", ()))
+    def _commit(self, window: int, envelope: SignedEnvelope, result: TrainResult) -> None:
+        """Serve the artifacts a trajectory commits to (`result.committed`) until its head decides."""
+        committed = result.committed
         for ref in committed:
             self.engine.note_stored(ref)
         if committed:
@@ -309,8 +310,8 @@ class TrainerRole(RoleBase):
         attempt = (prior_of(work.envelope) or b"") if isinstance(work, Announce) else getattr(work, "prior", None)
         if isinstance(work, (FetchParams, FetchState, Train, Announce)) and getattr(work, "holder", None) is None \
                 and work.window == self.window and attempt != self._attempt():
-            if isinstance(work, Train) and isinstance(outcome, Done) and outcome.result is not None:
-                self.engine.note_stored(outcome.result["delta"])
+            if isinstance(work, Train) and isinstance(outcome, Done) and isinstance(outcome.result, TrainResult):
+                self.engine.note_stored(outcome.result.delta)
             self.engine.log("stale-result", window=work.window)  # a window started again without its prior
             return
         match work, outcome:
@@ -331,12 +332,12 @@ class TrainerRole(RoleBase):
             case Announce(), Done():
                 self._announce(work)
             case Train(holder=None), Done(result=result):
-                assert result is not None
+                assert isinstance(result, TrainResult)
                 self._trained(work.window, result)
             case Train(holder=None), Failed(reason=reason):
                 self._train_failed(work.window, reason)
             case Train(holder=PeerId() as holder), Done(result=result):
-                assert result is not None
+                assert isinstance(result, TrainResult)
                 self._claim_trained(work.window, holder, result)
             case Train(holder=PeerId() as holder), Failed():
                 self._claim_failed(work.window, holder, "train-failed")
@@ -410,8 +411,8 @@ class TrainerRole(RoleBase):
         """Which attempt at `window` runs: its prior's id (§5.2), or b"" without one."""
         return b"" if self.prior is None else self.prior.id
 
-    def _start(self) -> dict[str, Any] | None:
-        """The ``start`` argument of our training (`core.audit.start_args`): None without a prior."""
+    def _start(self) -> EagerStart | None:
+        """Where our training starts (`core.audit.start_args`): None without a prior."""
         prior = None if self.prior is None else announcement_of(self.prior).delta
         assert self.base is not None
         return start_args(self.engine.manifest, self.base, prior)
@@ -420,20 +421,18 @@ class TrainerRole(RoleBase):
         if window != self.window or self.state != "fetching" or self.base is None:
             return
         e = self.engine
-        state = (self._start() or {}).get("outer_state")
+        start = self._start()
+        state = None if start is None else start.outer_state
         if state is not None and not e.is_stored(state.digest):  # the base's momentum, which the start needs
             providers = sorted(self.head_sources) + e.peers_with("validator") + e.peers_with("reducer")
             e.fetch(state, providers, "trainer", FetchState(window=window, prior=self._attempt()))
             return
         self._step("params-stored")
-        args = {"params": self.base.params, "shards": self.shards,
-                "seed": train_seed(self.base.id, window, self.shards, e.me),
-                "window": window, "inner_steps": e.manifest.inner_steps, "author": e.me,
-                "segments": e.manifest.audit_segments}
-        start = self._start()
-        if start is not None:
-            args["start"] = start
-        e.run_task("train", args, "trainer", Train(window=window, prior=self._attempt()))
+        task = TrainTask(params=self.base.params, shards=self.shards,
+                         seed=train_seed(self.base.id, window, self.shards, e.me), window=window,
+                         inner_steps=e.manifest.inner_steps, author=e.me, segments=e.manifest.audit_segments,
+                         start=start)
+        e.run_task(task, "trainer", Train(window=window, prior=self._attempt()))
 
     def _fetch_failed(self, window: int, reason: str) -> None:
         if window == self.window and self.state == "fetching":
@@ -444,17 +443,17 @@ class TrainerRole(RoleBase):
         if window == self.window and self.state == "training":
             self._step("train-failed")
 
-    def _trained(self, window: int, result: dict[str, Any]) -> None:
+    def _trained(self, window: int, result: TrainResult) -> None:
         e = self.engine
-        delta: ArtifactRef = result["delta"]
+        delta = result.delta
         e.note_stored(delta)
         if window != self.window or self.state != "training" or self.base is None:
             e.log("stale-result", window=window)
             return
         self._step("trained")
         ann = UpdateAnnouncement(revision=e.revision.id, window=window, base=self.base.id, shards=self.shards,
-                                 delta=delta, delta_digest=result["delta_digest"],
-                                 train_loss=float(result["train_loss"]), trajectory=result.get("trajectory"),
+                                 delta=delta, delta_digest=result.delta_digest,
+                                 train_loss=float(result.train_loss), trajectory=result.trajectory,
                                  prior=None if self.prior is None else self.prior.id,
                                  privacy_steps=self._privacy_steps())
         envelope = seal(e.identity, ann)
@@ -546,23 +545,22 @@ class TrainerRole(RoleBase):
             return
         self._claim_step(holder, "params-stored")
         e = self.engine
-        args = {"params": self.head.params, "shards": self.claims[holder],
-                "seed": train_seed(self.head.id, window, self.claims[holder], e.me),
-                "window": window, "inner_steps": e.manifest.inner_steps, "author": e.me,
-                "segments": e.manifest.audit_segments}
-        e.run_task("train", args, "trainer", Train(window=window, holder=holder))
+        task = TrainTask(params=self.head.params, shards=self.claims[holder],
+                         seed=train_seed(self.head.id, window, self.claims[holder], e.me), window=window,
+                         inner_steps=e.manifest.inner_steps, author=e.me, segments=e.manifest.audit_segments)
+        e.run_task(task, "trainer", Train(window=window, holder=holder))
 
-    def _claim_trained(self, window: int, holder: PeerId, result: dict[str, Any]) -> None:
+    def _claim_trained(self, window: int, holder: PeerId, result: TrainResult) -> None:
         e = self.engine
-        e.note_stored(result["delta"])
+        e.note_stored(result.delta)
         if window != self.current or self.claim_state.get(holder) != "training" or self.head is None:
             return
         self._claim_step(holder, "trained")
         envelope = seal(e.identity, UpdateAnnouncement(
             revision=e.revision.id, window=window, base=self.head.id, shards=self.claims[holder],
-            delta=result["delta"], delta_digest=result["delta_digest"], train_loss=float(result["train_loss"]),
-            claim=holder, trajectory=result.get("trajectory"), privacy_steps=self._privacy_steps()))
+            delta=result.delta, delta_digest=result.delta_digest, train_loss=float(result.train_loss),
+            claim=holder, trajectory=result.trajectory, privacy_steps=self._privacy_steps()))
         self._commit(window, envelope, result)
         e.persist_then(ClaimRecord(window=window, holder=holder, data=envelope.to_bytes()), "trainer",
-                       Announce(window=window, envelope=envelope, train_loss=float(result["train_loss"]),
+                       Announce(window=window, envelope=envelope, train_loss=float(result.train_loss),
                                 holder=holder))

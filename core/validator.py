@@ -25,7 +25,7 @@ from .admission import (
     RevocationWrite,
 )
 from .agreement import WindowAgreement
-from .auditing import AuditTask, FetchCheckpoint, FetchTrajectory, PlanAudit, SampledAudits
+from .auditing import FetchCheckpoint, FetchTrajectory, PlanAudit, Replay, SampledAudits
 from .collector import Collector, FetchAuditParams, FetchBase, FetchDelta, Screen, resume_collector
 from .deadlines import MAX_DEADLINE_WINDOWS, WAIT_WINDOWS, WindowClock
 from .envelope import SignedEnvelope
@@ -135,7 +135,7 @@ class ValidatorRole(RoleBase):
                 self.voting.durable(work.seq)
             case RevocationWrite():
                 self.admission.durable(work)
-            case AuditTask() | FetchTrajectory() | PlanAudit() | FetchCheckpoint():
+            case Replay() | FetchTrajectory() | PlanAudit() | FetchCheckpoint():
                 self.audits.resume(work, outcome)
             case Screen() | FetchBase() | FetchDelta() | FetchAuditParams():
                 resume_collector(self.engine, self.collector, work, outcome)

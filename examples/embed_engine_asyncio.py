@@ -61,7 +61,7 @@ class Host(StoreOnDisk, Observer):
 
     def run_task(self, task, done):
         async def compute():
-            done(await asyncio.to_thread(outcome, self.executor.run, task.kind, task.args))
+            done(await asyncio.to_thread(outcome, self.executor.run, task.task))
         self.tasks.add(future := asyncio.ensure_future(compute()))
         future.add_done_callback(self.tasks.discard)
 

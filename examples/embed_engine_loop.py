@@ -46,7 +46,7 @@ class Node(StoreOnDisk, Observer):
         self.loop.inbox.append((self.loop.nodes[peer], delivery))
 
     def run_task(self, task, done):
-        done(outcome(self.executor.run, task.kind, task.args))  # synchronously: compute takes no virtual time
+        done(outcome(self.executor.run, task.task))  # synchronously: compute takes no virtual time
 
     def hang_up(self, peer, reason):
         pass  # honest peers, all linked from the start: nobody to hang up on

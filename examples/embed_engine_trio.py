@@ -61,7 +61,7 @@ class TrioHost(StoreOnDisk, Observer):
 
     def run_task(self, task, done):
         async def compute():
-            done(await trio.to_thread.run_sync(outcome, self.executor.run, task.kind, task.args,
+            done(await trio.to_thread.run_sync(outcome, self.executor.run, task.task,
                                                limiter=self.compute_slot))
         self.nursery.start_soon(compute)
 

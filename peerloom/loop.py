@@ -305,18 +305,19 @@ class Peer:
             except BaseException:
                 self._runtime.close()
                 raise
-        self._workload = workload
-        self._loop = _LoopWorkload(workload)
+        self._workload: TorchWorkload = workload
+        self._loop: _LoopWorkload = _LoopWorkload(workload)
         self._runtime.executor.workload = self._loop
         manifest = self._runtime.engine.revision.manifest
-        self.auditable = bool(manifest.audit)
-        self.min_cosine = float(manifest.audit_min_cosine)
-        self._checked = False
+        self.auditable: bool = bool(manifest.audit)
+        self.min_cosine: float = float(manifest.audit_min_cosine)
+        self._checked: bool = False
         self._window: Window | None = None
         self._error: BaseException | None = None
         self._stop: Any = None  # (trio token, cancel scope) once running
-        self._started = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"peerloom-{config['name']}", daemon=True)
+        self._started: threading.Event = threading.Event()
+        self._thread: threading.Thread = threading.Thread(target=self._run, name=f"peerloom-{config['name']}",
+                                                          daemon=True)
         self._thread.start()
         self._started.wait()
         if self._error is not None:

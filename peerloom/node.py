@@ -167,6 +167,7 @@ from peerloom.adapters.storage import ArtifactStore, atomic_write
 from peerloom.adapters.transport import address_kind, canonical_address
 from peerloom.backends.behaviours import wrap_workload
 from peerloom.backends.devices import DeviceError, resolve_device
+from peerloom.backends.workload import LocalData, Placeable, Private
 from peerloom.core.chain import encode_chain_entry
 from peerloom.core.config_checks import TableError, check_keys, check_table, typed
 from peerloom.core.envelope import SignedEnvelope
@@ -585,7 +586,7 @@ def apply_privacy(workload: Any, privacy: PrivacyParams, name: str) -> None:
     ``[dp]`` extra), for a workload that cannot train with DP-SGD (numpy workloads; a model Opacus refuses)."""
     from peerloom.backends.privacy import PrivacyUnavailable, dp_of
 
-    if not hasattr(workload, "with_privacy"):
+    if not isinstance(workload, Private):
         raise ConfigError(f"workload {name!r} cannot train with DP-SGD (the manifest has privacy): DP-SGD needs a "
                           "torch workload")
     try:
@@ -602,7 +603,7 @@ def private_workload(workload: Any, manifest: Manifest, path: Path) -> tuple[Any
     from peerloom.backends.sharding import private_shards_for
 
     x, y = load_private_data(path)
-    if not hasattr(workload, "with_train_data"):
+    if not isinstance(workload, LocalData):
         raise ConfigError(f"data {path}: the workload {type(workload).__name__} cannot train on local data (it "
                           "has no with_train_data)")
     try:
@@ -614,14 +615,14 @@ def private_workload(workload: Any, manifest: Manifest, path: Path) -> tuple[Any
 
 def place_workload(workload: Any, device: str) -> Any:
     """Move `workload`'s training and evaluation to `device` (config key ``device``; `resolve_device`):
-    a workload with ``to_device`` (`TorchWorkload`) moves there; any other (numpy) runs on the CPU, so it
+    a `Placeable` workload (`TorchWorkload`) moves there; any other (numpy) runs on the CPU, so it
     takes only ``"cpu"`` or ``"auto"``. Returns the workload. ConfigError names a device that is absent or
     that the workload cannot use."""
     try:
         resolved = resolve_device(device)
     except DeviceError as exc:
         raise ConfigError(str(exc)) from None
-    if hasattr(workload, "to_device"):
+    if isinstance(workload, Placeable):
         workload.to_device(resolved)
     elif device not in ("cpu", "auto"):
         raise ConfigError(f"device {device!r}: the workload {type(workload).__name__} runs on the CPU only "

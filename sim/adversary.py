@@ -24,6 +24,7 @@ import numpy as np
 from peerloom.backends import attacks
 from peerloom.backends.behaviours import ByzantineWorkload
 from peerloom.backends.numpy.tensors import from_safetensors, tensor_digest, to_safetensors
+from peerloom.backends.workload import Relabelable
 from peerloom.core import events as ev
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.leases import leases_of
@@ -38,6 +39,7 @@ from peerloom.core.objects import (
     sign_vote,
 )
 from peerloom.core.screening import head_metrics
+from peerloom.core.tasks import EvaluateResult, EvaluateTask, ReduceResult, Task, TaskResult, TrainResult, TrainTask
 from peerloom.core.validator import ValidatorRole
 
 from .kernel import Behaviour, derive_seed
@@ -83,16 +85,15 @@ class ModelAttack(Behaviour):
     def attach(self, sim: Simulation, node: SimNode) -> None:
         sim.keep_honest_deltas = True
         if self.name in attacks.DATA_ATTACKS:
-            if not hasattr(sim.workload, "x_train"):
+            if not isinstance(sim.workload, Relabelable):
                 raise ValueError("label-flip needs a classification workload (digits), not the synthetic one")
             node.executor.workload = attacks.label_flipped(sim.workload)
 
-    def on_task(self, sim: Simulation, node: SimNode, kind: str, args: dict[str, Any],
-                result: dict[str, Any]) -> dict[str, Any]:
-        if kind != "train":
+    def on_task(self, sim: Simulation, node: SimNode, task: Task, result: TaskResult) -> TaskResult:
+        if not isinstance(task, TrainTask) or not isinstance(result, TrainResult):
             return result
-        window = int(args.get("window", 0))
-        honest = from_safetensors(node.disk.get(result["delta"].digest))
+        window = task.window or 0
+        honest = from_safetensors(node.disk.get(result.delta.digest))
         refs = [from_safetensors(sim.honest_delta_bytes(entry))
                 for entry in sim.honest_deltas.get(window, [])[:MAX_REFERENCES]]
         rng = np.random.default_rng(derive_seed(sim.seed, f"adversary/{node.name}/{window}"))
@@ -102,7 +103,7 @@ class ModelAttack(Behaviour):
         crafted = attacks.craft_update(self.name, honest, refs, rng, **params)
         self.previous = honest
         ref = node.disk.put(to_safetensors(crafted))
-        return dict(result, delta=ref, delta_digest=tensor_digest(crafted))
+        return attrs.evolve(result, delta=ref, delta_digest=tensor_digest(crafted))
 
 
 class TrainingAttack(Behaviour):
@@ -127,10 +128,9 @@ class TrainingAttack(Behaviour):
                                           seed=derive_seed(sim.seed, f"adversary/{node.name}"))
         node.executor.workload = self.workload
 
-    def on_task(self, sim: Simulation, node: SimNode, kind: str, args: dict[str, Any],
-                result: dict[str, Any]) -> dict[str, Any]:
-        if kind == "train" and self.workload is not None:
-            sim.record(node.name, "adversary", behaviour=self.name, window=int(args.get("window", 0)),
+    def on_task(self, sim: Simulation, node: SimNode, task: Task, result: TaskResult) -> TaskResult:
+        if isinstance(task, TrainTask) and self.workload is not None:
+            sim.record(node.name, "adversary", behaviour=self.name, window=task.window or 0,
                        call=self.workload.calls - 1, action=self.workload.last_action)
         return result
 
@@ -142,16 +142,15 @@ class Replay(Behaviour):
     byzantine = True
 
     def __init__(self) -> None:
-        self.first: dict[str, Any] | None = None
+        self.first: TrainResult | None = None
 
-    def on_task(self, sim: Simulation, node: SimNode, kind: str, args: dict[str, Any],
-                result: dict[str, Any]) -> dict[str, Any]:
-        if kind != "train":
+    def on_task(self, sim: Simulation, node: SimNode, task: Task, result: TaskResult) -> TaskResult:
+        if not isinstance(result, TrainResult):
             return result
         if self.first is None:
             self.first = result
             return result
-        return dict(result, delta=self.first["delta"], delta_digest=self.first["delta_digest"])
+        return attrs.evolve(result, delta=self.first.delta, delta_digest=self.first.delta_digest)
 
 
 class LeaseSquatting(Behaviour):
@@ -188,12 +187,11 @@ class Sybil(Behaviour):
     name = "sybil"
     byzantine = True
 
-    def on_task(self, sim: Simulation, node: SimNode, kind: str, args: dict[str, Any],
-                result: dict[str, Any]) -> dict[str, Any]:
-        if kind != "train":
+    def on_task(self, sim: Simulation, node: SimNode, task: Task, result: TaskResult) -> TaskResult:
+        if not isinstance(result, TrainResult):
             return result
         delta = {n: np.zeros(shape, dtype=dtype) for n, dtype, shape in sim.manifest.schema}
-        return dict(result, delta=node.disk.put(to_safetensors(delta)), delta_digest=tensor_digest(delta))
+        return attrs.evolve(result, delta=node.disk.put(to_safetensors(delta)), delta_digest=tensor_digest(delta))
 
 
 class SilentSybil(Behaviour):
@@ -217,13 +215,12 @@ class WrongAggregate(Behaviour):
     def __init__(self, offset: float = 1.0) -> None:
         self.offset = offset
 
-    def on_task(self, sim: Simulation, node: SimNode, kind: str, args: dict[str, Any],
-                result: dict[str, Any]) -> dict[str, Any]:
-        if kind != "reduce":
+    def on_task(self, sim: Simulation, node: SimNode, task: Task, result: TaskResult) -> TaskResult:
+        if not isinstance(result, ReduceResult):
             return result
-        params = from_safetensors(node.disk.get(result["params"].digest))
+        params = from_safetensors(node.disk.get(result.params.digest))
         bad = {n: (t + np.asarray(self.offset, t.dtype)).astype(t.dtype) for n, t in params.items()}
-        return dict(result, params=node.disk.put(to_safetensors(bad)), params_digest=tensor_digest(bad))
+        return attrs.evolve(result, params=node.disk.put(to_safetensors(bad)), params_digest=tensor_digest(bad))
 
 
 class SilentReducer(Behaviour):
@@ -353,22 +350,24 @@ class Equivocation(Behaviour):
         if any(x is None for x in entries):
             return None
         try:
-            reduced = node.executor.run("reduce", collector.reduce_args(entries))
-            if reduced.get("outliers"):
+            reduced = node.executor.run(collector.reduce_task(entries))
+            assert isinstance(reduced, ReduceResult)
+            if reduced.outliers:
                 return None
-            metrics = node.executor.run("evaluate", {"params": reduced["params"]})
+            evaluated = node.executor.run(EvaluateTask(params=reduced.params))
+            assert isinstance(evaluated, EvaluateResult)
         except (KeyError, ValueError):
             return None
         assert node.driver is not None
-        node.driver.handle(ev.ArtifactAdded(now=sim.now, ref=reduced["params"]))
-        if reduced.get("outer_state") is not None:
-            node.driver.handle(ev.ArtifactAdded(now=sim.now, ref=reduced["outer_state"]))
-        kept = [members[i] for i in reduced["kept"]]
-        result = {"params": reduced["params"], "params_digest": reduced["params_digest"],
-                  "kept": [u.id for u in kept], "candidates": tuple(kept), "outer_state": reduced.get("outer_state"),
-                  "outer_state_digest": reduced.get("outer_state_digest"),
-                  "metrics": head_metrics(metrics, sum(entries[i].announcement.train_loss
-                                                       for i in reduced["kept"]) / len(kept))}
+        node.driver.handle(ev.ArtifactAdded(now=sim.now, ref=reduced.params))
+        if reduced.outer_state is not None:
+            node.driver.handle(ev.ArtifactAdded(now=sim.now, ref=reduced.outer_state))
+        kept = [members[i] for i in reduced.kept]
+        result = {"params": reduced.params, "params_digest": reduced.params_digest,
+                  "kept": [u.id for u in kept], "candidates": tuple(kept), "outer_state": reduced.outer_state,
+                  "outer_state_digest": reduced.outer_state_digest,
+                  "metrics": head_metrics(evaluated.metrics, sum(entries[i].announcement.train_loss
+                                                                 for i in reduced.kept) / len(kept))}
         other = role.screening.make_head(result, proposal.rejected, head.evidence)
         fork = role.voting.head_proposal(proposal.window, proposal.round, None, other, tuple(kept) + proposal.rejected)
         return other, fork.updates

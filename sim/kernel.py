@@ -40,6 +40,7 @@ from peerloom.core.leases import leases_of
 from peerloom.core.messages import DecodeMemo
 from peerloom.core.objects import PROTOCOL_VERSION, ArtifactRef, Head, QuorumCertificate, Revision, UpdateAnnouncement
 from peerloom.core.records import Record
+from peerloom.core.tasks import Task, TaskResult, TrainResult, TrainTask
 
 from .disk import SimDisk
 from .links import Links
@@ -92,8 +93,8 @@ class Behaviour:
     def attach(self, sim: Simulation, node: SimNode) -> None:
         """Called once when the node is added (e.g. to swap its workload)."""
 
-    def on_task(self, sim: Simulation, node: SimNode, kind: str, args: dict[str, Any],
-                result: dict[str, Any]) -> dict[str, Any]:
+    def on_task(self, sim: Simulation, node: SimNode, task: Task, result: TaskResult) -> TaskResult:
+        """What the node's engine hears back from its compute `task`, given what it computed (`result`)."""
         return result
 
     def on_send(self, sim: Simulation, node: SimNode, dst: str, data: bytes) -> list[tuple[float, bytes]]:
@@ -354,7 +355,7 @@ class Simulation:
             self.updates[envelope.id] = (envelope.signer, ann)
 
     def _run_task(self, node: SimNode, effect: fx.RunTask, done: Callable[[TaskOutcome], None]) -> None:
-        kind = effect.kind
+        task, kind = effect.task, effect.kind
         self.task_counts[kind] += 1
         rng = self.rngs["compute"]
         duration = self.task_s[kind] * node.speed
@@ -365,11 +366,12 @@ class Simulation:
         node.compute_free_at = finish
         outcome: TaskOutcome
         try:
-            result = node.executor.run(kind, effect.args)
-            if kind == "train" and node.honest and self.keep_honest_deltas:
-                window = int(effect.args.get("window", -1))
-                self.honest_deltas.setdefault(window, []).append((node.name, result["delta"]))
-            outcome = node.behaviour.on_task(self, node, kind, effect.args, result)
+            result = node.executor.run(task)
+            if isinstance(task, TrainTask) and isinstance(result, TrainResult) and node.honest \
+                    and self.keep_honest_deltas:
+                window = -1 if task.window is None else task.window
+                self.honest_deltas.setdefault(window, []).append((node.name, result.delta))
+            outcome = node.behaviour.on_task(self, node, task, result)
         except Exception as exc:  # a failing task is an event for the engine, not a crash of the simulator
             outcome = exc
         self._push(finish, node.name, node.incarnation, _Done(lambda: done(outcome)))

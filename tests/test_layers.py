@@ -30,12 +30,12 @@ RULES = {
     "sim": ({"numpy", "attrs", "torch", "matplotlib"}, {"core", "backends", "adapters", "sim"}, set()),
 }
 # Adapters carry out what the engine decides (spec/design.md §6): they may import the engine's interface (events,
-# effects and the records a `Persist` carries) and the protocol's objects, and two pure functions every peer
-# computes alike (a light trainer needs them for itself): its leases (core.leases) and its training seed
-# (core.audit). Not the modules that decide protocol outcomes
+# effects, the records a `Persist` carries and the compute tasks a `RunTask` carries) and the protocol's objects,
+# and two pure functions every peer computes alike (a light trainer needs them for itself): its leases
+# (core.leases) and its training seed (core.audit). Not the modules that decide protocol outcomes
 # (roles, agreement, screening, quarantine, ...), whatever new ones core grows.
-ADAPTER_CORE_MODULES = {"engine", "events", "effects", "records", "messages", "objects", "identity", "envelope",
-                        "encoding", "errors", "chain", "leases", "audit"}
+ADAPTER_CORE_MODULES = {"engine", "events", "effects", "records", "tasks", "messages", "objects", "identity",
+                        "envelope", "encoding", "errors", "chain", "leases", "audit"}
 # ... nor read decisions out of log lines, rejection reasons or counters: those arrive as typed effects
 # (`Rejected`, `Ban`, `SubmitReply`), carried out by `adapters/host.py`.
 ADAPTER_FORBIDDEN_SOURCE = [

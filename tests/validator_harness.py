@@ -20,6 +20,7 @@ from peerloom.core.identity import Identity
 from peerloom.core.leases import leases_of
 from peerloom.core.messages import Hello, Message, Signed, encode_message
 from peerloom.core.objects import ArtifactRef, Revision, UpdateAnnouncement, make_artifact_ref, seal
+from peerloom.core.tasks import EvaluateResult, Outlier, ReduceResult, ReduceTask, ScreenResult, TaskResult
 from peerloom.core.validator import ValidatorRole
 
 from .helpers import ident, make_revision
@@ -151,7 +152,7 @@ class Lone:
     def pending(self, kind: str) -> list[fx.RunTask]:
         return [t for t in self.tasks.values() if t.kind == kind]
 
-    def finish(self, task: fx.RunTask, result: dict[str, Any]) -> None:
+    def finish(self, task: fx.RunTask, result: TaskResult) -> None:
         del self.tasks[task.task_id]
         self.handle(ev.TaskFinished(now=self.now, task_id=task.task_id, result=result))
 
@@ -161,21 +162,23 @@ class Lone:
 
     def screen_all(self, ok: bool = True) -> None:
         for task in self.pending("screen"):
-            self.finish(task, {"ok": ok, "reason": "" if ok else "norm", "norm": 1.0})
+            self.finish(task, ScreenResult(ok=ok, reason="" if ok else "norm", norm=1.0))
 
     def reduce(self, kept: tuple[int, ...] | None = None, outliers: tuple[tuple[Any, ...], ...] = (),
                tag: bytes = b"p") -> None:
-        """Answer the one pending reduce task: keep `kept` (default: every candidate)."""
+        """Answer the one pending reduce task: keep `kept` (default: every candidate); `outliers` are
+        (candidate index, reason, detail)."""
         (task,) = self.pending("reduce")
         params, digest = reduced_params(tag)
-        n = len(task.args["deltas"])
-        self.finish(task, {"params": params, "params_digest": digest, "outliers": list(outliers),
-                           "kept": list(range(n)) if kept is None else list(kept),
-                           "outer_state": None, "outer_state_digest": None})
+        assert isinstance(task.task, ReduceTask)
+        n = len(task.task.deltas)
+        self.finish(task, ReduceResult(params=params, params_digest=digest,
+                                       outliers=tuple(Outlier(index=i, reason=r, detail=d) for i, r, d in outliers),
+                                       kept=tuple(range(n)) if kept is None else tuple(kept)))
 
     def evaluate(self, loss: float = 1.0, accuracy: float = 0.5) -> None:
         (task,) = self.pending("evaluate")
-        self.finish(task, {"loss": loss, "accuracy": accuracy})
+        self.finish(task, EvaluateResult(metrics={"loss": loss, "accuracy": accuracy}))
 
     def logs(self, event: str) -> list[dict[str, Any]]:
         return [e.fields for e in self.effects if isinstance(e, fx.Log) and e.event == event]

@@ -41,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from peerloom.backends.numpy.tensors import TensorDict
 from peerloom.backends.torch.workload import _move
+from peerloom.backends.workload import takes_step
 
 __all__ = ["PoolDiverged", "pool_train", "pool_train_generic", "rank_batch", "rank_share"]
 
@@ -226,7 +227,7 @@ def pool_train_generic(workload: Any, params: TensorDict | None, indices: Sequen
         kwargs["inner_steps"] = inner_steps
     if epochs is not None:
         kwargs["epochs"] = epochs
-    if step and getattr(type(workload), "TAKES_STEP", False):
+    if step and takes_step(workload):
         kwargs["step"] = step
     delta, metrics = workload.train(received, rank_share(indices, rank, world), seed, **kwargs)
     seen = int(metrics.get("samples", 1))

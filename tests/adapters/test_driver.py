@@ -18,16 +18,19 @@ from peerloom.core import events as ev
 from peerloom.core.messages import Chunk, encode_message
 from peerloom.core.objects import make_artifact_ref
 from peerloom.core.records import LockRecord, VoteRecord
+from peerloom.core.tasks import ScreenTask, TrainResult, TrainTask
 from tests.helpers import ident
 
 MEMBERS = typing.get_args(fx.Effect)
 PEER = ident(1).peer_id
 REF = make_artifact_ref(b"artifact bytes", 4)
+TRAIN = TrainTask(params=REF, shards=(0,), seed=1)
+TRAINED = TrainResult(delta=REF, delta_digest=REF.digest, train_loss=0.5)
 SAMPLES: dict[type, object] = {
     fx.Send: fx.Send(peer=PEER, data=b"hello"),
     fx.HangUp: fx.HangUp(peer=PEER, reason="penalty-limit"),
     fx.Persist: fx.Persist(token=7, record=VoteRecord(window=1, round=0, step="prevote", data=b"r")),
-    fx.RunTask: fx.RunTask(task_id="t1", kind="train", args={"seed": 1}),
+    fx.RunTask: fx.RunTask(task_id="t1", task=TRAIN),
     fx.ServeChunk: fx.ServeChunk(peer=PEER, ref=REF, index=1),
     fx.StoreChunk: fx.StoreChunk(ref=REF, index=0, data=b"arti"),
     fx.CommitArtifact: fx.CommitArtifact(ref=REF, durable=False),
@@ -96,8 +99,8 @@ class PrimitivesOnly:
         self._complete(done)
 
     def run_task(self, task, done):
-        self.calls.append(("run_task", task.kind, task.args))
-        self._complete(done, {"delta": "d"} if task.task_id == "t1" else ValueError("boom"))
+        self.calls.append(("run_task", task.kind, task.task))
+        self._complete(done, TRAINED if task.task_id == "t1" else ValueError("boom"))
 
     def read_chunk(self, ref, index):
         self.calls.append(("read_chunk", ref, index))
@@ -164,7 +167,7 @@ def test_every_effect_reaches_a_primitives_only_host_and_what_it_completes_is_fe
         fx.Send: ("send", PEER, b"hello"),
         fx.HangUp: ("hang_up", PEER, "penalty-limit"),
         fx.Persist: ("write_record", "vote/1/0/prevote", b"r"),
-        fx.RunTask: ("run_task", "train", {"seed": 1}),
+        fx.RunTask: ("run_task", "train", TRAIN),
         fx.ServeChunk: ("read_chunk", REF, 1),
         fx.StoreChunk: ("write_chunk", REF, 0, b"arti"),
         fx.CommitArtifact: ("commit_artifact", REF, False),
@@ -187,7 +190,7 @@ def test_every_effect_reaches_a_primitives_only_host_and_what_it_completes_is_fe
     assert host.calls == [*in_order, ("arm_timer", 12.5)]  # in the engine's order, then one re-arm
     assert observer.calls == [expected_observer[c] for c in MEMBERS if c in expected_observer]
     assert engine.fed[1:] == [ev.Persisted(now=5.0, token=7),
-                              ev.TaskFinished(now=5.0, task_id="t1", result={"delta": "d"}),
+                              ev.TaskFinished(now=5.0, task_id="t1", result=TRAINED),
                               ev.ArtifactStored(now=5.0, ref=REF)]
 
 
@@ -211,7 +214,7 @@ def test_a_completion_inside_the_drain_is_fed_at_once_and_its_effects_follow_in_
 
 def test_a_later_completion_is_a_whole_handle_drain_rearm_with_the_host_clock():
     engine = FakeEngine([SAMPLES[fx.Persist], SAMPLES[fx.CommitArtifact],
-                         fx.RunTask(task_id="t2", kind="screen", args={})])
+                         fx.RunTask(task_id="t2", task=ScreenTask(delta=REF, delta_digest=REF.digest))])
     host = PrimitivesOnly(later=True)
     driver = Driver(engine, host)  # type: ignore[arg-type]
     driver.start()

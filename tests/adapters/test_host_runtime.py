@@ -10,7 +10,8 @@ from peerloom.adapters.runtime import OTHER_PEERS, NodeRuntime, RuntimeOptions, 
 from peerloom.adapters.storage import ArtifactStore
 from peerloom.adapters.transport import TransportError
 from peerloom.core import effects as fx
-from peerloom.core.objects import JoinRequest, seal
+from peerloom.core.objects import JoinRequest, make_artifact_ref, seal
+from peerloom.core.tasks import TrainTask
 from tests.helpers import ident, make_revision
 
 VALIDATOR = ident(1)
@@ -18,8 +19,8 @@ GENESIS = b"genesis params"
 
 
 class _NoCompute:
-    def run(self, kind, args):  # pragma: no cover - a test that reaches it is broken
-        raise AssertionError(f"unexpected compute task {kind}")
+    def run(self, task):  # pragma: no cover - a test that reaches it is broken
+        raise AssertionError(f"unexpected compute task {task}")
 
 
 def validator_runtime(tmp_path, trainers=()) -> NodeRuntime:
@@ -112,13 +113,14 @@ def test_rejections_of_admitted_peers_and_the_last_failed_task_reach_the_edge(tm
         assert runtime.edge_view.last_error() == ""
 
         class Failing:
-            def run(self, kind, args):
+            def run(self, task):
                 raise ValueError("sample\n17")
 
         runtime.executor = Failing()  # type: ignore[assignment]  # a stand-in whose every task fails
 
         async def main():
-            await runtime._run_task(fx.RunTask(task_id="train-12", kind="train", args={}), lambda outcome: None)
+            task = TrainTask(params=make_artifact_ref(b"p", 4), shards=(0,), seed=1)
+            await runtime._run_task(fx.RunTask(task_id="train-12", task=task), lambda outcome: None)
 
         trio.run(main)
         assert runtime.edge_view.last_error() == "train task failed: ValueError('sample\\n17')"

@@ -21,8 +21,8 @@ TRAINER = ident(3)  # not on the roster: it never gets a lease, so nothing runs 
 
 
 class _NoCompute:
-    def run(self, kind, args):  # pragma: no cover - a test that reaches it is broken
-        raise AssertionError(f"unexpected compute task {kind}")
+    def run(self, task):  # pragma: no cover - a test that reaches it is broken
+        raise AssertionError(f"unexpected compute task {task}")
 
 
 @asynccontextmanager

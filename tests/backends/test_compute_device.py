@@ -12,6 +12,7 @@ from peerloom.adapters.storage import ArtifactStore
 from peerloom.backends._robust import RULES
 from peerloom.backends.numpy.tensors import tensor_digest
 from peerloom.backends.registry import build_workload
+from peerloom.core.tasks import ReduceTask, ScreenTask
 from peerloom.node import ConfigError, build_runtime, load_config, place_workload
 from peerloom.workloads import DeviceError, resolve_device, shards_for, torch_workload
 from tests.engine_cluster import N_SHARDS, SEED, build, build_until, head_window
@@ -62,20 +63,20 @@ def test_executor_backends_agree_on_every_rule(tmp_path):
     deltas = [{k: (rng.standard_normal(v.shape) * (1 + 4 * (i == 5))).astype(np.float32) for k, v in params.items()}
               for i in range(6)]
     refs = [ex["numpy"].save(d)[0] for d in deltas]
-    base = {"params": ex["numpy"].save(params)[0], "deltas": refs, "weights": [3, 1, 2, 2, 1, 4], "outer_lr": 0.7,
-            "norm_ratio": 2.0, "min_cosine": -0.2}
+    base = {"params": ex["numpy"].save(params)[0], "deltas": tuple(refs), "weights": (3, 1, 2, 2, 1, 4),
+            "outer_lr": 0.7, "norm_ratio": 2.0, "min_cosine": -0.2}
     for rule in RULES:
         for optimizer in ("fedavg", "diloco"):
-            args = dict(base, rule=rule, outer_optimizer=optimizer)
-            a, b = ex["numpy"].run("reduce", args), ex["torch"].run("reduce", args)
+            task = ReduceTask(**base, rule=rule, outer_optimizer=optimizer)
+            a, b = ex["numpy"].run(task), ex["torch"].run(task)
             assert a == b, (rule, optimizer)
     # a cohort outlier carries its numbers: the norm, the cohort's median, the ratio and the threshold
-    outliers = ex["numpy"].run("reduce", dict(base, rule="mean", outer_optimizer="fedavg"))["outliers"]
-    assert [o[:2] for o in outliers] == [[5, "norm-outlier"]]
-    assert "x the cohort's median norm" in outliers[0][2] and "threshold 2 x =" in outliers[0][2]
+    outliers = ex["numpy"].run(ReduceTask(**base, rule="mean", outer_optimizer="fedavg")).outliers
+    assert [(o.index, o.reason) for o in outliers] == [(5, "norm-outlier")]
+    assert "x the cohort's median norm" in outliers[0].detail and "threshold 2 x =" in outliers[0].detail
     for ref, delta in zip(refs, deltas, strict=True):
-        screen = {"delta": ref, "delta_digest": tensor_digest(delta)}
-        assert ex["numpy"].run("screen", screen) == ex["torch"].run("screen", screen)
+        screen = ScreenTask(delta=ref, delta_digest=tensor_digest(delta))
+        assert ex["numpy"].run(screen) == ex["torch"].run(screen)
     with pytest.raises(ValueError, match="compute must be one of numpy, torch"):
         ComputeExecutor(store, revision.manifest, None, [], compute="jax")
 

@@ -17,6 +17,7 @@ from peerloom.adapters.pool import PoolError, TrainerPool, check_pool_table
 from peerloom.backends.numpy.stored import open_stored
 from peerloom.backends.numpy.tensors import to_safetensors
 from peerloom.backends.torch.pool_sharded import shard_rows, stage_bounds
+from peerloom.core.tasks import TrainTask
 from tests import pool_workloads
 from tests.backends.test_pool import ATOL, assert_close
 
@@ -186,21 +187,21 @@ def test_a_node_streams_a_sharded_pools_update_into_its_store_and_stores_nothing
     pool = TrainerPool(workload, ranks=2, timeout_s=20.0, parallel="fsdp", argv=pool_workloads.worker_argv("deep"))
     ex = ComputeExecutor(store, manifest, PoolWorkload(workload, pool), shards)
     head = store.put(to_safetensors(params))
-    task = {"params": head, "shards": (0,), "seed": 8, "inner_steps": 5}
+    task = TrainTask(params=head, shards=(0,), seed=8, inner_steps=5)
     expected, _ = pool_workloads.make_deep().train(params, LEASE[:24], 8, inner_steps=5)
     stored_before = sorted((tmp_path / "store").rglob("*"))
     pool.start()
     try:
         assert ex._streams_train()
         with pytest.raises(PoolError, match="no update"):
-            ex.run("train", task)  # rank 1 dies in the gather: nothing stored
+            ex.run(task)  # rank 1 dies in the gather: nothing stored
         assert (tmp_path / "died").exists() and sorted((tmp_path / "store").rglob("*")) == stored_before
-        out = ex.run("train", task)
+        out = ex.run(task)
     finally:
         pool.close()
-    delta = safetensors_views(store.get(out["delta"].digest))
+    delta = safetensors_views(store.get(out.delta.digest))
     assert_close(dict(delta), expected)
-    assert out["delta_digest"] == ex.digest(dict(delta))
+    assert out.delta_digest == ex.digest(dict(delta))
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ from peerloom.backends.numpy.stored import (
 from peerloom.backends.numpy.tensors import safetensors_views, schema_of, tensor_digest, to_safetensors
 from peerloom.core.errors import DecodeError
 from peerloom.core.objects import make_artifact_ref
+from peerloom.core.tasks import ReduceTask
 from tests.helpers import make_revision
 
 
@@ -183,12 +184,12 @@ def test_a_streamed_diloco_reduce_holds_about_one_model_size(tmp_path):
     params = ex.save({"w": rng.standard_normal(size).astype(np.float32)})[0]
     state = ex.save({"w": rng.standard_normal(size).astype(np.float32)})[0]
     deltas = [ex.save({"w": rng.standard_normal(size).astype(np.float32)})[0] for _ in range(3)]
-    args = {"params": params, "deltas": deltas, "weights": [1, 1, 1], "rule": "centered_clip",
-            "outer_optimizer": "diloco", "outer_lr": 0.7, "outer_momentum": 0.9, "outer_state": state,
-            "norm_ratio": 3.0, "min_cosine": -1.0}
+    task = ReduceTask(params=params, deltas=tuple(deltas), weights=(1, 1, 1), rule="centered_clip",
+                      outer_optimizer="diloco", outer_lr=0.7, outer_momentum=0.9, outer_state=state,
+                      norm_ratio=3.0, min_cosine=-1.0)
     tracemalloc.start()
     try:
-        result = ex.run("reduce", args)
+        result = ex.run(task)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -199,10 +200,10 @@ def test_a_streamed_diloco_reduce_holds_about_one_model_size(tmp_path):
     loaded = {k: ex.load(v) for k, v in (("p", params), ("s", state))}
     centre = aggregate("centered_clip", [ex.load(d) for d in deltas], [1, 1, 1])
     new, new_state = outer_step("diloco", loaded["p"], centre, loaded["s"], lr=0.7, momentum=0.9)
-    assert result["params_digest"] == tensor_digest(new)
-    assert result["outer_state_digest"] == tensor_digest(new_state)
-    assert ex.store.get(result["params"].digest) == to_safetensors(new)
-    assert make_artifact_ref(ex.store.get(result["outer_state"].digest), 1 << 16) == result["outer_state"]
+    assert result.params_digest == tensor_digest(new)
+    assert result.outer_state_digest == tensor_digest(new_state)
+    assert ex.store.get(result.params.digest) == to_safetensors(new)
+    assert make_artifact_ref(ex.store.get(result.outer_state.digest), 1 << 16) == result.outer_state
     with ExitStack() as stack:
         assert isinstance(ex.open(params, stack)["w"], FileTensor)
 

@@ -25,6 +25,7 @@ from peerloom.backends.numpy.screening import screen_stored
 from peerloom.backends.numpy.stored import TensorFileWriter, open_stored
 from peerloom.backends.numpy.tensors import schema_of, tensor_digest, to_safetensors
 from peerloom.backends.torch import aggregate as torch_aggregate
+from peerloom.core.tasks import ReduceTask
 from tests.helpers import make_revision
 
 THREADS = (2, 3)
@@ -139,10 +140,10 @@ def test_the_executor_reduces_to_the_same_artifacts_on_one_and_two_threads(tmp_p
     save = ex[1].save
     params, state = (save({"w": rng.standard_normal(size).astype(np.float32)})[0] for _ in range(2))
     deltas = [save({"w": rng.standard_normal(size).astype(np.float32)})[0] for _ in range(3)]
-    args = {"params": params, "deltas": deltas, "weights": [1, 2, 1], "outer_optimizer": "diloco", "outer_lr": 0.7,
-            "outer_momentum": 0.9, "outer_state": state, "norm_ratio": 3.0, "min_cosine": 0.0}
+    args = {"params": params, "deltas": tuple(deltas), "weights": (1, 2, 1), "outer_optimizer": "diloco",
+            "outer_lr": 0.7, "outer_momentum": 0.9, "outer_state": state, "norm_ratio": 3.0, "min_cosine": 0.0}
     for rule in ("centered_clip", "krum", "median"):
-        one, two = (ex[t].run("reduce", dict(args, rule=rule)) for t in (1, 2))
+        one, two = (ex[t].run(ReduceTask(**args, rule=rule)) for t in (1, 2))
         assert one == two, rule
     assert 1 <= default_compute_threads() <= MAX_THREADS
     with pytest.raises(ValueError, match="compute threads must be in"):

@@ -124,3 +124,39 @@ def test_two_windows_of_fedavg_improve_accuracy(workload: TorchWorkload, shards)
         mean = weighted_mean([d for d, _ in results], [m["samples"] for _, m in results])
         params = outer_sgd_step(params, mean, 1.0)
     assert workload.evaluate(params)["accuracy"] > max(0.6, start + 0.3)
+
+
+# --- the Workload protocol and its capabilities (peerloom/backends/workload.py) -----------------------------
+
+def test_bundled_workloads_implement_the_protocol_and_state_their_capabilities():
+    from pathlib import Path
+
+    from peerloom.backends import workload as api
+    from peerloom.backends.behaviours import ByzantineWorkload
+    from peerloom.backends.registry import build_workload
+
+    caps = (api.LossCheckable, api.Resumable, api.TakesStep, api.Placeable, api.Private, api.LocalData,
+            api.Relabelable)
+
+    def capabilities(w):
+        assert isinstance(w, api.Workload)
+        return {c.__name__ for c in caps if isinstance(w, c)} | ({"step"} if api.takes_step(w) else set())
+
+    numpy_wl, _ = build_workload("digits-numpy", 0, 4)
+    torch_wl, _ = build_workload("digits-mlp", 0, 4)
+    quadratic, _ = build_workload("quadratic", 0, 4)
+    assert capabilities(numpy_wl) == {"LossCheckable", "Resumable", "LocalData", "Relabelable"}
+    assert capabilities(torch_wl) == {"LossCheckable", "Resumable", "TakesStep", "Placeable", "Private", "LocalData",
+                                      "Relabelable", "step"}
+    assert capabilities(quadratic) == {"LossCheckable", "Resumable"}
+    assert not api.streams_delta(torch_wl) and not api.takes_step(object())
+    # a wrapper has what it wraps, but an attacker keeps its own schedule (its class says so)
+    attacker = ByzantineWorkload(torch_wl, "lazy")
+    assert capabilities(attacker) == capabilities(torch_wl) - {"step"}
+    # nodes, the executor and the simulator check capabilities by type, never by probing names
+    root = Path(__file__).resolve().parents[2]
+    for path in ("peerloom/node.py", "sim/adversary.py", "adapters/compute.py", "adapters/pool.py",
+                 "backends/torch/pool.py"):
+        source = (root / path).read_text()
+        for name in ("with_privacy", "with_train_data", "to_device", "x_train", "TAKES_STEP", "STREAMS_DELTA"):
+            assert f'hasattr(workload, "{name}")' not in source and f'"{name}", False)' not in source, (path, name)

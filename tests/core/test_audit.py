@@ -14,6 +14,7 @@ from peerloom.backends.registry import build_workload
 from peerloom.core.audit import train_seed
 from peerloom.core.chain import verify_chain
 from peerloom.core.leases import leases_of
+from peerloom.core.tasks import Recomputation, ReduceTask, ScreenResult, ScreenTask, TrainTask
 from tests.engine_cluster import N_SHARDS, SEED, build, head_window
 from tests.helpers import ident, make_revision
 
@@ -42,23 +43,23 @@ def test_screen_audit_passes_the_honest_update_and_rejects_a_crafted_one(tmp_pat
     params_ref = ex.store.put(to_safetensors(params))
     author = ident(7).peer_id
     seed = train_seed(b"\x12\x20" + bytes(32), 1, (2,), author)
-    trained = ex.run("train", {"params": params_ref, "shards": (2,), "seed": seed, "inner_steps": 0})
-    audit = {"params": params_ref, "shards": (2,), "seed": seed, "inner_steps": 0, "min_cosine": 0.99}
+    trained = ex.run(TrainTask(params=params_ref, shards=(2,), seed=seed, inner_steps=0))
+    audit = Recomputation(params=params_ref, shards=(2,), seed=seed, inner_steps=0, min_cosine=0.99)
 
-    honest = ex.run("screen", {"delta": trained["delta"], "delta_digest": trained["delta_digest"], "audit": audit})
-    assert honest == {"ok": True, "reason": "", "norm": honest["norm"], "detail": ""}
+    honest = ex.run(ScreenTask(delta=trained.delta, delta_digest=trained.delta_digest, audit=audit))
+    assert honest == ScreenResult(ok=True, reason="", norm=honest.norm, detail="")
 
     # ALIE from a lone attacker: statistically typical, computationally false.
     alie = ByzantineWorkload(workload, "alie").train(params, [i for i in shards[2]], seed)[0]
     forged_ref, forged_digest = ex.save(alie)
-    forged = ex.run("screen", {"delta": forged_ref, "delta_digest": forged_digest, "audit": audit})
-    assert forged["ok"] is False and forged["reason"] == "audit"
+    forged = ex.run(ScreenTask(delta=forged_ref, delta_digest=forged_digest, audit=audit))
+    assert forged.ok is False and forged.reason == "audit"
     # The same forged update passes screening when audits are off: the audit is what catches it.
-    assert ex.run("screen", {"delta": forged_ref, "delta_digest": forged_digest})["ok"] is True
+    assert ex.run(ScreenTask(delta=forged_ref, delta_digest=forged_digest)).ok is True
     # A delta trained on other shards is not this lease's computation either.
-    other = ex.run("train", {"params": params_ref, "shards": (3,), "seed": seed, "inner_steps": 0})
-    wrong = ex.run("screen", {"delta": other["delta"], "delta_digest": other["delta_digest"], "audit": audit})
-    assert wrong["ok"] is False and wrong["reason"] == "audit"
+    other = ex.run(TrainTask(params=params_ref, shards=(3,), seed=seed, inner_steps=0))
+    wrong = ex.run(ScreenTask(delta=other.delta, delta_digest=other.delta_digest, audit=audit))
+    assert wrong.ok is False and wrong.reason == "audit"
 
 
 def test_alie_trainer_is_audited_struck_and_quarantined(tmp_path, digits):
@@ -94,10 +95,10 @@ def test_a_validator_that_adopts_a_head_it_did_not_compute_fetches_its_params(tm
     lagging = cluster.nodes["v3"]
     run = lagging.executor.run
 
-    def reduce_fails_in_window_1(kind, args):
-        if kind == "reduce" and lagging.engine.head.window == 0:
+    def reduce_fails_in_window_1(task):
+        if isinstance(task, ReduceTask) and lagging.engine.head.window == 0:
             raise RuntimeError("this validator's reduction failed")
-        return run(kind, args)
+        return run(task)
 
     lagging.executor.run = reduce_fails_in_window_1
     assert cluster.run_until(lambda c: head_window(c, "v3") >= 3, max_time=200.0)

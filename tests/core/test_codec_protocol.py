@@ -16,6 +16,7 @@ from peerloom.core.audit import train_seed
 from peerloom.core.chain import verify_chain
 from peerloom.core.errors import DecodeError
 from peerloom.core.objects import CODECS, Manifest
+from peerloom.core.tasks import Recomputation, ScreenTask, TrainTask
 from tests.engine_cluster import N_SHARDS, SEED, build, build_until
 from tests.helpers import ident, make_revision
 
@@ -42,18 +43,18 @@ def test_train_task_runs_exactly_the_manifests_inner_steps(tmp_path, digits):
     workload, shards = digits
     ex, params, ref = _executor(tmp_path, digits, inner_steps=3)
     seed = train_seed(b"\x12\x20" + bytes(32), 1, (1,), ident(7).peer_id)
-    out = ex.run("train", {"params": ref, "shards": (1,), "seed": seed, "inner_steps": 3})
-    got = ex.load(out["delta"])
+    out = ex.run(TrainTask(params=ref, shards=(1,), seed=seed, inner_steps=3))
+    got = ex.load(out.delta)
     indices = list(shards[1])
     assert len(indices) > 3 * workload.batch_size  # 3 steps is well short of one pass over the lease
     three, _ = workload.train(params, indices, seed, inner_steps=3)
-    assert tensor_digest(got) == tensor_digest(three) == out["delta_digest"]
+    assert tensor_digest(got) == tensor_digest(three) == out.delta_digest
     epoch, _ = workload.train(params, indices, seed, epochs=1)
     four, _ = workload.train(params, indices, seed, inner_steps=4)
     assert tensor_digest(got) not in (tensor_digest(epoch), tensor_digest(four))
     # inner_steps 0 keeps the workload's own local epochs
-    default = ex.run("train", {"params": ref, "shards": (1,), "seed": seed, "inner_steps": 0})
-    assert default["delta_digest"] == tensor_digest(workload.train(params, indices, seed)[0])
+    default = ex.run(TrainTask(params=ref, shards=(1,), seed=seed, inner_steps=0))
+    assert default.delta_digest == tensor_digest(workload.train(params, indices, seed)[0])
 
 
 def test_manifest_refuses_unknown_codecs_and_audits_with_error_feedback():
@@ -72,39 +73,39 @@ def test_manifest_refuses_unknown_codecs_and_audits_with_error_feedback():
 def test_train_encodes_screen_decodes_and_topk_keeps_error_feedback(tmp_path, digits):
     ex, params, ref = _executor(tmp_path, digits, codec="topk", codec_fraction=0.1)
     author = ident(7).peer_id
-    first = ex.run("train", {"params": ref, "shards": (1,), "seed": 5, "inner_steps": 2, "author": author})
-    encoded = ex.load(first["delta"])
+    first = ex.run(TrainTask(params=ref, shards=(1,), seed=5, inner_steps=2, author=author))
+    encoded = ex.load(first.delta)
     assert set(encoded) != set(params)  # the artifact is the encoded form, and its digest was announced
-    assert tensor_digest(encoded) == first["delta_digest"]
+    assert tensor_digest(encoded) == first.delta_digest
     raw, _ = ex.workload.train(params, list(ex.shards[1]), 5, inner_steps=2)
     decoded = np_codecs.decode("topk", encoded)
     residual = ex.residuals[author].residual
     for k in raw:  # top-k with error feedback: kept + residual is exactly the delta (first window)
         assert np.array_equal(decoded[k] + residual[k], raw[k])
-    screened = ex.run("screen", {"delta": first["delta"], "delta_digest": first["delta_digest"]})
-    assert screened["ok"] is True
+    screened = ex.run(ScreenTask(delta=first.delta, delta_digest=first.delta_digest))
+    assert screened.ok is True
     # the next window's update carries the residual: it differs from a fresh encoding of its own delta
-    second = ex.run("train", {"params": ref, "shards": (1,), "seed": 5, "inner_steps": 2, "author": author})
-    assert second["delta_digest"] != first["delta_digest"]
+    second = ex.run(TrainTask(params=ref, shards=(1,), seed=5, inner_steps=2, author=author))
+    assert second.delta_digest != first.delta_digest
     # the raw (unencoded) delta is not a decodable top-k artifact
     raw_ref, raw_digest = ex.save(raw)
-    bad = ex.run("screen", {"delta": raw_ref, "delta_digest": raw_digest})
-    assert (bad["ok"], bad["reason"]) == (False, "undecodable")
+    bad = ex.run(ScreenTask(delta=raw_ref, delta_digest=raw_digest))
+    assert (bad.ok, bad.reason) == (False, "undecodable")
     # the digest announced must be the encoded tensors'
-    mismatch = ex.run("screen", {"delta": first["delta"], "delta_digest": tensor_digest(decoded)})
-    assert (mismatch["ok"], mismatch["reason"]) == (False, "digest-mismatch")
+    mismatch = ex.run(ScreenTask(delta=first.delta, delta_digest=tensor_digest(decoded)))
+    assert (mismatch.ok, mismatch.reason) == (False, "digest-mismatch")
 
 
 def test_int8_audit_passes_an_honest_update_and_rejects_another(tmp_path, digits):
     ex, _, ref = _executor(tmp_path, digits, codec="int8", audit=True)
     seed = train_seed(b"\x12\x20" + bytes(32), 1, (2,), ident(7).peer_id)
-    trained = ex.run("train", {"params": ref, "shards": (2,), "seed": seed, "inner_steps": 0})
-    audit = {"params": ref, "shards": (2,), "seed": seed, "inner_steps": 0, "min_cosine": 0.999}
-    honest = ex.run("screen", {"delta": trained["delta"], "delta_digest": trained["delta_digest"], "audit": audit})
-    assert honest["ok"] is True
-    other = ex.run("train", {"params": ref, "shards": (3,), "seed": seed, "inner_steps": 0})
-    wrong = ex.run("screen", {"delta": other["delta"], "delta_digest": other["delta_digest"], "audit": audit})
-    assert (wrong["ok"], wrong["reason"]) == (False, "audit")
+    trained = ex.run(TrainTask(params=ref, shards=(2,), seed=seed, inner_steps=0))
+    audit = Recomputation(params=ref, shards=(2,), seed=seed, inner_steps=0, min_cosine=0.999)
+    honest = ex.run(ScreenTask(delta=trained.delta, delta_digest=trained.delta_digest, audit=audit))
+    assert honest.ok is True
+    other = ex.run(TrainTask(params=ref, shards=(3,), seed=seed, inner_steps=0))
+    wrong = ex.run(ScreenTask(delta=other.delta, delta_digest=other.delta_digest, audit=audit))
+    assert (wrong.ok, wrong.reason) == (False, "audit")
 
 
 @pytest.mark.parametrize("codec", ["int8", "topk"])
@@ -151,18 +152,18 @@ def test_error_feedback_residual_survives_a_restart(tmp_path, digits):
     first.state_dir = tmp_path / "node"
     seed = train_seed(b"\x12\x20" + bytes(32), 1, (1,), author)
     task = {"shards": (1,), "seed": seed, "author": author}
-    steady.run("train", {**task, "params": ref})
-    first.run("train", {**task, "params": ref1})
+    steady.run(TrainTask(params=ref, **task))
+    first.run(TrainTask(params=ref1, **task))
     assert any(p.name.startswith("residual-") for p in (tmp_path / "node").iterdir())
     restarted = ComputeExecutor(first.store, first.manifest, workload, shards, state_dir=tmp_path / "node")
     forgetful = ComputeExecutor(first.store, first.manifest, workload, shards)
-    want = steady.run("train", {**task, "params": ref})["delta_digest"]
-    assert restarted.run("train", {**task, "params": ref1})["delta_digest"] == want
-    assert forgetful.run("train", {**task, "params": ref1})["delta_digest"] != want
+    want = steady.run(TrainTask(params=ref, **task)).delta_digest
+    assert restarted.run(TrainTask(params=ref1, **task)).delta_digest == want
+    assert forgetful.run(TrainTask(params=ref1, **task)).delta_digest != want
     # a residual file of another schema is ignored, not trusted
     for p in (tmp_path / "node").glob("residual-*"):
         p.write_bytes(to_safetensors({"w": np.zeros(3, np.float32)}))
     other = ComputeExecutor(first.store, first.manifest, workload, shards, state_dir=tmp_path / "node")
     fresh = ComputeExecutor(first.store, first.manifest, workload, shards)  # a zero residual
-    assert other.run("train", {**task, "params": ref1})["delta_digest"] == \
-        fresh.run("train", {**task, "params": ref1})["delta_digest"]
+    assert other.run(TrainTask(params=ref1, **task)).delta_digest == \
+        fresh.run(TrainTask(params=ref1, **task)).delta_digest

@@ -40,6 +40,15 @@ from peerloom.core.objects import (
     seal,
     sign_vote,
 )
+from peerloom.core.tasks import (
+    EvaluateResult,
+    ReduceResult,
+    ReduceTask,
+    ScreenResult,
+    ScreenTask,
+    TrainResult,
+    TrainTask,
+)
 from tests.helpers import ident, make_revision
 
 GENESIS = b"genesis params " * 8
@@ -129,20 +138,19 @@ class Host:
         self.store[ref.digest] = data
         return ref
 
-    def compute(self, task):
-        a = task.args
-        if task.kind == "train":
-            ref = self.save(fake_bytes(a["params"].digest, bytes(a["shards"]), a["seed"].to_bytes(4, "big")))
-            return {"delta": ref, "delta_digest": ref.digest, "train_loss": 1.0}
-        if task.kind == "screen":
-            ok = a["delta_digest"] == a["delta"].digest
-            return {"ok": ok, "reason": "" if ok else "digest-mismatch", "norm": 1.0}
-        if task.kind == "reduce":
-            weights = b"".join(w.to_bytes(4, "big") for w in a["weights"])
-            ref = self.save(fake_bytes(a["params"].digest, *(d.digest for d in a["deltas"]), weights))
-            return {"params": ref, "params_digest": ref.digest, "outliers": [], "kept": list(range(len(a["deltas"]))),
-                    "outer_state": None, "outer_state_digest": None}
-        return {"loss": 0.5, "accuracy": 0.5}
+    def compute(self, effect):
+        match effect.task:
+            case TrainTask() as a:
+                ref = self.save(fake_bytes(a.params.digest, bytes(a.shards), a.seed.to_bytes(4, "big")))
+                return TrainResult(delta=ref, delta_digest=ref.digest, train_loss=1.0)
+            case ScreenTask() as a:
+                ok = a.delta_digest == a.delta.digest
+                return ScreenResult(ok=ok, reason="" if ok else "digest-mismatch", norm=1.0)
+            case ReduceTask() as a:
+                weights = b"".join(w.to_bytes(4, "big") for w in a.weights)
+                ref = self.save(fake_bytes(a.params.digest, *(d.digest for d in a.deltas), weights))
+                return ReduceResult(params=ref, params_digest=ref.digest, kept=tuple(range(len(a.deltas))))
+        return EvaluateResult(metrics={"loss": 0.5, "accuracy": 0.5})
 
 
 class ClusterMachine(RuleBasedStateMachine):

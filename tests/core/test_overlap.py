@@ -177,6 +177,7 @@ def test_start_params_follow_the_eager_rule_and_the_audit_checks_the_start(tmp_p
     from peerloom.adapters.storage import ArtifactStore
     from peerloom.backends.numpy.tensors import to_safetensors
     from peerloom.core.audit import start_args, train_seed
+    from peerloom.core.tasks import Recomputation, ScreenTask, TrainTask
 
     workload, shards = build_workload("digits-numpy", SEED, N_SHARDS)
     params = workload.initial_params(SEED)
@@ -189,23 +190,23 @@ def test_start_params_follow_the_eager_rule_and_the_audit_checks_the_start(tmp_p
     state = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params.items()}
     state_ref = ex.store.put(to_safetensors(state))
     seed = train_seed(b"\x12\x20" + bytes(32), 3, (2,), ident(7).peer_id)
-    prior = ex.run("train", {"params": params_ref, "shards": (1,), "seed": seed, "inner_steps": 0})
+    prior = ex.run(TrainTask(params=params_ref, shards=(1,), seed=seed, inner_steps=0))
     base = attrs.evolve(rev.genesis(), params=params_ref, outer_state=state_ref)
-    start = start_args(manifest, base, prior["delta"])
-    assert start is not None and start["scale"] == pytest.approx(0.7 * 0.81)
-    got = ex.start_params({"params": params_ref, "start": start})
-    prior_tensors = ex.load(prior["delta"])
+    start = start_args(manifest, base, prior.delta)
+    assert start is not None and start.scale == pytest.approx(0.7 * 0.81)
+    got = ex.start_params(params_ref, start)
+    prior_tensors = ex.load(prior.delta)
     for name, p in params.items():
-        want = (p.astype(np.float64) - start["scale"] * state[name].astype(np.float64)
+        want = (p.astype(np.float64) - start.scale * state[name].astype(np.float64)
                 - prior_tensors[name].astype(np.float64)).astype(np.float32)
         assert np.array_equal(got[name], want)
     assert start_args(manifest, base, None) is None  # no prior: the base itself
-    audit = {"params": params_ref, "start": start, "shards": (2,), "seed": seed, "inner_steps": 0, "min_cosine": 0.99}
-    eager = ex.run("train", {"params": params_ref, "start": start, "shards": (2,), "seed": seed, "inner_steps": 0})
-    plain = ex.run("train", {"params": params_ref, "shards": (2,), "seed": seed, "inner_steps": 0})
-    assert ex.run("screen", {"delta": eager["delta"], "delta_digest": eager["delta_digest"], "audit": audit})["ok"]
-    lazy = ex.run("screen", {"delta": plain["delta"], "delta_digest": plain["delta_digest"], "audit": audit})
-    assert lazy["ok"] is False and lazy["reason"] == "audit"
+    audit = Recomputation(params=params_ref, start=start, shards=(2,), seed=seed, inner_steps=0, min_cosine=0.99)
+    eager = ex.run(TrainTask(params=params_ref, start=start, shards=(2,), seed=seed, inner_steps=0))
+    plain = ex.run(TrainTask(params=params_ref, shards=(2,), seed=seed, inner_steps=0))
+    assert ex.run(ScreenTask(delta=eager.delta, delta_digest=eager.delta_digest, audit=audit)).ok
+    lazy = ex.run(ScreenTask(delta=plain.delta, delta_digest=plain.delta_digest, audit=audit))
+    assert lazy.ok is False and lazy.reason == "audit"
 
 
 def test_a_prior_on_an_update_trained_from_the_parent_is_bad_prior():

@@ -15,6 +15,7 @@ from peerloom.core.errors import VerificationError
 from peerloom.core.messages import Signed, encode_message
 from peerloom.core.objects import PRECOMMIT, PREVOTE, Head, Manifest, sign_vote
 from peerloom.core.quarantine import check_evidence, make_evidence, next_records
+from peerloom.core.tasks import ReduceTask, ScreenTask
 from tests.engine_cluster import N_SHARDS, SEED, build, build_until, head_window
 from tests.helpers import ident, make_revision
 
@@ -44,26 +45,26 @@ def test_screen_task_reports_schema_non_finite_digest_and_norm_bound(tmp_path):
     rng = np.random.default_rng(0)
     good = tensors(rng)
     ref, digest = ex.save(good)
-    assert ex.run("screen", {"delta": ref, "delta_digest": digest})["ok"]
-    norm = ex.run("screen", {"delta": ref, "delta_digest": digest})["norm"]
+    assert ex.run(ScreenTask(delta=ref, delta_digest=digest)).ok
+    norm = ex.run(ScreenTask(delta=ref, delta_digest=digest)).norm
     assert norm == pytest.approx(float(np.sqrt(sum(float((t.astype(np.float64) ** 2).sum()) for t in good.values()))))
-    over = ex.run("screen", {"delta": ref, "delta_digest": digest, "max_norm": norm * 0.99})
-    assert (over["ok"], over["reason"]) == (False, "norm-bound")
-    assert ex.run("screen", {"delta": ref, "delta_digest": digest, "max_norm": norm * 1.01})["ok"]
+    over = ex.run(ScreenTask(delta=ref, delta_digest=digest, max_norm=norm * 0.99))
+    assert (over.ok, over.reason) == (False, "norm-bound")
+    assert ex.run(ScreenTask(delta=ref, delta_digest=digest, max_norm=norm * 1.01)).ok
     bad = dict(good, a=np.array([1.0, np.inf, 0.0], dtype=np.float32))
     ref2, digest2 = ex.save(bad)
-    assert ex.run("screen", {"delta": ref2, "delta_digest": digest2})["reason"] == "non-finite"
-    assert ex.run("screen", {"delta": ref, "delta_digest": digest2})["reason"] == "digest-mismatch"
+    assert ex.run(ScreenTask(delta=ref2, delta_digest=digest2)).reason == "non-finite"
+    assert ex.run(ScreenTask(delta=ref, delta_digest=digest2)).reason == "digest-mismatch"
     ref3, digest3 = ex.save({"a": good["a"]})
-    assert ex.run("screen", {"delta": ref3, "delta_digest": digest3})["reason"] == "schema"
+    assert ex.run(ScreenTask(delta=ref3, delta_digest=digest3)).reason == "schema"
     junk = ex.store.put(b"not safetensors at all")
-    assert ex.run("screen", {"delta": junk, "delta_digest": digest})["reason"] == "undecodable"
+    assert ex.run(ScreenTask(delta=junk, delta_digest=digest)).reason == "undecodable"
 
 
-def reduce_args(ex, params, deltas, **extra):
-    return dict({"params": ex.save(params)[0], "deltas": tuple(ex.save(d)[0] for d in deltas),
-                 "weights": (1,) * len(deltas), "rule": "mean", "outer_optimizer": "fedavg", "outer_lr": 1.0,
-                 "norm_ratio": 10.0, "min_cosine": -1.0}, **extra)
+def reduce_task(ex, params, deltas, **extra):
+    return ReduceTask(**{"params": ex.save(params)[0], "deltas": tuple(ex.save(d)[0] for d in deltas),
+                         "weights": (1,) * len(deltas), "rule": "mean", "outer_optimizer": "fedavg", "outer_lr": 1.0,
+                         "norm_ratio": 10.0, "min_cosine": -1.0, **extra})
 
 
 def test_reduce_task_drops_cohort_relative_outliers_before_aggregating(tmp_path):
@@ -72,19 +73,19 @@ def test_reduce_task_drops_cohort_relative_outliers_before_aggregating(tmp_path)
     params = tensors(rng)
     honest = [tensors(rng) for _ in range(3)]
     scaled = {k: v * 1000.0 for k, v in honest[0].items()}  # scaling attack: same direction, huge norm
-    result = ex.run("reduce", reduce_args(ex, params, [*honest[:2], scaled, *honest[2:]]))
-    assert [o[:2] for o in result["outliers"]] == [[2, "norm-outlier"]] and result["kept"] == [0, 1, 3]
-    assert "threshold 10 x" in result["outliers"][0][2]  # the detail gives the numbers
-    clean = ex.run("reduce", reduce_args(ex, params, honest))
-    assert result["params_digest"] == clean["params_digest"]  # the outlier had no influence at all
+    result = ex.run(reduce_task(ex, params, [*honest[:2], scaled, *honest[2:]]))
+    assert [(o.index, o.reason) for o in result.outliers] == [(2, "norm-outlier")] and result.kept == (0, 1, 3)
+    assert "threshold 10 x" in result.outliers[0].detail  # the detail gives the numbers
+    clean = ex.run(reduce_task(ex, params, honest))
+    assert result.params_digest == clean.params_digest  # the outlier had no influence at all
     # Cosine to the robust centre: a sign-flipped update points away from the coordinate median.
     base = tensors(rng)
     similar = [{k: v + 0.05 * rng.standard_normal(v.shape).astype(np.float32) for k, v in base.items()}
                for _ in range(3)]
     flipped = {k: -v for k, v in base.items()}
-    result = ex.run("reduce", reduce_args(ex, params, [*similar, flipped], min_cosine=0.0))
-    assert [o[:2] for o in result["outliers"]] == [[3, "cosine"]]
-    assert ex.run("reduce", reduce_args(ex, params, [*similar, flipped]))["outliers"] == []  # cosine test off
+    result = ex.run(reduce_task(ex, params, [*similar, flipped], min_cosine=0.0))
+    assert [(o.index, o.reason) for o in result.outliers] == [(3, "cosine")]
+    assert ex.run(reduce_task(ex, params, [*similar, flipped])).outliers == ()  # cosine test off
 
 
 def test_reduce_task_diloco_matches_nesterov_and_carries_state(tmp_path):
@@ -93,18 +94,18 @@ def test_reduce_task_diloco_matches_nesterov_and_carries_state(tmp_path):
     ex = executor(tmp_path)
     rng = np.random.default_rng(2)
     params, deltas = tensors(rng), [tensors(rng) for _ in range(2)]
-    args = reduce_args(ex, params, deltas, outer_optimizer="diloco", outer_lr=0.7, outer_momentum=0.9,
+    task = reduce_task(ex, params, deltas, outer_optimizer="diloco", outer_lr=0.7, outer_momentum=0.9,
                        outer_state=None)
-    first = ex.run("reduce", args)
+    first = ex.run(task)
     centre = aggregate("mean", deltas, [1, 1])
     want, state = outer_step("diloco", params, centre, None, lr=0.7, momentum=0.9)
-    assert first["params_digest"] == tensor_digest(want) and first["outer_state_digest"] == tensor_digest(state)
-    second = ex.run("reduce", dict(args, params=first["params"], outer_state=first["outer_state"]))
+    assert first.params_digest == tensor_digest(want) and first.outer_state_digest == tensor_digest(state)
+    second = ex.run(attrs.evolve(task, params=first.params, outer_state=first.outer_state))
     want2, state2 = outer_step("diloco", want, centre, state, lr=0.7, momentum=0.9)
-    assert second["params_digest"] == tensor_digest(want2) and second["outer_state_digest"] == tensor_digest(state2)
+    assert second.params_digest == tensor_digest(want2) and second.outer_state_digest == tensor_digest(state2)
     # momentum changes the step: the second step is not the plain SGD one
     plain, _ = outer_step("fedavg", want, centre, None, lr=0.7, momentum=0.0)
-    assert tensor_digest(plain) != second["params_digest"]
+    assert tensor_digest(plain) != second.params_digest
 
 
 # --- pure quarantine records -------------------------------------------------------------------------
@@ -178,6 +179,8 @@ def test_head_and_manifest_round_trip_new_fields():
 
 class ScalingAttack:
     """Wraps a workload: trains honestly, then multiplies the delta (a model-poisoning scaling attack)."""
+
+    TAKES_STEP = False  # its own schedule (`peerloom.backends.workload.TakesStep`)
 
     def __init__(self, inner, factor):
         self.inner, self.factor = inner, factor

@@ -27,6 +27,17 @@ from peerloom.core.audit import (
 )
 from peerloom.core.errors import DecodeError, VerificationError
 from peerloom.core.objects import AuditFailure, Manifest, make_artifact_ref, seal
+from peerloom.core.tasks import (
+    AuditPlanResult,
+    AuditPlanTask,
+    AuditResult,
+    AuditTask,
+    LossCheck,
+    Recomputation,
+    ScreenTask,
+    SegmentAudit,
+    TrainTask,
+)
 from peerloom.verify import check_audits, check_rules
 from tests.engine_cluster import N_SHARDS, SEED, build
 from tests.helpers import ident, make_revision
@@ -100,21 +111,20 @@ def _executor(tmp_path, digits, **fields):
 def test_loss_check_passes_an_honest_update_and_rejects_one_that_points_uphill(tmp_path, digits):
     ex, _params, params_ref = _executor(tmp_path, digits, loss_check_samples=64)
     seed = train_seed(b"\x12\x20" + bytes(32), 1, (2,), ident(7).peer_id)
-    trained = ex.run("train", {"params": params_ref, "shards": (2,), "seed": seed, "inner_steps": 0})
-    check = {"params": params_ref, "shards": (2,), "seed": 5, "samples": 64, "min_drop": 0.0}
-    honest = ex.run("screen", {"delta": trained["delta"], "delta_digest": trained["delta_digest"],
-                               "loss_check": check})
-    assert honest["ok"] is True and "applied" in honest["detail"]
-    flipped = {k: -v for k, v in ex.load(trained["delta"]).items()}
+    trained = ex.run(TrainTask(params=params_ref, shards=(2,), seed=seed, inner_steps=0))
+    check = LossCheck(params=params_ref, shards=(2,), seed=5, samples=64, min_drop=0.0)
+    honest = ex.run(ScreenTask(delta=trained.delta, delta_digest=trained.delta_digest, loss_check=check))
+    assert honest.ok is True and "applied" in honest.detail
+    flipped = {k: -v for k, v in ex.load(trained.delta).items()}
     ref, digest = ex.save(flipped)
-    bad = ex.run("screen", {"delta": ref, "delta_digest": digest, "loss_check": check})
-    assert (bad["ok"], bad["reason"]) == (False, "loss")
-    applied, opposite = (float(x) for x in bad["detail"].split()[1:4:2])
+    bad = ex.run(ScreenTask(delta=ref, delta_digest=digest, loss_check=check))
+    assert (bad.ok, bad.reason) == (False, "loss")
+    applied, opposite = (float(x) for x in bad.detail.split()[1:4:2])
     assert applied > opposite  # the detail says what the validator measured: the flip points uphill
     # A drop threshold the honest update does not reach rejects it too: the threshold is what decides.
-    strict = ex.run("screen", {"delta": trained["delta"], "delta_digest": trained["delta_digest"],
-                               "loss_check": dict(check, min_drop=0.99)})
-    assert (strict["ok"], strict["reason"]) == (False, "loss")
+    strict = ex.run(ScreenTask(delta=trained.delta, delta_digest=trained.delta_digest,
+                               loss_check=attrs.evolve(check, min_drop=0.99)))
+    assert (strict.ok, strict.reason) == (False, "loss")
 
 
 def test_a_streamed_screen_reads_once_and_decides_as_an_in_memory_one(tmp_path, digits):
@@ -125,10 +135,10 @@ def test_a_streamed_screen_reads_once_and_decides_as_an_in_memory_one(tmp_path, 
     whole.compute.streams = False  # loaded whole: `compute.stats`, `tensor_digest`, `_applied` twice
     assert ex._streams() and not whole._streams() and whole_params == params_ref
     seed = train_seed(b"\x12\x20" + bytes(32), 1, (2,), ident(7).peer_id)
-    delta = ex.load(ex.run("train", {"params": params_ref, "shards": (2,), "seed": seed, "inner_steps": 0})["delta"])
+    delta = ex.load(ex.run(TrainTask(params=params_ref, shards=(2,), seed=seed, inner_steps=0)).delta)
     broken = {k: v.copy() for k, v in delta.items()}
     next(iter(broken.values())).reshape(-1)[3] = np.inf
-    check = {"params": params_ref, "shards": (2,), "seed": 5, "samples": 64, "min_drop": 0.0}
+    check = LossCheck(params=params_ref, shards=(2,), seed=5, samples=64, min_drop=0.0)
     cases = []
     for tensors, lie, extra in [(delta, False, {}), ({k: -v for k, v in delta.items()}, False, {}),
                                 (delta, True, {}), (broken, False, {}), (delta, False, {"max_norm": 1e-9}),
@@ -137,12 +147,9 @@ def test_a_streamed_screen_reads_once_and_decides_as_an_in_memory_one(tmp_path, 
         for executor in (ex, whole):
             ref, digest = executor.save(tensors)
             args = {"delta": ref, "delta_digest": b"\x12\x20" + bytes(32) if lie else digest, "loss_check": check}
-            args.update(extra)
-            if args["loss_check"] is None:
-                del args["loss_check"]
-            results.append(executor.run("screen", args))
-        assert results[0] == results[1] or (results[0]["reason"] == results[1]["reason"] == "non-finite")
-        cases.append(results[0]["reason"])
+            results.append(executor.run(ScreenTask(**{**args, **extra})))
+        assert results[0] == results[1] or (results[0].reason == results[1].reason == "non-finite")
+        cases.append(results[0].reason)
     assert cases == ["", "loss", "digest-mismatch", "non-finite", "norm-bound", ""]
 
 
@@ -162,8 +169,8 @@ def test_loss_check_batch_is_the_seeded_subset_of_the_lease(tmp_path, digits):
     ex.workload = Spy(ex.workload)
     zero = {k: np.zeros_like(v) for k, v in params.items()}
     for seed in (1, 1, 2):
-        ok, _, _ = ex._loss_check(zero, {"params": params_ref, "shards": (1,), "seed": seed, "samples": 16,
-                                         "min_drop": 0.0})
+        ok, _, _ = ex._loss_check(zero, LossCheck(params=params_ref, shards=(1,), seed=seed, samples=16,
+                                                  min_drop=0.0))
         assert not ok  # an update that moves nothing does not point downhill
     lease = set(ex.shards[1])
     assert len(seen[0]) == 16 and set(seen[0]) <= lease and seen[0] == seen[1] == seen[2] == seen[3]
@@ -293,47 +300,50 @@ def _trained_with_segments(tmp_path, digits, codec="none"):
                                        audit_segments=4, codec=codec)
     author = ident(7).peer_id
     seed = train_seed(b"\x12\x20" + bytes(32), 1, (2,), author)
-    out = ex.run("train", {"params": params_ref, "shards": (2,), "seed": seed, "inner_steps": 8, "segments": 4,
-                           "author": author})
-    audit = {"params": params_ref, "shards": (2,), "seed": seed, "inner_steps": 8, "min_cosine": 0.99}
+    out = ex.run(TrainTask(params=params_ref, shards=(2,), seed=seed, inner_steps=8, segments=4, author=author))
+    audit = Recomputation(params=params_ref, shards=(2,), seed=seed, inner_steps=8, min_cosine=0.99)
     return ex, out, audit
 
 
-def _segment_args(ex, out, audit, j):
-    plan = ex.run("audit-plan", {"trajectory": out["trajectory"], "segment": j, "segments": 4})
-    assert plan["ok"]
+def _segment_task(ex, out, audit, j):
+    plan = ex.run(AuditPlanTask(trajectory=out.trajectory, segment=j, segments=4))
+    assert plan.ok and plan.plan is not None
     bounds = (0, 2, 4, 6, 8)
-    return {"delta": out["delta"], "audit": audit,
-            "segment": {k: plan[k] for k in ("start", "stop", "final", "residual")} | {"from": bounds[j],
-                                                                                        "to": bounds[j + 1]}}
+    return AuditTask(delta=out.delta, audit=audit,
+                     segment=SegmentAudit(plan=plan.plan, from_step=bounds[j], to_step=bounds[j + 1]))
+
+
+PASSED, SEGMENT = AuditResult(ok=True, reason=""), AuditResult(ok=False, reason="segment")
 
 
 @pytest.mark.parametrize("codec", ["none", "topk", "int8"])
 def test_every_segment_of_an_honest_trajectory_passes(tmp_path, digits, codec):
     ex, out, audit = _trained_with_segments(tmp_path, digits, codec)
-    assert len(out["committed"]) == 4 + (codec == "topk") + 1  # checkpoints, the residual, the trajectory
+    assert len(out.committed) == 4 + (codec == "topk") + 1  # checkpoints, the residual, the trajectory
     for j in range(4):
-        assert ex.run("audit", _segment_args(ex, out, audit, j)) == {"ok": True, "reason": ""}
+        assert ex.run(_segment_task(ex, out, audit, j)) == PASSED
 
 
 def test_a_tampered_checkpoint_or_a_delta_off_the_trajectory_fails(tmp_path, digits):
     from peerloom.backends.numpy.tensors import safetensors_views
     ex, out, audit = _trained_with_segments(tmp_path, digits)
-    args = _segment_args(ex, out, audit, 1)
-    stop = {k: np.array(v) for k, v in safetensors_views(ex.store.get(args["segment"]["stop"].digest)).items()}
+    task = _segment_task(ex, out, audit, 1)
+    assert task.segment is not None
+    plan = task.segment.plan
+    stop = {k: np.array(v) for k, v in safetensors_views(ex.store.get(plan.stop.digest)).items()}
     name = next(n for n in stop if not n.startswith("train_state."))
     stop[name] = stop[name] + np.float32(0.5)  # the committed state after the segment is not its replay
     fake, _ = ex.save(stop)
-    bad = dict(args, segment=dict(args["segment"], stop=fake))
-    assert ex.run("audit", bad) == {"ok": False, "reason": "segment"}
-    other = ex.run("train", {"params": audit["params"], "shards": (3,), "seed": 1, "inner_steps": 8})
-    assert ex.run("audit", dict(args, delta=other["delta"])) == {"ok": False, "reason": "inconsistent"}
+    bad = attrs.evolve(task, segment=attrs.evolve(task.segment, plan=attrs.evolve(plan, stop=fake)))
+    assert ex.run(bad) == SEGMENT
+    other = ex.run(TrainTask(params=audit.params, shards=(3,), seed=1, inner_steps=8))
+    assert ex.run(attrs.evolve(task, delta=other.delta)) == AuditResult(ok=False, reason="inconsistent")
     junk = ex.store.put(b"\xa0")  # an empty map: not a trajectory
-    assert ex.run("audit-plan", {"trajectory": junk, "segment": 0, "segments": 4}) == \
-        {"ok": False, "reason": "bad-trajectory"}
+    assert ex.run(AuditPlanTask(trajectory=junk, segment=0, segments=4)) == \
+        AuditPlanResult(ok=False, reason="bad-trajectory")
     not_a_state = ex.store.put(to_safetensors({"x": np.zeros(3, np.float32)}))
-    assert ex.run("audit", dict(args, segment=dict(args["segment"], start=not_a_state))) == \
-        {"ok": False, "reason": "bad-checkpoint"}
+    assert ex.run(attrs.evolve(task, segment=attrs.evolve(task.segment, plan=attrs.evolve(plan, start=not_a_state)))) \
+        == AuditResult(ok=False, reason="bad-checkpoint")
 
 
 @pytest.mark.parametrize("behaviour, codec", [("lazy", "none"), ("lazy", "topk"), ("free-rider-noise", "int8"),
@@ -366,7 +376,7 @@ def test_an_author_that_does_not_serve_its_checkpoints_fails_the_audit(tmp_path,
 
     def forget_at_once(window, envelope, result):
         commit(window, envelope, result)
-        withholder.engine.drop_stored(ref.digest for ref in result["committed"][:-1])  # all but the trajectory
+        withholder.engine.drop_stored(ref.digest for ref in result.committed[:-1])  # all but the trajectory
 
     trainer._commit = forget_at_once
     me = withholder.identity.peer_id
@@ -380,11 +390,11 @@ def test_a_committed_lazy_trainer_is_caught_by_a_fabricated_segment_not_by_its_d
                                         audit_segments=4)
     ex.workload = ByzantineWorkload(ex.workload, "lazy")
     seed = train_seed(b"\x12\x20" + bytes(32), 1, (2,), ident(7).peer_id)
-    out = ex.run("train", {"params": params_ref, "shards": (2,), "seed": seed, "inner_steps": 8, "segments": 4})
-    audit = {"params": params_ref, "shards": (2,), "seed": seed, "inner_steps": 8, "min_cosine": 0.99}
-    verdicts = [ex.run("audit", _segment_args(ex, out, audit, j)) for j in range(4)]
-    assert verdicts[0] == {"ok": True, "reason": ""}
-    assert verdicts[1:] == [{"ok": False, "reason": "segment"}] * 3
+    out = ex.run(TrainTask(params=params_ref, shards=(2,), seed=seed, inner_steps=8, segments=4))
+    audit = Recomputation(params=params_ref, shards=(2,), seed=seed, inner_steps=8, min_cosine=0.99)
+    verdicts = [ex.run(_segment_task(ex, out, audit, j)) for j in range(4)]
+    assert verdicts[0] == PASSED
+    assert verdicts[1:] == [SEGMENT] * 3
 
 
 def test_an_honest_trainer_down_when_audited_is_audited_once_it_is_back(tmp_path, digits):

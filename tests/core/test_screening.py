@@ -11,6 +11,7 @@ from peerloom.core import effects as fx
 from peerloom.core.messages import Signed
 from peerloom.core.objects import HeadProposal, seal
 from peerloom.core.screening import METRIC_TOLERANCE, Evaluate, Recompute, head_metrics, metrics_match
+from peerloom.core.tasks import EvaluateResult, ReduceResult
 from peerloom.core.validator import proposer_of
 from tests.helpers import ident
 from tests.validator_harness import Lone, reduced_params
@@ -122,11 +123,9 @@ def test_a_proposed_head_is_valid_only_if_its_recomputation_matches(claimed, ver
     assert len(checks) == 1 and checks[0].check.head == head
     params, digest = reduced_params()
     for task in v.pending("reduce"):  # our own head's and the check's: the same candidates, the same result
-        v.finish(task, {"params": params, "params_digest": digest, "outliers": [],
-                        "kept": list(range(len(task.args["deltas"]))), "outer_state": None,
-                        "outer_state_digest": None})
+        v.finish(task, ReduceResult(params=params, params_digest=digest, kept=tuple(range(len(task.task.deltas)))))
     for task in v.pending("evaluate"):
-        v.finish(task, {"loss": 1.0, "accuracy": 0.5})
+        v.finish(task, EvaluateResult(metrics={"loss": 1.0, "accuracy": 0.5}))
     assert v.role.screening.verdicts[head.id] is verdict
     checked = v.logs("proposal-checked")
     assert any(f["head"] == head.id.hex() and f["ok"] is verdict for f in checked)

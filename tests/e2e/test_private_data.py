@@ -42,6 +42,7 @@ from peerloom.backends.numpy.tensors import schema_of, tensor_digest, to_safeten
 from peerloom.backends.registry import build_workload
 from peerloom.core.identity import Identity
 from peerloom.core.objects import Manifest
+from peerloom.core.tasks import Recomputation
 from peerloom.node import build_runtime, load_config
 from peerloom.verify import verified_chain
 from tests.node_cluster import run_runtimes_until
@@ -117,7 +118,7 @@ def run_fleet(root: Path, *, private: bool) -> dict[str, Any]:
     audited = []
     original = validator.executor._audit
 
-    def counting_audit(delta: Any, audit: dict[str, Any]) -> Any:
+    def counting_audit(delta: Any, audit: Recomputation) -> Any:
         audited.append(audit)
         return original(delta, audit)
 

@@ -17,6 +17,7 @@ from peerloom.adapters.keys import save_identity
 from peerloom.adapters.storage import ArtifactStore
 from peerloom.backends.sharding import private_shards_for
 from peerloom.core.objects import Revision
+from peerloom.core.tasks import TrainTask
 from peerloom.node import ConfigError, build_runtime, load_config
 from tests.helpers import ident, make_revision
 
@@ -54,7 +55,7 @@ class _Recorder:
 
 def _train(executor: ComputeExecutor, seed: int) -> tuple[list[int], int]:
     params, _ = executor.save({"w": np.ones(2, np.float32)})
-    executor.run("train", {"params": params, "shards": [0, 2], "seed": seed})
+    executor.run(TrainTask(params=params, shards=(0, 2), seed=seed))
     return executor.workload.calls[-1]
 
 
