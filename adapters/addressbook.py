@@ -51,12 +51,12 @@ from peerloom.core.identity import PeerId
 
 from .transport import address_host
 
-Address = str | tuple[str, int]  # a transport address (canonical text), or (host, port) for tcp
+Address = str  # a transport address, canonical text (adapters/transport.py canonical_address)
 
 
 def ip_of(address: Address) -> str:
     """What the per-IP limits count `address` under: its IP literal, or ``"memory"``."""
-    return address[0] if isinstance(address, tuple) else address_host(address)
+    return address_host(address)
 
 # TransportError reasons that mean "someone answered but could not prove the identity we expect, or spoke
 # garbage" (spec/transport.md §1, §6): these count toward a ban. connect-failed, handshake-timeout, truncated

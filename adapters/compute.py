@@ -36,7 +36,7 @@ import hashlib
 import hmac
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Protocol, assert_never
@@ -57,7 +57,7 @@ from peerloom.backends.numpy.tensors import (
     tensor_digest,
     to_safetensors,
 )
-from peerloom.backends.workload import LossCheckable, Resumable, Workload, streams_delta, takes_step
+from peerloom.backends.workload import LossCheckable, Resumable, Workload, has, streams_delta, takes_step
 from peerloom.core.encoding import decode, encode
 from peerloom.core.errors import DecodeError, VerificationError
 from peerloom.core.identity import PeerId
@@ -155,8 +155,10 @@ class TorchCompute(NumpyCompute):
         return self._out(self._aggregate.aggregate(rule, [self._in(d) for d in deltas], weights, threads=self.threads))
 
     def outer(self, optimizer: str, params: dict[str, np.ndarray], centre: dict[str, np.ndarray],
-              state: dict[str, np.ndarray] | None, lr: float, momentum: float, *, out: None = None,
-              out_state: None = None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
+              state: dict[str, np.ndarray] | None, lr: float, momentum: float, *, out: dict[str, Any] | None = None,
+              out_state: dict[str, Any] | None = None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
+        if out is not None or out_state is not None:  # `streams` is False: the executor never hands it any
+            raise ValueError("torch compute returns new tensors: it takes no out or out_state")
         if optimizer == "fedavg":
             return self._out(self._reduce.outer_sgd_step(self._in(params), self._in(centre), lr,
                                                          threads=self.threads)), None
@@ -514,7 +516,7 @@ class ComputeExecutor:
         if applied_params is None:
             applied_params = self._applied(params, delta, -1.0)
         workload = self._workload()
-        if not isinstance(workload, LossCheckable):
+        if not has(workload, LossCheckable):
             raise AttributeError(f"the workload {type(workload).__name__} has no loss (the loss check needs it)")
         applied = float(workload.loss(applied_params, batch))
         opposite = float(workload.loss(self._applied(params, delta, 1.0), batch))
@@ -554,7 +556,7 @@ class ComputeExecutor:
         return {"step": (window - 1) * inner_steps}
 
     def _train(self, params: dict[str, np.ndarray], shards: Sequence[int], seed: int,
-               inner_steps: int, window: int | None = None) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+               inner_steps: int, window: int | None = None) -> tuple[dict[str, np.ndarray], Mapping[str, Any]]:
         """The workload's training on the leased `shards`, exactly as a trainer must run it.
 
         `inner_steps` > 0 is the manifest's H: exactly that many optimizer steps (DiLoCo); 0 leaves the
@@ -671,8 +673,8 @@ class ComputeExecutor:
             state = self.open(ref, stack) if stack is not None else self.load(ref)
         except (DecodeError, VerificationError, ValueError, KeyError):
             return None
-        params = {n: state.get(n) for n, _, _ in self.manifest.schema}
-        if any(t is None for t in params.values()) or not schema_matches(params, self.manifest.schema):
+        params = {n: state[n] for n, _, _ in self.manifest.schema if n in state}
+        if len(params) != len(self.manifest.schema) or not schema_matches(params, self.manifest.schema):
             return None
         if like is not None and {n: (t.dtype, tuple(t.shape)) for n, t in state.items()} != \
                 {n: (t.dtype, tuple(t.shape)) for n, t in like.items()}:
@@ -720,7 +722,7 @@ class ComputeExecutor:
             return False, "bad-checkpoint"
         indices = [i for s in audit.shards for i in self.shards[s]]
         workload = self._workload()
-        if not isinstance(workload, Resumable):
+        if not has(workload, Resumable):
             raise AttributeError(f"the workload {type(workload).__name__} cannot resume (segment audits need it)")
         replayed = workload.resume(dict(start), indices, audit.seed, inner_steps=audit.inner_steps,
                                         start=segment.from_step, stop=segment.to_step,

@@ -439,6 +439,11 @@ class PoolWorkload:
         self.pool = pool
 
     @property
+    def inner(self) -> Any:
+        """The wrapped workload (`peerloom.backends.workload.Wrapper`)."""
+        return self.workload
+
+    @property
     def STREAMS_DELTA(self) -> bool:
         """``train`` takes ``sink`` and params read from the store (a sharded pool: spec/pools.md §6), so the
         node streams the head in and the pseudo-gradient out, never holding the whole model."""

@@ -1109,8 +1109,9 @@ class NodeRuntime(Observer):
         full disk they wait for the next flush."""
         if self.disk_full:
             return
-        rows = [(peer.to_text(), address, None, seen) for peer, (address, seen) in self._seen.items()
-                if peer in self._admitted]
+        rows: list[tuple[str, str | None, str | None, float]] = [
+            (peer.to_text(), address, None, seen) for peer, (address, seen) in self._seen.items()
+            if peer in self._admitted]
         try:
             self.store.db.charge_many([(peer, reason, count) for (peer, reason), count in self._reputation.items()])
             self._reputation.clear()

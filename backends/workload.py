@@ -17,20 +17,22 @@ the compute executor or the simulator needs it, never by probing attribute names
 `NumpyWorkload` (numpy), `TorchWorkload` (torch) and `QuadraticWorkload` (synthetic) implement `Workload`; which
 capabilities each has is its own (tests/backends/test_workload.py checks the bundled ones). A wrapper that
 forwards unknown attributes to the workload it wraps (``__getattr__``: `backends.behaviours.ByzantineWorkload`,
-`adapters.pool.PoolWorkload`) has its wrapped workload's capabilities, the flags included unless its class sets
-them (`ByzantineWorkload` sets ``TAKES_STEP`` False, `PoolWorkload` both). Tensors are float32 numpy arrays by
+`adapters.pool.PoolWorkload`, `peerloom.loop`'s) names it ``inner`` (`Wrapper`) and has its capabilities, the flags
+included unless its class sets them (`ByzantineWorkload` sets ``TAKES_STEP`` False, `PoolWorkload` both): ask
+with `has`, not ``isinstance``. Tensors are float32 numpy arrays by
 name (`TensorDict`); a schema is ``((name, dtype, shape), ...)``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeGuard, TypeVar, runtime_checkable
 
 import numpy as np
 
 TensorDict = dict[str, np.ndarray]
 Schema = tuple[tuple[str, str, tuple[int, ...]], ...]
+C = TypeVar("C")
 
 
 @runtime_checkable
@@ -118,11 +120,33 @@ class Relabelable(Protocol):
     def with_train_labels(self, y: Any) -> Any: ...
 
 
+@runtime_checkable
+class Wrapper(Protocol):
+    """A workload wrapping another (``inner``), forwarding what it does not define itself (``__getattr__``)."""
+
+    @property
+    def inner(self) -> Any: ...
+
+
+def has(workload: object, capability: type[C]) -> TypeGuard[C]:
+    """Whether `workload` is a `capability` (`Workload` or a capability protocol above), itself or through the
+    wrappers it sits in (`Wrapper`), whose own members come first.
+
+    Not a plain ``isinstance``: since Python 3.12 a protocol's members are looked up statically
+    (``inspect.getattr_static``), so what a wrapper forwards through ``__getattr__`` is invisible to it."""
+    seen: object | None = workload
+    while seen is not None:
+        if isinstance(seen, capability):
+            return True
+        seen = seen.inner if isinstance(seen, Wrapper) else None
+    return False
+
+
 def takes_step(workload: object) -> bool:
     """Whether `workload`'s ``train`` takes the global step (`TakesStep` with ``TAKES_STEP`` True)."""
-    return isinstance(workload, TakesStep) and bool(workload.TAKES_STEP)
+    return has(workload, TakesStep) and bool(workload.TAKES_STEP)
 
 
 def streams_delta(workload: object) -> bool:
     """Whether `workload`'s ``train`` streams (`StreamsDelta` with ``STREAMS_DELTA`` True)."""
-    return isinstance(workload, StreamsDelta) and bool(workload.STREAMS_DELTA)
+    return has(workload, StreamsDelta) and bool(workload.STREAMS_DELTA)

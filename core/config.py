@@ -4,6 +4,7 @@ and local policy. Times in seconds, sizes in bytes."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import attrs
@@ -35,11 +36,15 @@ class PartHost(Protocol):
 SERVE_MIN_COST_BYTES = 64 << 10  # what a served request costs the per-peer bucket at least (spec/wire.md §6)
 
 
+def _roles(roles: Iterable[str]) -> frozenset[str]:
+    return frozenset(roles)
+
+
 @attrs.frozen(kw_only=True)
 class EngineConfig:
     """Static configuration of one node. Times in seconds, sizes in bytes."""
 
-    roles: frozenset[str] = attrs.field(converter=frozenset)
+    roles: frozenset[str] = attrs.field(converter=_roles)
     revision: Revision
     capacity: int = 1
     max_message_bytes: int = 16 << 20

@@ -167,7 +167,7 @@ from peerloom.adapters.storage import ArtifactStore, atomic_write
 from peerloom.adapters.transport import address_kind, canonical_address
 from peerloom.backends.behaviours import wrap_workload
 from peerloom.backends.devices import DeviceError, resolve_device
-from peerloom.backends.workload import LocalData, Placeable, Private
+from peerloom.backends.workload import LocalData, Placeable, Private, has
 from peerloom.core.chain import encode_chain_entry
 from peerloom.core.config_checks import TableError, check_keys, check_table, typed
 from peerloom.core.envelope import SignedEnvelope
@@ -586,7 +586,7 @@ def apply_privacy(workload: Any, privacy: PrivacyParams, name: str) -> None:
     ``[dp]`` extra), for a workload that cannot train with DP-SGD (numpy workloads; a model Opacus refuses)."""
     from peerloom.backends.privacy import PrivacyUnavailable, dp_of
 
-    if not isinstance(workload, Private):
+    if not has(workload, Private):
         raise ConfigError(f"workload {name!r} cannot train with DP-SGD (the manifest has privacy): DP-SGD needs a "
                           "torch workload")
     try:
@@ -603,7 +603,7 @@ def private_workload(workload: Any, manifest: Manifest, path: Path) -> tuple[Any
     from peerloom.backends.sharding import private_shards_for
 
     x, y = load_private_data(path)
-    if not isinstance(workload, LocalData):
+    if not has(workload, LocalData):
         raise ConfigError(f"data {path}: the workload {type(workload).__name__} cannot train on local data (it "
                           "has no with_train_data)")
     try:
@@ -622,7 +622,7 @@ def place_workload(workload: Any, device: str) -> Any:
         resolved = resolve_device(device)
     except DeviceError as exc:
         raise ConfigError(str(exc)) from None
-    if isinstance(workload, Placeable):
+    if has(workload, Placeable):
         workload.to_device(resolved)
     elif device not in ("cpu", "auto"):
         raise ConfigError(f"device {device!r}: the workload {type(workload).__name__} runs on the CPU only "

@@ -24,7 +24,7 @@ import numpy as np
 from peerloom.backends import attacks
 from peerloom.backends.behaviours import ByzantineWorkload
 from peerloom.backends.numpy.tensors import from_safetensors, tensor_digest, to_safetensors
-from peerloom.backends.workload import Relabelable
+from peerloom.backends.workload import Relabelable, has
 from peerloom.core import events as ev
 from peerloom.core.envelope import SignedEnvelope
 from peerloom.core.leases import leases_of
@@ -85,7 +85,7 @@ class ModelAttack(Behaviour):
     def attach(self, sim: Simulation, node: SimNode) -> None:
         sim.keep_honest_deltas = True
         if self.name in attacks.DATA_ATTACKS:
-            if not isinstance(sim.workload, Relabelable):
+            if not has(sim.workload, Relabelable):
                 raise ValueError("label-flip needs a classification workload (digits), not the synthetic one")
             node.executor.workload = attacks.label_flipped(sim.workload)
 

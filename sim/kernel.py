@@ -25,6 +25,7 @@ import json
 import random
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from typing import IO, Any
 
 import attrs
@@ -333,7 +334,7 @@ class Simulation:
         self.record(name, "hangup", peer=other, reason=reason)
         self._disconnect(name, other, delay=0.0)
         if self.redial_s is not None:
-            self.at(self.now + self.redial_s, lambda a=name, b=other: self._connect(a, b))
+            self.at(self.now + self.redial_s, partial(self._connect, name, other))
 
     def _ban(self, name: str, other: str, until: float) -> None:
         """`name` refuses `other` until `until` (a `Ban` effect): `_connect` defers their link to then."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 import tomllib
 from collections.abc import Callable, Mapping
+from functools import partial
 from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import IO, Any
@@ -256,8 +257,8 @@ def run_scenario(scenario: Mapping[str, Any], *, seed: int, trace_out: IO[str] |
         sim.boot(name)
 
     for name, adv in sybils:
-        behaviour = make_behaviour(str(adv["behaviour"]), **adv.get("params", {}))
-        sim.at(float(adv.get("join_at", 0.0)), lambda n=name, b=behaviour: spawn(n, b))
+        sybil = make_behaviour(str(adv["behaviour"]), **adv.get("params", {}))
+        sim.at(float(adv.get("join_at", 0.0)), partial(spawn, name, sybil))
 
     heal_at = _schedule_faults(sim, scenario.get("faults", []), names, spawn)
     _schedule_churn(sim, scenario.get("churn", {}), names, heal_at)
@@ -310,38 +311,38 @@ def _schedule_faults(sim: Simulation, faults: list[Mapping[str, Any]], names: Ma
             raise ScenarioError(f"unknown fault kind {kind!r}; known: {FAULT_KINDS}")
         if kind == "partition":
             groups = [_nodes(sim, g, names) for g in f["groups"]]
-            sim.at(t, lambda g=groups: sim.partition(g))
+            sim.at(t, partial(sim.partition, groups))
         elif kind == "block":
             src, dst = _nodes(sim, f["from"], names), _nodes(sim, f["to"], names)
-            sim.at(t, lambda a=src, b=dst: sim.block(a, b))
+            sim.at(t, partial(sim.block, src, dst))
         elif kind == "heal":
             sim.at(t, sim.heal)
             last_heal = max(last_heal or t, t)
         elif kind == "crash":
             keep = bool(f.get("keep_disk", True))
             for n in _nodes(sim, f["nodes"], names):
-                sim.at(t, lambda n=n, k=keep: sim.crash(n, keep_disk=k))
+                sim.at(t, partial(sim.crash, n, keep_disk=keep))
                 if "restart_after_s" in f:
-                    sim.at(t + float(f["restart_after_s"]), lambda n=n: sim.restart(n))
+                    sim.at(t + float(f["restart_after_s"]), partial(sim.restart, n))
         elif kind == "restart":
             for n in _nodes(sim, f["nodes"], names):
-                sim.at(t, lambda n=n: sim.restart(n))
+                sim.at(t, partial(sim.restart, n))
         elif kind == "leave":
             signed, linger = bool(f.get("signed", True)), float(f.get("linger_s", 2.0))
             for n in _nodes(sim, f["nodes"], names):
-                sim.at(t, lambda n=n, s=signed, g=linger: sim.leave(n, signed=s, linger_s=g))
+                sim.at(t, partial(sim.leave, n, signed=signed, linger_s=linger))
         elif kind == "join":
             for n in f["nodes"]:
-                sim.at(t, lambda n=n: spawn(str(n)))
+                sim.at(t, partial(spawn, str(n)))
         elif kind == "clog":
             nodes = _nodes(sim, f["nodes"], names)
             until = t + float(f.get("duration_s", 5.0))
             pairs = [(a, b) for a in nodes for b in sim.links_of(a)] + [(b, a) for a in nodes for b in sim.links_of(a)]
-            sim.at(t, lambda p=pairs, u=until: sim.clog(p, u))
+            sim.at(t, partial(sim.clog, pairs, until))
         elif kind == "swizzle":
             nodes = _nodes(sim, f.get("nodes", ["validator", "reducer"]), names)
             d = float(f.get("duration_s", 5.0))
-            sim.at(t, lambda ns=nodes, t=t, d=d: sim.swizzle(ns, t, d))
+            sim.at(t, partial(sim.swizzle, nodes, t, d))
     return last_heal
 
 
@@ -365,8 +366,8 @@ def _schedule_churn(sim: Simulation, churn: Mapping[str, Any], names: Mapping[st
             break
         victim = pool[rng.randrange(len(pool))]
         keep = rng.random() >= float(churn.get("disk_loss", 0.0))
-        sim.at(t, lambda n=victim, k=keep: sim.crash(n, keep_disk=k))
-        sim.at(t + float(churn.get("restart_after_s", 5.0)), lambda n=victim: sim.restart(n))
+        sim.at(t, partial(sim.crash, victim, keep_disk=keep))
+        sim.at(t + float(churn.get("restart_after_s", 5.0)), partial(sim.restart, victim))
     # random partitions: a random split of the validators and reducers, healed `partition_s` later
     servers = names["validator"] + names["reducer"]
     rate, t = float(churn.get("partition_rate_per_s", 0.0)), float(churn.get("start", 0.0))
@@ -376,7 +377,7 @@ def _schedule_churn(sim: Simulation, churn: Mapping[str, Any], names: Mapping[st
             break
         side = rng.sample(servers, rng.randrange(1, len(servers)))
         groups = [sorted(side), [n for n in servers if n not in side]]
-        sim.at(t, lambda g=groups: sim.partition(g))
+        sim.at(t, partial(sim.partition, groups))
         sim.at(min(until, t + float(churn.get("partition_s", 5.0))), sim.heal)
 
 

@@ -546,7 +546,8 @@ class TorchWorkload:
             assert self.y_train is not None  # set with x_train
             return self.x_train[batch], self.y_train[batch]
         dataset = self.train_dataset
-        return self.collate_fn([dataset[i] for i in batch.tolist()])  # type: ignore[index]
+        assert dataset is not None  # no (x, y) tensors: a dataset (__init__)
+        return self.collate_fn([dataset[i] for i in batch.tolist()])
 
     def _train_batches(self, index: torch.Tensor, generator: torch.Generator, steps: int | None, epochs: int,
                        start: int = 0, on_pass: Callable[[int], None] | None = None,
@@ -715,8 +716,9 @@ class TorchWorkload:
                 loss_sum += float(loss.detach()) * count
                 seen += count
                 if done in bounds:
+                    assert on_checkpoint is not None  # bounds are set only with a callback
                     rng = self._rng_states()
-                    on_checkpoint(bounds[done], self._training_state(optimizer, done, current))  # type: ignore[misc]
+                    on_checkpoint(bounds[done], self._training_state(optimizer, done, current))
                     self._set_rng_states(rng)  # whatever the callback drew, training draws as without it
         self._keep_optimizer(state_key, optimizer, scheduler)
         return self._delta(params), {"train_loss": loss_sum / seen, "samples": len(index)}

@@ -9,9 +9,9 @@ import pytest
 from peerloom.adapters.addressbook import AddressBook
 from peerloom.core.identity import Identity
 
-A = ("127.0.0.1", 4001)
-B = ("127.0.0.1", 4002)
-C = ("127.0.0.2", 4001)
+A = "/ip4/127.0.0.1/tcp/4001"
+B = "/ip4/127.0.0.1/tcp/4002"
+C = "/ip4/127.0.0.2/tcp/4001"
 PEER_A = Identity(bytes([1]) * 32).peer_id
 PEER_B = Identity(bytes([2]) * 32).peer_id
 
@@ -100,7 +100,7 @@ def test_banned_peer_is_refused_wherever_it_is() -> None:
 
 def test_connection_limits_total_and_per_ip() -> None:
     b = book(max_connections=3, max_connections_per_ip=2)
-    addresses = [("127.0.0.1", 5000 + i) for i in range(3)] + [("127.0.0.2", 5000)]
+    addresses = [f"/ip4/127.0.0.1/tcp/{5000 + i}" for i in range(3)] + ["/ip4/127.0.0.2/tcp/5000"]
     for a in addresses:
         b.add(a, now=0.0)
     due = b.due(0.0)
@@ -120,7 +120,7 @@ def test_connection_limits_total_and_per_ip() -> None:
 
 def test_dials_in_progress_count_toward_the_limits_across_calls() -> None:
     b = book(max_connections=10, max_connections_per_ip=2)
-    addresses = [("127.0.0.1", 5000 + i) for i in range(4)]
+    addresses = [f"/ip4/127.0.0.1/tcp/{5000 + i}" for i in range(4)]
     for a in addresses:
         b.add(a, now=0.0)
     first = b.due(0.0)[0]
@@ -195,7 +195,7 @@ def test_real_dial_failures_classify_as_the_book_expects() -> None:
 
 def test_learned_addresses_are_forgotten_after_repeated_failures_but_bootstrap_ones_never():
     book = AddressBook(random.Random(0), forget_after_failures=3)
-    tip, seed = ("127.0.0.1", 7001), ("127.0.0.1", 7000)
+    tip, seed = "/ip4/127.0.0.1/tcp/7001", "/ip4/127.0.0.1/tcp/7000"
     book.add(seed, now=0.0)
     assert book.add(tip, now=0.0, learned=True)
     now = 0.0
@@ -218,8 +218,8 @@ def test_learned_addresses_are_forgotten_after_repeated_failures_but_bootstrap_o
 
 def test_learned_addresses_are_capped():
     book = AddressBook(random.Random(0), max_learned=2)
-    assert book.add(("127.0.0.1", 1), now=0.0, learned=True)
-    assert book.add(("127.0.0.1", 2), now=0.0, learned=True)
-    assert not book.add(("127.0.0.1", 3), now=0.0, learned=True)  # a flood of tips cannot grow the book
-    assert ("127.0.0.1", 3) not in book
-    assert book.add(("127.0.0.1", 4), now=0.0)  # configured addresses are not capped
+    assert book.add("/ip4/127.0.0.1/tcp/1", now=0.0, learned=True)
+    assert book.add("/ip4/127.0.0.1/tcp/2", now=0.0, learned=True)
+    assert not book.add("/ip4/127.0.0.1/tcp/3", now=0.0, learned=True)  # a flood of tips cannot grow the book
+    assert "/ip4/127.0.0.1/tcp/3" not in book
+    assert book.add("/ip4/127.0.0.1/tcp/4", now=0.0)  # configured addresses are not capped

@@ -139,8 +139,8 @@ def test_bundled_workloads_implement_the_protocol_and_state_their_capabilities()
             api.Relabelable)
 
     def capabilities(w):
-        assert isinstance(w, api.Workload)
-        return {c.__name__ for c in caps if isinstance(w, c)} | ({"step"} if api.takes_step(w) else set())
+        assert api.has(w, api.Workload)
+        return {c.__name__ for c in caps if api.has(w, c)} | ({"step"} if api.takes_step(w) else set())
 
     numpy_wl, _ = build_workload("digits-numpy", 0, 4)
     torch_wl, _ = build_workload("digits-mlp", 0, 4)
@@ -153,6 +153,17 @@ def test_bundled_workloads_implement_the_protocol_and_state_their_capabilities()
     # a wrapper has what it wraps, but an attacker keeps its own schedule (its class says so)
     attacker = ByzantineWorkload(torch_wl, "lazy")
     assert capabilities(attacker) == capabilities(torch_wl) - {"step"}
+
+    class Opaque:  # forwards nothing: what Python >= 3.12's static protocol lookup makes of any wrapper
+        TAKES_STEP = False
+
+        def __init__(self, inner):
+            self.inner = inner
+
+    hidden = Opaque(torch_wl)
+    assert not isinstance(hidden, api.LossCheckable) and api.has(hidden, api.LossCheckable)
+    assert capabilities(hidden) == capabilities(torch_wl) - {"step"}  # its own flag comes first
+    assert not api.has(Opaque(object()), api.Workload)
     # nodes, the executor and the simulator check capabilities by type, never by probing names
     root = Path(__file__).resolve().parents[2]
     for path in ("peerloom/node.py", "sim/adversary.py", "adapters/compute.py", "adapters/pool.py",

@@ -65,10 +65,10 @@ def test_an_unauditable_update_is_refused_without_the_option_and_never_replayed_
     v.announce(a, unauditable=True)
     v.announce(b)
     assert v.engine.rejected_by_reason["unauditable-not-admitted"] == (0 if admits else 1)
-    screens = {t.args["delta"].digest: t.args for t in v.pending("screen")}
-    assert "audit" in screens[delta_of(b).digest]  # an ordinary update is replayed inline
+    screens = {t.task.delta.digest: t.task for t in v.pending("screen")}
+    assert screens[delta_of(b).digest].audit is not None  # an ordinary update is replayed inline
     if admits:
-        assert "audit" not in screens[delta_of(a).digest]  # screened, never replayed
+        assert screens[delta_of(a).digest].audit is None  # screened, never replayed
     else:
         assert delta_of(a).digest not in screens
 
