@@ -102,7 +102,7 @@ class Recompute:
 
     window: int
     candidates: tuple[SignedEnvelope, ...]
-    train_losses: tuple[float, ...]
+    train_losses: tuple[float | None, ...]  # None: a private-data author's (spec/protocol.md §10)
     check: Check | None = None
     outliers: frozenset[bytes] = frozenset()
 
@@ -272,7 +272,9 @@ class Screening:
         candidates = tuple(sorted(candidates, key=lambda u: u.id))
         entries = [c.entry_for(u) for u in candidates]
         assert all(x is not None for x in entries)
-        losses = tuple(x.announcement.train_loss for x in entries if x is not None)
+        # a private-data trainer's announced loss is no loss at all (spec/protocol.md §10): the mean leaves it out
+        losses = tuple(None if x.envelope.signer in c.head.private_peers else x.announcement.train_loss
+                       for x in entries if x is not None)
         work = Recompute(window=c.window, candidates=candidates, train_losses=losses, check=check, outliers=outliers)
         self._run(c.reduce_task([x for x in entries if x is not None]), work)
 
@@ -300,7 +302,8 @@ class Screening:
                     self._finish(work, {"window": work.window, "outliers": list(outliers), "kept": list(kept),
                                         "candidates": candidates})
                     return
-                train_loss = sum(work.train_losses[i] for i in result.kept) / len(kept)
+                public = [loss for i in result.kept if (loss := work.train_losses[i]) is not None]
+                train_loss = sum(public) / len(public) if public else 0.0
                 self._run(EvaluateTask(params=result.params),
                           Evaluate(recompute=work, outliers=outliers, kept=kept, params=result.params,
                                    params_digest=result.params_digest, outer_state=result.outer_state,

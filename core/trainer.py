@@ -451,15 +451,19 @@ class TrainerRole(RoleBase):
             e.log("stale-result", window=window)
             return
         self._step("trained")
+        # A loss computed on private records without noise would leak them: a private-data trainer announces 0.0
+        # (spec/protocol.md §10) and logs its real loss only locally.
+        announced_loss = 0.0 if e.config.private_data else float(result.train_loss)
         ann = UpdateAnnouncement(revision=e.revision.id, window=window, base=self.base.id, shards=self.shards,
                                  delta=delta, delta_digest=result.delta_digest,
-                                 train_loss=float(result.train_loss), trajectory=result.trajectory,
+                                 train_loss=announced_loss, trajectory=result.trajectory,
                                  prior=None if self.prior is None else self.prior.id,
                                  privacy_steps=self._privacy_steps())
         envelope = seal(e.identity, ann)
         self._commit(window, envelope, result)
         e.persist_then(ClaimRecord(window=window, data=envelope.to_bytes()), "trainer",
-                       Announce(window=window, envelope=envelope, train_loss=ann.train_loss, delta=delta.digest))
+                       Announce(window=window, envelope=envelope, train_loss=float(result.train_loss),
+                                delta=delta.digest))
 
     def _announce(self, work: Announce) -> None:
         """The announcement `work.envelope` is durable: send it (if its window is still ours; one that has not

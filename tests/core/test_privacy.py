@@ -266,3 +266,28 @@ def test_the_manifest_flags_private_trainers_of_its_genesis_roster():
             attrs.evolve(private_revision(), **bad)
     with pytest.raises(DecodeError):
         Manifest.from_cbor({**private_revision().to_cbor(), "private": []})
+
+
+def test_private_trainers_announce_no_loss_and_the_heads_train_loss_leaves_them_out(tmp_path):
+    """A loss computed on private records without noise would leak them (spec/protocol.md §10, privacy.md §1):
+    a private-data trainer announces `train_loss` 0.0 and logs its real loss only on its own node, and the
+    head's `train_loss` metric is the mean over public authors' updates (0.0 when every author is private)."""
+    from peerloom.backends.registry import build_workload
+    from tests.engine_cluster import N_SHARDS, SEED, build, head_window
+
+    workload = build_workload("digits-mlp", SEED, N_SHARDS)
+    public = build(tmp_path / "public", workload, trainers=2)
+    assert public.run_until(lambda c: head_window(c) >= 2, max_time=60.0)
+    heads = [h for _, h, _ in public.nodes["validator"].heads]
+    assert all(h.metrics["train_loss"] > 0.0 for h in heads)
+
+    private = build(tmp_path / "private", workload, trainers=2, private_data=True,
+                    private=tuple(sorted(ident(10 + i).peer_id for i in range(2))),
+                    engine_options={"private_data": True})
+    assert private.run_until(lambda c: head_window(c) >= 2, max_time=60.0)
+    heads = [h for _, h, _ in private.nodes["validator"].heads]
+    assert all(h.private and h.metrics["train_loss"] == 0.0 and h.cohort for h in heads)
+    announced = [f for _, node, event, f in private.logs if event == "announce" and node.startswith("t")]
+    assert announced and all(f["train_loss"] > 0.0 for f in announced)  # the real loss stays in the local log
+    recent = private.nodes["validator"].engine.recent_updates.values()
+    assert recent and all(ann.train_loss == 0.0 for _, ann in recent)
