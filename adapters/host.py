@@ -17,7 +17,8 @@ What the engine must hear back is built here, never in a host: a primitive that 
 written, an artifact committed, a task run) calls the `done` callback it was given, at once or later, and the
 driver feeds `Persisted`, `ArtifactStored` / `ArtifactCorrupt`, `TaskFinished` / `TaskFailed`, stamped with
 `Host.clock()`. A `done` called inside a primitive (a synchronous write) is fed at once and the running drain
-goes on with the effects it adds; one called later runs a whole handle -> drain -> re-arm itself.
+goes on with the effects it adds; one called later runs a whole handle -> drain -> re-arm itself. Each `done`
+is single-use: a second call raises `HostContractError` here, before anything reaches the engine.
 
 Notifications a host may ignore (a promoted head, a rejection, discovered addresses, a `SubmitReply`, a log
 line) go to an `Observer`, whose methods do nothing unless a host overrides them; without one they are dropped.
@@ -26,12 +27,12 @@ line) go to an `Observer`, whose methods do nothing unless a host overrides them
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, assert_never
+from typing import Any, ParamSpec, Protocol, assert_never
 
 from peerloom.core import effects as fx
 from peerloom.core import events as ev
 from peerloom.core.engine import Engine
-from peerloom.core.errors import VerificationError
+from peerloom.core.errors import LocalProtocolError, VerificationError
 from peerloom.core.identity import PeerId
 from peerloom.core.messages import Chunk, encode_message
 from peerloom.core.objects import ArtifactRef, Head, QuorumCertificate
@@ -42,10 +43,36 @@ TaskOutcome = TaskResult | Exception
 """What a compute task gives its `done` callback: the result class of its kind (`core.tasks`), or the exception
 it raised (fed back as `TaskFailed` with its repr)."""
 
+DoneArgs = ParamSpec("DoneArgs")
+
+
+class HostContractError(LocalProtocolError):
+    """A host broke the `Host` contract: it called a primitive's `done` a second time. Names the primitive
+    and the work's token (a `Persist` token, a task id, an artifact digest)."""
+
+    def __init__(self, primitive: str, token: object) -> None:
+        super().__init__(f"Host.{primitive} called its done twice for {token!r}: each done is single-use")
+        self.primitive = primitive
+        self.token = token
+
+
+def _once(primitive: str, token: object, done: Callable[DoneArgs, None]) -> Callable[DoneArgs, None]:
+    """`done`, callable once: a second call raises `HostContractError` and reaches nothing."""
+    called = False
+
+    def single_use(*args: DoneArgs.args, **kwargs: DoneArgs.kwargs) -> None:
+        nonlocal called
+        if called:
+            raise HostContractError(primitive, token)
+        called = True
+        done(*args, **kwargs)
+    return single_use
+
 
 class Host(Protocol):
     """The I/O primitives a `Driver` needs. None of them feeds the engine: the driver does, when `done` is
-    called. Each is called on the engine's thread; `done` must be called there too, exactly once."""
+    called. Each is called on the engine's thread; `done` must be called there too, exactly once (a second
+    call raises `HostContractError`)."""
 
     def clock(self) -> float:
         """Seconds on the host's monotonic clock (the `now` of every event the driver builds)."""
@@ -189,7 +216,9 @@ class Driver:
     # --- what the engine hears back ------------------------------------------------------------------
 
     def _persisted(self, token: int) -> Callable[[], None]:
-        return lambda: self.handle(ev.Persisted(now=self.host.clock(), token=token))
+        def done() -> None:
+            self.handle(ev.Persisted(now=self.host.clock(), token=token))
+        return _once("write_record", token, done)
 
     def _task_done(self, task_id: str) -> Callable[[TaskOutcome], None]:
         def done(outcome: TaskOutcome) -> None:
@@ -198,13 +227,13 @@ class Driver:
                 self.handle(ev.TaskFailed(now=now, task_id=task_id, reason=repr(outcome)))
             else:
                 self.handle(ev.TaskFinished(now=now, task_id=task_id, result=outcome))
-        return done
+        return _once("run_task", task_id, done)
 
     def _committed(self, ref: ArtifactRef) -> Callable[[bool], None]:
         def done(ok: bool) -> None:
             now = self.host.clock()
             self.handle(ev.ArtifactStored(now=now, ref=ref) if ok else ev.ArtifactCorrupt(now=now, ref=ref))
-        return done
+        return _once("commit_artifact", ref.digest.hex(), done)
 
 
 # --- primitives that do not differ between hosts ------------------------------------------------------

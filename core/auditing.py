@@ -16,6 +16,10 @@ are held in memory only: a restarted validator forgets those it held (its peers 
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any, Protocol
+
 import attrs
 
 from .audit import (
@@ -29,8 +33,8 @@ from .audit import (
 from .collector import Collector, audit_args
 from .envelope import SignedEnvelope
 from .errors import DecodeError, VerificationError
-from .identity import PeerId
-from .messages import Signed
+from .identity import Identity, PeerId
+from .messages import ROLES, Message, Signed
 from .objects import (
     MAX_HEAD_AUDITS,
     PROTOCOL_VERSION,
@@ -38,12 +42,13 @@ from .objects import (
     AuditEvidence,
     AuditFailure,
     Head,
+    Manifest,
+    Revision,
     UpdateAnnouncement,
     seal,
 )
 from .pending import Done, Failed, Outcome
-from .roles import Services
-from .tasks import AuditPlanResult, AuditPlanTask, AuditResult, AuditTask, SegmentAudit, SegmentPlan
+from .tasks import AuditPlanResult, AuditPlanTask, AuditResult, AuditTask, SegmentAudit, SegmentPlan, Task
 
 MAX_VERDICTS_PER_SIGNER = 64  # verdicts held per validator at a time (a faulty one cannot grow our state)
 UNSERVED_GRACE_WINDOWS = 2
@@ -121,11 +126,28 @@ def audit_authors(audits: tuple[AuditEvidence, ...]) -> tuple[PeerId, ...]:
                  for v in audits)
 
 
+class AuditServices(Protocol):
+    """What `SampledAudits` uses of the engine (core/engine.py implements it)."""
+
+    @property
+    def identity(self) -> Identity: ...
+    @property
+    def revision(self) -> Revision: ...
+    @property
+    def manifest(self) -> Manifest: ...
+    @property
+    def stats(self) -> Counter[str]: ...
+    def log(self, event: str, **fields: Any) -> None: ...
+    def broadcast(self, message: Message, roles: Iterable[str] = ROLES) -> None: ...
+    def run_task(self, task: Task, owner: str, work: Any) -> str: ...
+    def fetch(self, ref: ArtifactRef, providers: Iterable[PeerId], owner: str, work: Any) -> None: ...
+
+
 class SampledAudits:
     """Sampled audits of one validator: the audits it runs, and the verdicts it holds (its own and other
     validators'), by update id."""
 
-    def __init__(self, engine: Services) -> None:
+    def __init__(self, engine: AuditServices) -> None:
         self.engine = engine
         self.running: dict[bytes, _Run] = {}  # update id -> its audit in flight
         self.updates: dict[bytes, tuple[SignedEnvelope, UpdateAnnouncement]] = {}

@@ -18,23 +18,26 @@ all individually accepted updates, because it needs the whole cohort.
 
 from __future__ import annotations
 
-from typing import Any
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import attrs
 
 from .audit import loss_batch_seed, start_args, train_seed
+from .config import EngineConfig
 from .encoding import decode
 from .envelope import MAX_BODY_BYTES, SignedEnvelope
 from .errors import DecodeError, VerificationError
 from .fsm import Table, step
 from .identity import PeerId
 from .leases import claims_of, lease_fault, lease_weight, leases_of
-from .objects import PROTOCOL_VERSION, ArtifactRef, Head, Manifest, UpdateAnnouncement, unauditable_fault
+from .objects import PROTOCOL_VERSION, ArtifactRef, Head, Manifest, Revision, UpdateAnnouncement, unauditable_fault
 from .pending import Done, Failed, Outcome
 from .privacy import budget_fault
 from .quarantine import STRIKE_REASONS
-from .roles import Services
-from .tasks import LossCheck, Recomputation, ReduceTask, ScreenResult, ScreenTask
+from .roles import Log
+from .tasks import LossCheck, Recomputation, ReduceTask, ScreenResult, ScreenTask, Task
 
 TABLE: Table = {
     ("announced", "fetched"): "screening",
@@ -138,13 +141,42 @@ def audit_args(manifest: Manifest, base: Head, author: PeerId, ann: UpdateAnnoun
                          start=start_args(manifest, base, prior_delta))
 
 
-def resume_collector(engine: Services, collector: Collector | None, work: CollectorWork, outcome: Outcome) -> None:
+class CollectorServices(Protocol):
+    """What a `Collector` uses of the engine (core/engine.py implements it)."""
+
+    @property
+    def config(self) -> EngineConfig: ...
+    @property
+    def revision(self) -> Revision: ...
+    @property
+    def manifest(self) -> Manifest: ...
+    @property
+    def now(self) -> float: ...
+    @property
+    def stats(self) -> Counter[str]: ...
+    @property
+    def rejected_by_reason(self) -> Counter[str]: ...
+    @property
+    def seen_deltas(self) -> dict[bytes, int]: ...
+    @property
+    def recent_updates(self) -> dict[bytes, tuple[PeerId, UpdateAnnouncement]]: ...
+    def log(self, event: str, **fields: Any) -> None: ...
+    def peers_with(self, role: str) -> list[PeerId]: ...
+    def run_task(self, task: Task, owner: str, work: Any) -> str: ...
+    def fetch(self, ref: ArtifactRef, providers: Iterable[PeerId], owner: str, work: Any) -> None: ...
+    def is_stored(self, digest: bytes) -> bool: ...
+    def reject(self, peer: PeerId | None, reason: str, detail: str = "") -> None: ...
+    def lease_head(self, window: int) -> Head | None: ...
+    def base_heads(self, window: int) -> dict[bytes, Head]: ...
+
+
+def resume_collector(log: Log, collector: Collector | None, work: CollectorWork, outcome: Outcome) -> None:
     """Hand collector work the engine held back to `collector`, the owning role's current one (None: it has
     none yet). A base fetch may end while its collector is still being built, so its failure is logged
     here."""
     if isinstance(work, FetchBase):
         if isinstance(outcome, Failed):
-            engine.log("base-fetch-failed", window=work.window, reason=outcome.reason)
+            log("base-fetch-failed", window=work.window, reason=outcome.reason)
     elif collector is not None:
         collector.resume(work, outcome)
 
@@ -159,7 +191,7 @@ class Collector:
     §5.2). A node that does not hold the lease head (it jumped windows, `chain-gap`) has no leases this
     window: every update is `no-lease` here, and the head is decided by the validators that hold it."""
 
-    def __init__(self, engine: Services, head: Head, on_change: Any, *, owner: str) -> None:
+    def __init__(self, engine: CollectorServices, head: Head, on_change: Any, *, owner: str) -> None:
         self.engine = engine
         self.owner = owner
         self.head = head

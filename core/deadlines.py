@@ -10,8 +10,12 @@ Timer keys: ``("close", "validator", window)`` and, with `lease_s > 0`, ``("clai
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 from .collector import Collector
-from .roles import Services
+from .identity import PeerId
+from .objects import Manifest
+from .roles import TimerKey
 
 # A window whose leaseholders are all unreachable closes at most this many window_s after it opened.
 WAIT_WINDOWS = 3
@@ -27,12 +31,25 @@ def claims_key(window: int) -> tuple[str, str, int]:
     return ("claims", "validator", window)
 
 
+class ClockServices(Protocol):
+    """What a `WindowClock` uses of the engine (core/engine.py implements it)."""
+
+    @property
+    def manifest(self) -> Manifest: ...
+    @property
+    def now(self) -> float: ...
+    def log(self, event: str, **fields: Any) -> None: ...
+    def peers_with(self, role: str) -> list[PeerId]: ...
+    def set_timer(self, key: TimerKey, deadline: float) -> None: ...
+    def cancel_timer(self, key: TimerKey) -> None: ...
+
+
 class WindowClock:
     """The close deadline of the window being collected. `armed_at`: when its clock started (None: not yet,
     the one record of whether it runs); `wait_deadline`: set while the window waits for a reachable
     leaseholder; `deadline_s`: how long the clock runs (seconds), carried from window to window."""
 
-    def __init__(self, engine: Services) -> None:
+    def __init__(self, engine: ClockServices) -> None:
         self.engine = engine
         self.wait_deadline: float | None = None
         self.armed_at: float | None = None

@@ -9,12 +9,13 @@ The engine does no I/O, reads no clock and draws randomness only from the inject
 Peer misbehaviour never raises out of `handle`: it becomes a `Rejected` effect (also counted by reason), a
 penalty, and at `penalty_limit` a `Ban` and a `HangUp`. Caller misuse raises LocalProtocolError.
 
-Role behaviour lives in one module per state machine: `trainer`, `validator`, `reducer` (the latter two
-share `collector`), each following the `roles.Role` protocol and acting through `roles.Services`, which this
-engine implements. This module decodes each input once and dispatches it; it holds timers, persist-then-send,
-compute tasks, rejections and adoption of certified heads, and composes the parts that hold the rest by
-concern, each acting through a narrow host interface of its own: `sessions` (peers, peer exchange, serving
-quotas), `fetching` (artifacts held and fetched with verify-on-arrival), `chainsync` (the chain archive and
+Role behaviour lives in one module per state machine: `trainer`, `validator`, `reducer` (the latter two share
+`collector`), each following the `roles.Role` protocol and acting through a Protocol of just the engine
+members it uses (`trainer_work.TrainerServices`, `validator.ValidatorServices`, ...), all of which this engine
+implements. This module decodes each input once and dispatches it; it holds timers, persist-then-send, compute
+tasks, rejections and adoption of certified heads, and composes the parts that hold the rest by concern, each
+acting through a narrow host interface of its own: `sessions` (peers, peer exchange, serving quotas),
+`fetching` (artifacts held and fetched with verify-on-arrival), `chainsync` (the chain archive and
 chain sync, spec/protocol.md §8) and `retention` (what is forgotten as the head moves, and snapshots).
 
 Work in flight (compute tasks, fetches, records being persisted) is held as plain data (core/pending.py):

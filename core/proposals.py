@@ -8,15 +8,18 @@ Timer key: ``("updates", window, head id, attempt)``.
 
 from __future__ import annotations
 
-from typing import Any
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import attrs
 
 from .envelope import SignedEnvelope
 from .errors import VerificationError
 from .identity import PeerId
-from .messages import MAX_UPDATE_IDS, Signed, UpdatesRequest
-from .objects import PROTOCOL_VERSION, Head, HeadProposal
+from .messages import MAX_UPDATE_IDS, ROLES, Message, Signed, UpdatesRequest
+from .objects import PROTOCOL_VERSION, Head, HeadProposal, Revision
+from .roles import TimerKey
 from .validating import ValidatorParts
 
 # Announcements a head proposal names by id: asked MAX_UPDATE_IDS at a time from one provider; a batch that
@@ -42,6 +45,25 @@ class Awaiting:
     attempt: int = 0
 
 
+class ProposalServices(Protocol):
+    """What `ProposalTracker` uses of the engine (core/engine.py implements it)."""
+
+    @property
+    def me(self) -> PeerId: ...
+    @property
+    def revision(self) -> Revision: ...
+    @property
+    def now(self) -> float: ...
+    @property
+    def stats(self) -> Counter[str]: ...
+    def log(self, event: str, **fields: Any) -> None: ...
+    def send(self, peer: PeerId, message: Message) -> None: ...
+    def broadcast(self, message: Message, roles: Iterable[str] = ROLES) -> None: ...
+    def peers_with(self, role: str) -> list[PeerId]: ...
+    def set_timer(self, key: TimerKey, deadline: float) -> None: ...
+    def reject(self, peer: PeerId | None, reason: str, detail: str = "") -> None: ...
+
+
 class ProposalTracker:
     """The head proposals of the window being collected by `role`, and the announcements fetched for them.
 
@@ -53,9 +75,9 @@ class ProposalTracker:
     `updates_served`: updates-get requests served per peer this window.
     """
 
-    def __init__(self, role: ValidatorParts) -> None:
+    def __init__(self, role: ValidatorParts, engine: ProposalServices) -> None:
         self.role = role
-        self.engine = role.engine
+        self.engine = engine
         self.proposals_in: dict[tuple[int, int], list[bytes]] = {}
         self.proposal_givers: dict[tuple[int, int], set[PeerId]] = {}
         self.proposal_envelopes: set[bytes] = set()

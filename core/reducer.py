@@ -8,12 +8,14 @@ is a rejection charged to the reducer.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import attrs
 
 from .collector import (
     Collector,
+    CollectorServices,
     FetchAuditParams,
     FetchBase,
     FetchDelta,
@@ -22,11 +24,11 @@ from .collector import (
 )
 from .envelope import SignedEnvelope
 from .fsm import Table, step
-from .identity import PeerId
-from .messages import Signed
-from .objects import Head, ReductionProposal, seal
+from .identity import Identity, PeerId
+from .messages import ROLES, Message, Signed
+from .objects import ArtifactRef, Head, ReductionProposal, seal
 from .pending import Failed, Outcome
-from .roles import RoleBase, Services
+from .roles import RoleBase, TimerKey
 from .tasks import ReduceResult
 
 TABLE: Table = {
@@ -49,8 +51,19 @@ class Reduce:
     cohort: tuple[bytes, ...]
 
 
+class ReducerServices(CollectorServices, Protocol):
+    """What `ReducerRole` uses of the engine: its collector's members and these (core/engine.py implements it)."""
+
+    @property
+    def identity(self) -> Identity: ...
+    def broadcast(self, message: Message, roles: Iterable[str] = ROLES) -> None: ...
+    def set_timer(self, key: TimerKey, deadline: float) -> None: ...
+    def cancel_timer(self, key: TimerKey) -> None: ...
+    def note_stored(self, ref: ArtifactRef) -> None: ...
+
+
 class ReducerRole(RoleBase):
-    def __init__(self, engine: Services) -> None:
+    def __init__(self, engine: ReducerServices) -> None:
         self.engine = engine
         self.state = "idle"
         self.collector: Collector | None = None
@@ -99,7 +112,7 @@ class ReducerRole(RoleBase):
             case Reduce():
                 self._reduced(work, outcome)
             case Screen() | FetchBase() | FetchDelta() | FetchAuditParams():
-                resume_collector(self.engine, self.collector, work, outcome)
+                resume_collector(self.engine.log, self.collector, work, outcome)
             case _:
                 raise TypeError(f"not reducer work: {work!r}")
 

@@ -3,24 +3,22 @@
 A node runs one role object per role it holds (`validator`, `reducer`, `trainer`). The engine keeps what
 they share (peers, timers, persist-then-send, fetching, compute tasks, heads) and calls these hooks; a role
 acts only through the engine's services (`send`, `set_timer`, `persist_then`, `run_task`, `fetch`,
-`reject`, `adopt`, ...). Every hook runs inside `Engine.handle`, so it must not raise for peer input:
-misbehaviour becomes `engine.reject(...)`.
+`reject`, `adopt`, ...). Each role and each part of one is typed against a Protocol of just the members it
+uses, declared beside it (`trainer.TrainerServices`, `deadlines.ClockServices`, ...; a role's Protocol
+inherits those of the parts it hands the engine to), or gets a single callable (`Log`); the engine
+implements them all, which mypy checks where it builds its roles. A role module imports these, never the
+engine, so core's import graph has no cycle (tests/test_layers.py). Every hook runs inside `Engine.handle`,
+so it must not raise for peer input: misbehaviour becomes `engine.reject(...)`.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
-from .config import EngineConfig
 from .envelope import SignedEnvelope
-from .identity import Identity, PeerId
-from .messages import ROLES, Message
-from .objects import ArtifactRef, Head, Manifest, QuorumCertificate, Revision, UpdateAnnouncement
+from .identity import PeerId
+from .objects import Head
 from .pending import Outcome
-from .records import Record
-from .tasks import Task
 
 TimerKey = tuple[Any, ...]
 """A role's timer key: its first item names the timer (``"window"``, ``"claim"``, ...), the rest says which
@@ -75,38 +73,7 @@ class RoleBase:
         raise TypeError(f"{type(self).__name__} started no work {work!r}")
 
 
-class Services(Protocol):
-    """What a role may use of the engine (core/engine.py implements it): its identity and configuration, the
-    records and counters it shares with the roles, and the services a role acts through. A role module imports
-    this, never the engine, so core's import graph has no cycle (tests/test_layers.py)."""
+class Log(Protocol):
+    """The engine's `log`, handed alone to a part that needs nothing else of it."""
 
-    config: EngineConfig
-    identity: Identity
-    me: PeerId
-    revision: Revision
-    manifest: Manifest
-    now: float
-    stats: Counter[str]
-    rejected_by_reason: Counter[str]
-    records: dict[str, bytes]
-    seen_deltas: dict[bytes, int]
-    recent_updates: dict[bytes, tuple[PeerId, UpdateAnnouncement]]
-
-    def log(self, event: str, **fields: Any) -> None: ...
-    def send(self, peer: PeerId, message: Message) -> None: ...
-    def broadcast(self, message: Message, roles: Iterable[str] = ROLES) -> None: ...
-    def peers_with(self, role: str) -> list[PeerId]: ...
-    def set_timer(self, key: TimerKey, deadline: float) -> None: ...
-    def cancel_timer(self, key: TimerKey) -> None: ...
-    def persist_then(self, record: Record, owner: str, work: Any) -> None: ...
-    def run_task(self, task: Task, owner: str, work: Any) -> str: ...
-    def fetch(self, ref: ArtifactRef, providers: Iterable[PeerId], owner: str, work: Any) -> None: ...
-    def note_stored(self, ref: ArtifactRef) -> None: ...
-    def is_stored(self, digest: bytes) -> bool: ...
-    def drop_stored(self, digests: Iterable[bytes]) -> None: ...
-    def reject(self, peer: PeerId | None, reason: str, detail: str = "") -> None: ...
-    def verify_certified(self, head: Head, cert: QuorumCertificate) -> None: ...
-    def adopt(self, head: Head, cert: QuorumCertificate) -> None: ...
-    def lease_head(self, window: int) -> Head | None: ...
-    def window_leases(self, window: int) -> Mapping[PeerId, tuple[int, ...]]: ...
-    def base_heads(self, window: int) -> dict[bytes, Head]: ...
+    def __call__(self, event: str, **fields: Any) -> None: ...

@@ -16,14 +16,16 @@ Recomputation runs as compute tasks (``reduce``, then ``evaluate``); the work in
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
 from .admission import WINDOWS_AHEAD
 from .auditing import audit_authors
 from .collector import slot_of
+from .config import EngineConfig
 from .envelope import SignedEnvelope
 from .errors import DecodeError, VerificationError
 from .identity import PeerId
@@ -34,8 +36,10 @@ from .objects import (
     ArtifactRef,
     AuditEvidence,
     Head,
+    Manifest,
     PrivacyRecord,
     ReductionProposal,
+    Revision,
     UpdateAnnouncement,
     revocation_peers,
 )
@@ -129,6 +133,24 @@ class ScreeningTask:
     seq: int
 
 
+class ScreeningServices(Protocol):
+    """What `Screening` uses of the engine (core/engine.py implements it)."""
+
+    @property
+    def config(self) -> EngineConfig: ...
+    @property
+    def revision(self) -> Revision: ...
+    @property
+    def manifest(self) -> Manifest: ...
+    @property
+    def stats(self) -> Counter[str]: ...
+    def log(self, event: str, **fields: Any) -> None: ...
+    def peers_with(self, role: str) -> list[PeerId]: ...
+    def run_task(self, task: Task, owner: str, work: Any) -> str: ...
+    def note_stored(self, ref: ArtifactRef) -> None: ...
+    def reject(self, peer: PeerId | None, reason: str, detail: str = "") -> None: ...
+
+
 class Screening:
     """Verdicts on the heads of the window being collected by `role`, and its own head.
 
@@ -138,9 +160,9 @@ class Screening:
     window -> reducer -> its proposal; `tasks`: recomputation work in flight, by a local sequence number.
     """
 
-    def __init__(self, role: ValidatorParts) -> None:
+    def __init__(self, role: ValidatorParts, engine: ScreeningServices) -> None:
         self.role = role
-        self.engine = role.engine
+        self.engine = engine
         self.verdicts: dict[bytes, bool] = {}
         self.checks: dict[bytes, Check] = {}
         self.refused_expiry: set[bytes] = set()

@@ -40,9 +40,9 @@ from .pending import Done, Failed, Outcome
 from .privacy import ledger_epsilon, spent_steps
 from .records import ClaimRecord
 from .records import claim_key as claim_key
-from .roles import RoleBase, Services
+from .roles import RoleBase
 from .tasks import EagerStart, TrainResult, TrainTask
-from .trainer_work import Announce, FetchParams, FetchState, Prefetch, Train, announcement_of, prior_of
+from .trainer_work import Announce, FetchParams, FetchState, Prefetch, Train, TrainerServices, announcement_of, prior_of
 
 TABLE: Table = {
     ("idle", "lease"): "fetching",
@@ -94,7 +94,7 @@ CLAIM_TABLE: Table = {
 
 
 class TrainerRole(RoleBase):
-    def __init__(self, engine: Services) -> None:
+    def __init__(self, engine: TrainerServices) -> None:
         self.engine = engine
         self.state = "idle"
         self.window = -1  # the window trained (or to train) now; the open one unless windows overlap

@@ -13,7 +13,6 @@ from .collector import Collector
 from .envelope import SignedEnvelope
 from .identity import PeerId
 from .objects import Head
-from .roles import Services
 
 
 class ScreeningView(Protocol):
@@ -37,11 +36,9 @@ class ProposalsView(Protocol):
 
 
 class ValidatorParts(Protocol):
-    """Of `validator.ValidatorRole`: the engine's services, the window being collected and the parts that
-    judge it."""
+    """Of `validator.ValidatorRole`: the window being collected and the parts that judge it. Each part gets
+    the engine apart, typed against a Protocol of the members it uses."""
 
-    @property
-    def engine(self) -> Services: ...
     @property
     def window(self) -> int: ...
     @property

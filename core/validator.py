@@ -17,17 +17,18 @@ A window closes when every lease has reported or at its deadline; messages for a
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, Protocol
 
 from .admission import (
     WINDOWS_AHEAD,
     Admission,
+    AdmissionServices,
     RevocationWrite,
 )
 from .agreement import WindowAgreement
-from .auditing import FetchCheckpoint, FetchTrajectory, PlanAudit, Replay, SampledAudits
-from .collector import Collector, FetchAuditParams, FetchBase, FetchDelta, Screen, resume_collector
-from .deadlines import MAX_DEADLINE_WINDOWS, WAIT_WINDOWS, WindowClock
+from .auditing import AuditServices, FetchCheckpoint, FetchTrajectory, PlanAudit, Replay, SampledAudits
+from .collector import Collector, CollectorServices, FetchAuditParams, FetchBase, FetchDelta, Screen, resume_collector
+from .deadlines import MAX_DEADLINE_WINDOWS, WAIT_WINDOWS, ClockServices, WindowClock
 from .envelope import SignedEnvelope
 from .fsm import Table, step
 from .identity import PeerId
@@ -44,10 +45,10 @@ from .objects import (
     ReductionProposal,
 )
 from .pending import Outcome
-from .proposals import ProposalTracker
-from .roles import RoleBase, Services
-from .screening import Screening, ScreeningTask, Value
-from .voting import Voting, VotingWrite
+from .proposals import ProposalServices, ProposalTracker
+from .roles import RoleBase
+from .screening import Screening, ScreeningServices, ScreeningTask, Value
+from .voting import Voting, VotingServices, VotingWrite
 
 __all__ = ["MAX_HELD", "TABLE", "ValidatorRole", "proposer_of"]
 
@@ -71,10 +72,16 @@ def proposer_of(parent: bytes, window: int, round_: int, validators: tuple[PeerI
     return order[round_ % len(order)]
 
 
+class ValidatorServices(AdmissionServices, ClockServices, AuditServices, CollectorServices, ScreeningServices,
+                        VotingServices, ProposalServices, Protocol):
+    """What `ValidatorRole` uses of the engine: only what its parts use, since it hands the engine to each
+    (core/engine.py implements it)."""
+
+
 class ValidatorRole(RoleBase):
     """One validator's state machine (table `TABLE`: collecting -> closed, each window)."""
 
-    def __init__(self, engine: Services) -> None:
+    def __init__(self, engine: ValidatorServices) -> None:
         self.engine = engine
         self.state = "collecting"
         self.collector: Collector | None = None
@@ -83,9 +90,9 @@ class ValidatorRole(RoleBase):
         self.held: list[tuple[PeerId, SignedEnvelope]] = []  # messages for windows ahead
         self.admission = Admission(engine)
         self.clock = WindowClock(engine)
-        self.screening = Screening(self)
-        self.proposals = ProposalTracker(self)
-        self.voting = Voting(self)
+        self.screening = Screening(self, engine)
+        self.proposals = ProposalTracker(self, engine)
+        self.voting = Voting(self, engine)
         self.audits = SampledAudits(engine)
 
     def _step(self, event: str) -> None:
@@ -138,7 +145,7 @@ class ValidatorRole(RoleBase):
             case Replay() | FetchTrajectory() | PlanAudit() | FetchCheckpoint():
                 self.audits.resume(work, outcome)
             case Screen() | FetchBase() | FetchDelta() | FetchAuditParams():
-                resume_collector(self.engine, self.collector, work, outcome)
+                resume_collector(self.engine.log, self.collector, work, outcome)
             case _:
                 raise TypeError(f"not validator work: {work!r}")
 

@@ -13,15 +13,18 @@ them persisted.
 
 from __future__ import annotations
 
-from typing import Any
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import attrs
 
+from .config import EngineConfig
 from .encoding import decode, encode
 from .envelope import MAX_BODY_BYTES, SignedEnvelope
 from .errors import DecodeError, VerificationError
-from .identity import PeerId
-from .messages import Signed
+from .identity import Identity, PeerId
+from .messages import ROLES, Message, Signed
 from .objects import (
     PRECOMMIT,
     PREVOTE,
@@ -29,7 +32,9 @@ from .objects import (
     VOTE_KIND,
     Head,
     HeadProposal,
+    Manifest,
     QuorumCertificate,
+    Revision,
     seal,
     sign_vote,
 )
@@ -80,6 +85,32 @@ class VotingWrite:
     seq: int
 
 
+class VotingServices(Protocol):
+    """What `Voting` uses of the engine (core/engine.py implements it)."""
+
+    @property
+    def config(self) -> EngineConfig: ...
+    @property
+    def identity(self) -> Identity: ...
+    @property
+    def me(self) -> PeerId: ...
+    @property
+    def revision(self) -> Revision: ...
+    @property
+    def manifest(self) -> Manifest: ...
+    @property
+    def stats(self) -> Counter[str]: ...
+    @property
+    def records(self) -> dict[str, bytes]: ...
+    def log(self, event: str, **fields: Any) -> None: ...
+    def send(self, peer: PeerId, message: Message) -> None: ...
+    def broadcast(self, message: Message, roles: Iterable[str] = ROLES) -> None: ...
+    def persist_then(self, record: Record, owner: str, work: Any) -> None: ...
+    def reject(self, peer: PeerId | None, reason: str, detail: str = "") -> None: ...
+    def verify_certified(self, head: Head, cert: QuorumCertificate) -> None: ...
+    def adopt(self, head: Head, cert: QuorumCertificate) -> None: ...
+
+
 class Voting:
     """Votes and proposals of the window being collected by `role`.
 
@@ -90,9 +121,9 @@ class Voting:
     persisted is durable, by a local sequence number.
     """
 
-    def __init__(self, role: ValidatorParts) -> None:
+    def __init__(self, role: ValidatorParts, engine: VotingServices) -> None:
         self.role = role
-        self.engine = role.engine
+        self.engine = engine
         self.vote_of: dict[VoteKey, bytes | None] = {}
         self.vote_envelopes: dict[VoteKey, SignedEnvelope] = {}
         self.extra_votes: set[tuple[VoteKey, bytes | None]] = set()

@@ -198,7 +198,8 @@ def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_core_import_graph_has_no_cycle():
-    """Roles reach the engine through narrow interfaces (`roles.Services`, the parts' host Protocols), never by
+    """Roles reach the engine through narrow interfaces (each role's and part's `*Services` Protocol, the
+    engine's parts' host Protocols), never by
     importing engine.py; no import hides a cycle inside a function or under TYPE_CHECKING (spec/design.md §2)."""
     cycle = import_cycle(core_import_graph(ROOT / "core"))
     assert cycle is None, " -> ".join(cycle or [])
@@ -220,6 +221,64 @@ def test_the_cycle_check_catches_hidden_cycles(tmp_path):
     assert import_cycle(graph) == ["a", "b", "c", "a"]
     graph["c"] = set()
     assert import_cycle(graph) is None
+
+
+def services_problems(folder: Path) -> list[str]:
+    """What breaks the rule that each role, part of one and part of the engine sees only the engine members
+    it uses: a `Services` class or import (the one protocol of every member, gone), an `engine` parameter
+    not typed by a `*Services` or `*Host` Protocol, and a member such a Protocol declares itself that no
+    module taking a parameter of its type (or of an heir's) reads."""
+    trees = {p.stem: ast.parse(p.read_text(), filename=str(p)) for p in sorted(folder.glob("*.py"))}
+    problems: list[str] = []
+    declared: dict[str, tuple[str, list[str]]] = {}  # protocol -> (module, the members it declares itself)
+    users: dict[str, set[str]] = {}  # type -> modules with a parameter of that type
+    read: dict[str, set[str]] = {}  # module -> attribute names read in it
+    heirs: dict[str, set[str]] = {}  # protocol -> the protocols inheriting it
+    for module, tree in trees.items():
+        read[module] = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.name == "Services":
+                problems.append(f"{module}: class Services")
+            elif isinstance(node, ast.ImportFrom) and any(a.name == "Services" for a in node.names):
+                problems.append(f"{module}: imports Services")
+            elif (isinstance(node, ast.ClassDef) and node.name.endswith(("Services", "Host"))
+                  and any(isinstance(b, ast.Name) and b.id == "Protocol" for b in node.bases)):
+                members = [n.name for n in node.body if isinstance(n, ast.FunctionDef)]
+                members += [n.target.id for n in node.body
+                            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+                declared[node.name] = (module, members)
+                for base in node.bases:
+                    heirs.setdefault(ast.unparse(base), set()).add(node.name)
+            elif isinstance(node, ast.arg) and node.annotation is not None:
+                name = ast.unparse(node.annotation)
+                if node.arg == "engine" and (name == "Services" or not name.endswith(("Services", "Host"))):
+                    problems.append(f"{module}: engine: {name}")
+                users.setdefault(name, set()).add(module)
+
+    def family(protocol: str) -> set[str]:
+        return {protocol}.union(*(family(heir) for heir in heirs.get(protocol, ())))
+
+    for protocol, (module, members) in sorted(declared.items()):
+        seen = set().union(*(read[m] for p in family(protocol) for m in users.get(p, ())))
+        problems += [f"{module}: {protocol}.{member} unused" for member in members if member not in seen]
+    return problems
+
+
+def test_roles_and_their_parts_see_only_the_engine_members_they_use():
+    """No role or part is typed against one protocol of every engine member (`Services`, issue 30): each
+    names the members it uses (spec/design.md §2), so what a role may touch cannot quietly grow back."""
+    assert services_problems(ROOT / "core") == []
+
+
+def test_the_services_check_catches_a_wide_protocol(tmp_path):
+    (tmp_path / "roles.py").write_text("from typing import Protocol\nclass Services(Protocol):\n    now: float\n")
+    (tmp_path / "a.py").write_text(
+        "from typing import Protocol\nfrom .roles import Services\n"
+        "class AServices(Protocol):\n    def log(self) -> None: ...\n    def send(self) -> None: ...\n"
+        "class A:\n    def __init__(self, engine: AServices) -> None:\n        engine.log()\n"
+        "class B:\n    def __init__(self, engine: Services) -> None:\n        pass\n")
+    assert services_problems(tmp_path) == ["a: imports Services", "a: engine: Services",
+                                           "roles: class Services", "a: AServices.send unused"]
 
 
 def stated_test_homes(readme: Path) -> dict[str, list[str]]:

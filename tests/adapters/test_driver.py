@@ -12,9 +12,10 @@ from pathlib import Path
 import attrs
 import pytest
 
-from peerloom.adapters.host import Driver, Host, Observer, outcome
+from peerloom.adapters.host import Driver, Host, HostContractError, Observer, outcome
 from peerloom.core import effects as fx
 from peerloom.core import events as ev
+from peerloom.core.errors import LocalProtocolError
 from peerloom.core.messages import Chunk, encode_message
 from peerloom.core.objects import make_artifact_ref
 from peerloom.core.records import LockRecord, VoteRecord
@@ -240,6 +241,36 @@ def test_a_corrupt_commit_is_fed_back_as_artifact_corrupt():
 
     Driver(engine, Corrupting()).handle(ev.Start(now=1.0))  # type: ignore[arg-type]
     assert engine.fed[1:] == [ev.ArtifactCorrupt(now=5.0, ref=REF)]
+
+
+@pytest.mark.parametrize(("effect", "primitive", "token", "fed"), [
+    (SAMPLES[fx.Persist], "write_record", 7, ev.Persisted(now=5.0, token=7)),
+    (SAMPLES[fx.RunTask], "run_task", "t1", ev.TaskFinished(now=5.0, task_id="t1", result=TRAINED)),
+    (SAMPLES[fx.CommitArtifact], "commit_artifact", REF.digest.hex(), ev.ArtifactStored(now=5.0, ref=REF)),
+], ids=["write_record", "run_task", "commit_artifact"])
+def test_a_done_called_twice_is_refused_before_it_reaches_the_engine(effect, primitive, token, fed):
+    """Each `done` a primitive gets is single-use: a second call is the host's bug, named here, not an unknown
+    token for the engine to puzzle over."""
+    engine, host = FakeEngine([effect]), PrimitivesOnly(later=True)
+    Driver(engine, host).handle(ev.Start(now=0.0))  # type: ignore[arg-type]
+    [complete] = host.pending
+    complete()
+    assert engine.fed[1:] == [fed]
+    with pytest.raises(HostContractError, match=f"Host.{primitive} called its done twice for {token!r}") as raised:
+        complete()
+    assert isinstance(raised.value, LocalProtocolError)
+    assert (raised.value.primitive, raised.value.token) == (primitive, token)
+    assert engine.fed[1:] == [fed]  # nothing more reached the engine
+
+    class Twice(PrimitivesOnly):  # the same bug inside the primitive, during the drain
+        def _complete(self, done, *value):
+            done(*value)
+            done(*value)
+
+    engine = FakeEngine([effect])
+    with pytest.raises(HostContractError):
+        Driver(engine, Twice()).handle(ev.Start(now=0.0))  # type: ignore[arg-type]
+    assert engine.fed[1:] == [fed]
 
 
 def test_outcome_returns_the_result_or_the_exception():
