@@ -8,7 +8,7 @@ import attrs
 
 from .envelope import SignedEnvelope
 from .identity import PeerId
-from .objects import PROTOCOL_VERSION, UpdateAnnouncement
+from .objects import UpdateAnnouncement, open_body
 
 
 @attrs.frozen(kw_only=True)
@@ -38,7 +38,7 @@ class FetchState:
 
 def announcement_of(envelope: SignedEnvelope) -> UpdateAnnouncement:
     """The update announcement a signed envelope carries (raises DecodeError/VerificationError if it is none)."""
-    return UpdateAnnouncement.from_cbor(envelope.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
+    return open_body(envelope, UpdateAnnouncement)
 
 
 def prior_of(envelope: SignedEnvelope) -> bytes | None:
