@@ -60,7 +60,17 @@ from .messages import (
     decode_message,
     encode_message,
 )
-from .objects import MAX_OVERLAP, ArtifactRef, Head, QuorumCertificate, UpdateAnnouncement, decode_body
+from .objects import (
+    MAX_OVERLAP,
+    PROTOCOL_VERSION,
+    SIGNED_BODIES,
+    AdmissionRevocation,
+    ArtifactRef,
+    Head,
+    QuorumCertificate,
+    UpdateAnnouncement,
+    decode_body,
+)
 from .pending import Done, Failed, Outcome, Pending, PendingState
 from .records import HEAD_RECORD as HEAD_RECORD
 from .records import ChainRecord, HeadRecord, Record
@@ -544,7 +554,14 @@ class Engine:
         except (DecodeError, VerificationError) as exc:
             charged = [role.on_undecodable(peer, envelope) for role in self.roles]  # each role sees it
             if any(charged):
-                self.reject(peer, exc.reason, exc.detail)
+                reason, detail = exc.reason, exc.detail
+                if envelope.kind in SIGNED_BODIES and envelope.kind != AdmissionRevocation.KIND and \
+                        envelope.version == PROTOCOL_VERSION:
+                    try:  # the signature first, as `SignedEnvelope.open` checks it: a relabelled envelope is
+                        envelope.verify(envelope.kind, envelope.version)  # bad-signature, not a bad body
+                    except VerificationError as bad:
+                        reason, detail = bad.reason, bad.detail
+                self.reject(peer, reason, detail)
             return
         for role in self.roles:
             role.on_signed(peer, envelope, body)

@@ -8,6 +8,7 @@ typed fields, bounded lengths; DecodeError on anything else). Objects that move 
 """
 
 from .bodies import (
+    SIGNED_BODIES,
     AdmissionCertificate,
     AuditFailure,
     HeadProposal,
@@ -105,6 +106,7 @@ __all__ = [
     "PRECOMMIT",
     "PREVOTE",
     "PROTOCOL_VERSION",
+    "SIGNED_BODIES",
     "VOTE_KIND",
     "AdmissionCertificate",
     "AdmissionRevocation",
