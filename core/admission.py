@@ -24,6 +24,7 @@ from .messages import ROLES, Message, Signed
 from .objects import (
     MAX_HEAD_REVOCATIONS,
     PROTOCOL_VERSION,
+    AdmissionRevocation,
     Head,
     Heartbeat,
     JoinRequest,
@@ -157,12 +158,12 @@ class Admission:
 
     # --- signed messages ---------------------------------------------------------------------------
 
-    def on_join(self, peer: PeerId, envelope: SignedEnvelope) -> bool:
+    def on_join(self, peer: PeerId, envelope: SignedEnvelope, join: JoinRequest) -> bool:
         """A signed join from `peer` (its author or a relaying validator). True if it is held now (the
         window's clock may start). Raises VerificationError (wrong-revision, join-not-admitted) and
         DecodeError for a bad one, charged to `peer` by the engine."""
         e = self.engine
-        join = JoinRequest.from_cbor(envelope.open(JoinRequest.KIND, PROTOCOL_VERSION))
+        envelope.verify(JoinRequest.KIND, PROTOCOL_VERSION)
         if join.revision != e.revision.id:
             raise VerificationError("wrong-revision", "join")
         if join.private and not e.manifest.private_data:
@@ -215,18 +216,18 @@ class Admission:
         self.hear(signer, self.window)
         return True
 
-    def on_revocation(self, peer: PeerId, envelope: SignedEnvelope) -> None:
+    def on_revocation(self, peer: PeerId, envelope: SignedEnvelope, revocation: AdmissionRevocation) -> None:
         """The admission authority's signed revocation, from any peer (spec/auth.md §6): kept, forwarded
         once to the other validators; the revoked peers' pending joins are dropped. Raises
         VerificationError ``bad-revocation`` (charged to `peer` by the engine)."""
         e = self.engine
-        check_revocation(envelope, e.revision.id, e.manifest)
+        check_revocation(envelope, e.revision.id, e.manifest, revocation)
         if envelope.id in self.revocations:
             return
         if len(self.revocations) >= MAX_REVOCATIONS:
             e.stats["revocations_dropped"] += 1
             return
-        self.learn_revocation(envelope)
+        self.learn_revocation(envelope, revocation)
         e.log("revocation", peers=len(self.revocations))
         self._persist(envelope)
 
@@ -239,13 +240,14 @@ class Admission:
         """A kept revocation is durable: forward it once to the other validators (they keep it too)."""
         self.engine.broadcast(Signed(envelope=work.envelope), roles=("validator",))
 
-    def learn_revocation(self, envelope: SignedEnvelope) -> bool:
+    def learn_revocation(self, envelope: SignedEnvelope, checked: AdmissionRevocation | None = None) -> bool:
         """Keep a revocation `envelope` (from a peer, a certified head or a record): its peers are revoked,
         and their joins not yet rostered are dropped. False if it was kept already. Raises
         VerificationError ``bad-revocation``."""
         if envelope.id in self.revocations:
             return False
-        revocation = check_revocation(envelope, self.engine.revision.id, self.engine.manifest)
+        revocation = checked if checked is not None else \
+            check_revocation(envelope, self.engine.revision.id, self.engine.manifest)
         self.revocations[envelope.id] = envelope
         for p in revocation.peers:
             self.revoked.setdefault(p, envelope.id)
@@ -260,11 +262,11 @@ class Admission:
         ids = sorted({self.revoked[p] for p in head.roster_peers if p in self.revoked})
         return tuple(self.revocations[i] for i in ids[:MAX_HEAD_REVOCATIONS])
 
-    def on_leave(self, peer: PeerId, envelope: SignedEnvelope) -> None:
+    def on_leave(self, peer: PeerId, envelope: SignedEnvelope, leave: LeaveRequest) -> None:
         """A rostered trainer's signed leave: the head of its window drops it from the roster. From a trainer
         not rostered yet, a withdrawal of its pending join."""
         e = self.engine
-        leave = LeaveRequest.from_cbor(envelope.open(LeaveRequest.KIND, PROTOCOL_VERSION))
+        envelope.verify(LeaveRequest.KIND, PROTOCOL_VERSION)
         if leave.revision != e.revision.id:
             raise VerificationError("wrong-revision", "leave")
         signer, head = envelope.signer, self.head
@@ -297,11 +299,11 @@ class Admission:
         if peer == signer:
             self.engine.broadcast(Signed(envelope=envelope), roles=("validator",))  # one hop, like joins
 
-    def on_heartbeat(self, peer: PeerId, envelope: SignedEnvelope) -> None:
+    def on_heartbeat(self, peer: PeerId, envelope: SignedEnvelope, beat: Heartbeat) -> None:
         """A trainer's signed heartbeat: it was heard in its window. One per (sender, signer, window), for
         the window being collected or the next; relayed one hop to the other validators."""
         e, head = self.engine, self.head
-        beat = Heartbeat.from_cbor(envelope.open(Heartbeat.KIND, PROTOCOL_VERSION))
+        envelope.verify(Heartbeat.KIND, PROTOCOL_VERSION)
         if beat.revision != e.revision.id:
             raise VerificationError("wrong-revision", "heartbeat")
         signer = envelope.signer

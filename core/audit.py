@@ -20,7 +20,15 @@ from collections.abc import Sequence
 from .envelope import SignedEnvelope
 from .errors import VerificationError
 from .identity import PeerId
-from .objects import PROTOCOL_VERSION, ArtifactRef, AuditEvidence, AuditFailure, Head, Manifest, UpdateAnnouncement
+from .objects import (
+    ArtifactRef,
+    AuditEvidence,
+    AuditFailure,
+    Head,
+    Manifest,
+    UpdateAnnouncement,
+    open_body,
+)
 from .tasks import EagerStart
 
 AUDIT_WINDOWS = 8
@@ -102,14 +110,14 @@ def check_audit_evidence(verdicts: AuditEvidence, revision_id: bytes,
     for verdict in verdicts:
         if verdict.signer not in manifest.validators:
             raise VerificationError("not-a-validator", str(verdict.signer))
-        failure = AuditFailure.from_cbor(verdict.open(AuditFailure.KIND, PROTOCOL_VERSION))
+        failure = open_body(verdict, AuditFailure)
         if failure.revision != revision_id:
             raise VerificationError("wrong-revision", "audit verdict")
         if update is not None and failure.update != update:
             raise VerificationError("bad-audit", "verdicts name different updates")
         update = failure.update
     assert update is not None
-    ann = UpdateAnnouncement.from_cbor(update.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
+    ann = open_body(update, UpdateAnnouncement)
     if ann.revision != revision_id:
         raise VerificationError("wrong-revision", "audited update")
     if ann.unauditable:

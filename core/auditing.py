@@ -45,6 +45,7 @@ from .objects import (
     Manifest,
     Revision,
     UpdateAnnouncement,
+    open_body,
     seal,
 )
 from .pending import Done, Failed, Outcome
@@ -122,7 +123,7 @@ def audit_candidates(head: Head, collector: Collector) -> list[bytes]:
 
 def audit_authors(audits: tuple[AuditEvidence, ...]) -> tuple[PeerId, ...]:
     """The authors of the updates whose failed `audits` a head carries (already checked)."""
-    return tuple(AuditFailure.from_cbor(v[0].open(AuditFailure.KIND, PROTOCOL_VERSION)).update.signer
+    return tuple(open_body(v[0], AuditFailure).update.signer
                  for v in audits)
 
 
@@ -294,16 +295,17 @@ class SampledAudits:
         self._hold(verdict, run.envelope, run.announcement)
         e.broadcast(Signed(envelope=verdict), roles=("validator",))
 
-    def on_verdict(self, peer: PeerId, verdict: SignedEnvelope, head: Head) -> None:
-        """Another validator's `AuditFailure` verdict (sent by `peer`), taken while `head` is canonical here.
-        Raises DecodeError / VerificationError for a bad one (the engine charges `peer`)."""
+    def on_verdict(self, peer: PeerId, verdict: SignedEnvelope, failure: AuditFailure, head: Head) -> None:
+        """Another validator's `AuditFailure` verdict (sent by `peer`; its body `failure` decoded:
+        `core.bodies.decode_body`), taken while `head` is canonical here. Raises DecodeError /
+        VerificationError for a bad one (the engine charges `peer`)."""
         e = self.engine
         if verdict.signer not in e.manifest.validators:
             raise VerificationError("not-a-validator", "audit verdict")
-        failure = AuditFailure.from_cbor(verdict.open(AuditFailure.KIND, PROTOCOL_VERSION))
+        verdict.verify(AuditFailure.KIND, PROTOCOL_VERSION)
         if failure.revision != e.revision.id:
             raise VerificationError("wrong-revision", "audit verdict")
-        ann = UpdateAnnouncement.from_cbor(failure.update.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
+        ann = open_body(failure.update, UpdateAnnouncement)
         if ann.revision != e.revision.id:
             raise VerificationError("wrong-revision", "audited update")
         if not self.enabled or ann.window > head.window or ann.window + AUDIT_WINDOWS <= head.window:

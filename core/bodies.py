@@ -1,15 +1,16 @@
 """Protocol objects (spec/protocol.md §2), part three: the signed bodies trainers and validators send (update
 announcements, trajectories, admission certificates, joins, leaves, heartbeats, reduction and head proposals,
-audit failures). Imported through `core/objects.py`."""
+audit failures), and `decode_body`, which decodes a signed envelope's body by its kind into one of them
+(`SignedBody`). Imported through `core/objects.py`."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import attrs
 
 from . import _fields as f
-from .certified import AdmissionRevocation, Head
+from .certified import AdmissionRevocation, Head, Vote
 from .envelope import SignedEnvelope
 from .errors import DecodeError, VerificationError
 from .identity import Identity, PeerId
@@ -373,3 +374,54 @@ class HeadProposal:
         rejected = tuple(SignedEnvelope.from_cbor(u) for u in f.array(body, "rejected", max_len=MAX_COHORT))
         return cls(revision=f.cid(body, "revision"), window=f.uint(body, "window"), round=f.uint(body, "round"),
                    valid_round=valid_round, head=Head.from_cbor(body["head"]), updates=updates, rejected=rejected)
+
+
+SignedBody = (UpdateAnnouncement | Vote | HeadProposal | JoinRequest | LeaveRequest | Heartbeat | AdmissionRevocation
+              | ReductionProposal | AuditFailure)
+"""The body of a signed envelope a peer may send in a `Signed` message, decoded by `decode_body`."""
+
+SIGNED_BODIES: dict[str, type[SignedBody]] = {cls.KIND: cls for cls in (
+    UpdateAnnouncement, Vote, HeadProposal, JoinRequest, LeaveRequest, Heartbeat, AdmissionRevocation,
+    ReductionProposal, AuditFailure)}
+
+B = TypeVar("B", UpdateAnnouncement, Vote, HeadProposal, JoinRequest, LeaveRequest, Heartbeat, AdmissionRevocation,
+            ReductionProposal, AuditFailure)
+
+
+def decode_body(envelope: SignedEnvelope) -> SignedBody:
+    """The typed body of `envelope`, decoded once by its kind (its signature is not checked here: the
+    handler of the kind checks it, after the checks that may drop the message unverified).
+
+    Raises VerificationError ``unexpected-envelope`` (a kind no peer sends in a `Signed` message) or
+    ``unknown-version``, or DecodeError; for a revocation, VerificationError ``bad-revocation`` (the reason
+    `check_revocation` gives every bad revocation)."""
+    cls = SIGNED_BODIES.get(envelope.kind)
+    if cls is None:
+        raise VerificationError("unexpected-envelope", envelope.kind)
+    try:
+        if envelope.version != PROTOCOL_VERSION:
+            raise VerificationError("unknown-version", f"{envelope.kind} v{envelope.version}")
+        return cls.from_cbor(envelope.body_map())
+    except (DecodeError, VerificationError) as exc:
+        if cls is AdmissionRevocation:
+            raise VerificationError("bad-revocation", f"{exc.reason}: {exc.detail}") from exc
+        raise
+
+
+def decode_as(envelope: SignedEnvelope, cls: type[B]) -> B:
+    """`envelope`'s body as a `cls`, decoded through `decode_body` (its signature unchecked): for envelopes
+    that do not arrive in a `Signed` message (stored, replayed, our own) and go to the handler of their kind.
+    Raises VerificationError ``wrong-kind`` for another kind, else as `decode_body`."""
+    if envelope.kind != cls.KIND:
+        raise VerificationError("wrong-kind", f"expected {cls.KIND}, got {envelope.kind}")
+    body = decode_body(envelope)
+    assert isinstance(body, cls)
+    return body
+
+
+def open_body(envelope: SignedEnvelope, cls: type[B]) -> B:
+    """`envelope`'s body as a `cls`, its kind, version and signature checked first (like
+    `SignedEnvelope.open`), then decoded through `decode_body`: for envelopes carried inside another object
+    or read back from a record. Raises VerificationError/DecodeError."""
+    envelope.verify(cls.KIND, PROTOCOL_VERSION)
+    return decode_as(envelope, cls)

@@ -338,6 +338,33 @@ def vote_body(revision: bytes, window: int, round_: int, step: str, head_id: byt
     return {"revision": revision, "window": window, "round": round_, "step": step, "head": head_id}
 
 
+@attrs.frozen(kw_only=True)
+class Vote:
+    """The body of a Tendermint vote (`vote_body`, kind ``vote``). Decoding checks its field set and the types
+    of `round` (an int >= 0), `step` (prevote or precommit) and `head` (an id, or None for nil). `revision`
+    is kept as sent (None when it is not bytes: a wrong revision), and `window` likewise (None when it is not
+    an integer: such a vote is for no window we collect, dropped uncharged); the voting module judges both."""
+
+    KIND: ClassVar[str] = VOTE_KIND
+
+    revision: bytes | None
+    window: int | None
+    round: int
+    step: str
+    head: bytes | None
+
+    @classmethod
+    def from_cbor(cls, obj: Any) -> Vote:
+        if not isinstance(obj, dict) or set(obj) != {"revision", "window", "round", "step", "head"}:
+            raise DecodeError("bad-fields", "vote")
+        revision, window, round_, step, head = obj["revision"], obj["window"], obj["round"], obj["step"], obj["head"]
+        if step not in (PREVOTE, PRECOMMIT) or not isinstance(round_, int) or isinstance(round_, bool) or \
+                round_ < 0 or not (head is None or isinstance(head, bytes)):
+            raise DecodeError("bad-field", "vote")
+        return cls(revision=revision if isinstance(revision, bytes) else None,
+                   window=window if isinstance(window, int) else None, round=round_, step=step, head=head)
+
+
 def sign_vote(identity: Identity, revision: bytes, window: int, round_: int, step: str,
               head_id: bytes | None) -> SignedEnvelope:
     """A validator's prevote or precommit. An honest validator signs at most one per (window, round, step)."""
@@ -442,15 +469,18 @@ def revocation_peers(envelopes: Sequence[SignedEnvelope]) -> frozenset[PeerId]:
     return frozenset(peers)
 
 
-def check_revocation(envelope: SignedEnvelope, revision_id: bytes, manifest: Manifest) -> AdmissionRevocation:
+def check_revocation(envelope: SignedEnvelope, revision_id: bytes, manifest: Manifest,
+                     revocation: AdmissionRevocation | None = None) -> AdmissionRevocation:
     """The revocation in `envelope`, signed by the manifest's admission authority for revision `revision_id`;
     raises VerificationError ``bad-revocation`` (another signer, bad signature, another revision, malformed
-    body)."""
+    body). `revocation` is its body when the caller decoded it already (`core.bodies.decode_body`)."""
     authority = manifest.admission_authority
     if authority is None or envelope.signer != authority:
         raise VerificationError("bad-revocation", "not signed by the admission authority")
     try:
-        revocation = AdmissionRevocation.from_cbor(envelope.open(AdmissionRevocation.KIND, PROTOCOL_VERSION))
+        envelope.verify(AdmissionRevocation.KIND, PROTOCOL_VERSION)
+        if revocation is None:
+            revocation = AdmissionRevocation.from_cbor(envelope.body_map())
     except (DecodeError, VerificationError) as exc:
         raise VerificationError("bad-revocation", f"{exc.reason}: {exc.detail}") from exc
     if revocation.revision != revision_id:

@@ -230,20 +230,17 @@ class Collector:
             if ref is not None and not e.is_stored(ref.digest):
                 e.fetch(ref, providers, self.owner, FetchBase(window=self.window))
 
-    def entry_for(self, envelope: SignedEnvelope) -> Entry | None:
-        """This collector's entry for exactly `envelope`, if it took it."""
-        return self.by_id.get(envelope.id)
+    def charges_undecodable(self, sender: PeerId, envelope: SignedEnvelope) -> bool:
+        """An update announcement from `sender` whose body does not decode: True if `sender` is charged for
+        it (the engine rejects it with the decoding's reason), False if it is dropped uncharged like any
+        announcement for another window, or refused past the sender's quota."""
+        return self._admit(sender, _peek_window(envelope))
 
-    def offer(self, sender: PeerId, envelope: SignedEnvelope, *, force: bool = False) -> None:
-        """Take one signed update announcement from `sender` (who may relay someone else's).
-
-        `force` is for updates named by a head proposal: checked the same way, but after the window
-        closed and outside the sender's quota (a proposal's size is bounded by the cohort limit); a
-        leaseholder's update and a claim on its lease may then both be held - a cohort takes one of them.
-        """
+    def _admit(self, sender: PeerId, window: int | None) -> bool:
+        """The checks an announcement for `window` (None: unknown) passes before its signature is checked:
+        False if it is dropped or refused here."""
         e = self.engine
-        window = _peek_window(envelope)
-        if window is not None and window != self.window and not force:
+        if window is not None and window != self.window:
             # Before the quota, and before any signature check: an announcement for another window costs its
             # sender nothing, because a node that is behind (or ahead) must not charge honest trainers for its
             # own state. It is dropped: an older one is stale, and a node that is behind learns the window's
@@ -251,17 +248,34 @@ class Collector:
             e.stats["stale_updates" if window < self.window else "future_updates"] += 1
             if window > self.window:
                 e.rejected_by_reason["ahead"] += 1
+            return False
+        # Quota before any signature check: a sender may offer one update per lease plus slack.
+        offers = self.offers.get(sender, 0) + 1
+        self.offers[sender] = offers
+        if offers > self.max_offers:
+            e.reject(sender, "announce-quota")
+            return False
+        return True
+
+    def entry_for(self, envelope: SignedEnvelope) -> Entry | None:
+        """This collector's entry for exactly `envelope`, if it took it."""
+        return self.by_id.get(envelope.id)
+
+    def offer(self, sender: PeerId, envelope: SignedEnvelope, ann: UpdateAnnouncement, *,
+              force: bool = False) -> None:
+        """Take one signed update announcement `envelope` (its body `ann`, decoded by the engine or the
+        caller: `core.bodies.decode_body`) from `sender` (who may relay someone else's).
+
+        `force` is for updates named by a head proposal: checked the same way, but after the window
+        closed and outside the sender's quota (a proposal's size is bounded by the cohort limit); a
+        leaseholder's update and a claim on its lease may then both be held - a cohort takes one of them.
+        """
+        e = self.engine
+        if not force and not self._admit(sender, ann.window):
             return
-        if not force:
-            # Quota before any signature check: a sender may offer one update per lease plus slack.
-            offers = self.offers.get(sender, 0) + 1
-            self.offers[sender] = offers
-            if offers > self.max_offers:
-                e.reject(sender, "announce-quota")
-                return
         try:
-            ann = UpdateAnnouncement.from_cbor(envelope.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
-        except (DecodeError, VerificationError) as exc:
+            envelope.verify(UpdateAnnouncement.KIND, PROTOCOL_VERSION)
+        except VerificationError as exc:
             e.reject(sender, exc.reason, exc.detail)
             return
         author = envelope.signer

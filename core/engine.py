@@ -39,6 +39,7 @@ from .chain import decode_chain_entry, encode_chain_entry
 from .chainsync import Archive, ChainSync, Promote
 from .collector import REPLAY_WINDOWS
 from .config import EngineConfig as EngineConfig
+from .envelope import SignedEnvelope
 from .errors import DecodeError, LocalProtocolError, VerificationError
 from .fetching import Fetcher
 from .identity import Identity, PeerId
@@ -60,7 +61,17 @@ from .messages import (
     decode_message,
     encode_message,
 )
-from .objects import MAX_OVERLAP, ArtifactRef, Head, QuorumCertificate, UpdateAnnouncement
+from .objects import (
+    MAX_OVERLAP,
+    PROTOCOL_VERSION,
+    SIGNED_BODIES,
+    AdmissionRevocation,
+    ArtifactRef,
+    Head,
+    QuorumCertificate,
+    UpdateAnnouncement,
+    decode_body,
+)
 from .pending import Done, Failed, Outcome, Pending, PendingState
 from .records import HEAD_RECORD as HEAD_RECORD
 from .records import ChainRecord, HeadRecord, Record
@@ -525,8 +536,7 @@ class Engine:
                 if self._validator is not None:
                     self._validator.on_updates_request(peer, message)
             case Signed():
-                for role in self.roles:
-                    role.on_signed(peer, message.envelope)
+                self._on_signed(peer, message.envelope)
             case ChunkRequest():
                 self.sessions.on_chunk_request(peer, state, message, self.fetching.stored)
             case Chunk():
@@ -535,6 +545,27 @@ class Engine:
                 self.sessions.on_peer_exchange(peer, state, message)
             case ChunkMissing():
                 self.fetching.on_chunk_missing(peer, message)
+
+    def _on_signed(self, peer: PeerId, envelope: SignedEnvelope) -> None:
+        """Decode a signed envelope's body once, by its kind, and hand the typed body to every role; a body
+        that does not decode is rejected once, charged to `peer` if some role would have charged it (a role
+        may drop some unverified, e.g. an update for another window, or one a proposal names)."""
+        try:
+            body = decode_body(envelope)
+        except (DecodeError, VerificationError) as exc:
+            charged = [role.on_undecodable(peer, envelope) for role in self.roles]  # each role sees it
+            if any(charged):
+                reason, detail = exc.reason, exc.detail
+                if envelope.kind in SIGNED_BODIES and envelope.kind != AdmissionRevocation.KIND and \
+                        envelope.version == PROTOCOL_VERSION:
+                    try:  # the signature first, as `SignedEnvelope.open` checks it: a relabelled envelope is
+                        envelope.verify(envelope.kind, envelope.version)  # bad-signature, not a bad body
+                    except VerificationError as bad:
+                        reason, detail = bad.reason, bad.detail
+                self.reject(peer, reason, detail)
+            return
+        for role in self.roles:
+            role.on_signed(peer, envelope, body)
 
     def _fire_timers(self) -> None:
         while True:

@@ -48,12 +48,23 @@ class SignedEnvelope:
 
         Raises VerificationError (``wrong-kind``, ``unknown-version``, ``bad-signature``) or DecodeError.
         """
+        self.verify(kind, version)
+        return self.body_map()
+
+    def verify(self, kind: str, version: int) -> None:
+        """Check kind, version and signature, without decoding the body (`core.bodies.decode_body` does).
+
+        Raises VerificationError (``wrong-kind``, ``unknown-version``, ``bad-signature``).
+        """
         if self.kind != kind:
             raise VerificationError("wrong-kind", f"expected {kind}, got {self.kind}")
         if self.version != version:
             raise VerificationError("unknown-version", f"{kind} v{self.version}")
         if not self.signer.verify(signing_preimage(kind, version, self.signer, self.body), self.signature):
             raise VerificationError("bad-signature", kind)
+
+    def body_map(self) -> dict[str, Any]:
+        """The body decoded as a CBOR map (its signature unchecked). Raises DecodeError."""
         body = decode(self.body, max_bytes=MAX_BODY_BYTES)
         if not isinstance(body, dict):
             raise DecodeError("bad-type", "envelope body must be a map")

@@ -100,16 +100,16 @@ class ProposalTracker:
         """Who proposed `head` (charged for its bad updates); this validator for its own head."""
         return self.proposal_signer.get(head.id, self.engine.me)
 
-    def on_proposal(self, peer: PeerId, envelope: SignedEnvelope) -> None:
-        """A signed head proposal from `peer` (its proposer or a relay). Raises DecodeError/VerificationError
-        for a bad one (charged to `peer`)."""
+    def on_proposal(self, peer: PeerId, envelope: SignedEnvelope, proposal: HeadProposal) -> None:
+        """A signed head proposal from `peer` (its proposer or a relay), its body decoded
+        (`core.bodies.decode_body`). Raises VerificationError for a bad one (charged to `peer`)."""
         e, role = self.engine, self.role
         if envelope.id in self.proposal_envelopes:
             return  # a relay of a proposal we already took
-        proposal = HeadProposal.from_cbor(envelope.open(HeadProposal.KIND, PROTOCOL_VERSION))
+        envelope.verify(HeadProposal.KIND, PROTOCOL_VERSION)
         if proposal.revision != e.revision.id:
             raise VerificationError("wrong-revision", "head-proposal")
-        if role.hold(peer, envelope, proposal.window):
+        if role.hold(peer, envelope, proposal):
             return
         if envelope.signer != role.proposer(proposal.round):
             e.reject(peer, "not-proposer", f"round {proposal.round}")

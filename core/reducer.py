@@ -26,7 +26,7 @@ from .envelope import SignedEnvelope
 from .fsm import Table, step
 from .identity import Identity, PeerId
 from .messages import ROLES, Message, Signed
-from .objects import ArtifactRef, Head, ReductionProposal, seal
+from .objects import ArtifactRef, Head, ReductionProposal, SignedBody, UpdateAnnouncement, seal
 from .pending import Failed, Outcome
 from .roles import RoleBase, TimerKey
 from .tasks import ReduceResult
@@ -143,6 +143,14 @@ class ReducerRole(RoleBase):
         e.log("proposal", window=work.window, cohort=len(ids))
         e.broadcast(Signed(envelope=proposal), roles=("validator",))
 
-    def on_signed(self, peer: PeerId, envelope: SignedEnvelope) -> None:
-        if envelope.kind == "update" and self.collector is not None:
-            self.collector.offer(peer, envelope)
+    def on_signed(self, peer: PeerId, envelope: SignedEnvelope, body: SignedBody) -> None:
+        match body:
+            case UpdateAnnouncement():
+                if self.collector is not None:
+                    self.collector.offer(peer, envelope, body)
+            case _:
+                pass
+
+    def on_undecodable(self, peer: PeerId, envelope: SignedEnvelope) -> bool:
+        return envelope.kind == UpdateAnnouncement.KIND and self.collector is not None and \
+            self.collector.charges_undecodable(peer, envelope)

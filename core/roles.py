@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from .envelope import SignedEnvelope
 from .identity import PeerId
-from .objects import Head
+from .objects import Head, SignedBody
 from .pending import Outcome
 
 TimerKey = tuple[Any, ...]
@@ -36,9 +36,15 @@ class Role(Protocol):
         """A timer armed with `engine.set_timer(key, ...)` is due. Keys of other roles arrive too: ignore
         them."""
 
-    def on_signed(self, peer: PeerId, envelope: SignedEnvelope) -> None:
-        """A greeted peer sent a signed envelope (any kind; its signature is not yet checked: `peer` is the
-        sender, `envelope.signer` the claimed author)."""
+    def on_signed(self, peer: PeerId, envelope: SignedEnvelope, body: SignedBody) -> None:
+        """A greeted peer sent a signed envelope, whose body the engine decoded once by its kind into `body`
+        (`core.bodies.decode_body`; its signature is not yet checked: `peer` is the sender, `envelope.signer`
+        the claimed author). A role matches on `body` and ignores the kinds it does not handle."""
+
+    def on_undecodable(self, peer: PeerId, envelope: SignedEnvelope) -> bool:
+        """A greeted peer sent a signed envelope whose body does not decode (or of a kind no peer sends):
+        True if this role charges `peer` for it. The engine then rejects it once, with the decoding's
+        reason, however many roles say so."""
 
     def on_peer_ready(self, peer: PeerId, roles: tuple[str, ...]) -> None:
         """`peer` greeted us with a Hello of this revision, holding `roles`."""
@@ -60,8 +66,11 @@ class RoleBase:
     def on_timer(self, key: TimerKey) -> None:
         pass
 
-    def on_signed(self, peer: PeerId, envelope: SignedEnvelope) -> None:
+    def on_signed(self, peer: PeerId, envelope: SignedEnvelope, body: SignedBody) -> None:
         pass
+
+    def on_undecodable(self, peer: PeerId, envelope: SignedEnvelope) -> bool:
+        return False
 
     def on_peer_ready(self, peer: PeerId, roles: tuple[str, ...]) -> None:
         pass

@@ -41,6 +41,8 @@ from .objects import (
     ReductionProposal,
     Revision,
     UpdateAnnouncement,
+    decode_as,
+    open_body,
     revocation_peers,
 )
 from .pending import Failed, Outcome
@@ -382,7 +384,12 @@ class Screening:
             check = self.checks[head.id] = Check(head=head, updates=updates)
             proposer = self.role.proposals.proposer_of_head(head)
             for u in updates:
-                c.offer(proposer, u, force=True)
+                try:
+                    ann = decode_as(u, UpdateAnnouncement)
+                except (DecodeError, VerificationError) as exc:
+                    e.reject(proposer, exc.reason, exc.detail)  # as the collector charges a bad named update
+                    continue
+                c.offer(proposer, u, ann, force=True)
             self.advance(check)
         return self.verdicts.get(head.id)
 
@@ -440,7 +447,7 @@ class Screening:
                 anns[u.id] = entry.announcement
                 continue
             try:
-                anns[u.id] = UpdateAnnouncement.from_cbor(u.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
+                anns[u.id] = open_body(u, UpdateAnnouncement)
             except (DecodeError, VerificationError):
                 return "cohort-update-rejected"
         if len({slot_of(u.signer, anns[u.id]) for u in updates}) != len(updates):
@@ -532,11 +539,11 @@ class Screening:
             for reducer, proposal in self.reducer_proposals.get(head.window, {}).items():
                 self._compare(reducer, proposal)
 
-    def on_reduction_proposal(self, envelope: SignedEnvelope) -> None:
-        """A reducer's signed proposal: compared with our own result once both exist. Raises DecodeError /
-        VerificationError for a bad one."""
+    def on_reduction_proposal(self, envelope: SignedEnvelope, proposal: ReductionProposal) -> None:
+        """A reducer's signed proposal (its body decoded: `core.bodies.decode_body`): compared with our own
+        result once both exist. Raises VerificationError for a bad one."""
         e, window = self.engine, self.role.window
-        proposal = ReductionProposal.from_cbor(envelope.open(ReductionProposal.KIND, PROTOCOL_VERSION))
+        envelope.verify(ReductionProposal.KIND, PROTOCOL_VERSION)
         if proposal.revision != e.revision.id:
             raise VerificationError("wrong-revision", "proposal")
         known = self.reducer_proposals.setdefault(proposal.window, {})

@@ -27,13 +27,13 @@ from .identity import PeerId
 from .leases import claims_of, leases_of
 from .messages import Signed
 from .objects import (
-    PROTOCOL_VERSION,
     ArtifactRef,
     Head,
     Heartbeat,
     JoinRequest,
     LeaveRequest,
     UpdateAnnouncement,
+    open_body,
     seal,
 )
 from .pending import Done, Failed, Outcome
@@ -529,7 +529,7 @@ class TrainerRole(RoleBase):
         old = e.records.get(claim_key(window, holder))
         if old is not None:  # restarted: stand by the claim we announced
             envelope = SignedEnvelope.from_bytes(old)
-            ann = UpdateAnnouncement.from_cbor(envelope.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
+            ann = open_body(envelope, UpdateAnnouncement)
             if ann.base == head.id and e.is_stored(ann.delta.digest):
                 self._claim_step(holder, "reclaim")
                 self.claim_announcements[holder] = envelope

@@ -14,7 +14,7 @@ from .config import EngineConfig
 from .envelope import SignedEnvelope
 from .identity import Identity, PeerId
 from .messages import ROLES, Message
-from .objects import PROTOCOL_VERSION, ArtifactRef, Head, Manifest, Revision, UpdateAnnouncement
+from .objects import ArtifactRef, Head, Manifest, Revision, UpdateAnnouncement, open_body
 from .records import Record
 from .roles import TimerKey
 from .tasks import Task
@@ -47,7 +47,7 @@ class FetchState:
 
 def announcement_of(envelope: SignedEnvelope) -> UpdateAnnouncement:
     """The update announcement a signed envelope carries (raises DecodeError/VerificationError if it is none)."""
-    return UpdateAnnouncement.from_cbor(envelope.open(UpdateAnnouncement.KIND, PROTOCOL_VERSION))
+    return open_body(envelope, UpdateAnnouncement)
 
 
 def prior_of(envelope: SignedEnvelope) -> bytes | None:

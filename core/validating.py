@@ -12,7 +12,7 @@ from .auditing import SampledAudits
 from .collector import Collector
 from .envelope import SignedEnvelope
 from .identity import PeerId
-from .objects import Head
+from .objects import Head, HeadProposal, Vote
 
 
 class ScreeningView(Protocol):
@@ -32,7 +32,7 @@ class ProposalsView(Protocol):
     """Of `proposals.ProposalTracker`: who proposed a head, and taking our own proposal."""
 
     def proposer_of_head(self, head: Head) -> PeerId: ...
-    def on_proposal(self, peer: PeerId, envelope: SignedEnvelope) -> None: ...
+    def on_proposal(self, peer: PeerId, envelope: SignedEnvelope, proposal: HeadProposal) -> None: ...
 
 
 class ValidatorParts(Protocol):
@@ -56,5 +56,5 @@ class ValidatorParts(Protocol):
     @property
     def proposals(self) -> ProposalsView: ...
 
-    def hold(self, peer: PeerId, envelope: SignedEnvelope, window: object) -> bool: ...
+    def hold(self, peer: PeerId, envelope: SignedEnvelope, body: Vote | HeadProposal) -> bool: ...
     def proposer(self, round_: int) -> PeerId: ...

@@ -34,7 +34,6 @@ from .fsm import Table, step
 from .identity import PeerId
 from .messages import UpdatesRequest
 from .objects import (
-    VOTE_KIND,
     AdmissionRevocation,
     AuditFailure,
     Head,
@@ -43,6 +42,9 @@ from .objects import (
     JoinRequest,
     LeaveRequest,
     ReductionProposal,
+    SignedBody,
+    UpdateAnnouncement,
+    Vote,
 )
 from .pending import Outcome
 from .proposals import ProposalServices, ProposalTracker
@@ -87,7 +89,7 @@ class ValidatorRole(RoleBase):
         self.collector: Collector | None = None
         self.agreement: WindowAgreement | None = None
         self.opened_at = 0.0  # engine time the window being collected opened here
-        self.held: list[tuple[PeerId, SignedEnvelope]] = []  # messages for windows ahead
+        self.held: list[tuple[PeerId, SignedEnvelope, SignedBody]] = []  # messages for windows ahead
         self.admission = Admission(engine)
         self.clock = WindowClock(engine)
         self.screening = Screening(self, engine)
@@ -173,8 +175,8 @@ class ValidatorRole(RoleBase):
             self.agreement.start(0)
         self._arm_deadline()
         held, self.held = self.held, []
-        for peer, envelope in held:
-            self.on_signed(peer, envelope)
+        for peer, envelope, body in held:
+            self.on_signed(peer, envelope, body)
 
     def _arm_deadline(self) -> None:
         c = self.collector
@@ -248,50 +250,68 @@ class ValidatorRole(RoleBase):
 
     # --- messages ------------------------------------------------------------------------------------
 
-    def hold(self, peer: PeerId, envelope: SignedEnvelope, window: object) -> bool:
+    def hold(self, peer: PeerId, envelope: SignedEnvelope, body: Vote | HeadProposal) -> bool:
         """Hold messages for a window a little ahead of ours; True if the message was consumed here (held,
-        dropped as too far ahead, or for an older window)."""
-        if not isinstance(window, int) or window <= self.window:
+        dropped as too far ahead, or for an older window, or for no window: a vote's window that is not an
+        integer)."""
+        window = body.window
+        if window is None or window <= self.window:
             return window != self.window
         if window <= self.window + WINDOWS_AHEAD and len(self.held) < MAX_HELD:
-            self.held.append((peer, envelope))
+            self.held.append((peer, envelope, body))
         return True
 
     def on_updates_request(self, peer: PeerId, request: UpdatesRequest) -> None:
         self.proposals.on_updates_request(peer, request)
 
-    def on_signed(self, peer: PeerId, envelope: SignedEnvelope) -> None:
-        e, c = self.engine, self.collector
-        kind = envelope.kind
-        if kind == "update" and self.proposals.on_update(peer, envelope):
-            if peer == envelope.signer and c is not None:
-                c.offer(peer, envelope)  # from its author: an announcement like any other
-        elif kind == "update":
-            if c is not None:
-                c.offer(peer, envelope)
-                entry = c.entry_for(envelope)
-                if entry is not None and entry.announcement.window == self.window:
-                    self.admission.hear(envelope.signer, self.window)
-        elif kind == VOTE_KIND:
-            self.voting.on_vote(peer, envelope)
-        elif kind == HeadProposal.KIND:
-            self.proposals.on_proposal(peer, envelope)
-        elif kind == JoinRequest.KIND:
-            if self.admission.on_join(peer, envelope):
-                self._arm_deadline()  # a waiting window closes so the next head can roster the joiner
-        elif kind == LeaveRequest.KIND:
-            self.admission.on_leave(peer, envelope)
-        elif kind == Heartbeat.KIND:
-            self.admission.on_heartbeat(peer, envelope)
-        elif kind == AdmissionRevocation.KIND:
-            self.admission.on_revocation(peer, envelope)
-        elif kind == ReductionProposal.KIND:
-            self.screening.on_reduction_proposal(envelope)
-        elif kind == AuditFailure.KIND:
-            if c is not None:
-                self.audits.on_verdict(peer, envelope, c.head)
-        else:
-            e.reject(peer, "unexpected-envelope", kind)
+    def on_signed(self, peer: PeerId, envelope: SignedEnvelope, body: SignedBody) -> None:
+        c = self.collector
+        match body:
+            case UpdateAnnouncement():
+                if self.proposals.on_update(peer, envelope):
+                    if peer == envelope.signer and c is not None:
+                        c.offer(peer, envelope, body)  # from its author: an announcement like any other
+                elif c is not None:
+                    c.offer(peer, envelope, body)
+                    entry = c.entry_for(envelope)
+                    if entry is not None and entry.announcement.window == self.window:
+                        self.admission.hear(envelope.signer, self.window)
+            case Vote():
+                self.voting.on_vote(peer, envelope, body)
+            case HeadProposal():
+                self.proposals.on_proposal(peer, envelope, body)
+            case JoinRequest():
+                if self.admission.on_join(peer, envelope, body):
+                    self._arm_deadline()  # a waiting window closes so the next head can roster the joiner
+            case LeaveRequest():
+                self.admission.on_leave(peer, envelope, body)
+            case Heartbeat():
+                self.admission.on_heartbeat(peer, envelope, body)
+            case AdmissionRevocation():
+                self.admission.on_revocation(peer, envelope, body)
+            case ReductionProposal():
+                self.screening.on_reduction_proposal(envelope, body)
+            case AuditFailure():
+                if c is not None:
+                    self.audits.on_verdict(peer, envelope, body, c.head)
+            case _:
+                pass
+
+    def on_undecodable(self, peer: PeerId, envelope: SignedEnvelope) -> bool:
+        c = self.collector
+        if envelope.kind == UpdateAnnouncement.KIND:
+            # An answer to our updates-get is taken by id whatever its body: `validity` charges the proposer
+            # that named it. Otherwise the collector decides, as for any announcement.
+            if self.proposals.on_update(peer, envelope) and peer != envelope.signer:
+                return False
+            return c is not None and c.charges_undecodable(peer, envelope)
+        if envelope.kind == AuditFailure.KIND:
+            if c is None:
+                return False
+            if envelope.signer not in self.engine.manifest.validators:
+                self.engine.reject(peer, "not-a-validator", "audit verdict")  # checked before the body
+                return False
+        return True  # every other kind, and kinds no peer sends (``unexpected-envelope``)
 
     def on_peer_ready(self, peer: PeerId, roles: tuple[str, ...]) -> None:
         if "trainer" in roles:

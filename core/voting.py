@@ -22,7 +22,7 @@ import attrs
 from .config import EngineConfig
 from .encoding import decode, encode
 from .envelope import MAX_BODY_BYTES, SignedEnvelope
-from .errors import DecodeError, VerificationError
+from .errors import VerificationError
 from .identity import Identity, PeerId
 from .messages import ROLES, Message, Signed
 from .objects import (
@@ -35,6 +35,8 @@ from .objects import (
     Manifest,
     QuorumCertificate,
     Revision,
+    Vote,
+    decode_as,
     seal,
     sign_vote,
 )
@@ -169,7 +171,7 @@ class Voting:
             self.visible.add(key)
             envelope = SignedEnvelope.from_bytes(e.records[key])
             e.broadcast(Signed(envelope=envelope), roles=("validator",))
-            self.on_vote(e.me, envelope)
+            self.on_vote(e.me, envelope, decode_as(envelope, Vote))
         return True
 
     def resend(self, peer: PeerId) -> None:
@@ -239,13 +241,13 @@ class Voting:
                 e.log("vote", window=pending.window, round=pending.round, step=pending.step,
                       head=pending.head_id.hex() if pending.head_id else None)
                 e.broadcast(Signed(envelope=pending.vote), roles=("validator",))
-                self.on_vote(e.me, pending.vote)
+                self.on_vote(e.me, pending.vote, decode_as(pending.vote, Vote))
             case SendProposal():
                 self.visible.add(pending.key)
                 e.log("head-proposal", window=pending.window, round=pending.round, head=pending.head.id.hex(),
                       skipped=pending.head.skipped)
                 e.broadcast(Signed(envelope=pending.envelope), roles=("validator",))
-                self.role.proposals.on_proposal(e.me, pending.envelope)
+                self.role.proposals.on_proposal(e.me, pending.envelope, decode_as(pending.envelope, HeadProposal))
 
     def head_proposal(self, window: int, round_: int, valid_round: int | None, head: Head,
                       updates: tuple[SignedEnvelope, ...], *, carry: bool | None = None) -> HeadProposal:
@@ -273,23 +275,19 @@ class Voting:
 
     # --- votes of others ---------------------------------------------------------------------------
 
-    def on_vote(self, peer: PeerId, vote: SignedEnvelope) -> None:
-        """A signed vote from `peer` (its signer or a relay; ourselves for our own). Raises DecodeError /
-        VerificationError for a bad one (charged to `peer`)."""
+    def on_vote(self, peer: PeerId, vote: SignedEnvelope, body: Vote) -> None:
+        """A signed vote from `peer` (its signer or a relay; ourselves for our own), its body decoded
+        (`core.bodies.decode_body`). Raises VerificationError for a bad one (charged to `peer`)."""
         e, role = self.engine, self.role
-        body = vote.open(VOTE_KIND, PROTOCOL_VERSION)
-        if set(body) != {"revision", "window", "round", "step", "head"}:
-            raise DecodeError("bad-fields", "vote")
-        window, round_, vote_step, head_id = body["window"], body["round"], body["step"], body["head"]
-        if body["revision"] != e.revision.id:
+        vote.verify(VOTE_KIND, PROTOCOL_VERSION)
+        window, round_, vote_step, head_id = body.window, body.round, body.step, body.head
+        if body.revision != e.revision.id:
             raise VerificationError("wrong-revision", "vote")
         if vote.signer not in e.manifest.validators:
             raise VerificationError("not-a-validator", str(vote.signer))
-        if vote_step not in (PREVOTE, PRECOMMIT) or not isinstance(round_, int) or isinstance(round_, bool) or \
-                round_ < 0 or not (head_id is None or isinstance(head_id, bytes)):
-            raise DecodeError("bad-field", "vote")
-        if role.hold(peer, vote, window):
+        if role.hold(peer, vote, body):
             return
+        assert window is not None  # `hold` consumed a vote for no window
         key = (window, round_, vote_step, vote.signer)
         if key in self.vote_of:
             if self.vote_of[key] == head_id:

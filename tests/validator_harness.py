@@ -43,9 +43,10 @@ class Lone:
 
     def __init__(self, *, trainers: int = 2, me: Identity = VALIDATOR, validators: tuple[Identity, ...] | None = None,
                  quorum: int = 1, hold_persists: bool = False, manifest: dict[str, Any] | None = None,
-                 config: dict[str, Any] | None = None, **revision: Any) -> None:
+                 config: dict[str, Any] | None = None, roles: frozenset[str] = frozenset({"validator"}),
+                 **revision: Any) -> None:
         """`revision`: keywords of `helpers.make_revision`; `manifest`: other manifest fields to set;
-        `config`: other `EngineConfig` fields."""
+        `config`: other `EngineConfig` fields; `roles`: the node's roles (the validator's first)."""
         self.trainers = [ident(10 + i) for i in range(trainers)]
         rev = make_revision(validators=validators or (me,), quorum=quorum, trainers=self.trainers,
                             genesis=GENESIS, chunk_size=4096, **revision)
@@ -55,7 +56,7 @@ class Lone:
         self.revision = rev
         self.me = me
         stored = [make_artifact_ref(GENESIS, 4096), *(delta_of(t) for t in self.trainers)]
-        self.config = EngineConfig(roles={"validator"}, revision=self.revision, **(config or {}))
+        self.config = EngineConfig(roles=set(roles), revision=self.revision, **(config or {}))
         self.engine = Engine(self.config, me, random.Random(0), stored=stored)
         self.hold_persists = hold_persists
         self.now = 0.0

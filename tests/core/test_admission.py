@@ -16,6 +16,7 @@ from peerloom.core.objects import (
     JoinRequest,
     Manifest,
     check_admission,
+    decode_body,
     seal,
 )
 from peerloom.core.validator import ValidatorRole
@@ -134,8 +135,8 @@ def test_a_private_join_needs_a_manifest_that_admits_private_data(tmp_path, digi
                                     private=True))
     if not private_data:
         with pytest.raises(VerificationError, match="private-not-admitted"):
-            role.admission.on_join(joiner.peer_id, join)
+            role.admission.on_join(joiner.peer_id, join, decode_body(join))
         assert joiner.peer_id not in role.admission.joins
     else:
-        assert role.admission.on_join(joiner.peer_id, join)
+        assert role.admission.on_join(joiner.peer_id, join, decode_body(join))
         assert joiner.peer_id in role.admission.private_joins

@@ -9,7 +9,7 @@ import pytest
 
 from peerloom.backends.registry import build_workload
 from peerloom.core.errors import VerificationError
-from peerloom.core.objects import AdmissionCertificate, JoinRequest, seal
+from peerloom.core.objects import AdmissionCertificate, JoinRequest, decode_body, seal
 from peerloom.core.validator import ValidatorRole
 from tests.core.test_admission import AUTHORITY
 from tests.engine_cluster import N_SHARDS, SEED, build_until
@@ -36,8 +36,10 @@ def test_join_window_after_expires_window_is_refused_and_the_last_window_is_take
     late, ahead, last = ident(40), ident(41), ident(42)
     for joiner, window, expires in [(late, w, w - 1), (ahead, w + 2, w + 1)]:
         with pytest.raises(VerificationError) as info:
-            book.on_join(joiner.peer_id, join(joiner, window, expires))
+            envelope = join(joiner, window, expires)
+            book.on_join(joiner.peer_id, envelope, decode_body(envelope))
         assert info.value.reason == "join-not-admitted" and "expired" in info.value.detail
         assert joiner.peer_id not in book.joins and joiner.peer_id not in book.admitted
-    assert book.on_join(last.peer_id, join(last, w, w)) is True
+    envelope = join(last, w, w)
+    assert book.on_join(last.peer_id, envelope, decode_body(envelope)) is True
     assert book.admitted[last.peer_id] == 2 and last.peer_id in book.joins

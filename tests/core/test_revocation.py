@@ -18,6 +18,7 @@ from peerloom.core.objects import (
     AdmissionRevocation,
     Head,
     check_revocation,
+    decode_body,
     seal,
 )
 from peerloom.core.validator import ValidatorRole
@@ -131,13 +132,15 @@ def test_a_head_removes_a_rostered_peer_only_with_the_authoritys_revocation(tmp_
     stray = attrs.evolve(skip, revoked=(revocation(rid, ident(77).peer_id),))
     assert role.screening.structural_fault(stray, ()) == "bad-revocation"
     # once the validator holds the revocation, its own next head carries it and drops the peer
-    role.admission.on_revocation(ident(77).peer_id, revocation(rid, victim))
+    kept_env = revocation(rid, victim)
+    role.admission.on_revocation(ident(77).peer_id, kept_env, decode_body(kept_env))
     own = role.screening.skip_head(parent, ())
     assert own.revoked == (revocation(rid, victim),) and victim not in own.roster_peers
     assert role.screening.structural_fault(own, ()) == ""
     # a wrongly signed revocation from a peer is a typed rejection
+    wrong = revocation(rid, victim, signer=ident(96))
     with pytest.raises(VerificationError, match="bad-revocation"):
-        role.admission.on_revocation(ident(77).peer_id, revocation(rid, victim, signer=ident(96)))
+        role.admission.on_revocation(ident(77).peer_id, wrong, decode_body(wrong))
 
 
 def test_a_revoked_trainer_leaves_the_roster_and_cannot_rejoin(tmp_path, digits):  # noqa: F811
@@ -189,7 +192,7 @@ def test_revocations_are_records_that_survive_a_restart_and_a_snapshot(tmp_path,
     node = cluster.nodes["validator"]
     victim = ident(50).peer_id
     envelope = revocation(cluster.revision.id, victim)
-    _validator(cluster).admission.on_revocation(victim, envelope)
+    _validator(cluster).admission.on_revocation(victim, envelope, decode_body(envelope))
     assert SignedEnvelope.from_bytes(node.engine.records[REVOCATION_PREFIX + envelope.id.hex()]) == envelope
     restarted = Engine(node.engine.config, ident(1), random.Random(1), records=dict(node.engine.records))
     restored = Engine.restore(node.engine.snapshot(), node.engine.config, ident(1), random.Random(1))

@@ -13,7 +13,7 @@ from peerloom.core.encoding import decode, encode
 from peerloom.core.errors import DecodeError, VerificationError
 from peerloom.core.identity import Identity
 from peerloom.core.leases import leases_of, next_unproven, rank_shards, undelivered, unproven_cap
-from peerloom.core.objects import Head, JoinRequest, Manifest, seal
+from peerloom.core.objects import Head, JoinRequest, Manifest, decode_body, seal
 from peerloom.core.validator import ValidatorRole
 from peerloom.sim.adversary import make_behaviour
 from peerloom.sim.scenario import load_scenario, run_scenario
@@ -189,7 +189,8 @@ def test_a_join_flood_keeps_the_same_joins_whatever_their_order(tmp_path):
     def held(order):
         role.admission.joins = {p: c for p, c in role.admission.joins.items() if p in role.collector.head.roster_peers}
         for identity in order:
-            role.on_signed(identity.peer_id, _join(cluster.revision, identity, window))
+            envelope = _join(cluster.revision, identity, window)
+            role.on_signed(identity.peer_id, envelope, decode_body(envelope))
         return {p for p in role.admission.joins if p not in role.collector.head.roster_peers}
 
     first, second = held(flood), held(list(reversed(flood)))
@@ -217,14 +218,16 @@ def test_a_join_without_admission_evicts_no_admitted_join(tmp_path):
     for who in admitted:
         join = JoinRequest(revision=revision.id, window=window, capacity=1,
                            admission=certificate(revision.id, who.peer_id))
-        role.on_signed(who.peer_id, seal(who, join))
+        envelope = seal(who, join)
+        role.on_signed(who.peer_id, envelope, decode_body(envelope))
     pending = {p for p in role.admission.joins if p not in role.collector.head.roster_peers}
     assert pending == {w.peer_id for w in admitted}  # the backlog is full
     refused = 0
     for _ in range(50):
         stranger = Identity(os.urandom(32))
         try:
-            role.on_signed(stranger.peer_id, _join(revision, stranger, window))
+            envelope = _join(revision, stranger, window)
+            role.on_signed(stranger.peer_id, envelope, decode_body(envelope))
         except VerificationError as exc:
             refused += exc.reason == "join-not-admitted"
     assert refused == 50

@@ -2,7 +2,7 @@
 window from open to certified head, the close rules, skips and recomputation failures."""
 
 from peerloom.core import effects as fx
-from peerloom.core.objects import PRECOMMIT, PREVOTE
+from peerloom.core.objects import PRECOMMIT, PREVOTE, Vote
 from tests.validator_harness import Lone, reduced_params
 
 
@@ -96,7 +96,11 @@ def test_messages_for_windows_ahead_are_held_within_bounds():
     v.evaluate()
     assert v.role.window == 2
     peer, envelope = v.trainers[0].peer_id, v.announcement(v.trainers[0])
-    assert v.role.hold(peer, envelope, 5) and not v.role.held  # beyond WINDOWS_AHEAD: consumed, dropped
-    assert v.role.hold(peer, envelope, 4) and v.role.held == [(peer, envelope)]
-    assert not v.role.hold(peer, envelope, 2)  # the current window: handle it now
-    assert v.role.hold(peer, envelope, 1) and len(v.role.held) == 1  # an older window: dropped
+    def vote(window):
+        return Vote(revision=b"", window=window, round=0, step="prevote", head=None)
+
+    assert v.role.hold(peer, envelope, vote(5)) and not v.role.held  # beyond WINDOWS_AHEAD: consumed, dropped
+    assert v.role.hold(peer, envelope, vote(4)) and v.role.held == [(peer, envelope, vote(4))]
+    assert not v.role.hold(peer, envelope, vote(2))  # the current window: handle it now
+    assert v.role.hold(peer, envelope, vote(1)) and len(v.role.held) == 1  # an older window: dropped
+    assert v.role.hold(peer, envelope, vote(None)) and len(v.role.held) == 1  # no window (not an int): dropped

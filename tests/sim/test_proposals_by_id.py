@@ -18,7 +18,7 @@ from peerloom.core.messages import (
     decode_message,
     encode_message,
 )
-from peerloom.core.objects import HeadProposal
+from peerloom.core.objects import HeadProposal, decode_body
 from peerloom.core.validator import ValidatorRole
 from peerloom.sim.scenario import load_scenario, run_scenario
 
@@ -158,10 +158,10 @@ def test_late_or_duplicate_answers_cost_the_serving_validator_nothing() -> None:
     role.proposals.requested.update(u.id for u in envelopes)
     for _ in range(5):
         for envelope in envelopes:
-            role.on_signed(server, envelope)
+            role.on_signed(server, envelope, decode_body(envelope))
     assert v1.rejected_by_reason["announce-quota"] == 0
     role.proposals.requested.clear()  # the same copies, unasked: the sender's announcement quota applies
     for _ in range(5):
         for envelope in envelopes:
-            role.on_signed(server, envelope)
+            role.on_signed(server, envelope, decode_body(envelope))
     assert v1.rejected_by_reason["announce-quota"] > 0
