@@ -17,11 +17,12 @@ windows, whatever the keys, leases and seeds of the run. The assertions are thos
 - `peerloom verify` accepts the cheating fleet's chain (its validator's store) and reports exactly the failed
   audits its heads carry (usually one or two; none when the loss check struck every cheating update before
   one could be certified and audited);
-- the cheaters cost no accuracy: the mean test accuracy of the certified heads `WINDOWS - COMPARED + 1` ..
+- the cheaters cost no accuracy: the median test accuracy of the certified heads `WINDOWS - COMPARED + 1` ..
   `WINDOWS` is at most `MAX_ACCURACY_DROP` below the clean fleet's. Certified heads are counted, not
-  windows, because a slow start skips a different number of windows in each fleet. The mean of a few heads,
-  because one digits head's accuracy (450 test samples) moves by 2-3 points from one run to another, clean
-  or not; one-sided, because a cheating fleet that happens to do better lost nothing.
+  windows, because a slow start skips a different number of windows in each fleet. The median of a few
+  heads, because one digits head's accuracy (450 test samples) moves by 2-3 points from one run to another,
+  clean or not, and on a loaded machine one head can certify a partial cohort (2 of 4 trainers in time) and
+  dip by 3-4 points; one-sided, because a cheating fleet that happens to do better lost nothing.
 
 An honest update can fail the loss check on a shard the model has fit (`screen-loss`); that rejection is no
 strike (spec/protocol.md §6.1), so it never quarantines an honest trainer. A run in which one is
@@ -34,6 +35,7 @@ import inspect
 import os
 import signal
 import sqlite3
+import statistics
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -220,10 +222,10 @@ def _certified(heads: Sequence[Head]) -> list[Head]:
 
 
 def _accuracy(heads: Sequence[Head]) -> float:
-    """Mean test accuracy of the certified heads `WINDOWS - COMPARED + 1` .. `WINDOWS` (counted from 1)."""
+    """Median test accuracy of the certified heads `WINDOWS - COMPARED + 1` .. `WINDOWS` (counted from 1)."""
     chosen = _certified(heads)[WINDOWS - COMPARED:WINDOWS]
     assert len(chosen) == COMPARED
-    return sum(h.metrics["test_accuracy"] for h in chosen) / COMPARED
+    return statistics.median(h.metrics["test_accuracy"] for h in chosen)
 
 
 def _check(clean: Fleet, cheating: Fleet) -> None:
