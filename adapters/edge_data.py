@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from peerloom.backends.workload import BrowserTrainable, has
+
 WEB_DIST = Path(__file__).resolve().parents[1] / "web" / "dist"
 """Where `make web` writes the bundle (a source checkout); a wheel built after `make web` carries it under the
 same relative path."""
@@ -56,9 +58,7 @@ class BrowserData:
     @classmethod
     def of(cls, workload: Any, shards: Sequence[Sequence[int]], name: str) -> BrowserData | None:
         """The browser data of `workload`, or None when it does not declare that it can run in a browser."""
-        if getattr(workload, "browser", False) is not True:
-            return None
-        if not all(hasattr(workload, a) for a in ("sizes", "lr", "batch_size", "local_epochs", "x_train", "y_train")):
+        if not has(workload, BrowserTrainable) or workload.browser is not True:
             return None
         try:
             return cls(workload, shards, name)

@@ -13,6 +13,7 @@ the compute executor or the simulator needs it, never by probing attribute names
 | `Private` | ``with_privacy`` | manifests with ``privacy`` (DP-SGD, spec/protocol.md §10) |
 | `LocalData` | ``with_train_data`` | private-data trainers (node config key ``data``) |
 | `Relabelable` | ``train_labels``, ``with_train_labels`` | the label-flip attack (`attacks.label_flipped`) |
+| `BrowserTrainable` | ``browser`` and the MLP's settings and arrays | the browser peer (`/train`, spec/browser.md) |
 
 `NumpyWorkload` (numpy), `TorchWorkload` (torch) and `QuadraticWorkload` (synthetic) implement `Workload`; which
 capabilities each has is its own (tests/backends/test_workload.py checks the bundled ones). A wrapper that
@@ -118,6 +119,22 @@ class Relabelable(Protocol):
     @property
     def train_labels(self) -> np.ndarray: ...
     def with_train_labels(self, y: Any) -> Any: ...
+
+
+@runtime_checkable
+class BrowserTrainable(Protocol):
+    """``browser``: whether the browser peer's hand-written MLP kernel trains exactly as this workload does
+    (spec/browser.md §2), with what that kernel needs: the layer ``sizes``, Adam's ``lr``, ``batch_size``,
+    ``local_epochs`` and the training arrays ``x_train`` (float32 ``[n, sizes[0]]``) and ``y_train``."""
+
+    @property
+    def browser(self) -> bool: ...
+    sizes: tuple[int, ...]
+    lr: float
+    batch_size: int
+    local_epochs: int
+    x_train: np.ndarray
+    y_train: np.ndarray
 
 
 @runtime_checkable

@@ -10,9 +10,8 @@ honest validator that heard the same messages derives the same roster.
 from __future__ import annotations
 
 import hashlib
-from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import attrs
 
@@ -20,7 +19,7 @@ from .envelope import SignedEnvelope
 from .errors import DecodeError, VerificationError
 from .identity import PeerId
 from .leases import next_unproven, undelivered
-from .messages import ROLES, Message, Signed
+from .messages import Signed
 from .objects import (
     MAX_HEAD_REVOCATIONS,
     PROTOCOL_VERSION,
@@ -29,15 +28,24 @@ from .objects import (
     Heartbeat,
     JoinRequest,
     LeaveRequest,
-    Manifest,
-    Revision,
     check_admission,
     check_revocation,
     unauditable_fault,
 )
 from .privacy import next_private
 from .records import REVOCATION_PREFIX as REVOCATION_PREFIX
-from .records import Record, RevocationRecord
+from .records import RevocationRecord
+from .services import (
+    Broadcasts,
+    HasManifest,
+    HasRecords,
+    HasRejectedByReason,
+    HasRevision,
+    HasStats,
+    Logs,
+    Persists,
+    Rejects,
+)
 
 JOIN_PRIORITY_DOMAIN = b"peerloom/join-priority/v1"
 WINDOWS_AHEAD = 2  # joins, leaves (and other messages) for windows this far ahead are taken, later ones dropped
@@ -65,23 +73,10 @@ def join_priority(head_id: bytes, peer: PeerId) -> bytes:
     return hashlib.sha256(JOIN_PRIORITY_DOMAIN + head_id + peer.to_bytes()).digest()
 
 
-class AdmissionServices(Protocol):
+class AdmissionServices(HasRevision, HasManifest, HasStats, HasRejectedByReason, HasRecords, Logs, Broadcasts,
+                        Persists, Rejects, Protocol):
     """What `Admission` uses of the engine (core/engine.py implements it)."""
 
-    @property
-    def revision(self) -> Revision: ...
-    @property
-    def manifest(self) -> Manifest: ...
-    @property
-    def stats(self) -> Counter[str]: ...
-    @property
-    def rejected_by_reason(self) -> Counter[str]: ...
-    @property
-    def records(self) -> dict[str, bytes]: ...
-    def log(self, event: str, **fields: Any) -> None: ...
-    def broadcast(self, message: Message, roles: Iterable[str] = ROLES) -> None: ...
-    def persist_then(self, record: Record, owner: str, work: Any) -> None: ...
-    def reject(self, peer: PeerId | None, reason: str, detail: str = "") -> None: ...
     def window_leases(self, window: int) -> Mapping[PeerId, tuple[int, ...]]: ...
 
 

@@ -16,9 +16,7 @@ are held in memory only: a restarted validator forgets those it held (its peers 
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Protocol
 
 import attrs
 
@@ -33,8 +31,8 @@ from .audit import (
 from .collector import Collector, audit_args
 from .envelope import SignedEnvelope
 from .errors import DecodeError, VerificationError
-from .identity import Identity, PeerId
-from .messages import ROLES, Message, Signed
+from .identity import PeerId
+from .messages import Signed
 from .objects import (
     MAX_HEAD_AUDITS,
     PROTOCOL_VERSION,
@@ -42,14 +40,13 @@ from .objects import (
     AuditEvidence,
     AuditFailure,
     Head,
-    Manifest,
-    Revision,
     UpdateAnnouncement,
     open_body,
     seal,
 )
 from .pending import Done, Failed, Outcome
-from .tasks import AuditPlanResult, AuditPlanTask, AuditResult, AuditTask, SegmentAudit, SegmentPlan, Task
+from .services import Broadcasts, Fetches, HasIdentity, HasManifest, HasRevision, HasStats, Logs, RunsTasks
+from .tasks import AuditPlanResult, AuditPlanTask, AuditResult, AuditTask, SegmentAudit, SegmentPlan
 
 MAX_VERDICTS_PER_SIGNER = 64  # verdicts held per validator at a time (a faulty one cannot grow our state)
 UNSERVED_GRACE_WINDOWS = 2
@@ -127,21 +124,8 @@ def audit_authors(audits: tuple[AuditEvidence, ...]) -> tuple[PeerId, ...]:
                  for v in audits)
 
 
-class AuditServices(Protocol):
+class AuditServices(HasIdentity, HasRevision, HasManifest, HasStats, Logs, Broadcasts, RunsTasks, Fetches, Protocol):
     """What `SampledAudits` uses of the engine (core/engine.py implements it)."""
-
-    @property
-    def identity(self) -> Identity: ...
-    @property
-    def revision(self) -> Revision: ...
-    @property
-    def manifest(self) -> Manifest: ...
-    @property
-    def stats(self) -> Counter[str]: ...
-    def log(self, event: str, **fields: Any) -> None: ...
-    def broadcast(self, message: Message, roles: Iterable[str] = ROLES) -> None: ...
-    def run_task(self, task: Task, owner: str, work: Any) -> str: ...
-    def fetch(self, ref: ArtifactRef, providers: Iterable[PeerId], owner: str, work: Any) -> None: ...
 
 
 class SampledAudits:

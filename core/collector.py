@@ -18,26 +18,39 @@ all individually accepted updates, because it needs the whole cohort.
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable
 from typing import Any, Protocol
 
 import attrs
 
 from .audit import loss_batch_seed, start_args, train_seed
-from .config import EngineConfig
 from .encoding import decode
 from .envelope import MAX_BODY_BYTES, SignedEnvelope
 from .errors import DecodeError, VerificationError
 from .fsm import Table, step
 from .identity import PeerId
 from .leases import claims_of, lease_fault, lease_weight, leases_of
-from .objects import PROTOCOL_VERSION, ArtifactRef, Head, Manifest, Revision, UpdateAnnouncement, unauditable_fault
+from .objects import PROTOCOL_VERSION, ArtifactRef, Head, Manifest, UpdateAnnouncement, unauditable_fault
 from .pending import Done, Failed, Outcome
 from .privacy import budget_fault
 from .quarantine import STRIKE_REASONS
 from .roles import Log
-from .tasks import LossCheck, Recomputation, ReduceTask, ScreenResult, ScreenTask, Task
+from .services import (
+    BaseHeads,
+    ChecksStored,
+    Fetches,
+    FindsPeers,
+    HasConfig,
+    HasManifest,
+    HasNow,
+    HasRejectedByReason,
+    HasRevision,
+    HasStats,
+    LeaseHeads,
+    Logs,
+    Rejects,
+    RunsTasks,
+)
+from .tasks import LossCheck, Recomputation, ReduceTask, ScreenResult, ScreenTask
 
 TABLE: Table = {
     ("announced", "fetched"): "screening",
@@ -141,33 +154,14 @@ def audit_args(manifest: Manifest, base: Head, author: PeerId, ann: UpdateAnnoun
                          start=start_args(manifest, base, prior_delta))
 
 
-class CollectorServices(Protocol):
+class CollectorServices(HasConfig, HasRevision, HasManifest, HasNow, HasStats, HasRejectedByReason, Logs, FindsPeers,
+                        RunsTasks, Fetches, ChecksStored, Rejects, LeaseHeads, BaseHeads, Protocol):
     """What a `Collector` uses of the engine (core/engine.py implements it)."""
 
-    @property
-    def config(self) -> EngineConfig: ...
-    @property
-    def revision(self) -> Revision: ...
-    @property
-    def manifest(self) -> Manifest: ...
-    @property
-    def now(self) -> float: ...
-    @property
-    def stats(self) -> Counter[str]: ...
-    @property
-    def rejected_by_reason(self) -> Counter[str]: ...
     @property
     def seen_deltas(self) -> dict[bytes, int]: ...
     @property
     def recent_updates(self) -> dict[bytes, tuple[PeerId, UpdateAnnouncement]]: ...
-    def log(self, event: str, **fields: Any) -> None: ...
-    def peers_with(self, role: str) -> list[PeerId]: ...
-    def run_task(self, task: Task, owner: str, work: Any) -> str: ...
-    def fetch(self, ref: ArtifactRef, providers: Iterable[PeerId], owner: str, work: Any) -> None: ...
-    def is_stored(self, digest: bytes) -> bool: ...
-    def reject(self, peer: PeerId | None, reason: str, detail: str = "") -> None: ...
-    def lease_head(self, window: int) -> Head | None: ...
-    def base_heads(self, window: int) -> dict[bytes, Head]: ...
 
 
 def resume_collector(log: Log, collector: Collector | None, work: CollectorWork, outcome: Outcome) -> None:

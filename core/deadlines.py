@@ -10,12 +10,10 @@ Timer keys: ``("close", "validator", window)`` and, with `lease_s > 0`, ``("clai
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 from .collector import Collector
-from .identity import PeerId
-from .objects import Manifest
-from .roles import TimerKey
+from .services import CancelsTimers, FindsPeers, HasManifest, HasNow, Logs, SetsTimers
 
 # A window whose leaseholders are all unreachable closes at most this many window_s after it opened.
 WAIT_WINDOWS = 3
@@ -31,17 +29,8 @@ def claims_key(window: int) -> tuple[str, str, int]:
     return ("claims", "validator", window)
 
 
-class ClockServices(Protocol):
+class ClockServices(HasManifest, HasNow, Logs, FindsPeers, SetsTimers, CancelsTimers, Protocol):
     """What a `WindowClock` uses of the engine (core/engine.py implements it)."""
-
-    @property
-    def manifest(self) -> Manifest: ...
-    @property
-    def now(self) -> float: ...
-    def log(self, event: str, **fields: Any) -> None: ...
-    def peers_with(self, role: str) -> list[PeerId]: ...
-    def set_timer(self, key: TimerKey, deadline: float) -> None: ...
-    def cancel_timer(self, key: TimerKey) -> None: ...
 
 
 class WindowClock:

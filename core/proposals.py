@@ -8,8 +8,6 @@ Timer key: ``("updates", window, head id, attempt)``.
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable
 from typing import Any, Protocol
 
 import attrs
@@ -17,9 +15,9 @@ import attrs
 from .envelope import SignedEnvelope
 from .errors import VerificationError
 from .identity import PeerId
-from .messages import MAX_UPDATE_IDS, ROLES, Message, Signed, UpdatesRequest
-from .objects import PROTOCOL_VERSION, Head, HeadProposal, Revision
-from .roles import TimerKey
+from .messages import MAX_UPDATE_IDS, Signed, UpdatesRequest
+from .objects import PROTOCOL_VERSION, Head, HeadProposal
+from .services import Broadcasts, FindsPeers, HasMe, HasNow, HasRevision, HasStats, Logs, Rejects, Sends, SetsTimers
 from .validating import ValidatorParts
 
 # Announcements a head proposal names by id: asked MAX_UPDATE_IDS at a time from one provider; a batch that
@@ -45,23 +43,9 @@ class Awaiting:
     attempt: int = 0
 
 
-class ProposalServices(Protocol):
+class ProposalServices(HasMe, HasRevision, HasNow, HasStats, Logs, Sends, Broadcasts, FindsPeers, SetsTimers,
+                       Rejects, Protocol):
     """What `ProposalTracker` uses of the engine (core/engine.py implements it)."""
-
-    @property
-    def me(self) -> PeerId: ...
-    @property
-    def revision(self) -> Revision: ...
-    @property
-    def now(self) -> float: ...
-    @property
-    def stats(self) -> Counter[str]: ...
-    def log(self, event: str, **fields: Any) -> None: ...
-    def send(self, peer: PeerId, message: Message) -> None: ...
-    def broadcast(self, message: Message, roles: Iterable[str] = ROLES) -> None: ...
-    def peers_with(self, role: str) -> list[PeerId]: ...
-    def set_timer(self, key: TimerKey, deadline: float) -> None: ...
-    def reject(self, peer: PeerId | None, reason: str, detail: str = "") -> None: ...
 
 
 class ProposalTracker:

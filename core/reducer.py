@@ -8,7 +8,6 @@ is a rejection charged to the reducer.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, Protocol
 
 import attrs
@@ -24,11 +23,12 @@ from .collector import (
 )
 from .envelope import SignedEnvelope
 from .fsm import Table, step
-from .identity import Identity, PeerId
-from .messages import ROLES, Message, Signed
-from .objects import ArtifactRef, Head, ReductionProposal, SignedBody, UpdateAnnouncement, seal
+from .identity import PeerId
+from .messages import Signed
+from .objects import Head, ReductionProposal, SignedBody, UpdateAnnouncement, seal
 from .pending import Failed, Outcome
-from .roles import RoleBase, TimerKey
+from .roles import RoleBase
+from .services import Broadcasts, CancelsTimers, HasIdentity, NotesStored, SetsTimers
 from .tasks import ReduceResult
 
 TABLE: Table = {
@@ -51,15 +51,8 @@ class Reduce:
     cohort: tuple[bytes, ...]
 
 
-class ReducerServices(CollectorServices, Protocol):
+class ReducerServices(CollectorServices, HasIdentity, Broadcasts, SetsTimers, CancelsTimers, NotesStored, Protocol):
     """What `ReducerRole` uses of the engine: its collector's members and these (core/engine.py implements it)."""
-
-    @property
-    def identity(self) -> Identity: ...
-    def broadcast(self, message: Message, roles: Iterable[str] = ROLES) -> None: ...
-    def set_timer(self, key: TimerKey, deadline: float) -> None: ...
-    def cancel_timer(self, key: TimerKey) -> None: ...
-    def note_stored(self, ref: ArtifactRef) -> None: ...
 
 
 class ReducerRole(RoleBase):

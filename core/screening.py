@@ -16,7 +16,6 @@ Recomputation runs as compute tasks (``reduce``, then ``evaluate``); the work in
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
@@ -25,7 +24,6 @@ import attrs
 from .admission import WINDOWS_AHEAD
 from .auditing import audit_authors
 from .collector import slot_of
-from .config import EngineConfig
 from .envelope import SignedEnvelope
 from .errors import DecodeError, VerificationError
 from .identity import PeerId
@@ -36,10 +34,8 @@ from .objects import (
     ArtifactRef,
     AuditEvidence,
     Head,
-    Manifest,
     PrivacyRecord,
     ReductionProposal,
-    Revision,
     UpdateAnnouncement,
     decode_as,
     open_body,
@@ -48,6 +44,7 @@ from .objects import (
 from .pending import Failed, Outcome
 from .privacy import budget_fault, next_ledger
 from .quarantine import STRIKE_REASONS, check_evidence, next_records
+from .services import FindsPeers, HasConfig, HasManifest, HasRevision, HasStats, Logs, NotesStored, Rejects, RunsTasks
 from .tasks import EvaluateResult, EvaluateTask, ReduceResult, Task
 from .validating import ValidatorParts
 
@@ -135,22 +132,9 @@ class ScreeningTask:
     seq: int
 
 
-class ScreeningServices(Protocol):
+class ScreeningServices(HasConfig, HasRevision, HasManifest, HasStats, Logs, FindsPeers, RunsTasks, NotesStored,
+                        Rejects, Protocol):
     """What `Screening` uses of the engine (core/engine.py implements it)."""
-
-    @property
-    def config(self) -> EngineConfig: ...
-    @property
-    def revision(self) -> Revision: ...
-    @property
-    def manifest(self) -> Manifest: ...
-    @property
-    def stats(self) -> Counter[str]: ...
-    def log(self, event: str, **fields: Any) -> None: ...
-    def peers_with(self, role: str) -> list[PeerId]: ...
-    def run_task(self, task: Task, owner: str, work: Any) -> str: ...
-    def note_stored(self, ref: ArtifactRef) -> None: ...
-    def reject(self, peer: PeerId | None, reason: str, detail: str = "") -> None: ...
 
 
 class Screening:

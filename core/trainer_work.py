@@ -4,20 +4,36 @@ announcements it signed; and `TrainerServices`, what the trainer uses of the eng
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Protocol
 
 import attrs
 
-from .config import EngineConfig
 from .envelope import SignedEnvelope
-from .identity import Identity, PeerId
-from .messages import ROLES, Message
-from .objects import ArtifactRef, Head, Manifest, Revision, UpdateAnnouncement, open_body
-from .records import Record
-from .roles import TimerKey
-from .tasks import Task
+from .identity import PeerId
+from .objects import UpdateAnnouncement, open_body
+from .services import (
+    BaseHeads,
+    Broadcasts,
+    ChecksStored,
+    Fetches,
+    FindsPeers,
+    HasConfig,
+    HasIdentity,
+    HasManifest,
+    HasMe,
+    HasNow,
+    HasRecords,
+    HasRevision,
+    HasStats,
+    LeaseHeads,
+    Logs,
+    NotesStored,
+    Persists,
+    RunsTasks,
+    Sends,
+    SetsTimers,
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -77,35 +93,9 @@ class Announce:
     delta: bytes = b""
 
 
-class TrainerServices(Protocol):
+class TrainerServices(HasConfig, HasIdentity, HasMe, HasRevision, HasManifest, HasNow, HasStats, HasRecords, Logs,
+                      Sends, Broadcasts, FindsPeers, SetsTimers, Persists, RunsTasks, Fetches, NotesStored,
+                      ChecksStored, LeaseHeads, BaseHeads, Protocol):
     """What `TrainerRole` uses of the engine (core/engine.py implements it)."""
 
-    @property
-    def config(self) -> EngineConfig: ...
-    @property
-    def identity(self) -> Identity: ...
-    @property
-    def me(self) -> PeerId: ...
-    @property
-    def revision(self) -> Revision: ...
-    @property
-    def manifest(self) -> Manifest: ...
-    @property
-    def now(self) -> float: ...
-    @property
-    def stats(self) -> Counter[str]: ...
-    @property
-    def records(self) -> dict[str, bytes]: ...
-    def log(self, event: str, **fields: Any) -> None: ...
-    def send(self, peer: PeerId, message: Message) -> None: ...
-    def broadcast(self, message: Message, roles: Iterable[str] = ROLES) -> None: ...
-    def peers_with(self, role: str) -> list[PeerId]: ...
-    def set_timer(self, key: TimerKey, deadline: float) -> None: ...
-    def persist_then(self, record: Record, owner: str, work: Any) -> None: ...
-    def run_task(self, task: Task, owner: str, work: Any) -> str: ...
-    def fetch(self, ref: ArtifactRef, providers: Iterable[PeerId], owner: str, work: Any) -> None: ...
-    def note_stored(self, ref: ArtifactRef) -> None: ...
-    def is_stored(self, digest: bytes) -> bool: ...
     def drop_stored(self, digests: Iterable[bytes]) -> None: ...
-    def lease_head(self, window: int) -> Head | None: ...
-    def base_heads(self, window: int) -> dict[bytes, Head]: ...

@@ -13,18 +13,15 @@ them persisted.
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable
 from typing import Any, Protocol
 
 import attrs
 
-from .config import EngineConfig
 from .encoding import decode, encode
 from .envelope import MAX_BODY_BYTES, SignedEnvelope
 from .errors import VerificationError
-from .identity import Identity, PeerId
-from .messages import ROLES, Message, Signed
+from .identity import PeerId
+from .messages import Signed
 from .objects import (
     PRECOMMIT,
     PREVOTE,
@@ -32,9 +29,7 @@ from .objects import (
     VOTE_KIND,
     Head,
     HeadProposal,
-    Manifest,
     QuorumCertificate,
-    Revision,
     Vote,
     decode_as,
     seal,
@@ -45,6 +40,20 @@ from .records import LockRecord, ProposalRecord, Record, VoteRecord, parse
 from .records import lock_key as lock_key
 from .records import proposal_key as proposal_key
 from .records import vote_key as vote_key
+from .services import (
+    Broadcasts,
+    HasConfig,
+    HasIdentity,
+    HasManifest,
+    HasMe,
+    HasRecords,
+    HasRevision,
+    HasStats,
+    Logs,
+    Persists,
+    Rejects,
+    Sends,
+)
 from .validating import ValidatorParts
 
 VoteKey = tuple[int, int, str, PeerId]  # (window, round, step, signer)
@@ -87,28 +96,10 @@ class VotingWrite:
     seq: int
 
 
-class VotingServices(Protocol):
+class VotingServices(HasConfig, HasIdentity, HasMe, HasRevision, HasManifest, HasStats, HasRecords, Logs, Sends,
+                     Broadcasts, Persists, Rejects, Protocol):
     """What `Voting` uses of the engine (core/engine.py implements it)."""
 
-    @property
-    def config(self) -> EngineConfig: ...
-    @property
-    def identity(self) -> Identity: ...
-    @property
-    def me(self) -> PeerId: ...
-    @property
-    def revision(self) -> Revision: ...
-    @property
-    def manifest(self) -> Manifest: ...
-    @property
-    def stats(self) -> Counter[str]: ...
-    @property
-    def records(self) -> dict[str, bytes]: ...
-    def log(self, event: str, **fields: Any) -> None: ...
-    def send(self, peer: PeerId, message: Message) -> None: ...
-    def broadcast(self, message: Message, roles: Iterable[str] = ROLES) -> None: ...
-    def persist_then(self, record: Record, owner: str, work: Any) -> None: ...
-    def reject(self, peer: PeerId | None, reason: str, detail: str = "") -> None: ...
     def verify_certified(self, head: Head, cert: QuorumCertificate) -> None: ...
     def adopt(self, head: Head, cert: QuorumCertificate) -> None: ...
 

@@ -64,10 +64,15 @@ def _signed_kind(data: bytes) -> tuple[str, SignedEnvelope | None]:
     return ("signed", message.envelope) if isinstance(message, Signed) else ("", None)
 
 
-def _withhold(data: bytes, kind: str) -> list[tuple[float, bytes]]:
-    """`on_send` of a node that never sends signed envelopes of `kind` (and sends everything else)."""
-    _, envelope = _signed_kind(data)
-    return [] if envelope is not None and envelope.kind == kind else [(0.0, data)]
+class Withholding(Behaviour):
+    """A node that never sends signed envelopes of kind `withheld` (and sends everything else)."""
+
+    withheld = ""
+    byzantine = True
+
+    def on_send(self, sim: Simulation, node: SimNode, dst: str, data: bytes) -> list[tuple[float, bytes]]:
+        _, envelope = _signed_kind(data)
+        return [] if envelope is not None and envelope.kind == self.withheld else [(0.0, data)]
 
 
 class ModelAttack(Behaviour):
@@ -194,16 +199,13 @@ class Sybil(Behaviour):
         return attrs.evolve(result, delta=node.disk.put(to_safetensors(delta)), delta_digest=tensor_digest(delta))
 
 
-class SilentSybil(Behaviour):
+class SilentSybil(Withholding):
     """One of many fresh identities that join the roster and then never deliver an update: every lease it
     is given goes unserved (the Sybil stall, spec/protocol.md §4.1). It still sends its joins and
     heartbeats, so idle expiry alone never removes it."""
 
     name = "sybil-silent"
-    byzantine = True
-
-    def on_send(self, sim: Simulation, node: SimNode, dst: str, data: bytes) -> list[tuple[float, bytes]]:
-        return _withhold(data, "update")
+    withheld = "update"
 
 
 class WrongAggregate(Behaviour):
@@ -223,14 +225,11 @@ class WrongAggregate(Behaviour):
         return attrs.evolve(result, params=node.disk.put(to_safetensors(bad)), params_digest=tensor_digest(bad))
 
 
-class SilentReducer(Behaviour):
+class SilentReducer(Withholding):
     """A reducer that never sends its proposal (the missing-aggregate case)."""
 
     name = "silent"
-    byzantine = True
-
-    def on_send(self, sim: Simulation, node: SimNode, dst: str, data: bytes) -> list[tuple[float, bytes]]:
-        return _withhold(data, "proposal")
+    withheld = "proposal"
 
 
 class VoteWithholding(Behaviour):

@@ -302,8 +302,12 @@ def _sample_bytes() -> bytes:
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=300))
 def test_from_safetensors_fuzz_random_bytes(data: bytes) -> None:
+    _decodes_or_is_bad_safetensors(data)
+
+
+def _decodes_or_is_bad_safetensors(blob: bytes) -> None:
     try:
-        out = from_safetensors(data)
+        out = from_safetensors(blob)
     except DecodeError as exc:
         assert exc.reason == "bad-safetensors"
     else:
@@ -325,12 +329,7 @@ def test_from_safetensors_fuzz_truncated_and_mutated(data: st.DataObject) -> Non
     else:
         i = data.draw(st.integers(0, len(good)))
         blob = bytes(good[:i]) + data.draw(st.binary(max_size=20)) + bytes(good[i:])
-    try:
-        out = from_safetensors(blob)
-    except DecodeError as exc:
-        assert exc.reason == "bad-safetensors"
-    else:
-        assert isinstance(out, dict)
+    _decodes_or_is_bad_safetensors(blob)
 
 
 def _with_header(header: object, body: bytes = b"", raw_header: bytes | None = None) -> bytes:

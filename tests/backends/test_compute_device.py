@@ -81,22 +81,6 @@ def test_executor_backends_agree_on_every_rule(tmp_path):
         ComputeExecutor(store, revision.manifest, None, [], compute="jax")
 
 
-@pytest.mark.parametrize(("extra", "message"), [
-    ('compute = "jax"\n', "compute must be numpy or torch, got 'jax'"),
-    ("compute = 1\n", "compute must be"),
-    ("compute_threads = 0\n", "compute_threads must be in [1, 8], got 0"),
-    ("compute_threads = 9\n", "compute_threads must be in [1, 8], got 9"),
-    ('compute_threads = "2"\n', "compute_threads"),
-    ('device = "tpu"\n', "device 'tpu' is not one of cpu, cuda, cuda:N, mps, auto"),
-    ('device = "cuda:x"\n', "device 'cuda:x' is not one of"),
-    ('device = "cuda:64"\n', "device 'cuda:64' is not available on this machine"),
-])
-def test_compute_and_device_keys_are_checked(tmp_path, extra, message):
-    with pytest.raises(ConfigError) as caught:
-        load_config(node_config(tmp_path, extra))
-    assert message in str(caught.value)
-
-
 def test_an_absent_device_is_named():
     for name in ("cuda", "cuda:0", "mps"):
         present = torch.cuda.is_available() if name.startswith("cuda") else torch.backends.mps.is_available()

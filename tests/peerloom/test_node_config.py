@@ -27,6 +27,14 @@ def test_relative_paths_resolve_next_to_config(tmp_path):
 
 
 @pytest.mark.parametrize(("extra", "message"), [
+    ('compute = "jax"\n', "compute must be numpy or torch, got 'jax'"),
+    ("compute = 1\n", "compute must be"),
+    ("compute_threads = 0\n", "compute_threads must be in [1, 8], got 0"),
+    ("compute_threads = 9\n", "compute_threads must be in [1, 8], got 9"),
+    ('compute_threads = "2"\n', "compute_threads"),
+    ('device = "tpu"\n', "device 'tpu' is not one of cpu, cuda, cuda:N, mps, auto"),
+    ('device = "cuda:x"\n', "device 'cuda:x' is not one of"),
+    ('device = "cuda:64"\n', "device 'cuda:64' is not available on this machine"),
     ('listen = "127.0.0.1"\n', "must be host:port"),
     ('bootstrap = ["127.0.0.1:x"]\n', "must be host:port"),
     ("bootstrap = [7001]\n", "bootstrap entries"),
