@@ -265,7 +265,7 @@ def services_problems(folder: Path) -> list[str]:
 
 
 def test_roles_and_their_parts_see_only_the_engine_members_they_use():
-    """No role or part is typed against one protocol of every engine member (`Services`, issue 30): each
+    """No role or part is typed against one protocol of every engine member (`Services`): each
     names the members it uses (spec/design.md §2), so what a role may touch cannot quietly grow back."""
     assert services_problems(ROOT / "core") == []
 
