@@ -36,6 +36,7 @@ import hashlib
 import hmac
 import math
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -46,7 +47,7 @@ import numpy as np
 from peerloom.backends._robust import MAX_THREADS, median_of
 from peerloom.backends.numpy import codecs as np_codecs
 from peerloom.backends.numpy import reduce as np_reduce
-from peerloom.backends.numpy.aggregate import aggregate, outer_step, screening_stats
+from peerloom.backends.numpy.aggregate import aggregate, outer_step, screening_stats, workspace
 from peerloom.backends.numpy.screening import schema_matches, screen_stored
 from peerloom.backends.numpy.stored import StoredTensors, TensorFileWriter, open_stored, stored_digest
 from peerloom.backends.numpy.tensors import (
@@ -258,13 +259,20 @@ class ComputeExecutor:
         """The stored artifact's tensors: read-only views into its bytes, read once (no parse copy)."""
         return safetensors_views(self.store.get(ref.digest))
 
+    def load_mapped(self, ref: ArtifactRef) -> dict[str, np.ndarray]:
+        """`load` from a read-only memory map of the file where the store is on disk (`ArtifactStore.map`): for
+        inputs a kernel reads once, block by block, such as an eager start's (nothing copied or allocated)."""
+        if isinstance(self.store, ArtifactStore):
+            return safetensors_views(self.store.map(ref.digest))
+        return self.load(ref)
+
     def load_params(self, ref: ArtifactRef) -> dict[str, np.ndarray]:
         """`load` of a params artifact, kept until another is loaded (spec/design.md §5, Memory): a validator
         evaluates a head and then audits every update of the next window against the same params, one read
         instead of one per task. Content-addressed and read-only, so a kept copy is never stale."""
         if self._params is None or self._params[0] != ref.digest:
             self._params = None  # drop the old one before reading the next
-            self._params = (ref.digest, self.load(ref))
+            self._params = (ref.digest, self.load_mapped(ref))
         return self._params[1]
 
     def start_params(self, params_ref: ArtifactRef, start: EagerStart | None) -> dict[str, np.ndarray]:
@@ -281,11 +289,11 @@ class ComputeExecutor:
                float(start.scale))
         if self._start is not None and self._start[0] == key:
             return self._start[1]
-        prior = self._decode(self.load(start.prior))
-        state = None if state_ref is None else self.load(state_ref)
+        prior = self._decode(self.load_mapped(start.prior))
+        state = None if state_ref is None else self.load_mapped(state_ref)
         buffers = self._start[1] if self._start is not None else {}
         self._start = None
-        out = eager_start(params, state, prior, float(start.scale), out=buffers)
+        out = eager_start(params, state, prior, float(start.scale), out=buffers, threads=self.compute.threads)
         self._start = (key, out)
         return out
 
@@ -395,11 +403,14 @@ class ComputeExecutor:
         if segments and self.manifest.codec in ERROR_FEEDBACK_CODECS:
             state = self._residual_of(author, delta)
             residual = self._store_state(state.residual, durable=False)
-        ref, digest = self.save(self._encode(delta, author))
+        # Stored without fsync, off the critical path: the trainer's claim makes the delta and the trajectory
+        # durable before it is written (`ClaimRecord.artifacts`, spec/design.md §6, Storage).
+        ref, digest = self._store_volatile(self._encode(delta, author))
         train_loss = float(metrics["train_loss"])
         if not segments:
             return TrainResult(delta=ref, delta_digest=digest, train_loss=train_loss)
-        trajectory = self.store.put(encode(Trajectory(checkpoints=tuple(checkpoints), residual=residual).to_cbor()))
+        trajectory = self.store.put_parts(
+            [encode(Trajectory(checkpoints=tuple(checkpoints), residual=residual).to_cbor())], durable=False)
         committed = (*checkpoints, *([residual] if residual is not None else []), trajectory)
         return TrainResult(delta=ref, delta_digest=digest, train_loss=train_loss, trajectory=trajectory,
                            committed=committed)
@@ -435,6 +446,28 @@ class ComputeExecutor:
         _, metrics = workload.train(params, indices, self.train_seed(task.seed), sink=sink, **options)
         digest = writer.finish()
         return TrainResult(delta=artifact.commit(), delta_digest=digest, train_loss=float(metrics["train_loss"]))
+
+    def _store_volatile(self, tensors: dict[str, np.ndarray]) -> tuple[ArtifactRef, bytes]:
+        """`save` without fsync, the tensor digest hashed on a second thread while the store hashes the chunks
+        and writes them (hashlib releases the GIL): a trainer's delta, which its claim makes durable later."""
+        digests: list[bytes] = []
+        failed: list[BaseException] = []
+
+        def digest() -> None:
+            try:
+                digests.append(tensor_digest(tensors))
+            except BaseException as exc:  # handed to the caller's thread below
+                failed.append(exc)
+
+        thread = threading.Thread(target=digest, name="tensor-digest")
+        thread.start()
+        try:
+            ref = self._store_state(tensors, durable=False)
+        finally:
+            thread.join()
+        if failed:
+            raise failed[0]
+        return ref, digests[0]
 
     def _store_state(self, tensors: dict[str, np.ndarray], *, durable: bool = True) -> ArtifactRef:
         """Store tensors (`save` without the tensor digest); ``durable=False`` for a trainer's checkpoints
@@ -803,23 +836,30 @@ MIN_SCREEN_COHORT = 3
 
 
 def eager_start(params: dict[str, np.ndarray], state: dict[str, np.ndarray] | None, prior: dict[str, np.ndarray],
-                scale: float, *, out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+                scale: float, *, out: dict[str, np.ndarray] | None = None, threads: int = 1) -> dict[str, np.ndarray]:
     """Where an overlapped update with a prior starts (spec/protocol.md §5.2): ``params - scale * state - prior``
     per element in float64, in that order (the state's term left out when `state` is None), rounded once to each
     tensor's dtype. Tensors of `out` of the right shape and dtype are written in place (and returned); the others
-    are allocated. Same names, shapes and dtypes in, as the manifest's schema fixes them."""
+    are allocated. Same names, shapes and dtypes in, as the manifest's schema fixes them. Blocks are shared
+    among `threads` threads (`peerloom.backends.numpy.aggregate.workspace`: numpy releases the GIL); each
+    element's arithmetic is its own, so the bytes are the same on any count."""
     result: dict[str, np.ndarray] = {}
     block = 1 << 20  # elements per float64 pass: a model-sized float64 temporary would be twice the model
-    x = np.empty(block, dtype=np.float64)
-    y = np.empty(block, dtype=np.float64)
+    jobs: list[tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]] = []
     for name, p in params.items():
         buf = None if out is None else out.get(name)
         if buf is None or buf.shape != p.shape or buf.dtype != p.dtype:
             buf = np.empty_like(p)
-        flat_p, flat_out = np.ravel(p), buf.reshape(-1)
-        flat_prior = np.ravel(prior[name])
-        flat_state = None if state is None else np.ravel(state[name])
-        for i in range(0, flat_p.size, block):
+        jobs.append((np.ravel(p), np.ravel(prior[name]), None if state is None else np.ravel(state[name]),
+                     buf.reshape(-1)))
+        result[name] = buf
+    spans = [(j, i) for j, (flat_p, *_) in enumerate(jobs) for i in range(0, flat_p.size, block)]
+    ws = workspace(threads)
+
+    def part(k: int, space: Any) -> None:
+        x, y = space.get("start-x", 0, block), space.get("start-y", 0, block)
+        for j, i in spans[k::ws.threads]:
+            flat_p, flat_prior, flat_state, flat_out = jobs[j]
             n = min(block, flat_p.size - i)
             xs, ys = x[:n], y[:n]
             np.copyto(xs, flat_p[i:i + n], casting="unsafe")
@@ -830,7 +870,8 @@ def eager_start(params: dict[str, np.ndarray], state: dict[str, np.ndarray] | No
             np.copyto(ys, flat_prior[i:i + n], casting="unsafe")
             xs -= ys
             np.copyto(flat_out[i:i + n], xs, casting="unsafe")
-        result[name] = buf
+
+    ws.parallel(part)
     return result
 
 

@@ -36,7 +36,7 @@ from peerloom.core.errors import LocalProtocolError, VerificationError
 from peerloom.core.identity import PeerId
 from peerloom.core.messages import Chunk, encode_message
 from peerloom.core.objects import ArtifactRef, Head, QuorumCertificate
-from peerloom.core.records import Record
+from peerloom.core.records import ClaimRecord, Record
 from peerloom.core.tasks import TaskResult
 
 TaskOutcome = TaskResult | Exception
@@ -92,7 +92,8 @@ class Host(Protocol):
 
     def write_record(self, record: Record, done: Callable[[], None]) -> None:
         """Write `record.data` under `record.key` (`core.records`: the class says which record it is) durably
-        (fsync), then, not before, call `done()`."""
+        (fsync), then, not before, call `done()`. A `ClaimRecord`'s `artifacts` are made durable first
+        (`ArtifactStore.make_durable`), and records are written in the order they come."""
 
     def run_task(self, task: fx.RunTask, done: Callable[[TaskOutcome], None]) -> None:
         """Run the compute task `task.task` (a `core.tasks` class) off the engine; call `done(result)` with its
@@ -248,10 +249,17 @@ def outcome(fn: Callable[..., TaskResult], *args: Any) -> TaskOutcome:
         return exc
 
 
+def durable_first(record: Record) -> tuple[bytes, ...]:
+    """The artifacts a host makes durable before it writes `record` (`Host.write_record`): a claim's delta and
+    trajectory, which the trainer stored without fsync (spec/design.md §6, Storage); none for other records."""
+    return record.artifacts if isinstance(record, ClaimRecord) else ()
+
+
 class Store(Protocol):
     """What `StoreOnDisk` uses: an `adapters.storage.ArtifactStore` (or a `sim.disk.SimDisk`)."""
 
     def put_record(self, key: str, record: bytes) -> None: ...
+    def make_durable(self, digest: bytes) -> bool: ...
     def read_chunk(self, ref: ArtifactRef, index: int) -> bytes: ...
     def write_chunk(self, ref: ArtifactRef, index: int, data: bytes) -> None: ...
     def commit(self, ref: ArtifactRef, *, durable: bool = True) -> None: ...
@@ -275,6 +283,8 @@ class StoreOnDisk:
     store: Store
 
     def write_record(self, record: Record, done: Callable[[], None]) -> None:
+        for digest in durable_first(record):
+            self.store.make_durable(digest)
         self.store.put_record(record.key, record.data)
         done()
 

@@ -23,6 +23,7 @@ client's signed submission (`adapters.http_client`) crosses into trio through th
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import logging
@@ -54,7 +55,7 @@ from .addressbook import HANDSHAKE_FAILURES, AddressBook
 from .compute import ComputeExecutor
 from .edge_view import SUBMIT_TIMEOUT_S, NodeEdgeView, PeerInfo, SubmitResult
 from .eventqueue import EventQueue
-from .host import Driver, Observer, TaskOutcome
+from .host import Driver, Observer, TaskOutcome, durable_first
 from .limits import ConnectionLimiter, Limits, LimitsCollector
 from .logs import LineLimiter
 from .metrics import NodeMetrics
@@ -267,6 +268,8 @@ class NodeRuntime(Observer):
         # written when the probe finds space again; meanwhile the engine holds what depends on it (votes).
         self.disk_full = False
         self._unwritten: list[tuple[Record, Callable[[], None]]] = []  # (record, done)
+        # records waiting for a claim's artifacts to be made durable (`write_record`), in order
+        self._syncing: collections.deque[tuple[Record, Callable[[], None]]] = collections.deque()
         self._unwritten_chain: list[tuple[Head, QuorumCertificate]] = []
         self._lost_fetches: set[bytes] = set()  # fetches with a chunk that never reached the disk
         # Chunk writes and artifact commits run on a worker thread, in order (spec/design.md §6, Storage).
@@ -396,6 +399,8 @@ class NodeRuntime(Observer):
         try:
             while self._unwritten:
                 record, done = self._unwritten[0]
+                for digest in durable_first(record):
+                    self.store.make_durable(digest)
                 self.store.put_record(record.key, record.data)
                 del self._unwritten[0]
                 self._persisted(record, done)
@@ -662,6 +667,17 @@ class NodeRuntime(Observer):
         stops rather than equivocate.
         On a full disk the record waits (in order, with every later one) and `done` comes when it is
         written (`_resume_writes`)."""
+        if self._syncing or durable_first(record):
+            # A claim's delta, stored without fsync, is made durable first, on a thread (off this loop and the
+            # trainer's critical path); records keep their order behind it.
+            self._syncing.append((record, done))
+            if len(self._syncing) == 1:
+                assert self._nursery is not None
+                self._nursery.start_soon(self._sync_artifacts, record)
+            return
+        self._write_now(record, done)
+
+    def _write_now(self, record: Record, done: Callable[[], None]) -> None:
         if self.disk_full:
             self._unwritten.append((record, done))
             return
@@ -674,6 +690,37 @@ class NodeRuntime(Observer):
             self._disk_is_full("records", exc)
             return
         self._persisted(record, done)
+
+    async def _sync_artifacts(self, record: Record) -> None:
+        """Make the artifacts `record` names durable (`ArtifactStore.make_durable`, fsync) on a worker thread,
+        then write it on the main loop (`_synced`). A disk too full for it leaves it to `_resume_writes`."""
+        try:
+            for digest in durable_first(record):
+                await trio.to_thread.run_sync(self.store.make_durable, digest)
+        except OSError as exc:
+            if not disk.is_disk_full(exc):
+                raise
+            self._events.put(_Completion(functools.partial(self._sync_failed, exc)))
+            return
+        self._events.put(_Completion(self._synced))
+
+    def _synced(self) -> None:
+        """On the main loop: the first waiting record's artifacts are durable. Write it and the records behind
+        it up to the next one with artifacts to sync, whose sync starts then."""
+        record, done = self._syncing.popleft()
+        self._write_now(record, done)
+        while self._syncing and not durable_first(self._syncing[0][0]):
+            self._write_now(*self._syncing.popleft())
+        if self._syncing:
+            assert self._nursery is not None
+            self._nursery.start_soon(self._sync_artifacts, self._syncing[0][0])
+
+    def _sync_failed(self, exc: OSError) -> None:
+        """No space to make a claim's artifacts durable: it and every record behind it wait, in order, for
+        `_resume_writes`."""
+        self._unwritten.extend(self._syncing)
+        self._syncing.clear()
+        self._disk_is_full("artifact sync", exc)
 
     def _persisted(self, record: Record, done: Callable[[], None]) -> None:
         self._note_chain_record(record)

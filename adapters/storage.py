@@ -36,6 +36,7 @@ writes keep one open file per artifact (`_Handles`) instead of opening one per c
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import threading
 from collections import OrderedDict
@@ -393,6 +394,32 @@ class ArtifactStore:
             self._finish_computed(ref, durable=durable)
         return ref
 
+    def make_durable(self, digest: bytes) -> bool:
+        """Fsync an artifact stored with ``durable=False`` and write its ref durably (``.ref``), so it
+        survives a crash as one stored durably does: a trainer stores its delta without fsync and makes it
+        durable only before the claim that names it (spec/design.md §6, Storage), off its critical path.
+        True once durable (at once for one that already is); False if the store no longer holds it. Safe on
+        a thread beside the store's other writes: it touches only this artifact's files."""
+        ref = self._refs.get(digest)
+        path = self._path(digest)
+        volatile = path.with_suffix(VOLATILE_REF)
+        if ref is None:
+            return False
+        if not volatile.exists():
+            return path.with_suffix(DURABLE_REF).exists()
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return False  # removed by retention meanwhile
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _fsync_dir(self._artifacts)
+        atomic_write(path.with_suffix(DURABLE_REF), encode(ref.to_cbor()))
+        volatile.unlink(missing_ok=True)
+        return True
+
     def open_writer(self, size: int) -> ArtifactWriter:
         """An `ArtifactWriter` for an artifact of `size` bytes, written in order and committed at the end."""
         return ArtifactWriter(self, size)
@@ -424,6 +451,20 @@ class ArtifactStore:
         if len(data) != ref.size:
             raise VerificationError("corrupt-artifact", f"{digest.hex()}: {len(data)} bytes, not {ref.size}")
         return data
+
+    def map(self, digest: bytes) -> mmap.mmap:
+        """The artifact's bytes as a read-only memory map of its file: nothing is read or allocated until used,
+        and pages come from the page cache (`get` copies the whole file into fresh memory first, which costs
+        more than the read on these machines). Trusted as `get` is. The mapping outlives a removal of the file
+        (retention). KeyError if absent; VerificationError("corrupt-artifact") if the size is wrong."""
+        ref = self._refs.get(digest)
+        if ref is None:
+            raise KeyError(digest.hex())
+        with open(self._path(digest), "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size != ref.size or size == 0:
+                raise VerificationError("corrupt-artifact", f"{digest.hex()}: {size} bytes, not {ref.size}")
+            return mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ)
 
     def verify(self, digest: bytes) -> None:
         """Hash stored artifact `digest` again (in blocks). KeyError if absent; VerificationError if its

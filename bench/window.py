@@ -102,14 +102,27 @@ class FlatWorkload:
     segment, and `resume` replays a segment from one (segment audits, spec/protocol.md §6.3). `evaluate`
     reports the mean square of the parameters.
 
-    `train_s` (seconds, ``--train-s``) stands in for GPU training: each step also waits ``train_s / H``
-    seconds idle (`time.sleep`, so the protocol keeps the CPUs as it would beside a GPU), so a `train` call
-    waits `train_s` in all and a `resume` of steps ``start..stop`` waits ``train_s * (stop - start) / H``:
-    replaying training (an inline audit calls `train`, a segment audit `resume`) costs what training does.
+    `train_s` (seconds, ``--train-s``) stands in for GPU training: each step takes ``train_s / H`` seconds in
+    all, its arithmetic and then an idle wait for the rest (`time.sleep`, so the protocol keeps the CPUs as it
+    would beside a GPU), so a `train` call takes `train_s` and a `resume` of steps ``start..stop`` takes
+    ``train_s * (stop - start) / H``: replaying training (an inline audit calls `train`, a segment audit
+    `resume`) costs what training does. The arithmetic is the stand-in GPU's work, not the protocol's.
+
+    Training reuses its buffers from call to call (the model on a GPU is not allocated afresh each window, and
+    on these machines a fresh model-size buffer costs ~10x a reused one: 1.2 s against 0.1 s at 100M): the
+    returned delta is valid until the next `train` call, which the executor stores before it returns.
     """
 
     def __init__(self, params: int, num_train: int, train_s: float = 0.0) -> None:
         self.params, self.num_train, self.train_s = params, num_train, train_s
+        self._buffers: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # (w, step, delta)
+
+    def _reused(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self._buffers is None:
+            p = self.params
+            self._buffers = (np.empty(p, dtype=np.float32), np.empty(p, dtype=np.float32),
+                             np.empty(p, dtype=np.float32))
+        return self._buffers
 
     def schema(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
         return (("w", "float32", (self.params,)),)
@@ -121,10 +134,15 @@ class FlatWorkload:
               checkpoints: int = 0, on_checkpoint: Any = None, **_: Any) -> tuple[dict, dict]:
         steps = inner_steps or 1
         bounds = {(j * steps) // checkpoints: j for j in range(1, checkpoints + 1)} if checkpoints else {}
-        w = np.array(params["w"], dtype=np.float32, copy=True)
-        self._steps(w, indices, steps, 0, steps, lambda k: on_checkpoint(bounds[k], self._state(w, k))
-                    if on_checkpoint is not None and k in bounds else None, self.train_s)
-        return {"w": np.subtract(params["w"], w, dtype=np.float32)}, {"train_loss": 1.0, "samples": len(indices)}
+        began = time.monotonic()
+        w, step, delta = self._reused()
+        np.copyto(w, params["w"])
+        began += self._steps(w, indices, steps, 0, steps, lambda k: on_checkpoint(bounds[k], self._state(w, k))
+                             if on_checkpoint is not None and k in bounds else None, self.train_s, step, began)
+        np.subtract(params["w"], w, out=delta)
+        if self.train_s > 0:  # the call takes train_s in all, the copies in and out included (class docstring)
+            time.sleep(max(0.0, began + self.train_s - time.monotonic()))
+        return {"w": delta}, {"train_loss": 1.0, "samples": len(indices)}
 
     def resume(self, state: dict[str, np.ndarray], indices: Any, seed: int, *, inner_steps: int, start: int,
                stop: int) -> dict[str, np.ndarray]:
@@ -133,8 +151,11 @@ class FlatWorkload:
         if not 0 <= start < stop <= inner_steps or (
                 "train_state.step" in state and int(state["train_state.step"][0]) != start):
             raise ValueError("bad segment bounds or state")
+        began = time.monotonic()
         w = np.array(state["w"], dtype=np.float32, copy=True)
-        self._steps(w, indices, inner_steps, start, stop, None, self.train_s)
+        began += self._steps(w, indices, inner_steps, start, stop, None, self.train_s, np.empty_like(w), began)
+        if self.train_s > 0:
+            time.sleep(max(0.0, began + self.train_s * (stop - start) / inner_steps - time.monotonic()))
         return self._state(w, stop)
 
     @staticmethod
@@ -143,16 +164,23 @@ class FlatWorkload:
 
     @staticmethod
     def _steps(w: np.ndarray, indices: Any, steps: int, start: int, stop: int, after: Any,
-               train_s: float) -> None:
+               train_s: float, step: np.ndarray, began: float) -> float:
+        """Steps ``start..stop`` of `w` in place, step k ending no earlier than ``began + train_s * (k + 1 -
+        start) / steps`` (idle until then), the last one's wait left to the caller (`train` computes the
+        delta in it). `after(k)` (a checkpoint: the protocol's work, not the GPU's) runs on top of that: its
+        seconds, returned, push the later deadlines back."""
         rate = np.float32(1e-3 * (1.0 + (int(indices[0]) % 7) / 100.0) / steps)
-        step = np.empty_like(w)
+        extra = 0.0
         for k in range(start, stop):
-            if train_s > 0:
-                time.sleep(train_s / steps)  # the GPU's share of this step (class docstring)
             np.multiply(w, rate, out=step)
             w -= step
+            if train_s > 0 and k + 1 < stop:  # the rest of the GPU's share of this step (class docstring)
+                time.sleep(max(0.0, began + extra + train_s * (k + 1 - start) / steps - time.monotonic()))
             if after is not None:
+                called = time.monotonic()
                 after(k + 1)
+                extra += time.monotonic() - called
+        return extra
 
     def loss(self, params: dict[str, np.ndarray], indices: Any) -> float:
         """The mean square of the parameters (as `evaluate`; `train`'s step shrinks it) whatever the samples:

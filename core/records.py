@@ -118,10 +118,14 @@ class ProposalRecord:
 
 @attrs.frozen(kw_only=True)
 class ClaimRecord:
-    """A trainer's update announced for `window`: on its own lease (`holder` None) or claiming `holder`'s."""
+    """A trainer's update announced for `window`: on its own lease (`holder` None) or claiming `holder`'s.
+    `artifacts`: the digests of what the announcement names that the trainer stored without fsync (its delta
+    and trajectory): a host makes them durable before the record (spec/design.md §6, Storage), so a claim
+    read back after a crash never names an update whose bytes were lost. Not part of the stored record."""
     window: int
     holder: PeerId | None = None
     data: bytes
+    artifacts: tuple[bytes, ...] = ()
 
     @property
     def key(self) -> str:

@@ -10,7 +10,8 @@ results that arrive for an old window are dropped. The claim (the signed announc
 before it is sent, so a restarted trainer re-announces the same update instead of a different one.
 
 Overlapped windows (manifest `overlap` k > 0, spec/protocol.md §5.2): once a window's announcement is
-durable the trainer goes on (``announced`` -> ``fetching``) to the next window it holds a lease in, up to k
+signed (``persisting`` -> ``announced``; it is sent once durable, `sealed` until then) the trainer goes on
+(``announced`` -> ``fetching``) to the next window it holds a lease in, up to k
 windows past the one open at validators, training from the latest certified head it holds; a new head
 resets only work for a window that head closed. An announcement for a window that has not opened yet is
 held until the head before it arrives, then sent.
@@ -53,8 +54,10 @@ TABLE: Table = {
     ("training", "trained"): "persisting",
     ("training", "train-failed"): "idle",
     ("persisting", "persisted"): "announced",
-    # overlapped windows only (manifest `overlap` > 0): on to the next window without waiting for a head
+    # overlapped windows only (manifest `overlap` > 0): on to the next window without waiting for a head, and
+    # without waiting for this window's claim to be durable ("signed"; its announcement is sent once it is)
     ("announced", "lease"): "fetching",
+    ("persisting", "signed"): "announced",
 }
 
 
@@ -107,6 +110,9 @@ class TrainerRole(RoleBase):
         # Durable announcements of windows not yet closed, by window: the open one is sent (and sent again
         # to servers that connect), a later one (overlap) waits until its window opens.
         self.published: dict[int, SignedEnvelope] = {}
+        # With overlap, announcements signed but not yet durable (their claim is being written), by window: the
+        # next window already trains from them (as its prior); they are sent, and published, once durable.
+        self.sealed: dict[int, SignedEnvelope] = {}
         self.done = 0  # the highest window this trainer has announced or found no lease in
         self.head_sources: set[PeerId] = set()
         self.joined_window = -1
@@ -170,6 +176,7 @@ class TrainerRole(RoleBase):
             self._retire_commitments(head)
         self.head = head
         self.published = {w: env for w, env in self.published.items() if w > head.window}
+        self.sealed = {w: env for w, env in self.sealed.items() if w > head.window}
         self._drop_uncertified_prior(head)
         if self.window <= head.window or self.state in ("idle", "announced"):
             # the window in flight closed (its results are dropped as stale), or nothing is in flight
@@ -212,13 +219,14 @@ class TrainerRole(RoleBase):
         """`head` opens the window we train (or announced) with a prior it did not certify: validators would
         drop that update (``prior-uncertified``), so we train the window again from `head` itself."""
         e, window = self.engine, head.window + 1
-        held = self.published.get(window)
+        held = self._signed(window)
         prior = prior_of(held) if held is not None else (self.prior.id if self.prior is not None and
                                                            self.window == window else None)
         if prior is None or prior in head.cohort:
             return
         e.log("prior-uncertified", window=window)
         self.published.pop(window, None)
+        self.sealed.pop(window, None)
         self.done = min(self.done, window - 1)
         if self.window == window:
             self.state, self.prior = "idle", None
@@ -242,7 +250,7 @@ class TrainerRole(RoleBase):
                 continue
             self.window, self.base, self.shards = window, head, shards
             # one window ahead of the head: start from it moved by our own update it lacks, if we made one
-            self.prior = self.published.get(window - 1) if window - 1 > head.window else None
+            self.prior = self._signed(window - 1) if window - 1 > head.window else None
             if self._reclaim(window):
                 continue
             e.log("lease", window=window, shards=list(shards))
@@ -262,7 +270,7 @@ class TrainerRole(RoleBase):
         if params is None or head is None:
             return False
         assert e.config.accountant is not None
-        uncertified = sum(1 for w in self.published if head.window < w < window)
+        uncertified = sum(1 for w in {*self.published, *self.sealed} if head.window < w < window)
         steps = spent_steps(head, e.me) + (uncertified + 1) * e.manifest.inner_steps
         if ledger_epsilon(e.config.accountant, params, steps) <= params.epsilon_budget:
             return False
@@ -407,6 +415,10 @@ class TrainerRole(RoleBase):
         m = self.engine.manifest
         return None if m.privacy is None else m.inner_steps
 
+    def _signed(self, window: int) -> SignedEnvelope | None:
+        """Our announcement of `window`, durable (`published`) or still being made durable (`sealed`), if any."""
+        return self.published.get(window) or self.sealed.get(window)
+
     def _attempt(self) -> bytes:
         """Which attempt at `window` runs: its prior's id (§5.2), or b"" without one."""
         return b"" if self.prior is None else self.prior.id
@@ -461,13 +473,22 @@ class TrainerRole(RoleBase):
                                  privacy_steps=self._privacy_steps())
         envelope = seal(e.identity, ann)
         self._commit(window, envelope, result)
-        e.persist_then(ClaimRecord(window=window, data=envelope.to_bytes()), "trainer",
+        e.persist_then(ClaimRecord(window=window, data=envelope.to_bytes(), artifacts=_stored_unsynced(result)),
+                       "trainer",
                        Announce(window=window, envelope=envelope, train_loss=float(result.train_loss),
                                 delta=delta.digest))
+        if e.manifest.overlap and self.head is not None:
+            # On to the next window while the claim (and the delta, fsynced first) is written: the GPU does
+            # not wait for the disk (spec/protocol.md §5.2). Its announcement is still sent only once durable.
+            self.sealed[window] = envelope
+            self.done = window
+            self._step("signed")
+            self._next()
 
     def _announce(self, work: Announce) -> None:
         """The announcement `work.envelope` is durable: send it (if its window is still ours; one that has not
-        opened yet waits for its head), then, with overlap, go on to the next window."""
+        opened yet waits for its head). With overlap the trainer went on to the next window when it signed it
+        (`_trained`), unless it found none then: it tries again now."""
         e, window, envelope = self.engine, work.window, work.envelope
         if work.holder is not None:
             if window != self.current:
@@ -478,17 +499,22 @@ class TrainerRole(RoleBase):
             e.log("announce-claim", window=window, holder=str(work.holder), update=envelope.id.hex())
             e.broadcast(Signed(envelope=envelope), roles=("validator", "reducer"))
             return
-        if window != self.window:
+        if window in self.sealed:  # overlap: the trainer went on when it signed; sent now that it is durable
+            if self.sealed[window] is not envelope:
+                return
+            del self.sealed[window]
+        elif window != self.window or self.state != "persisting":
             return
-        self._step("persisted")
-        self.done = window
+        else:
+            self._step("persisted")
+        self.done = max(self.done, window)
         self.published[window] = envelope
         e.stats["updates_announced"] += 1
         e.log("announce", window=window, update=envelope.id.hex(), train_loss=work.train_loss,
               delta=work.delta.hex()[:16])
         if window == self.current:
             e.broadcast(Signed(envelope=envelope), roles=("validator", "reducer"))
-        if e.manifest.overlap and self.head is not None:
+        if e.manifest.overlap and self.head is not None and self.state == "announced":
             self._next()
 
     def on_peer_ready(self, peer: PeerId, roles: tuple[str, ...]) -> None:
@@ -565,6 +591,13 @@ class TrainerRole(RoleBase):
             delta=result.delta, delta_digest=result.delta_digest, train_loss=float(result.train_loss),
             claim=holder, trajectory=result.trajectory, privacy_steps=self._privacy_steps()))
         self._commit(window, envelope, result)
-        e.persist_then(ClaimRecord(window=window, holder=holder, data=envelope.to_bytes()), "trainer",
+        e.persist_then(ClaimRecord(window=window, holder=holder, data=envelope.to_bytes(),
+                                   artifacts=_stored_unsynced(result)), "trainer",
                        Announce(window=window, envelope=envelope, train_loss=float(result.train_loss),
                                 holder=holder))
+
+
+def _stored_unsynced(result: TrainResult) -> tuple[bytes, ...]:
+    """What a train task stored without fsync that its claim names (the delta, the trajectory): the host makes
+    them durable before the claim (`ClaimRecord.artifacts`)."""
+    return (result.delta.digest,) + (() if result.trajectory is None else (result.trajectory.digest,))

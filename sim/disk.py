@@ -62,6 +62,12 @@ class SimDisk:
         every `put` is."""
         return self.put(b"".join(parts))
 
+    def make_durable(self, digest: bytes) -> bool:
+        """`adapters.storage.ArtifactStore.make_durable`: a volatile commit survives crashes from now on; True
+        while the disk holds the artifact."""
+        self._volatile.discard(digest)
+        return digest in self._refs
+
     def get(self, digest: bytes) -> bytes:
         if digest not in self._refs:
             raise KeyError(digest.hex())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import sys
 
 import numpy as np
@@ -156,9 +157,10 @@ _VIEW_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "
                 "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?"}
 
 
-def safetensors_views(data: bytes, *, max_tensors: int = DEFAULT_MAX_TENSORS) -> TensorDict:
+def safetensors_views(data: bytes | mmap.mmap, *, max_tensors: int = DEFAULT_MAX_TENSORS) -> TensorDict:
     """`from_safetensors` without copying: each array is a read-only view into `data` (a 400 MB
-    artifact loads in one read, not a read plus a copy).
+    artifact loads in one read, not a read plus a copy; from a read-only ``mmap`` of its file, in none:
+    pages are read from the page cache as the arrays are used).
 
     Same checks as `from_safetensors` on the prefix and header, and then, in place of the library's: every
     entry (but ``__metadata__``) is ``{"dtype", "shape", "data_offsets"}`` with a known dtype, a shape of
@@ -167,7 +169,7 @@ def safetensors_views(data: bytes, *, max_tensors: int = DEFAULT_MAX_TENSORS) ->
     A dtype numpy cannot view (e.g. BF16) falls back to `from_safetensors`. Raises `DecodeError(
     "bad-safetensors", detail)` and nothing else; never unpickles.
     """
-    if not isinstance(data, bytes):
+    if not isinstance(data, (bytes, mmap.mmap)):
         return from_safetensors(data, max_tensors=max_tensors)
     if len(data) < 8:
         raise DecodeError("bad-safetensors", f"{len(data)} bytes is shorter than the 8-byte length prefix")
@@ -176,7 +178,7 @@ def safetensors_views(data: bytes, *, max_tensors: int = DEFAULT_MAX_TENSORS) ->
         raise DecodeError("bad-safetensors", f"header length {header_len} does not fit {len(data)} bytes")
     spans = safetensors_layout(data[8 : 8 + header_len], len(data), max_tensors=max_tensors)
     if spans is None:
-        return from_safetensors(data, max_tensors=max_tensors)
+        return from_safetensors(data if isinstance(data, bytes) else memoryview(data), max_tensors=max_tensors)
     base = 8 + header_len
     tensors: TensorDict = {}
     for begin, _, name, dtype, shape, count in spans:

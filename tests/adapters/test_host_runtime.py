@@ -126,3 +126,41 @@ def test_rejections_of_admitted_peers_and_the_last_failed_task_reach_the_edge(tm
         assert runtime.edge_view.last_error() == "train task failed: ValueError('sample\\n17')"
     finally:
         runtime.close()
+
+
+def test_a_claim_is_written_after_its_artifacts_are_fsynced_off_the_loop_and_records_keep_their_order(tmp_path):
+    """A trainer stores its delta without fsync and goes on training (spec/protocol.md §5.2): the claim that
+    names it is written only once the delta is durable (fsynced on a worker thread), and a record that comes
+    after the claim waits behind it, so `Persisted` reaches the engine in order."""
+    from peerloom.core.records import ClaimRecord, LockRecord
+
+    runtime = validator_runtime(tmp_path)
+    delta = runtime.store.put_parts([b"a delta" * 11], durable=False)
+    vref = runtime.store.path_of(delta.digest).with_suffix(".vref")
+    fed: list[str] = []
+
+    def done(name: str) -> None:
+        # the claim's artifact is durable whenever a record is reported written
+        assert not vref.exists() and runtime.store.path_of(delta.digest).with_suffix(".ref").exists()
+        fed.append(name)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            runtime._nursery = nursery
+            runtime.write_record(ClaimRecord(window=3, data=b"claim", artifacts=(delta.digest,)),
+                                 lambda: done("claim"))
+            runtime.write_record(LockRecord(window=3, data=b"lock"), lambda: done("lock"))
+            assert fed == [] and vref.exists()  # nothing written on the loop yet, not even the lock behind it
+            item = await runtime._events.get()  # the fsync's completion, for the main loop
+            item.done()
+            assert fed == ["claim", "lock"]
+            runtime.write_record(LockRecord(window=4, data=b"lock"), lambda: fed.append("at once"))
+            assert fed[-1] == "at once"  # nothing waits: written on the loop, as before
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+        records = runtime.store.records()
+        assert records["claim/3"] == b"claim" and records["lock/3"] == b"lock"
+    finally:
+        runtime.close()

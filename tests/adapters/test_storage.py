@@ -294,3 +294,43 @@ def test_a_non_durable_artifact_a_crash_tore_is_deleted_at_the_next_open(tmp_pat
     again = ArtifactStore(tmp_path, chunk_size=10)
     assert again.refs() == [kept] and not again.has(ref.digest) and again.check() == []
     assert not path.exists() and not meta.exists()
+
+
+def test_make_durable_fsyncs_a_volatile_artifact_and_writes_its_durable_ref(tmp_path, monkeypatch):
+    """A trainer's delta is stored without fsync and made durable before its claim (spec/design.md §6, Storage):
+    the file and the directory are fsynced, ``.vref`` becomes ``.ref``, and the next open does not hash it."""
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    store = ArtifactStore(tmp_path, chunk_size=10)
+    ref = store.put_parts([b"delta" * 9], durable=False)
+    name = ref.digest[2:].hex()
+    assert synced == [] and (tmp_path / "artifacts" / f"{name}.vref").exists()
+    assert store.make_durable(ref.digest)
+    assert len(synced) >= 3  # the file, the directory, the ref file
+    assert sorted(p.name for p in (tmp_path / "artifacts").iterdir()) == [name, f"{name}.ref"]
+    synced.clear()
+    assert store.make_durable(ref.digest) and synced == []  # already durable: nothing to do
+    store.close()
+    hashed: list[bytes] = []
+    monkeypatch.setattr(ArtifactStore, "_keep_volatile", lambda self, meta: hashed.append(meta))
+    assert ArtifactStore(tmp_path, chunk_size=10).refs() == [ref] and hashed == []
+    assert not ArtifactStore(tmp_path, chunk_size=10).make_durable(b"\x12\x20" + bytes(32))  # not held
+
+
+def test_map_is_the_artifact_read_only_and_survives_its_removal(tmp_path):
+    store = ArtifactStore(tmp_path, chunk_size=10)
+    data = os.urandom(37)
+    ref = store.put(data)
+    mapped = store.map(ref.digest)
+    assert mapped[:] == data
+    with pytest.raises(TypeError):
+        mapped[0] = 0  # read-only
+    store.remove([ref.digest])
+    assert mapped[:] == data  # retention may drop a file a kernel still reads
+    with pytest.raises(KeyError):
+        store.map(ref.digest)
+    other = store.put(b"x" * 20)
+    (tmp_path / "artifacts" / other.digest[2:].hex()).write_bytes(b"short")
+    with pytest.raises(VerificationError):
+        store.map(other.digest)

@@ -222,3 +222,14 @@ def test_a_prior_on_an_update_trained_from_the_parent_is_bad_prior():
     decoded = UpdateAnnouncement.from_cbor(v.announcement(t).open(UpdateAnnouncement.KIND,
                                                                     PROTOCOL_VERSION))
     assert decoded.prior is None and "prior" not in decoded.to_cbor()  # absent unless set
+
+
+def test_an_overlapped_trainer_trains_on_while_its_claim_is_written(overlapped_fleet):
+    """With overlap the trainer goes on to the next window when it has signed its update, not when the claim
+    (and the delta, fsynced first) is durable; the announcement itself is sent only once it is (§5.2)."""
+    cluster, _ = overlapped_fleet
+    events = [(t, e, f) for t, n, e, f in cluster.logs if n == "t0" and e in ("lease", "announce")]
+    announced = {f["window"]: t for t, e, f in events if e == "announce"}
+    leased = {f["window"]: t for t, e, f in events if e == "lease"}
+    went_on = [w for w in announced if w + 1 in leased and leased[w + 1] < announced[w]]
+    assert went_on  # the next lease (its training) began while the claim before it was being written

@@ -22,11 +22,17 @@ PHASES = {"fetch_head", "train", "publish", "fetch", "screen", "reduce", "agree"
 
 @pytest.mark.slow
 def test_window_bench_quick() -> None:
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "window.py"), "--quick", "--train-s", str(TRAIN_S)],
-                         capture_output=True, text=True, check=True, cwd=ROOT, timeout=240).stdout
+    """Also the one run of overlapped windows between real node processes (spec/protocol.md §5.2): the
+    second fleet, ``overlap = 1``, where a trainer goes on before its claim and delta are durable."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "window.py"), "--quick", "--train-s", str(TRAIN_S),
+                          "--overlap", "0,1"],
+                         capture_output=True, text=True, check=True, cwd=ROOT, timeout=360).stdout
     report = json.loads(out.strip().splitlines()[-1])
     assert report["processes"] == 4
-    (result,) = report["results"]
+    result, overlapped = report["results"]
+    assert overlapped["overlap"] == 1 and overlapped["windows"] >= 1 and overlapped["skipped"] == 0
+    assert overlapped["tasks"]["trainer"]["train"] >= TRAIN_S
+    assert all(0.0 < v <= 1.0 for v in overlapped["utilization"].values())
     assert result["params"] == 1_000_000 and result["model_bytes"] == 4_000_000
     assert result["windows"] >= 1 and result["skipped"] == 0
     assert set(result["phases"]) == PHASES
