@@ -115,13 +115,11 @@ class FlatWorkload:
 
     def __init__(self, params: int, num_train: int, train_s: float = 0.0) -> None:
         self.params, self.num_train, self.train_s = params, num_train, train_s
-        self._buffers: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # (w, step, delta)
+        self._buffers: tuple[np.ndarray, np.ndarray] | None = None  # (w, step), the step's buffer ends as the delta
 
-    def _reused(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _reused(self) -> tuple[np.ndarray, np.ndarray]:
         if self._buffers is None:
-            p = self.params
-            self._buffers = (np.empty(p, dtype=np.float32), np.empty(p, dtype=np.float32),
-                             np.empty(p, dtype=np.float32))
+            self._buffers = (np.empty(self.params, dtype=np.float32), np.empty(self.params, dtype=np.float32))
         return self._buffers
 
     def schema(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
@@ -135,11 +133,11 @@ class FlatWorkload:
         steps = inner_steps or 1
         bounds = {(j * steps) // checkpoints: j for j in range(1, checkpoints + 1)} if checkpoints else {}
         began = time.monotonic()
-        w, step, delta = self._reused()
+        w, step = self._reused()
         np.copyto(w, params["w"])
         began += self._steps(w, indices, steps, 0, steps, lambda k: on_checkpoint(bounds[k], self._state(w, k))
                              if on_checkpoint is not None and k in bounds else None, self.train_s, step, began)
-        np.subtract(params["w"], w, out=delta)
+        delta = np.subtract(params["w"], w, out=step)  # the step buffer is free again: two model sizes in all
         if self.train_s > 0:  # the call takes train_s in all, the copies in and out included (class docstring)
             time.sleep(max(0.0, began + self.train_s - time.monotonic()))
         return {"w": delta}, {"train_loss": 1.0, "samples": len(indices)}
