@@ -280,20 +280,25 @@ class ComputeExecutor:
         with a `start` (`core.audit.start_args`, an overlapped update with a prior; spec/protocol.md §5.2)
         ``params - scale * outer_state - decode(prior delta)``: per element in float64, in that order,
         rounded once to the params' dtype, into a buffer this executor reuses. The last one is kept, as
-        `load_params` keeps its params (a screen's loss check and audit start from the same point)."""
-        params = self.load_params(params_ref)
+        `load_params` keeps its params (a screen's loss check and audit start from the same point). Its
+        inputs are read block by block from their files where the store streams (`open`): a model size
+        each, read once, that would otherwise sit in memory (or, mapped, in this process's RSS) beside it."""
         if start is None:
-            return params
+            return self.load_params(params_ref)
         state_ref = start.outer_state
         key = (params_ref.digest, start.prior.digest, None if state_ref is None else state_ref.digest,
                float(start.scale))
         if self._start is not None and self._start[0] == key:
             return self._start[1]
-        prior = self._decode(self.load_mapped(start.prior))
-        state = None if state_ref is None else self.load_mapped(state_ref)
         buffers = self._start[1] if self._start is not None else {}
         self._start = None
-        out = eager_start(params, state, prior, float(start.scale), out=buffers, threads=self.compute.threads)
+        with ExitStack() as stack:
+            params = self.open(params_ref, stack) if self._params is None or \
+                self._params[0] != params_ref.digest else self._params[1]
+            encoded = self.open(start.prior, stack) if self.manifest.codec == "none" else self.load(start.prior)
+            prior = self._decode(encoded)
+            state = None if state_ref is None else self.open(state_ref, stack)
+            out = eager_start(params, state, prior, float(start.scale), out=buffers, threads=self.compute.threads)
         self._start = (key, out)
         return out
 
@@ -835,22 +840,25 @@ MIN_SCREEN_COHORT = 3
 """Fewer candidates than this are never cohort outliers (spec/protocol.md §6): two have their mean as median."""
 
 
-def eager_start(params: dict[str, np.ndarray], state: dict[str, np.ndarray] | None, prior: dict[str, np.ndarray],
+def eager_start(params: Mapping[str, Any], state: Mapping[str, Any] | None, prior: Mapping[str, Any],
                 scale: float, *, out: dict[str, np.ndarray] | None = None, threads: int = 1) -> dict[str, np.ndarray]:
     """Where an overlapped update with a prior starts (spec/protocol.md §5.2): ``params - scale * state - prior``
     per element in float64, in that order (the state's term left out when `state` is None), rounded once to each
     tensor's dtype. Tensors of `out` of the right shape and dtype are written in place (and returned); the others
-    are allocated. Same names, shapes and dtypes in, as the manifest's schema fixes them. Blocks are shared
+    are allocated. Same names, shapes and dtypes in, as the manifest's schema fixes them; the inputs are numpy
+    arrays or stored `FileTensor` objects (read a block at a time, each thread into its own buffer). Blocks are shared
     among `threads` threads (`peerloom.backends.numpy.aggregate.workspace`: numpy releases the GIL); each
     element's arithmetic is its own, so the bytes are the same on any count."""
     result: dict[str, np.ndarray] = {}
-    block = 1 << 20  # elements per float64 pass: a model-sized float64 temporary would be twice the model
-    jobs: list[tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]] = []
+    # Elements per float64 pass (a model-sized float64 temporary would be twice the model), large enough that a
+    # thread reacquires the GIL rarely: beside a busy event loop each numpy call can wait milliseconds for it.
+    block = 1 << 22
+    jobs: list[tuple[Any, Any, Any, np.ndarray]] = []
     for name, p in params.items():
         buf = None if out is None else out.get(name)
         if buf is None or buf.shape != p.shape or buf.dtype != p.dtype:
-            buf = np.empty_like(p)
-        jobs.append((np.ravel(p), np.ravel(prior[name]), None if state is None else np.ravel(state[name]),
+            buf = np.empty(p.shape, dtype=p.dtype)
+        jobs.append((p.reshape(-1), prior[name].reshape(-1), None if state is None else state[name].reshape(-1),
                      buf.reshape(-1)))
         result[name] = buf
     spans = [(j, i) for j, (flat_p, *_) in enumerate(jobs) for i in range(0, flat_p.size, block)]
@@ -862,13 +870,13 @@ def eager_start(params: dict[str, np.ndarray], state: dict[str, np.ndarray] | No
             flat_p, flat_prior, flat_state, flat_out = jobs[j]
             n = min(block, flat_p.size - i)
             xs, ys = x[:n], y[:n]
-            np.copyto(xs, flat_p[i:i + n], casting="unsafe")
+            # the casts to float64 happen inside each ufunc (exact), so every step is one float64 operation
             if flat_state is not None:
-                np.copyto(ys, flat_state[i:i + n], casting="unsafe")
-                ys *= scale
-                xs -= ys
-            np.copyto(ys, flat_prior[i:i + n], casting="unsafe")
-            xs -= ys
+                np.multiply(flat_state[i:i + n], scale, out=ys, dtype=np.float64)
+                np.subtract(flat_p[i:i + n], ys, out=xs, dtype=np.float64)
+            else:
+                np.copyto(xs, flat_p[i:i + n], casting="unsafe")
+            np.subtract(xs, flat_prior[i:i + n], out=xs, dtype=np.float64)
             np.copyto(flat_out[i:i + n], xs, casting="unsafe")
 
     ws.parallel(part)

@@ -184,3 +184,22 @@ def test_a_failing_part_is_raised_after_every_part_finished():
     assert ws.parallel(lambda k, w: (k, w is ws)) == [(0, True), (1, False), (2, False)]
     with pytest.raises(ValueError, match="threads must be in"):
         Workspace(NUMPY_OPS, MAX_THREADS + 1)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_an_eager_start_gives_the_float64_rule_bytes_on_any_thread_count(dtype):
+    """`eager_start` (spec/protocol.md §5.2): ``params - scale * state - prior`` per element in float64, rounded
+    once; its blocks shared among threads, and the casts inside each ufunc, change no byte."""
+    from peerloom.adapters.compute import eager_start
+
+    rng = np.random.default_rng(7)
+    n = (1 << 22) + 4099  # more than one block, the last one short
+    params = {"w": rng.standard_normal(n).astype(dtype), "b": rng.standard_normal((3, 2)).astype(dtype)}
+    state = {k: (1e3 * rng.standard_normal(v.shape)).astype(dtype) for k, v in params.items()}
+    prior = {k: rng.standard_normal(v.shape).astype(dtype) for k, v in params.items()}
+    for moment in (state, None):
+        want = {k: (v.astype(np.float64) - (0.0 if moment is None else 0.37 * moment[k].astype(np.float64))
+                    - prior[k].astype(np.float64)).astype(dtype) for k, v in params.items()}
+        for threads in (1, 2, 3):
+            got = eager_start(params, moment, prior, 0.37, threads=threads)
+            assert {k: v.tobytes() for k, v in got.items()} == {k: v.tobytes() for k, v in want.items()}

@@ -200,6 +200,9 @@ def test_start_params_follow_the_eager_rule_and_the_audit_checks_the_start(tmp_p
         want = (p.astype(np.float64) - start.scale * state[name].astype(np.float64)
                 - prior_tensors[name].astype(np.float64)).astype(np.float32)
         assert np.array_equal(got[name], want)
+    # a fresh executor reads all three inputs block by block from their files: the same bytes
+    fresh = ComputeExecutor(ex.store, manifest, workload, shards, compute_threads=2).start_params(params_ref, start)
+    assert all(fresh[k].tobytes() == got[k].tobytes() for k in params)
     assert start_args(manifest, base, None) is None  # no prior: the base itself
     audit = Recomputation(params=params_ref, start=start, shards=(2,), seed=seed, inner_steps=0, min_cosine=0.99)
     eager = ex.run(TrainTask(params=params_ref, start=start, shards=(2,), seed=seed, inner_steps=0))
