@@ -85,3 +85,45 @@ def test_a_chunk_lost_to_a_full_disk_loses_its_fetch_and_charges_nobody(tmp_path
         assert not runtime.store.has(ref.digest)
     finally:
         runtime.close()
+
+
+def test_a_claim_whose_delta_cannot_be_fsynced_for_space_waits_with_the_records_behind_it(tmp_path, monkeypatch):
+    """The fsync that makes a claim's delta durable (adapters/runtime.py `_sync_artifacts`) fails for space: the
+    claim and the record after it wait, in order, and are written (the delta made durable first) once space
+    is back; the engine hears `Persisted` only then."""
+    import errno
+
+    from peerloom.core.records import ClaimRecord
+
+    runtime = validator_runtime(tmp_path)
+    delta = runtime.store.put_parts([b"a delta" * 9], durable=False)
+    real = runtime.store.make_durable
+    full = [True]
+
+    def make_durable(digest):
+        if full[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(digest)
+
+    monkeypatch.setattr(runtime.store, "make_durable", make_durable)
+    fed: list[str] = []
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            runtime._nursery = nursery
+            runtime.write_record(ClaimRecord(window=5, data=b"claim", artifacts=(delta.digest,)),
+                                 functools.partial(fed.append, "claim"))
+            runtime.write_record(LockRecord(window=5, data=b"lock"), functools.partial(fed.append, "lock"))
+            (await runtime._events.get()).done()  # the failed sync, back on the main loop
+            assert runtime.disk_full and fed == []
+            full[0] = False
+            runtime._resume_writes()
+            assert fed == ["claim", "lock"] and not runtime.disk_full
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+        assert runtime.store.path_of(delta.digest).with_suffix(".ref").exists()
+        assert runtime.store.records()["claim/5"] == b"claim"
+    finally:
+        runtime.close()
