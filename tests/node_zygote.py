@@ -286,7 +286,7 @@ def main() -> None:
     from peerloom.node import run_node  # noqa: F401
     from tests.node_cluster import numpy_digits
 
-    numpy_digits(0, 1)  # warm the dataset and sklearn imports before forking
+    numpy_digits(0, 1)  # warm the workload imports and the digits split (cached, or computed) before forking
     for module in filter(None, os.environ.get("PEERLOOM_ZYGOTE_PRELOAD", "").split(",")):
         importlib.import_module(module)
 
