@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,10 +36,21 @@ def numpy_digits(seed: int, num_shards: int) -> tuple[Any, list[list[int]]]:
     return workload, shard_indices(len(load_digits_split(seed)[0]), num_shards, seed)
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port free on 127.0.0.1 now for a node to bind later, drawn below the kernel's ephemeral range as
+    `peerloom init` draws them (`peerloom.experiment._unused_ports`): a port from that range (what binding
+    port 0 gives) can meanwhile become the local end of some outgoing connection, and the node then fails
+    with "Address already in use" (seen under load, with other fleets dialling). Never one it gave before."""
+    from peerloom.experiment import _unused_ports
+
+    while True:
+        (port,) = _unused_ports(1)
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 @dataclass

@@ -188,6 +188,21 @@ def forked_popen(**env: str) -> Iterator[None]:
         subprocess.Popen = real  # type: ignore[misc]  # restores it
 
 
+def cli_with_forked_nodes(argv: list[str], *, preload: str = "") -> None:
+    """Run `peerloom <argv>` (`peerloom.cli.main`, exit status included) in this process, with every node
+    process it starts as `peerloom.experiment.Fleet.start` does forked from a fork server instead
+    (`forked_popen`, under the start-up environment `Fleet.start` gives its nodes, and `preload` imported
+    before forking: ``"torch"`` for torch workloads). The command itself runs as a user runs it; its nodes are
+    real processes on the real command line, without an interpreter start-up and a torch import each. As a
+    process of its own, from the repository root: ``python -c "import sys; from tests.node_zygote import
+    cli_with_forked_nodes as run; run(sys.argv[1:])" ARGS``."""
+    from peerloom.cli import main
+
+    with forked_popen(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                      PEERLOOM_ZYGOTE_PRELOAD=preload):
+        main(argv)
+
+
 def run_cli(args: list[str], *, cwd: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None,
             timeout: float | None = None) -> subprocess.CompletedProcess[str]:
     """What `subprocess.run([sys.executable, "-m", "peerloom", *args], capture_output=True, text=True, cwd=cwd,
@@ -286,7 +301,7 @@ def main() -> None:
     from peerloom.node import run_node  # noqa: F401
     from tests.node_cluster import numpy_digits
 
-    numpy_digits(0, 1)  # warm the dataset and sklearn imports before forking
+    numpy_digits(0, 1)  # warm the workload imports and the digits split (cached, or computed) before forking
     for module in filter(None, os.environ.get("PEERLOOM_ZYGOTE_PRELOAD", "").split(",")):
         importlib.import_module(module)
 

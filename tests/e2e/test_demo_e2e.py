@@ -1,4 +1,12 @@
-"""End to end: the smoke demo as a user runs it — real OS processes, TCP+Noise on 127.0.0.1."""
+"""End to end: the smoke demo as a user runs it — real OS processes, TCP+Noise on 127.0.0.1.
+
+`peerloom demo` runs as a process of its own each time. Where a test looks at what the fleet does (the smoke
+run, the undefended mean), the nodes it starts are forked from a fork server that has imported peerloom and
+torch (`DEMO_FORKED_NODES`, tests/node_zygote.py): real processes running the real `peerloom node` command
+line over real sockets, without eight interpreter start-ups and torch imports competing for two cores (a
+smoke demo took 51-66 s that way here, 25 s forked). The SIGTERM test starts every node as
+`python -m peerloom node`, as a user's demo does, and checks that none is left running.
+"""
 
 import json
 import re
@@ -16,6 +24,12 @@ from tests.node_zygote import run_cli
 REPORT_KEYS = {"peerloom_version", "profile", "seed", "workload", "transport", "nodes", "windows", "final_head",
                "baseline", "updates", "bytes_on_wire", "wall_s", "quarantined", "verified", "quarantine_over_time",
                "head_lag_s", "bytes_by_role", "chain", "per_window", "defence", "double_votes", "verification"}
+
+
+ROOT = Path(__file__).resolve().parents[2]
+# `python -m peerloom demo ARGS`, its nodes forked from a fork server with torch imported (module docstring).
+DEMO_FORKED_NODES = [sys.executable, "-c", "import sys; from tests.node_zygote import cli_with_forked_nodes; "
+                     "cli_with_forked_nodes(sys.argv[1:], preload='torch')", "demo"]
 
 
 CHROMIUM = next((p for p in (shutil.which("chromium"), shutil.which("chromium-browser"), "/usr/bin/chromium")
@@ -54,9 +68,9 @@ def watch_dashboard(url: str, demo: subprocess.Popen) -> list[int]:
 def smoke_run(tmp_path_factory):
     """Run the smoke demo as a user would, and watch its dashboard in a browser while it runs."""
     out = tmp_path_factory.mktemp("e2e") / "demo"
-    proc = subprocess.Popen([sys.executable, "-m", "peerloom", "demo", "--profile", "smoke", "--out", str(out),
-                             "--seed", "1", "--kill-trainer-at", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([*DEMO_FORKED_NODES, "--profile", "smoke", "--out", str(out), "--seed", "1",
+                             "--kill-trainer-at", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     lines: list[str] = []
     url = None
     assert proc.stdout is not None
@@ -212,8 +226,8 @@ def test_undefended_mean_visibly_degrades_and_the_report_says_so(tmp_path):
     """--rule mean turns the defences off (plain mean, no outlier screening): the sign-flip-scale trainer
     is never quarantined and wrecks the model, and the report's defence verdict says so."""
     out = tmp_path / "mean"
-    proc = subprocess.run([sys.executable, "-m", "peerloom", "demo", "--profile", "smoke", "--out", str(out),
-                           "--seed", "1", "--rule", "mean"], capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([*DEMO_FORKED_NODES, "--profile", "smoke", "--out", str(out), "--seed", "1", "--rule",
+                           "mean"], capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["rule"] == "mean" and report["verified"] is True

@@ -26,6 +26,23 @@ def _run(name, seed=1, **overrides):
     return run_scenario(scenario, seed=seed)
 
 
+@pytest.fixture(scope="module")
+def shared_run():
+    """`_run`, run once per (scenario, seed, overrides) for the tests of this module that ask for the same
+    one and only read its result (churn alone takes ~18 s): a run is a pure function of those
+    (test_trace_is_identical_across_processes_with_different_hash_seeds). Dropped with the module."""
+    results = {}
+
+    def run(name, seed=1, **overrides):
+        key = (name, seed, repr(sorted(overrides.items())))
+        if key not in results:
+            results[key] = _run(name, seed=seed, **overrides)
+        return results[key]
+
+    yield run
+    results.clear()
+
+
 def test_every_issue_scenario_is_shipped():
     names = {p.stem for p in SCENARIOS.glob("*.toml")}
     assert {"happy", "lossy-wan", "partition-heal", "byzantine-validator", "byzantine-trainers", "churn",
@@ -33,8 +50,8 @@ def test_every_issue_scenario_is_shipped():
 
 
 @pytest.mark.parametrize("name", ["lossy-wan", "byzantine-trainers", "churn", "equivocation"])
-def test_shipped_scenario_passes_its_invariants(name):
-    result = _run(name)
+def test_shipped_scenario_passes_its_invariants(name, shared_run):
+    result = shared_run(name)
     assert result.ok, result.summary["invariants"]
     assert result.summary["windows"]["certified"] >= 3
 
@@ -53,12 +70,12 @@ def test_equivocating_proposer_does_not_stall_a_window(seed, first_proposer):
 
 
 @pytest.mark.parametrize("seed", [0, 3])
-def test_membership_changes_go_through_left_expired_and_joins(seed):
+def test_membership_changes_go_through_left_expired_and_joins(seed, shared_run):
     """A signed leave lands in a head's `left`, a dead trainer in `expired` after idle_windows, a joiner
     in the roster; the roster-changes invariant checks every head in between."""
     from peerloom.sim.kernel import sim_identity
 
-    result = _run("membership", seed=seed)
+    result = shared_run("membership", seed=seed)
     assert result.ok, result.summary["invariants"]
     ids = {n: sim_identity(seed, n).peer_id for n in ("t6", "t7", "j0")}
     assert ids["t6"] in result.checkers.left_seen and ids["t6"] not in result.checkers.expired_seen
@@ -68,7 +85,7 @@ def test_membership_changes_go_through_left_expired_and_joins(seed):
     assert result.summary["invariants"]["roster-changes"]["ok"]
 
 
-def test_roster_changes_invariant_catches_a_silent_drop():
+def test_roster_changes_invariant_catches_a_silent_drop(shared_run):
     """A head that drops a rostered peer without naming it in left/expired fails roster-changes."""
     import attrs
 
@@ -80,7 +97,7 @@ def test_roster_changes_invariant_catches_a_silent_drop():
         def record(self, *args, **kwargs):
             pass
 
-    result = _run("membership", seed=0)
+    result = shared_run("membership", seed=0)
     final = result.checkers.final
     parent, head = final[1], final[2]
     checkers = Checkers()
@@ -164,15 +181,15 @@ def test_a_transient_fetch_failure_does_not_make_validators_refuse_a_head_foreve
     assert verdicts == [True], verdicts
 
 
-def test_lossy_wan_really_loses_and_duplicates():
-    result = _run("lossy-wan")
+def test_lossy_wan_really_loses_and_duplicates(shared_run):
+    result = shared_run("lossy-wan")
     net = result.summary["network"]
     assert net["dropped"] > 0 and net["duplicated"] > 0
 
 
 @pytest.mark.parametrize("seed", [1, 2])
-def test_byzantine_trainers_do_not_stop_learning_and_get_quarantined(seed):
-    result = _run("byzantine-trainers", seed=seed)
+def test_byzantine_trainers_do_not_stop_learning_and_get_quarantined(seed, shared_run):
+    result = shared_run("byzantine-trainers", seed=seed)
     losses = [loss for _, _, loss in result.loss]
     assert losses[-1] < losses[0] / 2, losses  # the median keeps the quadratic going down
     quarantined = set().union(*(h.quarantined for h in result.checkers.final.values()))
@@ -182,8 +199,8 @@ def test_byzantine_trainers_do_not_stop_learning_and_get_quarantined(seed):
     assert "no head carried" not in result.summary["invariants"]["no-quarantined-cohort"]["detail"]
 
 
-def test_churn_crashes_restarts_leaves_and_joins():
-    result = _run("churn")
+def test_churn_crashes_restarts_leaves_and_joins(shared_run):
+    result = shared_run("churn")
     sim = result.sim
     assert "j0" in sim.nodes and sim.nodes["j0"].heads  # the late joiner synced certified heads
     assert not sim.nodes["t7"].up  # left for good
