@@ -148,13 +148,16 @@ class Replay(Behaviour):
 
     def __init__(self) -> None:
         self.first: TrainResult | None = None
+        self.first_bytes = b""  # its own copy: a crash that wipes its disk must not leave it replaying a ref it lacks
 
     def on_task(self, sim: Simulation, node: SimNode, task: Task, result: TaskResult) -> TaskResult:
         if not isinstance(result, TrainResult):
             return result
         if self.first is None:
-            self.first = result
+            self.first, self.first_bytes = result, node.disk.get(result.delta.digest)
             return result
+        if not node.disk.has(self.first.delta.digest):
+            node.disk.put(self.first_bytes)  # what it announces it must serve: the host serves only what it holds
         return attrs.evolve(result, delta=self.first.delta, delta_digest=self.first.delta_digest)
 
 
