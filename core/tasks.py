@@ -142,6 +142,12 @@ class TrainResult:
     trajectory: ArtifactRef | None = None
     committed: tuple[ArtifactRef, ...] = ()
 
+    @property
+    def unsynced(self) -> tuple[bytes, ...]:
+        """The digests of what the task stored without fsync that the trainer's claim names (the delta and the
+        trajectory): a host makes them durable before the claim (`ClaimRecord.artifacts`, spec/design.md §6)."""
+        return (self.delta.digest,) + (() if self.trajectory is None else (self.trajectory.digest,))
+
 
 @attrs.frozen(kw_only=True)
 class ScreenTask:

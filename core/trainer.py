@@ -473,7 +473,7 @@ class TrainerRole(RoleBase):
                                  privacy_steps=self._privacy_steps())
         envelope = seal(e.identity, ann)
         self._commit(window, envelope, result)
-        e.persist_then(ClaimRecord(window=window, data=envelope.to_bytes(), artifacts=_stored_unsynced(result)),
+        e.persist_then(ClaimRecord(window=window, data=envelope.to_bytes(), artifacts=result.unsynced),
                        "trainer",
                        Announce(window=window, envelope=envelope, train_loss=float(result.train_loss),
                                 delta=delta.digest))
@@ -592,12 +592,6 @@ class TrainerRole(RoleBase):
             claim=holder, trajectory=result.trajectory, privacy_steps=self._privacy_steps()))
         self._commit(window, envelope, result)
         e.persist_then(ClaimRecord(window=window, holder=holder, data=envelope.to_bytes(),
-                                   artifacts=_stored_unsynced(result)), "trainer",
+                                   artifacts=result.unsynced), "trainer",
                        Announce(window=window, envelope=envelope, train_loss=float(result.train_loss),
                                 holder=holder))
-
-
-def _stored_unsynced(result: TrainResult) -> tuple[bytes, ...]:
-    """What a train task stored without fsync that its claim names (the delta, the trajectory): the host makes
-    them durable before the claim (`ClaimRecord.artifacts`)."""
-    return (result.delta.digest,) + (() if result.trajectory is None else (result.trajectory.digest,))
