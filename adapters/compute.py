@@ -260,8 +260,9 @@ class ComputeExecutor:
         return safetensors_views(self.store.get(ref.digest))
 
     def load_mapped(self, ref: ArtifactRef) -> dict[str, np.ndarray]:
-        """`load` from a read-only memory map of the file where the store is on disk (`ArtifactStore.map`): for
-        inputs a kernel reads once, block by block, such as an eager start's (nothing copied or allocated)."""
+        """`load` from a read-only memory map of the file where the store is on disk (`ArtifactStore.map`): nothing
+        copied or allocated up front (`load_params`: a head's params, read by several tasks). An input read once
+        is better streamed (`open`): a mapped file's touched pages count in this process's RSS."""
         if isinstance(self.store, ArtifactStore):
             return safetensors_views(self.store.map(ref.digest))
         return self.load(ref)
