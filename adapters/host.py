@@ -102,7 +102,7 @@ class Host(Protocol):
     def read_chunk(self, ref: ArtifactRef, index: int) -> bytes:
         """Chunk `index` of the stored artifact `ref` (the driver sends it as a `Chunk` message)."""
 
-    def write_chunk(self, ref: ArtifactRef, index: int, data: bytes) -> None:
+    def write_chunk(self, ref: ArtifactRef, index: int, data: bytes | memoryview) -> None:
         """Write a verified chunk of an artifact being fetched to temporary storage."""
 
     def commit_artifact(self, ref: ArtifactRef, durable: bool, done: Callable[[bool], None]) -> None:
@@ -261,7 +261,7 @@ class Store(Protocol):
     def put_record(self, key: str, record: bytes) -> None: ...
     def make_durable(self, digest: bytes) -> bool: ...
     def read_chunk(self, ref: ArtifactRef, index: int) -> bytes: ...
-    def write_chunk(self, ref: ArtifactRef, index: int, data: bytes) -> None: ...
+    def write_chunk(self, ref: ArtifactRef, index: int, data: bytes | memoryview) -> None: ...
     def commit(self, ref: ArtifactRef, *, durable: bool = True) -> None: ...
     def remove(self, digests: Sequence[bytes]) -> int: ...
 
@@ -291,7 +291,7 @@ class StoreOnDisk:
     def read_chunk(self, ref: ArtifactRef, index: int) -> bytes:
         return self.store.read_chunk(ref, index)
 
-    def write_chunk(self, ref: ArtifactRef, index: int, data: bytes) -> None:
+    def write_chunk(self, ref: ArtifactRef, index: int, data: bytes | memoryview) -> None:
         self.store.write_chunk(ref, index, data)
 
     def commit_artifact(self, ref: ArtifactRef, durable: bool, done: Callable[[bool], None]) -> None:

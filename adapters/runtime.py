@@ -729,7 +729,7 @@ class NodeRuntime(Observer):
     def read_chunk(self, ref: ArtifactRef, index: int) -> bytes:
         return self.store.read_chunk(ref, index)
 
-    def write_chunk(self, ref: ArtifactRef, index: int, data: bytes) -> None:
+    def write_chunk(self, ref: ArtifactRef, index: int, data: bytes | memoryview) -> None:
         """Queued for the store writer's thread (`adapters.store_writer`), in order with the commit.
         A chunk that cannot be written (full disk) loses its whole fetch: the store drops the partial file
         and the fetch is never committed (`_stored`), so no artifact with a hole is ever trusted and no

@@ -53,7 +53,7 @@ class ChunkWrite:
 
     ref: ArtifactRef
     index: int
-    data: bytes
+    data: bytes | memoryview
 
 
 @attrs.frozen
@@ -96,7 +96,7 @@ class StoreWriter:
         self._drained = trio.Event()
         self._drained.set()
 
-    def write_chunk(self, ref: ArtifactRef, index: int, data: bytes) -> None:
+    def write_chunk(self, ref: ArtifactRef, index: int, data: bytes | memoryview) -> None:
         """Queue one verified chunk for writing; never blocks."""
         self.queued_bytes += len(data)
         if self.queued_bytes > self.max_queued_bytes and self._room.is_set():

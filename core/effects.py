@@ -87,7 +87,7 @@ class StoreChunk:
     """Write a verified chunk of an artifact being fetched to temporary storage."""
     ref: ArtifactRef
     index: int
-    data: bytes
+    data: bytes | memoryview
 
 
 @attrs.frozen(kw_only=True)

@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 
 from . import _fields as f
-from .encoding import content_id, decode, encode
+from .encoding import content_id, decode, encode, is_content_id
 from .envelope import SignedEnvelope
 from .errors import DecodeError
 from .identity import PeerId
@@ -280,13 +280,15 @@ class ChunkRequest:
 
 @attrs.frozen(kw_only=True)
 class Chunk:
+    """One chunk of an artifact. `data` is bytes, or a read-only view into the received message's bytes (a
+    decoded chunk shares them rather than copying up to 16 MiB, see `_decode_chunk`)."""
     KIND = "chunk"
     artifact: bytes
     index: int
-    data: bytes
+    data: bytes | memoryview
 
     def body(self) -> Any:
-        return {"artifact": self.artifact, "index": self.index, "data": self.data}
+        return {"artifact": self.artifact, "index": self.index, "data": bytes(self.data)}
 
     @classmethod
     def parse(cls, body: Any) -> Chunk:
@@ -413,11 +415,19 @@ ROLES = ("trainer", "reducer", "validator")
 
 
 def encode_message(message: Message) -> bytes:
+    if isinstance(message, Chunk):
+        return _encode_chunk(message)
     return encode([message.KIND, message.body()])
 
 
 def decode_message(data: bytes | memoryview, *, max_bytes: int) -> Message:
     """Parse one wire message. Raises DecodeError (only) for anything that is not a valid message."""
+    if len(data) > max_bytes:
+        raise DecodeError("too-large", f"{len(data)} > {max_bytes} bytes")
+    if type(data) is bytes and data.startswith(_CHUNK_HEAD):
+        chunk = _decode_chunk(data)
+        if chunk is not None:
+            return chunk
     obj = decode(data, max_bytes=max_bytes)
     if not (isinstance(obj, list) and len(obj) == 2 and isinstance(obj[0], str)):
         raise DecodeError("bad-message", "expected [kind, body]")
@@ -429,6 +439,74 @@ def decode_message(data: bytes | memoryview, *, max_bytes: int) -> Message:
         raise DecodeError("too-large", f"{kind} over {MAX_CONTROL_BYTES} bytes")
     result: Message = cls.parse(body)
     return result
+
+
+# Chunks, the bulk of every byte a node moves, skip the generic decoder: it copies the payload out of the
+# message, re-encodes the whole message to check that it is canonical and compares the two (three passes over
+# up to 16 MiB while holding the GIL). Their canonical encoding (spec/wire.md §4) is one fixed layout:
+#   82 65"chunk" a3 64"data" <bstr head> <payload> 65"index" <uint> 68"artifact" 58 22 <34-byte content id>
+# (map keys in bytewise order of their encodings). Bytes in exactly that layout, with shortest-form heads
+# and fields that `Chunk.parse` accepts, decode here with the payload as a view of the message; anything
+# else takes the generic path, which accepts or refuses it as it always did.
+_CHUNK_HEAD = b"\x82\x65chunk\xa3\x64data"
+_CHUNK_INDEX_KEY = b"\x65index"
+_CHUNK_ARTIFACT_KEY = b"\x68artifact\x58\x22"
+_MAX_CHUNK_DATA = 1 << 24  # `_fields.raw`'s default bound, which `Chunk.parse` applies
+_MAX_CHUNK_INDEX = 1 << 24
+
+
+def _cbor_head(major: int, value: int) -> bytes:
+    """The shortest-form CBOR head of major type `major` carrying `value` (RFC 8949 §3, §4.2.1)."""
+    if value < 24:
+        return bytes([major << 5 | value])
+    for info, size in ((24, 1), (25, 2), (26, 4), (27, 8)):
+        if value < 1 << (8 * size):
+            return bytes([major << 5 | info]) + value.to_bytes(size, "big")
+    raise ValueError("a CBOR head carries at most 64 bits")
+
+
+def _read_head(data: bytes, pos: int, major: int) -> tuple[int, int] | None:
+    """(value, position after) of the shortest-form head of major type `major` at `pos`; None otherwise."""
+    if pos >= len(data) or data[pos] >> 5 != major:
+        return None
+    info = data[pos] & 31
+    if info < 24:
+        return info, pos + 1
+    size = {24: 1, 25: 2, 26: 4, 27: 8}.get(info)
+    if size is None or pos + 1 + size > len(data):
+        return None
+    value = int.from_bytes(data[pos + 1:pos + 1 + size], "big")
+    if value < (24 if size == 1 else 1 << (4 * size)):  # a longer head than the value needs is not canonical
+        return None
+    return value, pos + 1 + size
+
+
+def _encode_chunk(chunk: Chunk) -> bytes:
+    """`encode([Chunk.KIND, chunk.body()])`, with the payload copied once."""
+    if not (is_content_id(chunk.artifact) and 0 <= chunk.index < 1 << 64):
+        return encode([chunk.KIND, {"artifact": chunk.artifact, "index": chunk.index, "data": bytes(chunk.data)}])
+    return b"".join((_CHUNK_HEAD, _cbor_head(2, len(chunk.data)), chunk.data, _CHUNK_INDEX_KEY,
+                     _cbor_head(0, chunk.index), _CHUNK_ARTIFACT_KEY, chunk.artifact))
+
+
+def _decode_chunk(data: bytes) -> Chunk | None:
+    """The Chunk that `data` encodes canonically, its payload a view of `data`; None if `data` is not
+    exactly in the layout above (then the generic decoder decides)."""
+    head = _read_head(data, len(_CHUNK_HEAD), 2)
+    if head is None or head[0] > _MAX_CHUNK_DATA:
+        return None
+    start = head[1]
+    end = start + head[0]
+    if data[end:end + len(_CHUNK_INDEX_KEY)] != _CHUNK_INDEX_KEY:
+        return None
+    index = _read_head(data, end + len(_CHUNK_INDEX_KEY), 0)
+    if index is None or index[0] > _MAX_CHUNK_INDEX:
+        return None
+    pos = index[1]
+    artifact = data[pos + len(_CHUNK_ARTIFACT_KEY):]
+    if data[pos:pos + len(_CHUNK_ARTIFACT_KEY)] != _CHUNK_ARTIFACT_KEY or not is_content_id(artifact):
+        return None
+    return Chunk(artifact=artifact, index=index[0], data=memoryview(data)[start:end])
 
 
 class DecodeMemo:

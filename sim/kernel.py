@@ -604,7 +604,7 @@ class _NodeHost(Observer):
     def read_chunk(self, ref: ArtifactRef, index: int) -> bytes:
         return self.node.disk.read_chunk(ref, index)
 
-    def write_chunk(self, ref: ArtifactRef, index: int, data: bytes) -> None:
+    def write_chunk(self, ref: ArtifactRef, index: int, data: bytes | memoryview) -> None:
         self.node.disk.write_chunk(ref, index, data)
 
     def commit_artifact(self, ref: ArtifactRef, durable: bool, done: Callable[[bool], None]) -> None:

@@ -15,6 +15,8 @@ from peerloom.core.messages import (
     DecodeMemo,
     Hello,
     PeerExchange,
+    _cbor_head,
+    _decode_chunk,
     decode_message,
     encode_message,
     parse_address,
@@ -174,3 +176,65 @@ def test_decode_memo_shares_one_decode_per_bytes_and_forgets_nothing_it_should_n
     for message in [*other, encode_message(ChunkRequest(artifact=CID, index=9))]:
         small.decode(message, max_bytes=MAX)
     assert small.total_bytes <= 2 * len(other[0]) and len(small._decoded) == 2
+
+
+def _outcome(data: bytes | bytearray) -> object:
+    """decode_message's answer for `data`: the message, or the DecodeError's reason. A bytearray takes the
+    generic path (the chunk fast path looks only at bytes)."""
+    try:
+        return decode_message(data, max_bytes=MAX)
+    except DecodeError as exc:
+        return exc.reason
+
+
+chunks = st.builds(Chunk, artifact=st.just(CID) | st.binary(min_size=32, max_size=32).map(lambda b: b"\x12\x20" + b),
+                   index=st.integers(0, 1 << 24) | st.sampled_from([23, 24, 255, 256, 65535, 65536]),
+                   data=st.binary(max_size=300) | st.sampled_from([b"x" * 23, b"x" * 24, b"x" * 255, b"x" * 256,
+                                                                    b"x" * 65536]))
+
+
+@given(chunks)
+def test_a_chunk_encodes_as_the_generic_encoder_does_and_decodes_to_a_view_of_the_message(chunk):
+    """The chunk fast path (core/messages.py `_decode_chunk`) is the generic canonical CBOR, byte for byte,
+    and decoding it shares the message's bytes instead of copying the payload."""
+    wire = encode_message(chunk)
+    assert wire == encode([Chunk.KIND, chunk.body()])
+    decoded = decode_message(wire, max_bytes=MAX)
+    assert decoded == chunk == _outcome(bytearray(wire))
+    assert isinstance(decoded, Chunk) and isinstance(decoded.data, memoryview) and decoded.data.obj is wire
+
+
+# and some the decoder refuses: an index beyond 2^24
+edited_chunks = chunks | st.builds(Chunk, artifact=st.just(CID), index=st.integers((1 << 24) + 1, 1 << 40),
+                                   data=st.binary(max_size=30))
+
+
+@given(edited_chunks, st.data())
+def test_the_chunk_fast_path_never_accepts_what_the_generic_decoder_would_not(chunk, data):
+    """Any edit of a chunk's encoding (a byte changed, bytes cut or added, a head widened to a longer form
+    than its value needs): decode_message answers exactly what the generic decoder does,
+    the same chunk or the same refusal."""
+    length_head, index_head = _cbor_head(2, len(chunk.data)), _cbor_head(0, chunk.index)
+    wire = bytearray(encode_message(chunk))
+    edit = data.draw(st.sampled_from(["none", "byte", "cut", "add", "widen-length", "widen-index"]))
+    if edit == "none":
+        pass
+    elif edit == "byte":
+        wire[data.draw(st.integers(0, len(wire) - 1))] = data.draw(st.integers(0, 255))
+    elif edit == "cut":
+        del wire[data.draw(st.integers(0, len(wire) - 1)):]
+    elif edit == "add":
+        wire[data.draw(st.integers(0, len(wire))):0] = data.draw(st.binary(min_size=1, max_size=4))
+    elif edit == "widen-length":
+        wire[13:13 + len(length_head)] = b"\x5a" + len(chunk.data).to_bytes(4, "big")
+    else:
+        at = 13 + len(length_head) + len(chunk.data) + 6
+        wire[at:at + len(index_head)] = b"\x1b" + chunk.index.to_bytes(8, "big")  # canonical only >= 2^32
+    assert _outcome(bytes(wire)) == _outcome(wire)
+
+
+def test_a_chunk_with_a_non_shortest_length_is_refused_as_non_canonical():
+    wire = encode_message(Chunk(artifact=CID, index=1, data=b"abc"))
+    widened = wire[:13] + b"\x5a" + (3).to_bytes(4, "big") + wire[14:]
+    assert _decode_chunk(widened) is None
+    assert _outcome(widened) == "non-canonical"
