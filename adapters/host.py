@@ -34,7 +34,7 @@ from peerloom.core import events as ev
 from peerloom.core.engine import Engine
 from peerloom.core.errors import LocalProtocolError, VerificationError
 from peerloom.core.identity import PeerId
-from peerloom.core.messages import Chunk, encode_message
+from peerloom.core.messages import Chunk, ChunkMissing, encode_message
 from peerloom.core.objects import ArtifactRef, Head, QuorumCertificate
 from peerloom.core.records import ClaimRecord, Record
 from peerloom.core.tasks import TaskResult
@@ -100,7 +100,8 @@ class Host(Protocol):
         kind's result class, or `done(exception)` if it failed."""
 
     def read_chunk(self, ref: ArtifactRef, index: int) -> bytes:
-        """Chunk `index` of the stored artifact `ref` (the driver sends it as a `Chunk` message)."""
+        """Chunk `index` of the stored artifact `ref` (the driver sends it as a `Chunk` message). Raises OSError
+        or KeyError if the store no longer holds it (the driver then answers `chunk-missing`)."""
 
     def write_chunk(self, ref: ArtifactRef, index: int, data: bytes | memoryview) -> None:
         """Write a verified chunk of an artifact being fetched to temporary storage."""
@@ -187,8 +188,7 @@ class Driver:
             case fx.RunTask():
                 host.run_task(effect, self._task_done(effect.task_id))
             case fx.ServeChunk():
-                data = host.read_chunk(effect.ref, effect.index)
-                host.send(effect.peer, encode_message(Chunk(artifact=effect.ref.digest, index=effect.index, data=data)))
+                self._serve_chunk(effect)
             case fx.StoreChunk():
                 host.write_chunk(effect.ref, effect.index, effect.data)
             case fx.CommitArtifact():
@@ -197,6 +197,24 @@ class Driver:
                 host.remove_artifacts(effect.digests)
             case _:
                 assert_never(effect)
+
+    def _serve_chunk(self, effect: fx.ServeChunk) -> None:
+        """Send the chunk; if the store lost it behind the engine's back (a file deleted or cut short), answer
+        `chunk-missing` instead, which costs the asker nothing and sends it to another provider: neither a
+        crash of this node nor a bad chunk charged to it (spec/wire.md §4)."""
+        ref, index, host = effect.ref, effect.index, self.host
+        try:
+            data = host.read_chunk(ref, index)
+            problem = "" if len(data) == ref.chunk_length(index) else \
+                f"{len(data)} bytes, not {ref.chunk_length(index)}"
+        except (OSError, KeyError) as exc:
+            data, problem = b"", f"{type(exc).__name__}: {exc}"
+        if problem:
+            self.observer.log("chunk-unreadable", {"artifact": ref.digest.hex()[:16], "index": index,
+                                                   "problem": problem[:200]})
+            host.send(effect.peer, encode_message(ChunkMissing(artifact=ref.digest, index=index)))
+            return
+        host.send(effect.peer, encode_message(Chunk(artifact=ref.digest, index=index, data=data)))
 
     def _notify(self, effect: fx.Notification) -> None:
         observer = self.observer

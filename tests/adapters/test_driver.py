@@ -16,7 +16,7 @@ from peerloom.adapters.host import Driver, Host, HostContractError, Observer, ou
 from peerloom.core import effects as fx
 from peerloom.core import events as ev
 from peerloom.core.errors import LocalProtocolError
-from peerloom.core.messages import Chunk, encode_message
+from peerloom.core.messages import Chunk, ChunkMissing, encode_message
 from peerloom.core.objects import make_artifact_ref
 from peerloom.core.records import LockRecord, VoteRecord
 from peerloom.core.tasks import ScreenTask, TrainResult, TrainTask
@@ -105,7 +105,7 @@ class PrimitivesOnly:
 
     def read_chunk(self, ref, index):
         self.calls.append(("read_chunk", ref, index))
-        return b"ct"
+        return b"artifact bytes"[index * 4:index * 4 + 4]
 
     def write_chunk(self, ref, index, data):
         self.calls.append(("write_chunk", ref, index, data))
@@ -185,7 +185,7 @@ def test_every_effect_reaches_a_primitives_only_host_and_what_it_completes_is_fe
     assert set(expected_host) | set(expected_observer) == set(MEMBERS)
     assert set(expected_host) == set(typing.get_args(fx.Command))  # commands reach the host, nothing else
     assert set(expected_observer) == set(typing.get_args(fx.Notification))
-    chunk = encode_message(Chunk(artifact=REF.digest, index=1, data=b"ct"))
+    chunk = encode_message(Chunk(artifact=REF.digest, index=1, data=b"fact"))
     in_order = [call for cls in MEMBERS if cls in expected_host
                 for call in [expected_host[cls]] + ([("send", PEER, chunk)] if cls is fx.ServeChunk else [])]
     assert host.calls == [*in_order, ("arm_timer", 12.5)]  # in the engine's order, then one re-arm
@@ -292,3 +292,33 @@ def test_no_other_module_pulls_or_matches_effects():
                                                                  "bench")
                        for p in (root / folder).rglob("*.py") if pattern.search(p.read_text()))
     assert offenders == ["adapters/host.py"]
+
+
+class LostStore(PrimitivesOnly):
+    """A store that lost an artifact behind the engine's back: its file deleted (`gone`), or cut short."""
+
+    def __init__(self, gone: bool):
+        super().__init__()
+        self.gone = gone
+
+    def read_chunk(self, ref, index):
+        self.calls.append(("read_chunk", ref, index))
+        if self.gone:
+            raise FileNotFoundError(2, "No such file or directory", "store/artifacts/1220ab")
+        return b"ar"  # the file was truncated: 2 of the chunk's 4 bytes
+
+
+@pytest.mark.parametrize("gone", [True, False], ids=["deleted", "truncated"])
+def test_a_chunk_the_store_lost_is_answered_chunk_missing_and_logged_not_raised_or_sent_short(gone):
+    """The engine serves what it was told is stored; a store that lost the file since must neither end the
+    node (the read used to raise out of the driver) nor send a short chunk, which the asker would charge to
+    this node as a bad chunk."""
+    engine = FakeEngine([fx.ServeChunk(peer=PEER, ref=REF, index=0), SAMPLES[fx.Send]])
+    host, observer = LostStore(gone), Recording()
+    Driver(engine, host, observer).handle(ev.Start(now=5.0))  # type: ignore[arg-type]
+    missing = encode_message(ChunkMissing(artifact=REF.digest, index=0))
+    assert host.calls == [("read_chunk", REF, 0), ("send", PEER, missing), ("send", PEER, b"hello"),
+                          ("arm_timer", 12.5)]
+    (log,) = observer.calls
+    assert log[:2] == ("log", "chunk-unreadable") and log[2]["index"] == 0
+    assert ("FileNotFoundError" if gone else "2 bytes, not 4") in log[2]["problem"]
