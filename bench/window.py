@@ -70,7 +70,6 @@ import itertools
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -240,9 +239,12 @@ def gloo_baseline(world: int, params: int, repeats: int) -> float:
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port free on 127.0.0.1 now, below the ephemeral range as `peerloom init` draws its nodes' ports: one
+    from that range (what binding port 0 gives) can meanwhile become the local end of an outgoing connection,
+    and the rendezvous then fails with "Address already in use"."""
+    from peerloom.experiment import _unused_ports
+
+    return _unused_ports(1)[0]
 
 
 # --- the fleet ---------------------------------------------------------------------------------------------
