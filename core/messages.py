@@ -485,7 +485,8 @@ def _encode_chunk(chunk: Chunk) -> bytes:
     """`encode([Chunk.KIND, chunk.body()])`, with the payload copied once."""
     if not (is_content_id(chunk.artifact) and 0 <= chunk.index < 1 << 64):
         return encode([chunk.KIND, {"artifact": chunk.artifact, "index": chunk.index, "data": bytes(chunk.data)}])
-    return b"".join((_CHUNK_HEAD, _cbor_head(2, len(chunk.data)), chunk.data, _CHUNK_INDEX_KEY,
+    size = chunk.data.nbytes if isinstance(chunk.data, memoryview) else len(chunk.data)  # bytes, not items
+    return b"".join((_CHUNK_HEAD, _cbor_head(2, size), chunk.data, _CHUNK_INDEX_KEY,
                      _cbor_head(0, chunk.index), _CHUNK_ARTIFACT_KEY, chunk.artifact))
 
 

@@ -238,3 +238,13 @@ def test_a_chunk_with_a_non_shortest_length_is_refused_as_non_canonical():
     widened = wire[:13] + b"\x5a" + (3).to_bytes(4, "big") + wire[14:]
     assert _decode_chunk(widened) is None
     assert _outcome(widened) == "non-canonical"
+
+
+def test_a_chunk_over_a_view_of_wider_items_is_encoded_by_its_bytes():
+    """A chunk's payload given as a view of 4-byte floats is 8 bytes long, not 2 items."""
+    import array
+
+    floats = array.array("f", [1.5, -2.0])
+    wire = encode_message(Chunk(artifact=CID, index=3, data=memoryview(floats)))
+    assert wire == encode_message(Chunk(artifact=CID, index=3, data=floats.tobytes()))
+    assert decode_message(wire, max_bytes=MAX) == Chunk(artifact=CID, index=3, data=floats.tobytes())
