@@ -27,6 +27,8 @@ TRANSPORT_KINDS = ("tcp", "http", "memory", "relay")
 CIRCUIT = "/p2p-circuit/"  # between a relay's address and the relayed peer's id (spec/transport.md §12)
 MAX_PEER_ENTRIES = 32  # entries of one PeerExchange
 MAX_UPDATE_IDS = 32  # update ids of one UpdatesRequest (a batch of announcements asked at once)
+MAX_CHUNK_INDEX = 1 << 24  # the largest chunk index of chunk-get, chunk and chunk-missing
+MAX_CHUNK_DATA = 1 << 24  # bytes of one chunk's payload; what `Chunk.parse` and the chunk fast path accept
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -275,7 +277,7 @@ class ChunkRequest:
     @classmethod
     def parse(cls, body: Any) -> ChunkRequest:
         b = f.exact_keys(body, frozenset({"artifact", "index"}), "chunk-get")
-        return cls(artifact=f.cid(b, "artifact"), index=f.uint(b, "index", maximum=1 << 24))
+        return cls(artifact=f.cid(b, "artifact"), index=f.uint(b, "index", maximum=MAX_CHUNK_INDEX))
 
 
 @attrs.frozen(kw_only=True)
@@ -293,7 +295,8 @@ class Chunk:
     @classmethod
     def parse(cls, body: Any) -> Chunk:
         b = f.exact_keys(body, frozenset({"artifact", "index", "data"}), "chunk")
-        return cls(artifact=f.cid(b, "artifact"), index=f.uint(b, "index", maximum=1 << 24), data=f.raw(b, "data"))
+        return cls(artifact=f.cid(b, "artifact"), index=f.uint(b, "index", maximum=MAX_CHUNK_INDEX),
+                   data=f.raw(b, "data", max_len=MAX_CHUNK_DATA))
 
 
 @attrs.frozen(kw_only=True)
@@ -308,7 +311,7 @@ class ChunkMissing:
     @classmethod
     def parse(cls, body: Any) -> ChunkMissing:
         b = f.exact_keys(body, frozenset({"artifact", "index"}), "chunk-missing")
-        return cls(artifact=f.cid(b, "artifact"), index=f.uint(b, "index", maximum=1 << 24))
+        return cls(artifact=f.cid(b, "artifact"), index=f.uint(b, "index", maximum=MAX_CHUNK_INDEX))
 
 
 MAX_CHAIN_ENTRIES = 64
@@ -451,8 +454,6 @@ def decode_message(data: bytes | memoryview, *, max_bytes: int) -> Message:
 _CHUNK_HEAD = b"\x82\x65chunk\xa3\x64data"
 _CHUNK_INDEX_KEY = b"\x65index"
 _CHUNK_ARTIFACT_KEY = b"\x68artifact\x58\x22"
-_MAX_CHUNK_DATA = 1 << 24  # `_fields.raw`'s default bound, which `Chunk.parse` applies
-_MAX_CHUNK_INDEX = 1 << 24
 
 
 def _cbor_head(major: int, value: int) -> bytes:
@@ -494,14 +495,14 @@ def _decode_chunk(data: bytes) -> Chunk | None:
     """The Chunk that `data` encodes canonically, its payload a view of `data`; None if `data` is not
     exactly in the layout above (then the generic decoder decides)."""
     head = _read_head(data, len(_CHUNK_HEAD), 2)
-    if head is None or head[0] > _MAX_CHUNK_DATA:
+    if head is None or head[0] > MAX_CHUNK_DATA:
         return None
     start = head[1]
     end = start + head[0]
     if data[end:end + len(_CHUNK_INDEX_KEY)] != _CHUNK_INDEX_KEY:
         return None
     index = _read_head(data, end + len(_CHUNK_INDEX_KEY), 0)
-    if index is None or index[0] > _MAX_CHUNK_INDEX:
+    if index is None or index[0] > MAX_CHUNK_INDEX:
         return None
     pos = index[1]
     artifact = data[pos + len(_CHUNK_ARTIFACT_KEY):]
