@@ -30,8 +30,11 @@ NPM := $(shell command -v npm 2>/dev/null)
 web:
 	cd web && npm ci --no-audit --no-fund && npm run typecheck && npm run build
 
+# The suite runs on TEST_WORKERS pytest-xdist workers (a test marked `serial` runs alone: tests/serial_lock.py).
+TEST_WORKERS ?= 2
+
 test: $(VENV)/.dev-installed $(if $(NPM),web)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 	$(BIN)/ruff check .
 	$(TYPECHECK)
 

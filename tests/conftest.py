@@ -1,10 +1,13 @@
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+from tests.serial_lock import turn
 
 # "quick" runs in CI; "long" is for fuzzing by hand: HYPOTHESIS_PROFILE=long pytest tests/...
 settings.register_profile("quick", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -16,6 +19,7 @@ settings.register_profile("fuzz", max_examples=5000, deadline=None,
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "quick"))
 
 _SCRATCH = pytest.StashKey[Path]()
+_LOCK_DIR = "PEERLOOM_TEST_LOCKS"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -32,6 +36,9 @@ def pytest_configure(config: pytest.Config) -> None:
     """
     scratch = Path(tempfile.mkdtemp(prefix="peerloom-tests-"))
     config.stash[_SCRATCH] = scratch
+    # `make test` runs the suite on two pytest-xdist workers; each is started with this environment, so the
+    # controller's scratch directory (and its lock files, `tests.serial_lock`) is theirs too
+    os.environ.setdefault(_LOCK_DIR, str(scratch))
     os.environ.setdefault("PEERLOOM_CACHE_DIR", str(scratch / "cache"))
     if os.environ.get("PYTHONDONTWRITEBYTECODE") and not os.environ.get("PYTHONPYCACHEPREFIX"):
         del os.environ["PYTHONDONTWRITEBYTECODE"]
@@ -42,6 +49,15 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     scratch = config.stash.get(_SCRATCH, None)
     if scratch is not None:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _alone_or_shared(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test marked ``serial`` (it asserts a wall-clock bound) runs while no other test runs on any pytest-xdist
+    worker; every other test runs beside the others (`tests.serial_lock.turn`). Without xdist nothing waits."""
+    folder = Path(os.environ.get(_LOCK_DIR, tempfile.gettempdir()))
+    with turn(folder, alone=request.node.get_closest_marker("serial") is not None):
+        yield
 
 
 @pytest.fixture

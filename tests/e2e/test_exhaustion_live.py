@@ -37,7 +37,7 @@ from peerloom.core.messages import Hello, decode_message
 from tests.live_attacks import certified, longest_skip_run, wait_certified
 from tests.node_cluster import Node, free_port, make_fleet
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # counts sockets and descriptors against the clock
 
 NOFILE = 1024
 ATTACK_S = float(os.environ.get("PEERLOOM_LIVE_ATTACK_S", "0"))  # 0: the short forms (module docstring)

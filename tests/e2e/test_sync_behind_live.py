@@ -29,7 +29,7 @@ from peerloom.core.objects import Revision
 from tests.live_attacks import certified, wait_certified
 from tests.node_cluster import make_fleet
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # "catches up within 5 s"
 
 LIARS = 10
 BEHIND = 80  # windows: two chain-gets of 64
