@@ -30,11 +30,13 @@ NPM := $(shell command -v npm 2>/dev/null)
 web:
 	cd web && npm ci --no-audit --no-fund && npm run typecheck && npm run build
 
-# The suite runs on TEST_WORKERS pytest-xdist workers (a test marked `serial` runs alone: tests/serial_lock.py).
+# The suite runs on TEST_WORKERS pytest-xdist workers; then, alone, the tests marked `serial` (each asserts a
+# wall-clock bound that another test's load beside it could break; tests/serial_lock.py).
 TEST_WORKERS ?= 2
 
 test: $(VENV)/.dev-installed $(if $(NPM),web)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial"
+	$(BIN)/python -m pytest -q -m serial
 	$(BIN)/ruff check .
 	$(TYPECHECK)
 

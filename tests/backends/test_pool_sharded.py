@@ -205,6 +205,7 @@ def test_a_node_streams_a_sharded_pools_update_into_its_store_and_stores_nothing
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # the healthy ranks must meet the group's 5 s timeout
 @pytest.mark.parametrize("parallel", ["fsdp", "pipeline"])
 def test_a_hung_rank_times_a_sharded_task_out(parallel, monkeypatch):
     """A rank alive but silent (SIGSTOP) is caught by the group's timeout, in FSDP2's collectives and in the

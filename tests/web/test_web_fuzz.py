@@ -47,6 +47,7 @@ def _inputs():
     return revision.envelope.to_bytes().hex(), [encode_message(m).hex() for m in messages]
 
 
+@pytest.mark.serial  # counts the inputs each target takes in a fixed time
 @pytest.mark.parametrize("seed", [1, 2])
 def test_the_browser_peers_parsers_take_or_refuse_every_input_with_a_typed_error(seed):
     manifest, messages = _inputs()
