@@ -37,6 +37,7 @@ import hmac
 import math
 import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -229,6 +230,8 @@ class ComputeExecutor:
         self._params: tuple[bytes, dict[str, np.ndarray]] | None = None  # `load_params`
         self._start: tuple[Any, dict[str, np.ndarray]] | None = None  # `start_params`
         self._scratch: dict[str, np.ndarray] | None = None  # `_applied`
+        # Seconds of the last task's parts, where its kind names some (`run_timed`)
+        self.parts: dict[str, float] = {}
 
     def _residual_path(self, author: PeerId | None) -> Path | None:
         if self.state_dir is None or author is None:
@@ -347,6 +350,14 @@ class ComputeExecutor:
         container allows (`safetensors_parts`; else serialized first). Returns (ref, tensor digest)."""
         return self._store_state(tensors), tensor_digest(tensors)
 
+    def run_timed(self, task: Task) -> tuple[TaskResult, dict[str, float]]:
+        """`run`, and the seconds of the task's parts (the host's ``task-done`` line carries them): for a train
+        task ``start`` (where its training starts from: `start_params`), ``training`` (the workload's, the
+        checkpoints it stores included) and ``store`` (encoding and storing the delta, the residual and the
+        trajectory); empty for other tasks and a streamed train task."""
+        self.parts = {}
+        return self.run(task), self.parts
+
     def run(self, task: Task) -> TaskResult:
         """Run one task (a `core.tasks` class) and return its kind's result class; raises on failure (the host
         turns that into TaskFailed): KeyError for an artifact the store lacks, ValueError for a workload
@@ -390,7 +401,9 @@ class ComputeExecutor:
         if not segments and self._streams_train() and task.start is None:
             with ExitStack() as stack:
                 return self._train_streamed(task, stack)
+        began = time.perf_counter()
         params = self.start_params(task.params, task.start)
+        started = time.perf_counter()
         checkpoints: list[ArtifactRef] = []
         if segments:
             def keep(j: int, state: dict[str, np.ndarray]) -> None:
@@ -404,6 +417,7 @@ class ComputeExecutor:
                 raise ValueError(f"the workload took {len(checkpoints)} checkpoints, not {segments}")
         else:
             delta, metrics = self._train(params, task.shards, self.train_seed(task.seed), inner_steps, task.window)
+        trained = time.perf_counter()
         author = task.author
         residual = None
         if segments and self.manifest.codec in ERROR_FEEDBACK_CODECS:
@@ -414,10 +428,12 @@ class ComputeExecutor:
         ref, digest = self._store_volatile(self._encode(delta, author))
         train_loss = float(metrics["train_loss"])
         if not segments:
+            self.parts = _parts(began, started, trained)
             return TrainResult(delta=ref, delta_digest=digest, train_loss=train_loss)
         trajectory = self.store.put_parts(
             [encode(Trajectory(checkpoints=tuple(checkpoints), residual=residual).to_cbor())], durable=False)
         committed = (*checkpoints, *([residual] if residual is not None else []), trajectory)
+        self.parts = _parts(began, started, trained)
         return TrainResult(delta=ref, delta_digest=digest, train_loss=train_loss, trajectory=trajectory,
                            committed=committed)
 
@@ -839,6 +855,12 @@ class ComputeExecutor:
 
 MIN_SCREEN_COHORT = 3
 """Fewer candidates than this are never cohort outliers (spec/protocol.md §6): two have their mean as median."""
+
+
+def _parts(began: float, started: float, trained: float) -> dict[str, float]:
+    """A train task's parts (`ComputeExecutor.run_timed`) from its `time.perf_counter` marks, ending now."""
+    return {"start": round(started - began, 4), "training": round(trained - started, 4),
+            "store": round(time.perf_counter() - trained, 4)}
 
 
 def eager_start(params: Mapping[str, Any], state: Mapping[str, Any] | None, prior: Mapping[str, Any],

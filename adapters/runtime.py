@@ -877,7 +877,7 @@ class NodeRuntime(Observer):
         try:
             background = effect.kind in BACKGROUND_TASKS
             executor = self.audit_executor if background and self.audit_executor is not None else self.executor
-            started, result = await self._compute.run(background, executor.run, effect.task)
+            started, (result, parts) = await self._compute.run(background, executor.run_timed, effect.task)
         except Exception as exc:
             if disk.is_disk_full(exc):
                 self._disk_is_full(f"task {effect.kind}", exc)
@@ -888,9 +888,13 @@ class NodeRuntime(Observer):
             self._events.put(_Completion(functools.partial(done, exc)))
             return
         seconds = time.monotonic() - started
-        # `started`: the unix time the task began on its worker (bench/window.py's utilization reads it)
-        self._emit_line("task-done", {"kind": effect.kind, "seconds": round(seconds, 4),
-                                      "started": round(time.time() - seconds, 3)})
+        # `started`: the unix time the task began on its worker (bench/window.py's utilization reads it); `parts`:
+        # the seconds of its parts, where its kind names some (`ComputeExecutor.run_timed`: a train task's)
+        line: dict[str, Any] = {"kind": effect.kind, "seconds": round(seconds, 4),
+                                "started": round(time.time() - seconds, 3)}
+        if parts:
+            line["parts"] = parts
+        self._emit_line("task-done", line)
         self._events.put(_Completion(functools.partial(done, result)))
 
     async def _dialer(self) -> None:

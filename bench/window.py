@@ -48,13 +48,17 @@ wall time from the start of that task to the start of its train task in window w
 ``task-done`` lines name their task's start, ``started``), median over the windows after the first; the
 training time is S with ``--train-s S`` and the whole train task's seconds without. 1 means the trainer's
 GPU never waits for the protocol; with ``--overlap`` and ``--train-s`` this is the headline figure.
+Where a train task's time beyond S goes: ``train_parts``, the medians of its parts as the runtime's
+``task-done`` lines give them (``start``: the params it starts from, with an overlapped update's eager
+start; ``training``: the workload's, S included; ``store``: encoding, hashing and storing the delta).
 
 Output (last line): ``{"cpus", "results": [{"params", "model_bytes", "windows", "window_s" (median wall),
 "overhead_s", "phases": {name: median s}, "tasks": {role: {kind: median s}}, "wire_bytes": {role: median
 per window}, "wire_ratio": {role: bytes / model_bytes}, "peak_rss_bytes": {role: max}, "rss_ratio": {role:
 peak / model_bytes}, "skipped", "train_s", "overlap", "verification", "baseline_s", "ratio",
 "utilization_median" (across trainers; null without two train tasks after the first window),
-"utilization": {trainer: median or null}}]}``. ``--quick``: P = 1M, 3 windows.
+"utilization": {trainer: median or null}, "train_parts": {part: median s over the trainers' windows}}]}``.
+``--quick``: P = 1M, 3 windows.
 
 Disk: nodes delete a window's artifacts two heads later (node config ``keep_windows = 2``, as a deployment
 at this scale would set it; spec/protocol.md §8.1), so a fleet holds about ``4 P x 12 x 4`` bytes at most
@@ -423,6 +427,7 @@ def analyse(logs: dict[str, list[dict[str, Any]]], roles: dict[str, str], params
     heads = {e["window"]: e for e in logs[validator] if e["event"] == "head"}
     walls, phases_all = [], {p: [] for p in PHASES}
     tasks: dict[str, dict[str, list[float]]] = {}
+    parts: dict[str, list[float]] = {}  # a trainer's train task's parts (`train_parts`)
     wire: dict[str, list[int]] = {}
     for w in range(2, windows + 1):  # window 1 warms up (imports, first connections)
         if w not in heads or heads[w].get("skipped"):
@@ -458,6 +463,9 @@ def analyse(logs: dict[str, list[dict[str, Any]]], roles: dict[str, str], params
             for e in _by_window(logs[name]).get(w, []):
                 if e["event"] == "task-done":
                     tasks.setdefault(roles[name], {}).setdefault(e["kind"], []).append(e["seconds"])
+                    if roles[name] == "trainer" and e["kind"] == "train":
+                        for part, seconds in e.get("parts", {}).items():
+                            parts.setdefault(part, []).append(seconds)
             sent = {e["window"]: e["sent"] + e["received"] for e in logs[name] if e["event"] == "wire"}
             if w in sent and w - 1 in sent:
                 wire.setdefault(roles[name], []).append(sent[w] - sent[w - 1])
@@ -475,6 +483,7 @@ def analyse(logs: dict[str, list[dict[str, Any]]], roles: dict[str, str], params
         "phases": {p: round(statistics.median(v), 4) if v else None for p, v in phases_all.items()},
         "tasks": {r: {k: round(statistics.median(v), 4) for k, v in kinds.items()} for r, kinds in tasks.items()},
         "wire_bytes": wire_med, "wire_ratio": {r: round(v / model, 2) for r, v in wire_med.items()},
+        "train_parts": {part: round(statistics.median(v), 4) for part, v in parts.items()},
     }
 
 

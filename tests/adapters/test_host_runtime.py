@@ -113,7 +113,7 @@ def test_rejections_of_admitted_peers_and_the_last_failed_task_reach_the_edge(tm
         assert runtime.edge_view.last_error() == ""
 
         class Failing:
-            def run(self, task):
+            def run_timed(self, task):
                 raise ValueError("sample\n17")
 
         runtime.executor = Failing()  # type: ignore[assignment]  # a stand-in whose every task fails

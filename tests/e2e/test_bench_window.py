@@ -32,6 +32,10 @@ def test_window_bench_quick() -> None:
     result, overlapped = report["results"]
     assert overlapped["overlap"] == 1 and overlapped["windows"] >= 1 and overlapped["skipped"] == 0
     assert overlapped["tasks"]["trainer"]["train"] >= TRAIN_S
+    # the train task's parts: the training holds the idle wait, and no part is longer than the whole task
+    parts = overlapped["train_parts"]
+    assert set(parts) == {"start", "training", "store"} and parts["training"] >= TRAIN_S
+    assert all(0.0 <= v <= overlapped["tasks"]["trainer"]["train"] for v in parts.values())
     assert all(0.0 < v <= 1.0 for v in overlapped["utilization"].values())
     assert result["params"] == 1_000_000 and result["model_bytes"] == 4_000_000
     assert result["windows"] >= 1 and result["skipped"] == 0
