@@ -902,7 +902,7 @@ def eager_start(params: Mapping[str, Any], state: Mapping[str, Any] | None, prio
             np.subtract(xs, flat_prior[i:i + n], out=xs, dtype=np.float64)
             np.copyto(flat_out[i:i + n], xs, casting="unsafe")
 
-    ws.parallel(part)
+    ws.parallel(part, sum(job[0].size for job in jobs))
     return result
 
 

@@ -51,6 +51,11 @@ SPAN = 16 * BLOCK
 MAX_THREADS = 8
 """The most threads a `Workspace` runs a kernel on (memory bandwidth is spent long before)."""
 
+INLINE_WORK = 1 << 16
+"""A kernel step over at most this many elements runs its parts one after another on the calling thread
+(`Workspace.parallel`): handing a part to a helper thread costs more than computing it (the simulator's
+models have tens of parameters). The parts and their workspaces are the same, so are the bytes."""
+
 LANE_ALIGN = 64
 """Lane stripes start at multiples of this many lanes (whole cache lines for float32 and float64)."""
 
@@ -141,12 +146,15 @@ class Workspace:
         self._helpers = [Workspace(ops) for _ in range(threads - 1)]
         self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="peerloom-kernel") if threads > 1 else None
 
-    def parallel(self, part: Callable[[int, Workspace], T]) -> list[T]:
+    def parallel(self, part: Callable[[int, Workspace], T], size: int) -> list[T]:
         """``[part(0, self), part(1, helper 1), ...]``: part k of a kernel's work with workspace k, part 0 on
         the calling thread and the others on the helpers. Returns when every part is done; an exception of
-        a part is raised then (the first in part order), never while another part still runs."""
+        a part is raised then (the first in part order), never while another part still runs. `size` is the
+        elements the step covers: up to `INLINE_WORK` every part runs on the calling thread, in order."""
         if self._pool is None:
             return [part(0, self)]
+        if size <= INLINE_WORK:
+            return [part(k, ws) for k, ws in enumerate((self, *self._helpers))]
         futures = [self._pool.submit(part, k, ws) for k, ws in enumerate(self._helpers, start=1)]
         try:
             first = part(0, self)
@@ -266,7 +274,7 @@ def dots(
                 ops.add(lanes[i, lo:lo + n], sb)
 
     if rows:
-        ws.parallel(part)
+        ws.parallel(part, rows * sum(end - start for _, start, end, _ in blocks))
     return fold_lanes(ops, lanes) if rows else []
 
 
@@ -305,7 +313,7 @@ class SquaredNorms:
                 ops.add(self.tensor_lanes[0, lo:lo + n], s[:n])
                 ops.add(self.total_lanes[0, lo:lo + n], s[:n])
 
-        self.ws.parallel(part)
+        self.ws.parallel(part, size)
 
     def end(self, name: str) -> None:
         self.per[name] = fold_lanes(self.ops, self.tensor_lanes)[0]
@@ -434,7 +442,7 @@ def blockwise(ops: Ops, ws: Workspace, schema: Schema, out: Sequence[dict[str, A
                     j = min(last, i + BLOCK)
                     block(w, name, dtype, i, j, [None if t is None else t[i - start:j - start] for t in spanned])
 
-        ws.parallel(part)
+        ws.parallel(part, end - start)
 
 
 def median(ops: Ops, ws: Workspace, schema: Schema, fl: dict[str, list[Any]], out: dict[str, Any]) -> dict[str, Any]:
@@ -521,7 +529,7 @@ def block_products(ops: Ops, ws: Workspace, schema: Schema, n: int, unit: int,
                 done.append(parts[b])
             return done
 
-        for done in ws.parallel(part):
+        for done in ws.parallel(part, end - start):
             for p in done:
                 ops.add(total, p)
     return total

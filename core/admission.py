@@ -108,6 +108,9 @@ class Admission:
         self.heartbeats_taken: set[tuple[PeerId, PeerId, int]] = set()
         self.revocations: dict[bytes, SignedEnvelope] = {}
         self.revoked: dict[PeerId, bytes] = {}
+        # `join_priority` of held joins on `head`, computed once each: a join that meets a full backlog compares
+        # itself with the lowest-ranked held join, and without these it hashed the whole backlog every time
+        self._priorities: dict[PeerId, bytes] = {}
         for key in sorted(k for k in engine.records if k.startswith(REVOCATION_PREFIX)):
             try:
                 self.learn_revocation(SignedEnvelope.from_bytes(engine.records[key]))
@@ -123,6 +126,7 @@ class Admission:
         """A window opens on `head`: forget what its roster settled (peers that left or expired start afresh
         with a later join), old withdrawals, and heartbeats of past windows."""
         self.head = head
+        self._priorities = {}  # a priority is drawn afresh on every head
         window = self.window
         for envelope in head.revoked:  # certified: a validator that never heard it learns it here
             try:
@@ -355,12 +359,22 @@ class Admission:
         pending = [p for p in self.joins if p not in head.roster_peers]
         if len(pending) < backlog:
             return True
-        last = max(pending, key=lambda p: join_priority(head.id, p))
-        if join_priority(head.id, joiner) >= join_priority(head.id, last):
+        last = max(pending, key=self._priority)
+        if join_priority(head.id, joiner) >= self._priority(last):
             return False
         del self.joins[last]
         self.admitted.pop(last, None)
+        self._priorities.pop(last, None)
         return True
+
+    def _priority(self, peer: PeerId) -> bytes:
+        """`join_priority` of a held join's `peer` on `head`, remembered until the next head (at most one per
+        held join: a join that is not held is hashed afresh, so a flood grows nothing here)."""
+        priority = self._priorities.get(peer)
+        if priority is None:
+            assert self.head is not None
+            priority = self._priorities[peer] = join_priority(self.head.id, peer)
+        return priority
 
     def next_roster(self, head: Head, quarantine: tuple[tuple[PeerId, int], ...],
                     left: tuple[PeerId, ...], expired: tuple[PeerId, ...] = (),

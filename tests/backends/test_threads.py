@@ -18,7 +18,17 @@ from hypothesis import strategies as st
 from peerloom.adapters.compute import ComputeExecutor, default_compute_threads
 from peerloom.adapters.storage import ArtifactStore
 from peerloom.backends import _robust
-from peerloom.backends._robust import BLOCK, CC_BLOCK, MAX_THREADS, RULES, SPAN, Workspace, lane_stripe, span_part
+from peerloom.backends._robust import (
+    BLOCK,
+    CC_BLOCK,
+    INLINE_WORK,
+    MAX_THREADS,
+    RULES,
+    SPAN,
+    Workspace,
+    lane_stripe,
+    span_part,
+)
 from peerloom.backends.numpy.aggregate import NUMPY_OPS, aggregate, outer_step, screening_stats
 from peerloom.backends.numpy.reduce import outer_sgd_step, weighted_mean
 from peerloom.backends.numpy.screening import screen_stored
@@ -179,11 +189,36 @@ def test_a_failing_part_is_raised_after_every_part_finished():
     timer = threading.Timer(0.05, gate.set)
     timer.start()
     with pytest.raises(RuntimeError, match="part 0 failed"):
-        ws.parallel(part)
+        ws.parallel(part, INLINE_WORK + 1)
     assert sorted(finished) == [1, 2]
-    assert ws.parallel(lambda k, w: (k, w is ws)) == [(0, True), (1, False), (2, False)]
+    assert ws.parallel(lambda k, w: (k, w is ws), INLINE_WORK + 1) == [(0, True), (1, False), (2, False)]
     with pytest.raises(ValueError, match="threads must be in"):
         Workspace(NUMPY_OPS, MAX_THREADS + 1)
+
+
+def test_a_small_step_runs_its_parts_in_order_on_the_calling_thread_with_their_own_workspaces():
+    """Up to `INLINE_WORK` elements the parts run one after another on the caller's thread (a helper costs
+    more than the work), each with the workspace it has on helpers; above it part k runs on helper k."""
+    ws = Workspace(NUMPY_OPS, 3)
+    here = threading.get_ident()
+
+    def where(k: int, w: Workspace) -> tuple[int, bool, bool]:
+        return k, threading.get_ident() == here, w is ws
+
+    assert ws.parallel(where, INLINE_WORK) == [(0, True, True), (1, True, False), (2, True, False)]
+    assert ws.parallel(where, INLINE_WORK + 1) == [(0, True, True), (1, False, False), (2, False, False)]
+    helpers = ws.parallel(lambda k, w: w, INLINE_WORK)[1:]
+    assert helpers == ws.parallel(lambda k, w: w, INLINE_WORK + 1)[1:]  # the same workspaces either way
+    ran: list[int] = []
+
+    def failing(k: int, _: Workspace) -> None:
+        ran.append(k)
+        if k == 1:
+            raise RuntimeError("part 1 failed")
+
+    with pytest.raises(RuntimeError, match="part 1 failed"):
+        ws.parallel(failing, 8)
+    assert ran == [0, 1]  # no part runs after a failed one
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
