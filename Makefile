@@ -30,6 +30,11 @@ NPM := $(shell command -v npm 2>/dev/null)
 web:
 	cd web && npm ci --no-audit --no-fund && npm run typecheck && npm run build
 
+# Bytecode caches are written (some shells export PYTHONDONTWRITEBYTECODE=1): without them every pytest worker
+# rewrites and compiles the ~540 test and package modules again (collection 18 s instead of 7), and every node
+# process a test starts compiles peerloom from source. __pycache__/ is ignored by git.
+unexport PYTHONDONTWRITEBYTECODE
+
 # The suite runs on TEST_WORKERS pytest-xdist workers; then, alone, the tests marked `serial` (each asserts a
 # wall-clock bound that another test's load beside it could break; tests/serial_lock.py).
 TEST_WORKERS ?= 2

@@ -115,3 +115,37 @@ def test_envelope_from_other_signer_fails():
     forged = SignedEnvelope(kind="join", version=1, body=env.body, signer=b.peer_id, signature=env.signature)
     with pytest.raises(VerificationError):
         forged.open("join", 1)
+
+
+def test_a_checked_signature_is_remembered_and_nothing_else_passes(monkeypatch):
+    """`PeerId.verify` checks each (key, signature, message) that passes once per process; a message, signature
+    or key that differs in any way is checked again (and fails), and a full cache is forgotten at once."""
+    from peerloom.core import identity as identity_module
+
+    monkeypatch.setattr(identity_module, "_verified", set())
+    signer, other = Identity(b"\x05" * 32), Identity(b"\x06" * 32)
+    message = b"window 7 head"
+    signature = signer.sign(message)
+    checks = []
+    real = identity_module.nacl.signing.VerifyKey
+
+    class Counting(real):  # PyNaCl's class, subclassed to count checks
+        def verify(self, *args, **kwargs):
+            checks.append(1)
+            return super().verify(*args, **kwargs)
+
+    monkeypatch.setattr(identity_module.nacl.signing, "VerifyKey", Counting)
+    assert signer.peer_id.verify(message, signature) and signer.peer_id.verify(message, signature)
+    assert len(checks) == 1  # the second time from the cache
+    flipped = bytes([signature[0] ^ 1]) + signature[1:]
+    assert not signer.peer_id.verify(message + b"!", signature)
+    assert not signer.peer_id.verify(message, flipped)
+    assert not other.peer_id.verify(message, signature)
+    assert not other.peer_id.verify(message, signature)  # a failure is never remembered
+    assert len(checks) == 5
+    monkeypatch.setattr(identity_module, "VERIFIED_CACHE_ENTRIES", 2)
+    sizes = []
+    for text in (b"a", b"b", b"c"):
+        assert signer.peer_id.verify(text, signer.sign(text))
+        sizes.append(len(identity_module._verified))
+    assert sizes == [2, 1, 2]  # it held `message` already: full at "b", so cleared before "b" was added
