@@ -60,7 +60,12 @@ INNER_STEPS = 8
 SEGMENTS = 4
 DEFENCES = {"loss_check_samples": 64, "audit_rate": 1.0}
 WINDOWS = 10  # certified heads each fleet runs for and is compared at (late enough that the curve is flat)
-MAX_WINDOWS = 10  # the cheating fleet runs on past WINDOWS, up to here, only while a cheater is not caught
+# The cheating fleet runs on past WINDOWS, up to here, only while a cheater is not caught. Needed: a validator's
+# first replay pays the workload's warm-up (torch: 2-6 s on these loaded cores), while windows that close as
+# soon as every lease reports take 0.4-1 s; the audits of the windows certified meanwhile can then start after
+# their authors dropped the checkpoints (AUDIT_WINDOWS heads later: `audit-stalled`), and a late verdict is
+# too old to enter a head. A later window's audit, the worker warm, catches the cheater.
+MAX_WINDOWS = 20
 COMPARED = 3
 WINDOW_S = 2.0  # a window closes once every lease reported; this only bounds the wait for a late trainer
 MAX_ACCURACY_DROP = 0.02
