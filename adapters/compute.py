@@ -271,9 +271,10 @@ class ComputeExecutor:
         return self.load(ref)
 
     def load_params(self, ref: ArtifactRef) -> dict[str, np.ndarray]:
-        """`load` of a params artifact, kept until another is loaded (spec/design.md §5, Memory): a validator
-        evaluates a head and then audits every update of the next window against the same params, one read
-        instead of one per task. Content-addressed and read-only, so a kept copy is never stale."""
+        """`load_mapped` of a params artifact, kept until another is loaded or a start is computed from another
+        (spec/design.md §5, Memory): an auditing validator replays every update of a window from the same
+        params, one mapping instead of one per task. Content-addressed and read-only, so a kept copy is never
+        stale."""
         if self._params is None or self._params[0] != ref.digest:
             self._params = None  # drop the old one before reading the next
             self._params = (ref.digest, self.load_mapped(ref))
@@ -286,7 +287,8 @@ class ComputeExecutor:
         rounded once to the params' dtype, into a buffer this executor reuses. The last one is kept, as
         `load_params` keeps its params (a screen's loss check and audit start from the same point). Its
         inputs are read block by block from their files where the store streams (`open`): a model size
-        each, read once, that would otherwise sit in memory (or, mapped, in this process's RSS) beside it."""
+        each, read once, that would otherwise sit in memory (or, mapped, in this process's RSS) beside it; and
+        the params `load_params` kept are let go first unless they are `params_ref`'s."""
         if start is None:
             return self.load_params(params_ref)
         state_ref = start.outer_state
@@ -296,15 +298,35 @@ class ComputeExecutor:
             return self._start[1]
         buffers = self._start[1] if self._start is not None else {}
         self._start = None
+        if self._params is not None and self._params[0] != params_ref.digest:
+            # another head's params, mapped and touched: a model size of RSS that no task of this head reads
+            self._params = None
         with ExitStack() as stack:
-            params = self.open(params_ref, stack) if self._params is None or \
-                self._params[0] != params_ref.digest else self._params[1]
+            params = self.open(params_ref, stack) if self._params is None else self._params[1]
             encoded = self.open(start.prior, stack) if self.manifest.codec == "none" else self.load(start.prior)
             prior = self._decode(encoded)
             state = None if state_ref is None else self.open(state_ref, stack)
             out = eager_start(params, state, prior, float(start.scale), out=buffers, threads=self.compute.threads)
         self._start = (key, out)
         return out
+
+    def loss_base(self, check: LossCheck, stack: ExitStack) -> dict[str, Any]:
+        """The params a loss check applies the update to (spec/protocol.md §6.1), for reading block by block
+        where the store streams (`_streams`): the params kept by `load_params` if they are `check.params`'s,
+        else their file (`open`), and with a `check.start` each tensor a `StartTensor` over the start's inputs,
+        so no model-size start is held (a lossy prior is decoded whole). Elsewhere `start_params`."""
+        if not self._streams():
+            return self.start_params(check.params, check.start)
+        params = self._params[1] if self._params is not None and self._params[0] == check.params.digest else \
+            self.open(check.params, stack)
+        start = check.start
+        if start is None:
+            return params
+        encoded = self.open(start.prior, stack) if self.manifest.codec == "none" else self.load(start.prior)
+        prior = self._decode(encoded)
+        state = None if start.outer_state is None else self.open(start.outer_state, stack)
+        return {name: StartTensor(p, None if state is None else state[name], prior[name], float(start.scale),
+                                  p.shape, p.dtype) for name, p in params.items()}
 
     def _streams(self) -> bool:
         """Whether tasks read and write stored tensors block by block (spec/design.md §5, Memory): the numpy
@@ -372,7 +394,12 @@ class ComputeExecutor:
                 with ExitStack() as stack:
                     return self._reduce(task, stack)
             case EvaluateTask():
-                return EvaluateResult(metrics=self._evaluate(self.load_params(task.params)))
+                # Mapped for this task only (kept ones are used): loss checks read the head's params block by
+                # block (`loss_base`), and a mapping kept until the next head would be a model size of RSS.
+                held = self._params
+                params = held[1] if held is not None and held[0] == task.params.digest else \
+                    self.load_mapped(task.params)
+                return EvaluateResult(metrics=self._evaluate(params))
             case AuditTask():
                 return self._audit_task(task)
             case AuditPlanTask():
@@ -528,11 +555,11 @@ class ComputeExecutor:
         except DecodeError:
             return ScreenResult(ok=False, reason="undecodable", norm=float("nan"))
         loss_check = task.loss_check
-        applied = None
+        applied = base = None
         if not schema_matches(delta, self.manifest.schema):
             ok, reason, norm = False, "schema", float("nan")
         elif isinstance(encoded, StoredTensors):  # the none codec, streamed: one read for all of it
-            base = None if loss_check is None else self.start_params(loss_check.params, loss_check.start)
+            base = None if loss_check is None else self.loss_base(loss_check, stack)
             applied = None if base is None else self._scratch_for(base)
             stats, digest = screen_stored(encoded, base=base, applied=applied, threads=self.compute.threads)
             ok, reason, norm = self._verdict(stats)
@@ -547,13 +574,13 @@ class ComputeExecutor:
             ok, reason = False, "norm-bound"
         detail = ""
         if ok and loss_check is not None:
-            ok, reason, detail = self._loss_check(delta, loss_check, applied)
+            ok, reason, detail = self._loss_check(delta, loss_check, applied, base)
         if ok and task.audit is not None:
             ok, reason = self._audit(delta, task.audit)
         return ScreenResult(ok=ok, reason=reason, norm=norm, detail=detail)
 
-    def _loss_check(self, delta: dict[str, Any], check: LossCheck,
-                    applied_params: dict[str, np.ndarray] | None = None) -> tuple[bool, str, str]:
+    def _loss_check(self, delta: dict[str, Any], check: LossCheck, applied_params: dict[str, np.ndarray] | None = None,
+                    base: dict[str, Any] | None = None) -> tuple[bool, str, str]:
         """The loss check (spec/protocol.md §6.1): the workload's loss on a batch of the author's leased
         samples at the base params with the decoded `delta` applied (``applied = base - delta``) and with
         it applied the opposite way (``opposite = base + delta``); forward passes only. (ok, reason
@@ -565,9 +592,10 @@ class ComputeExecutor:
         The batch is ``check.samples`` of the lease's sample indices (all when fewer), drawn without
         replacement by ``np.random.default_rng(check.seed)`` (the update's `loss_batch_seed`), in lease
         order. A workload without ``loss`` raises AttributeError (a task failure, never a strike).
-        `applied_params`: ``base - delta`` already computed into this executor's buffer (`screen_stored`)."""
+        `applied_params`: ``base - delta`` already computed into this executor's buffer (`screen_stored`);
+        `base`: the params the update is applied to, as `loss_base` gave them (None: `start_params`)."""
         batch = loss_check_batch([i for s in check.shards for i in self.shards[s]], check.samples, check.seed)
-        params = self.start_params(check.params, check.start)
+        params = self.start_params(check.params, check.start) if base is None else base
         if applied_params is None:
             applied_params = self._applied(params, delta, -1.0)
         workload = self._workload()
@@ -672,25 +700,25 @@ class ComputeExecutor:
             cosine = 1.0 if stats["global_norm"] == 0.0 and self.compute.stats(expected)["global_norm"] == 0.0 else 0.0
         return (True, "") if cosine >= float(audit.min_cosine) else (False, "audit")
 
-    def _applied(self, params: dict[str, np.ndarray], delta: dict[str, Any], sign: float) -> dict[str, np.ndarray]:
+    def _applied(self, params: dict[str, Any], delta: dict[str, Any], sign: float) -> dict[str, np.ndarray]:
         """``params + sign * delta`` (`sign` -1: the update applied, +1: the opposite way) in float32, written
         into a buffer this executor reuses for every loss check (a fresh model-size allocation per update is
-        what costs here). `delta` may be streamed file tensors (`open`): they are read block by block. The
-        result is valid until the next call."""
+        what costs here). `delta` and `params` may be read block by block (`open`'s file tensors, `loss_base`'s
+        `StartTensor`). The result is valid until the next call."""
         combine = np.subtract if sign < 0 else np.add
         scratch = self._scratch_for(params)
         for name, base in params.items():
             out, d = scratch[name], delta[name]
-            if isinstance(d, np.ndarray):
+            if isinstance(d, np.ndarray) and isinstance(base, np.ndarray):
                 combine(base, d, out=out, dtype=np.float32)
                 continue
-            flat_out, flat_base, flat_d = out.reshape(-1), np.asarray(base).reshape(-1), d.reshape(-1)
+            flat_out, flat_base, flat_d = out.reshape(-1), base.reshape(-1), d.reshape(-1)
             for start in range(0, flat_out.size, APPLY_BLOCK):
                 stop = min(start + APPLY_BLOCK, flat_out.size)
                 combine(flat_base[start:stop], flat_d[start:stop], out=flat_out[start:stop], dtype=np.float32)
         return scratch
 
-    def _scratch_for(self, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _scratch_for(self, params: dict[str, Any]) -> dict[str, np.ndarray]:
         """This executor's float32 buffer of `params`' names and shapes, allocated once and reused by every
         loss check (`_applied`, `screen_stored`); valid until the next call."""
         shapes = {n: p.shape for n, p in params.items()}
@@ -892,18 +920,66 @@ def eager_start(params: Mapping[str, Any], state: Mapping[str, Any] | None, prio
         for j, i in spans[k::ws.threads]:
             flat_p, flat_prior, flat_state, flat_out = jobs[j]
             n = min(block, flat_p.size - i)
-            xs, ys = x[:n], y[:n]
-            # the casts to float64 happen inside each ufunc (exact), so every step is one float64 operation
-            if flat_state is not None:
-                np.multiply(flat_state[i:i + n], scale, out=ys, dtype=np.float64)
-                np.subtract(flat_p[i:i + n], ys, out=xs, dtype=np.float64)
-            else:
-                np.copyto(xs, flat_p[i:i + n], casting="unsafe")
-            np.subtract(xs, flat_prior[i:i + n], out=xs, dtype=np.float64)
-            np.copyto(flat_out[i:i + n], xs, casting="unsafe")
+            start_block(flat_p[i:i + n], None if flat_state is None else flat_state[i:i + n], flat_prior[i:i + n],
+                        scale, x[:n], y[:n], flat_out[i:i + n])
 
     ws.parallel(part, sum(job[0].size for job in jobs))
     return result
+
+
+def start_block(params: np.ndarray, state: np.ndarray | None, prior: np.ndarray, scale: float, x: np.ndarray,
+                y: np.ndarray, out: np.ndarray) -> None:
+    """One block of `eager_start` (``params - scale * state - prior``, float64, rounded once) into `out`, with
+    float64 scratch `x` and `y` of its length: the one place this arithmetic is written, so a start computed
+    whole and one computed block by block (`StartTensor`) are the same bytes."""
+    # the casts to float64 happen inside each ufunc (exact), so every step is one float64 operation
+    if state is not None:
+        np.multiply(state, scale, out=y, dtype=np.float64)
+        np.subtract(params, y, out=x, dtype=np.float64)
+    else:
+        np.copyto(x, params, casting="unsafe")
+    np.subtract(x, prior, out=x, dtype=np.float64)
+    np.copyto(out, x, casting="unsafe")
+
+
+class StartTensor:
+    """One tensor of an eager start (`eager_start`, spec/protocol.md §5.2) that is never held whole: a flat
+    ``[start:stop]`` slice computes that block from the block of each input (numpy arrays or stored
+    `FileTensor` views, read then) into a buffer of the slicing thread, valid until its next slice, as a
+    `FileTensor` slice is. A validator's loss check reads its base twice this way (the update applied, then
+    the opposite way) instead of keeping a model-size start beside its scratch. `shape`: the tensor's;
+    `reshape` gives only the flat view (``-1``)."""
+
+    def __init__(self, params: Any, state: Any, prior: Any, scale: float, shape: tuple[int, ...],
+                 dtype: np.dtype) -> None:
+        self.params, self.state, self.prior = params.reshape(-1), None if state is None else state.reshape(-1), \
+            prior.reshape(-1)
+        self.scale, self.shape, self.dtype = scale, tuple(shape), np.dtype(dtype)
+        self.size = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        self._local = threading.local()  # .buffers: this thread's (x, y, out)
+
+    def reshape(self, *shape: Any, **_: Any) -> StartTensor:
+        want = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        if tuple(want) not in ((-1,), (self.size,)):
+            raise ValueError(f"a StartTensor only reshapes to flat, not {want}")
+        return self
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError("a StartTensor is sliced flat and contiguously: t[a:b]")
+        start, stop, _ = key.indices(self.size)
+        count = max(0, stop - start)
+        buffers = getattr(self._local, "buffers", None)
+        if buffers is None or buffers[2].size < count:
+            buffers = self._local.buffers = (np.empty(count, np.float64), np.empty(count, np.float64),
+                                             np.empty(count, self.dtype))
+        x, y, out = (b[:count] for b in buffers)
+        start_block(self.params[start:stop], None if self.state is None else self.state[start:stop],
+                    self.prior[start:stop], self.scale, x, y, out)
+        return out
+
+    def __array__(self, *_: Any, **__: Any) -> np.ndarray:
+        raise TypeError("a StartTensor is computed block by block; slice it")
 
 
 def norm_spread(norms: Sequence[float], median_norm: float) -> float:

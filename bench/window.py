@@ -97,8 +97,8 @@ KEEP_WINDOWS = 2  # node config keep_windows: what a fleet at this scale runs wi
 class FlatWorkload:
     """P float32 parameters ``{"w": [P]}`` with a fixed-cost "training" (module docstring).
 
-    `train` runs H steps (``inner_steps``, else 1) of ``w <- w - (c / H) w`` with ``c = 1e-3 * (1 + (first
-    index % 7) / 100)`` and returns ``delta = params - w``: one multiply and one subtraction per step, a
+    `train` runs H steps (``inner_steps``, else 1) of ``w <- w * (1 - c / H)`` (float32) with ``c = 1e-3 * (1 +
+    (first index % 7) / 100)`` and returns ``delta = params - w``: one multiply per step, in place, a
     different update per lease (distinct digests, so no replay rejection), all pointing the same way (honest
     under centred clipping and cosine screening), and a pure function of (params, indices), so an audit
     reproduces it bit for bit. With ``checkpoints`` it reports ``{"w", "train_state.step"}`` after each
@@ -111,19 +111,21 @@ class FlatWorkload:
     ``train_s * (stop - start) / H``: replaying training (an inline audit calls `train`, a segment audit
     `resume`) costs what training does. The arithmetic is the stand-in GPU's work, not the protocol's.
 
-    Training reuses its buffers from call to call (the model on a GPU is not allocated afresh each window, and
-    on these machines a fresh model-size buffer costs ~10x a reused one: 1.2 s against 0.1 s at 100M): the
-    returned delta is valid until the next `train` call, which the executor stores before it returns.
+    Training reuses one model-size buffer from call to call, as a GPU keeps its model (on these machines a
+    fresh model-size buffer costs ~10x a reused one: 1.2 s against 0.1 s at 100M), and the delta is computed
+    into it: the returned delta is valid until the next `train` call, which the executor stores before it
+    returns. That buffer stands for the GPU's copy of the model; it is the one model size in a trainer's RSS
+    that is not the protocol's.
     """
 
     def __init__(self, params: int, num_train: int, train_s: float = 0.0) -> None:
         self.params, self.num_train, self.train_s = params, num_train, train_s
-        self._buffers: tuple[np.ndarray, np.ndarray] | None = None  # (w, step), the step's buffer ends as the delta
+        self._buffer: np.ndarray | None = None  # the model being trained, then the delta (class docstring)
 
-    def _reused(self) -> tuple[np.ndarray, np.ndarray]:
-        if self._buffers is None:
-            self._buffers = (np.empty(self.params, dtype=np.float32), np.empty(self.params, dtype=np.float32))
-        return self._buffers
+    def _reused(self) -> np.ndarray:
+        if self._buffer is None:
+            self._buffer = np.empty(self.params, dtype=np.float32)
+        return self._buffer
 
     def schema(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
         return (("w", "float32", (self.params,)),)
@@ -136,11 +138,11 @@ class FlatWorkload:
         steps = inner_steps or 1
         bounds = {(j * steps) // checkpoints: j for j in range(1, checkpoints + 1)} if checkpoints else {}
         began = time.monotonic()
-        w, step = self._reused()
+        w = self._reused()
         np.copyto(w, params["w"])
         began += self._steps(w, indices, steps, 0, steps, lambda k: on_checkpoint(bounds[k], self._state(w, k))
-                             if on_checkpoint is not None and k in bounds else None, self.train_s, step, began)
-        delta = np.subtract(params["w"], w, out=step)  # the step buffer is free again: two model sizes in all
+                             if on_checkpoint is not None and k in bounds else None, self.train_s, began)
+        delta = np.subtract(params["w"], w, out=w)  # into the model's own buffer: one model size in all
         if self.train_s > 0:  # the call takes train_s in all, the copies in and out included (class docstring)
             time.sleep(max(0.0, began + self.train_s - time.monotonic()))
         return {"w": delta}, {"train_loss": 1.0, "samples": len(indices)}
@@ -154,7 +156,7 @@ class FlatWorkload:
             raise ValueError("bad segment bounds or state")
         began = time.monotonic()
         w = np.array(state["w"], dtype=np.float32, copy=True)
-        began += self._steps(w, indices, inner_steps, start, stop, None, self.train_s, np.empty_like(w), began)
+        began += self._steps(w, indices, inner_steps, start, stop, None, self.train_s, began)
         if self.train_s > 0:
             time.sleep(max(0.0, began + self.train_s * (stop - start) / inner_steps - time.monotonic()))
         return self._state(w, stop)
@@ -165,16 +167,15 @@ class FlatWorkload:
 
     @staticmethod
     def _steps(w: np.ndarray, indices: Any, steps: int, start: int, stop: int, after: Any,
-               train_s: float, step: np.ndarray, began: float) -> float:
+               train_s: float, began: float) -> float:
         """Steps ``start..stop`` of `w` in place, step k ending no earlier than ``began + train_s * (k + 1 -
         start) / steps`` (idle until then), the last one's wait left to the caller (`train` computes the
         delta in it). `after(k)` (a checkpoint: the protocol's work, not the GPU's) runs on top of that: its
         seconds, returned, push the later deadlines back."""
-        rate = np.float32(1e-3 * (1.0 + (int(indices[0]) % 7) / 100.0) / steps)
+        keep = np.float32(1.0 - 1e-3 * (1.0 + (int(indices[0]) % 7) / 100.0) / steps)
         extra = 0.0
         for k in range(start, stop):
-            np.multiply(w, rate, out=step)
-            w -= step
+            w *= keep
             if train_s > 0 and k + 1 < stop:  # the rest of the GPU's share of this step (class docstring)
                 time.sleep(max(0.0, began + extra + train_s * (k + 1 - start) / steps - time.monotonic()))
             if after is not None:

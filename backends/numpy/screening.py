@@ -53,13 +53,15 @@ def screen_delta(tensors: dict[str, np.ndarray], schema: Sequence[TensorSpec]) -
     return True, "", global_norm(tensors)
 
 
-def screen_stored(delta: StoredTensors, *, base: dict[str, np.ndarray] | None = None,
+def screen_stored(delta: StoredTensors, *, base: dict[str, Any] | None = None,
                   applied: dict[str, np.ndarray] | None = None, threads: int = 1) -> tuple[dict[str, Any], bytes]:
     """What a validator's screen needs of a stored float32 update, from one read of its file: ``({"finite":
     bool, "global_norm": float (NaN unless finite)}, tensor digest)``, the same values as
     `peerloom.backends.numpy.aggregate.screening_stats` and `peerloom.backends.numpy.tensors.tensor_digest` (the
-    norm's float64 lanes fed the same blocks in the same order). With `base` and `applied` (float32 buffers of
-    its names and shapes) it also writes ``base - delta`` into `applied`, the loss check's update applied
+    norm's float64 lanes fed the same blocks in the same order). With `base` (arrays, or tensors read block by
+    block through their flat view's ``[start:stop]``: stored `FileTensor` objects, eager-start blocks) and
+    `applied` (float32 buffers of its names and shapes) it also writes ``base - delta`` into `applied`, the
+    loss check's update applied
     (spec/protocol.md §6.1). Each block is read once and used while it is in cache, instead of one read of the
     file per check (five of 400 MB at 100M parameters). DecodeError when the file ends early.
 
