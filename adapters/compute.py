@@ -271,10 +271,10 @@ class ComputeExecutor:
         return self.load(ref)
 
     def load_params(self, ref: ArtifactRef) -> dict[str, np.ndarray]:
-        """`load_mapped` of a params artifact, kept until another is loaded or a start is computed from another
-        (spec/design.md §5, Memory): an auditing validator replays every update of a window from the same
-        params, one mapping instead of one per task. Content-addressed and read-only, so a kept copy is never
-        stale."""
+        """`load_mapped` of a params artifact, kept until another is loaded or a start is computed
+        (`start_params`; spec/design.md §5, Memory): an auditing validator replays every update of a window
+        from the same params, one mapping instead of one per task. Content-addressed and read-only, so a kept
+        copy is never stale."""
         if self._params is None or self._params[0] != ref.digest:
             self._params = None  # drop the old one before reading the next
             self._params = (ref.digest, self.load_mapped(ref))
@@ -287,8 +287,8 @@ class ComputeExecutor:
         rounded once to the params' dtype, into a buffer this executor reuses. The last one is kept, as
         `load_params` keeps its params (a screen's loss check and audit start from the same point). Its
         inputs are read block by block from their files where the store streams (`open`): a model size
-        each, read once, that would otherwise sit in memory (or, mapped, in this process's RSS) beside it; and
-        the params `load_params` kept are let go first unless they are `params_ref`'s."""
+        each, read once, that would otherwise sit in memory (or, mapped, in this process's RSS) beside it. The
+        params `load_params` kept are let go of first."""
         if start is None:
             return self.load_params(params_ref)
         state_ref = start.outer_state
@@ -298,11 +298,12 @@ class ComputeExecutor:
             return self._start[1]
         buffers = self._start[1] if self._start is not None else {}
         self._start = None
-        if self._params is not None and self._params[0] != params_ref.digest:
-            # another head's params, mapped and touched: a model size of RSS that no task of this head reads
-            self._params = None
+        # The start takes the kept params' place: mapped and touched, they are a model size of RSS, so they go
+        # first and the params are read from their file (in the page cache if they were mapped), never the two
+        # model sizes side by side.
+        self._params = None
         with ExitStack() as stack:
-            params = self.open(params_ref, stack) if self._params is None else self._params[1]
+            params = self.open(params_ref, stack)
             encoded = self.open(start.prior, stack) if self.manifest.codec == "none" else self.load(start.prior)
             prior = self._decode(encoded)
             state = None if state_ref is None else self.open(state_ref, stack)
@@ -901,9 +902,10 @@ def eager_start(params: Mapping[str, Any], state: Mapping[str, Any] | None, prio
     among `threads` threads (`peerloom.backends.numpy.aggregate.workspace`: numpy releases the GIL); each
     element's arithmetic is its own, so the bytes are the same on any count."""
     result: dict[str, np.ndarray] = {}
-    # Elements per float64 pass (a model-sized float64 temporary would be twice the model), large enough that a
-    # thread reacquires the GIL rarely: beside a busy event loop each numpy call can wait milliseconds for it.
-    block = 1 << 22
+    # Elements per float64 pass: a model-sized float64 temporary would be twice the model, and each thread keeps
+    # two passes' buffers in its workspace for good (16 MiB at this size); large enough that a thread reacquires
+    # the GIL rarely (400 times at 100M parameters): beside a busy event loop each numpy call can wait for it.
+    block = 1 << 20
     jobs: list[tuple[Any, Any, Any, np.ndarray]] = []
     for name, p in params.items():
         buf = None if out is None else out.get(name)

@@ -1,6 +1,6 @@
 """What a `ComputeExecutor` (adapters/compute.py) keeps between tasks (spec/design.md §5, Memory): the params
-`load_params` mapped stay for the next task of the same head and go as soon as a task starts from another
-head's; an evaluation keeps nothing; a loss check keeps no start."""
+`load_params` mapped stay for the next task of the same head and go as soon as an eager start is computed
+(it takes their place); an evaluation keeps nothing; a loss check keeps no start."""
 
 import numpy as np
 
@@ -12,7 +12,7 @@ from peerloom.core.tasks import EagerStart, EvaluateTask
 from tests.helpers import make_revision
 
 
-def test_kept_params_go_when_a_start_is_computed_from_another_heads_params(tmp_path):
+def test_kept_params_go_when_a_start_is_computed(tmp_path):
     rng = np.random.default_rng(3)
     head, newer, prior = ({"w": rng.standard_normal(1000).astype(np.float32)} for _ in range(3))
     rev = make_revision(schema=(("w", "float32", (1000,)),))
@@ -25,9 +25,10 @@ def test_kept_params_go_when_a_start_is_computed_from_another_heads_params(tmp_p
     assert np.array_equal(ex.load_params(head_ref)["w"], head["w"])
     kept = ex._params
     assert kept is not None and kept[0] == head_ref.digest
-    same = ex.start_params(head_ref, start)  # the same head: read from the kept params, which stay
-    assert ex._params is kept and np.array_equal(same["w"], head["w"] - prior["w"])
     assert ex.run(EvaluateTask(params=head_ref)) == evaluated and ex._params is kept  # kept ones are used
+    same = ex.start_params(head_ref, start)  # the same head's: let go of all the same (the start replaces them)
+    assert ex._params is None and np.array_equal(same["w"], head["w"] - prior["w"])
+    ex.load_params(head_ref)
     other = ex.start_params(newer_ref, start)  # another head: the kept ones are let go (a model size of RSS)
     assert ex._params is None
     assert np.array_equal(other["w"], (newer["w"].astype(np.float64) - prior["w"]).astype(np.float32))
