@@ -304,9 +304,7 @@ class ComputeExecutor:
         self._params = None
         with ExitStack() as stack:
             params = self.open(params_ref, stack)
-            encoded = self.open(start.prior, stack) if self.manifest.codec == "none" else self.load(start.prior)
-            prior = self._decode(encoded)
-            state = None if state_ref is None else self.open(state_ref, stack)
+            prior, state = self._start_inputs(start, stack)
             out = eager_start(params, state, prior, float(start.scale), out=buffers, threads=self.compute.threads)
         self._start = (key, out)
         return out
@@ -323,11 +321,16 @@ class ComputeExecutor:
         start = check.start
         if start is None:
             return params
-        encoded = self.open(start.prior, stack) if self.manifest.codec == "none" else self.load(start.prior)
-        prior = self._decode(encoded)
-        state = None if start.outer_state is None else self.open(start.outer_state, stack)
+        prior, state = self._start_inputs(start, stack)
         return {name: StartTensor(p, None if state is None else state[name], prior[name], float(start.scale),
                                   p.shape, p.dtype) for name, p in params.items()}
+
+    def _start_inputs(self, start: EagerStart, stack: ExitStack) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """(prior, outer state) of an eager start, read block by block where the store streams (`open`); a
+        lossy prior is loaded and decoded whole."""
+        encoded = self.open(start.prior, stack) if self.manifest.codec == "none" else self.load(start.prior)
+        state = None if start.outer_state is None else self.open(start.outer_state, stack)
+        return self._decode(encoded), state
 
     def _streams(self) -> bool:
         """Whether tasks read and write stored tensors block by block (spec/design.md §5, Memory): the numpy
